@@ -1,0 +1,204 @@
+// tree_recurrence._core: the C++ core as seen from Python. Plans, policies and the registry only;
+// tensors never pass through here (kernels are torch ops registered by the plugins). Plan arrays
+// leave as read-only buffers that torch.frombuffer wraps without a copy.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "tree_recurrence/policy.h"
+#include "tree_recurrence/registry.h"
+#include "tree_recurrence/tree_plan.h"
+
+namespace py = pybind11;
+using namespace tree_recurrence;
+
+namespace {
+
+// A view of one plan array that keeps the plan alive.
+struct IndexArray {
+  std::shared_ptr<const TreePlan> plan;
+  const IndexVector* values;
+};
+
+// (data pointer, length) of a contiguous int64 CPU tensor the caller keeps alive for the call.
+using RawIndex = std::pair<uintptr_t, int64_t>;
+
+IndexVector copy_raw(const RawIndex& raw) {
+  const auto* data = reinterpret_cast<const Index*>(raw.first);
+  return IndexVector(data, data + raw.second);
+}
+
+std::optional<IndexVector> copy_optional(const std::optional<RawIndex>& raw) {
+  if (!raw) return std::nullopt;
+  return copy_raw(*raw);
+}
+
+py::object yaml_to_python(const YAML::Node& node) {
+  switch (node.Type()) {
+    case YAML::NodeType::Map: {
+      py::dict out;
+      for (const auto& item : node) out[py::str(item.first.as<std::string>())] = yaml_to_python(item.second);
+      return out;
+    }
+    case YAML::NodeType::Sequence: {
+      py::list out;
+      for (const auto& item : node) out.append(yaml_to_python(item));
+      return out;
+    }
+    case YAML::NodeType::Scalar: {
+      const std::string text = node.as<std::string>();
+      if (node.Tag() != "!") {  // plain scalars: YAML's usual typing
+        if (text == "true" || text == "false") return py::bool_(text == "true");
+        if (text == "null" || text == "~") return py::none();
+        try {
+          size_t used = 0;
+          const long long value = std::stoll(text, &used);
+          if (used == text.size()) return py::int_(value);
+        } catch (const std::exception&) {
+        }
+        try {
+          size_t used = 0;
+          const double value = std::stod(text, &used);
+          if (used == text.size()) return py::float_(value);
+        } catch (const std::exception&) {
+        }
+      }
+      return py::str(text);
+    }
+    default: return py::none();
+  }
+}
+
+py::dict record_to_python(const PluginRecord& r) {
+  py::dict out;
+  out["family"] = r.family;
+  out["version"] = r.version;
+  out["manifest_path"] = r.manifest_path;
+  out["library_path"] = r.library_path;
+  out["loaded"] = r.loaded;
+  out["error"] = r.error;
+  out["fingerprint"] = r.fingerprint;
+  out["manifest"] = r.loaded ? yaml_to_python(r.manifest_node) : py::object(py::none());
+  py::list kernels;
+  if (r.loaded)
+    for (const auto& k : r.family_object->kernels()) kernels.append(py::make_tuple(k.name, k.device, k.available));
+  out["kernels"] = kernels;
+  return out;
+}
+
+const PluginRecord& loaded(const std::string& family) {
+  const PluginRecord* record = Registry::instance().loaded_family(family);
+  if (!record) throw py::key_error("no loaded family plugin named '" + family + "'");
+  return *record;
+}
+
+ModuleDescription describe_module(const py::dict& d) {
+  ModuleDescription m;
+  m.path = d["path"].cast<std::string>();
+  m.class_name = d["class_name"].cast<std::string>();
+  m.model_type = d.contains("model_type") ? d["model_type"].cast<std::string>() : "";
+  if (d.contains("params"))
+    for (const auto& p : d["params"].cast<py::list>()) {
+      auto pair = p.cast<py::tuple>();
+      m.params.push_back({pair[0].cast<std::string>(), pair[1].cast<std::vector<int64_t>>()});
+    }
+  if (d.contains("conv") && !d["conv"].is_none()) {
+    auto c = d["conv"].cast<py::dict>();
+    m.conv = {true, c["in_channels"].cast<int64_t>(), c["out_channels"].cast<int64_t>(), c["groups"].cast<int64_t>(),
+              c["kernel_size"].cast<int64_t>(), c["padding"].cast<int64_t>()};
+  }
+  return m;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_core, m) {
+  m.doc() = "tree-recurrence core: TreePlan, Policy, plugin registry";
+  m.attr("ABI_VERSION") = TREE_RECURRENCE_ABI_VERSION;
+  m.def("core_fingerprint", &core_fingerprint);
+
+  py::class_<IndexArray>(m, "IndexArray", py::buffer_protocol())
+      .def_buffer([](IndexArray& a) {
+        return py::buffer_info(const_cast<Index*>(a.values->data()), sizeof(Index), py::format_descriptor<Index>::format(), 1,
+                               {static_cast<py::ssize_t>(a.values->size())}, {static_cast<py::ssize_t>(sizeof(Index))},
+                               /*readonly=*/true);
+      })
+      .def("__len__", [](const IndexArray& a) { return a.values->size(); });
+
+  py::class_<TreePlan, std::shared_ptr<TreePlan>>(m, "TreePlan")
+      .def_static(
+          "build",
+          [](const RawIndex& cu_seqlens_q, const std::optional<RawIndex>& kv_index, const std::optional<RawIndex>& cu_seqlens_k,
+             const std::optional<RawIndex>& parents, const std::optional<RawIndex>& depths, Index num_tokens) {
+            TreeInput input;
+            input.cu_seqlens_q = copy_raw(cu_seqlens_q);
+            input.kv_index = copy_optional(kv_index);
+            input.cu_seqlens_k = copy_optional(cu_seqlens_k);
+            input.segment_parents = copy_optional(parents);
+            input.segment_depths = copy_optional(depths);
+            input.num_tokens = num_tokens;
+            py::gil_scoped_release release;
+            return TreePlan::build(input);
+          },
+          py::arg("cu_seqlens_q"), py::arg("kv_index"), py::arg("cu_seqlens_k"), py::arg("parents"), py::arg("depths"),
+          py::arg("num_tokens"))
+      .def_property_readonly("num_tokens", &TreePlan::num_tokens)
+      .def_property_readonly("num_segments", &TreePlan::num_segments)
+      .def_property_readonly("num_leaves", &TreePlan::num_leaves)
+      .def_property_readonly("num_levels", &TreePlan::num_levels)
+      .def_property_readonly("path_token_total", &TreePlan::path_token_total)
+      .def_property_readonly("saved_tokens", &TreePlan::saved_tokens)
+      .def_property_readonly("max_path_length", &TreePlan::max_path_length)
+      .def_property_readonly("max_segment_length", &TreePlan::max_segment_length)
+      .def_property_readonly("is_chains", &TreePlan::is_chains)
+      .def_static("array_names", &TreePlan::array_names)
+      .def("array",
+           [](const std::shared_ptr<TreePlan>& plan, const std::string& name) { return IndexArray{plan, &plan->array(name)}; })
+      .def("conv_tables", [](const std::shared_ptr<TreePlan>& plan, Index width) {
+        // (ancestors, reader_offsets, readers) for a conv of this width, computed once and cached.
+        const IndexVector *ancestors, *offsets, *readers;
+        {
+          py::gil_scoped_release release;
+          ancestors = &plan->conv_ancestors(width);
+          offsets = &plan->conv_reader_offsets(width);
+          readers = &plan->conv_readers(width);
+        }
+        return py::make_tuple(IndexArray{plan, ancestors}, IndexArray{plan, offsets}, IndexArray{plan, readers});
+      });
+
+  py::class_<Policy>(m, "Policy")
+      .def(py::init<>())
+      .def_readwrite("fork_min_saved_tokens", &Policy::fork_min_saved_tokens)
+      .def_property(
+          "strategy", [](const Policy& p) { return to_string(p.strategy); },
+          [](Policy& p, const std::string& s) { p.strategy = strategy_from_string(s); })
+      .def_readwrite("prefer_native", &Policy::prefer_native)
+      .def_static("from_yaml_file", py::overload_cast<const std::string&, Policy>(&Policy::from_yaml_file), py::arg("path"),
+                  py::arg("base"))
+      .def_static("from_yaml_text", py::overload_cast<const std::string&, Policy, const std::string&>(&Policy::from_yaml_text),
+                  py::arg("text"), py::arg("base"), py::arg("origin") = "<string>")
+      .def_static("from_environment", py::overload_cast<Policy>(&Policy::from_environment), py::arg("base"))
+      .def("choose",
+           [](const Policy& p, const TreePlan& plan, bool native_available, bool fork_available) {
+             Decision d = p.choose(plan, native_available, fork_available);
+             return py::make_tuple(to_string(d.strategy), d.reason);
+           })
+      .def("__repr__", [](const Policy& p) {
+        return "Policy(fork_min_saved_tokens=" + std::to_string(p.fork_min_saved_tokens) + ", strategy='" +
+               to_string(p.strategy) + "', prefer_native=" + (p.prefer_native ? "True" : "False") + ")";
+      });
+
+  m.def("discover_plugins", [](const std::vector<std::string>& folders) {
+    py::list out;
+    for (const PluginRecord* r : Registry::instance().discover(folders)) out.append(record_to_python(*r));
+    return out;
+  });
+  m.def("plugin_records", []() {
+    py::list out;
+    for (const PluginRecord* r : Registry::instance().records()) out.append(record_to_python(*r));
+    return out;
+  });
+  m.def("detect", [](const std::string& family, const py::dict& module) {
+    Claim c = loaded(family).family_object->detect(describe_module(module));
+    return py::make_tuple(c.claimed, c.role, c.reason);
+  });
+}

@@ -1,0 +1,266 @@
+#include "tree_recurrence/tree_plan.h"
+
+#include <algorithm>
+#include <sstream>
+
+namespace tree_recurrence {
+namespace {
+
+[[noreturn]] void fail(const std::string& field, const std::string& what) {
+  throw TreeError(field + ": " + what);
+}
+
+std::string at_segment(Index s) { return "segment " + std::to_string(s) + ": "; }
+
+void check_offsets(const IndexVector& cu, Index num_tokens) {
+  if (cu.size() < 2) fail("tree_cu_seqlens_q", "needs at least 2 entries (one segment), got " + std::to_string(cu.size()));
+  if (cu.front() != 0) fail("tree_cu_seqlens_q", "must start at 0, starts at " + std::to_string(cu.front()));
+  for (size_t s = 0; s + 1 < cu.size(); ++s)
+    if (cu[s + 1] <= cu[s])
+      fail("tree_cu_seqlens_q", at_segment(static_cast<Index>(s)) + "offsets must increase strictly (empty or negative segment: " +
+                                    std::to_string(cu[s]) + " -> " + std::to_string(cu[s + 1]) + ")");
+  if (num_tokens >= 0 && cu.back() != num_tokens)
+    fail("tree_cu_seqlens_q", "ends at " + std::to_string(cu.back()) + " but the row has " + std::to_string(num_tokens) + " tokens");
+}
+
+}  // namespace
+
+std::shared_ptr<TreePlan> TreePlan::build(const TreeInput& input) {
+  std::shared_ptr<TreePlan> plan(new TreePlan());
+  check_offsets(input.cu_seqlens_q, input.num_tokens);
+  plan->seg_offsets_ = input.cu_seqlens_q;
+  plan->num_tokens_ = input.cu_seqlens_q.back();
+  const Index S = static_cast<Index>(input.cu_seqlens_q.size()) - 1;
+  plan->seg_lengths_.resize(S);
+  for (Index s = 0; s < S; ++s) plan->seg_lengths_[s] = plan->seg_offsets_[s + 1] - plan->seg_offsets_[s];
+  plan->token_segment_.resize(plan->num_tokens_);
+  for (Index s = 0; s < S; ++s)
+    std::fill(plan->token_segment_.begin() + plan->seg_offsets_[s], plan->token_segment_.begin() + plan->seg_offsets_[s + 1], s);
+
+  if (input.kv_index || input.cu_seqlens_k) {
+    if (!input.kv_index || !input.cu_seqlens_k)
+      fail(input.kv_index ? "tree_cu_seqlens_k" : "tree_kv_index",
+           "tree_kv_index and tree_cu_seqlens_k must be given together");
+    plan->derive_parents(input);
+  } else if (input.segment_parents) {
+    plan->parents_ = *input.segment_parents;
+  } else {
+    fail("tree_segment_parents", "no tree structure given: pass tree_kv_index + tree_cu_seqlens_k or tree_segment_parents");
+  }
+  plan->check_parents(input);
+  plan->build_topology();
+  plan->build_paths();
+  plan->build_tokens();
+  return plan;
+}
+
+// TRL's format: a segment's key path is its parent's path followed by its own tokens.
+void TreePlan::derive_parents(const TreeInput& input) {
+  const IndexVector& kv = *input.kv_index;
+  const IndexVector& cu = *input.cu_seqlens_k;
+  const Index S = num_segments();
+  const Index K = static_cast<Index>(kv.size());
+  if (static_cast<Index>(cu.size()) != S + 1)
+    fail("tree_cu_seqlens_k", "has " + std::to_string(cu.size()) + " entries, expected " + std::to_string(S + 1) +
+                                  " (one more than the segments of tree_cu_seqlens_q)");
+  if (cu.front() != 0) fail("tree_cu_seqlens_k", "must start at 0, starts at " + std::to_string(cu.front()));
+  if (cu.back() != K)
+    fail("tree_cu_seqlens_k", "ends at " + std::to_string(cu.back()) + " but tree_kv_index has " + std::to_string(K) + " entries");
+  for (Index i = 0; i < K; ++i)
+    if (kv[i] < 0 || kv[i] >= num_tokens_)
+      fail("tree_kv_index", "entry " + std::to_string(i) + " is " + std::to_string(kv[i]) + ", outside the row [0, " +
+                                std::to_string(num_tokens_) + ")");
+  parents_.assign(S, -1);
+  for (Index s = 0; s < S; ++s) {
+    const Index begin = cu[s], end = cu[s + 1], len = seg_lengths_[s];
+    if (end < begin || end > K)
+      fail("tree_cu_seqlens_k", at_segment(s) + "offsets must be non-decreasing within [0, " + std::to_string(K) + "], got " +
+                                    std::to_string(begin) + " -> " + std::to_string(end));
+    if (end - begin < len)
+      fail("tree_kv_index", at_segment(s) + "key path has " + std::to_string(end - begin) + " entries, fewer than the segment's " +
+                                std::to_string(len) + " tokens");
+    for (Index i = 0; i < len; ++i)
+      if (kv[end - len + i] != seg_offsets_[s] + i)
+        fail("tree_kv_index", at_segment(s) + "key path must end in the segment's own tokens " + std::to_string(seg_offsets_[s]) +
+                                  ".." + std::to_string(seg_offsets_[s + 1] - 1) + ", found token " + std::to_string(kv[end - len + i]) +
+                                  " at path position " + std::to_string(end - len + i - begin));
+    const Index prefix = end - len - begin;
+    if (prefix == 0) continue;
+    const Index last = kv[end - len - 1];
+    const Index p = token_segment_[last];
+    if (p >= s)
+      fail("tree_kv_index", at_segment(s) + "parent segment " + std::to_string(p) + " comes after its child (segments must be in DFS pre-order)");
+    if (last != seg_offsets_[p + 1] - 1)
+      fail("tree_kv_index", at_segment(s) + "key path attaches after token " + std::to_string(last) + ", which is not the last token of segment " +
+                                std::to_string(p));
+    if (cu[p + 1] - cu[p] != prefix || !std::equal(kv.begin() + cu[p], kv.begin() + cu[p + 1], kv.begin() + begin))
+      fail("tree_kv_index", at_segment(s) + "key path prefix is not the key path of its parent segment " + std::to_string(p));
+    parents_[s] = p;
+  }
+  if (input.segment_parents) {
+    const IndexVector& given = *input.segment_parents;
+    if (static_cast<Index>(given.size()) != S)
+      fail("tree_segment_parents", "has " + std::to_string(given.size()) + " entries, expected " + std::to_string(S));
+    for (Index s = 0; s < S; ++s)
+      if (given[s] != parents_[s])
+        fail("tree_segment_parents", at_segment(s) + "parent is " + std::to_string(given[s]) + " but tree_kv_index says " +
+                                         std::to_string(parents_[s]));
+  }
+}
+
+void TreePlan::check_parents(const TreeInput& input) {
+  const Index S = num_segments();
+  if (static_cast<Index>(parents_.size()) != S)
+    fail("tree_segment_parents", "has " + std::to_string(parents_.size()) + " entries, expected " + std::to_string(S) +
+                                     " (one per segment of tree_cu_seqlens_q)");
+  levels_.assign(S, 0);
+  for (Index s = 0; s < S; ++s) {
+    const Index p = parents_[s];
+    if (p < -1 || p >= S)
+      fail("tree_segment_parents", at_segment(s) + "parent " + std::to_string(p) + " is out of range [-1, " + std::to_string(S) + ")");
+    if (p >= s)
+      fail("tree_segment_parents", at_segment(s) + "parent " + std::to_string(p) +
+                                       " does not come before its child (segments must be in DFS pre-order; this also excludes cycles)");
+    levels_[s] = p < 0 ? 0 : levels_[p] + 1;
+  }
+  if (input.segment_depths) {
+    const IndexVector& depths = *input.segment_depths;
+    if (static_cast<Index>(depths.size()) != S)
+      fail("tree_segment_depths", "has " + std::to_string(depths.size()) + " entries, expected " + std::to_string(S));
+    for (Index s = 0; s < S; ++s)
+      if (depths[s] != levels_[s])
+        fail("tree_segment_depths", at_segment(s) + "depth is " + std::to_string(depths[s]) + " but its level in the tree is " +
+                                        std::to_string(levels_[s]) + " (depth counts segments from the root, root = 0)");
+  }
+}
+
+void TreePlan::build_topology() {
+  const Index S = num_segments();
+  Index num_levels = 0;
+  for (Index s = 0; s < S; ++s) num_levels = std::max(num_levels, levels_[s] + 1);
+  level_offsets_.assign(num_levels + 1, 0);
+  for (Index s = 0; s < S; ++s) ++level_offsets_[levels_[s] + 1];
+  for (Index l = 0; l < num_levels; ++l) level_offsets_[l + 1] += level_offsets_[l];
+  level_segments_.resize(S);
+  IndexVector cursor(level_offsets_.begin(), level_offsets_.end() - 1);
+  for (Index s = 0; s < S; ++s) level_segments_[cursor[levels_[s]]++] = s;
+
+  child_offsets_.assign(S + 1, 0);
+  for (Index s = 0; s < S; ++s)
+    if (parents_[s] >= 0) ++child_offsets_[parents_[s] + 1];
+  for (Index s = 0; s < S; ++s) child_offsets_[s + 1] += child_offsets_[s];
+  children_.resize(child_offsets_.back());
+  IndexVector next(child_offsets_.begin(), child_offsets_.end() - 1);
+  for (Index s = 0; s < S; ++s)
+    if (parents_[s] >= 0) children_[next[parents_[s]]++] = s;
+  leaves_.clear();
+  for (Index s = 0; s < S; ++s) {
+    if (child_offsets_[s + 1] == child_offsets_[s]) leaves_.push_back(s);
+    max_segment_length_ = std::max(max_segment_length_, seg_lengths_[s]);
+  }
+  segment_start_.assign(S, 0);
+  for (Index s = 0; s < S; ++s)
+    if (parents_[s] >= 0) segment_start_[s] = segment_start_[parents_[s]] + seg_lengths_[parents_[s]];
+}
+
+void TreePlan::build_paths() {
+  const Index S = num_segments();
+  path_offsets_.assign(1, 0);
+  for (Index leaf : leaves_) {
+    const Index length = segment_start_[leaf] + seg_lengths_[leaf];
+    path_offsets_.push_back(path_offsets_.back() + length);
+    max_path_length_ = std::max(max_path_length_, length);
+  }
+  path_tokens_.resize(path_offsets_.back());
+  segment_source_leaf_.assign(S, -1);
+  for (Index i = 0; i < num_leaves(); ++i) {
+    // Walk leaf -> root, writing each segment's tokens at its place in the path.
+    for (Index s = leaves_[i]; s >= 0; s = parents_[s]) {
+      const Index base = path_offsets_[i] + segment_start_[s];
+      for (Index t = 0; t < seg_lengths_[s]; ++t) path_tokens_[base + t] = seg_offsets_[s] + t;
+      if (segment_source_leaf_[s] < 0) segment_source_leaf_[s] = i;
+    }
+  }
+}
+
+void TreePlan::build_tokens() {
+  token_position_.resize(num_tokens_);
+  token_source_.resize(num_tokens_);
+  for (Index s = 0; s < num_segments(); ++s) {
+    const Index source_base = path_offsets_[segment_source_leaf_[s]] + segment_start_[s];
+    for (Index t = 0; t < seg_lengths_[s]; ++t) {
+      token_position_[seg_offsets_[s] + t] = segment_start_[s] + t;
+      token_source_[seg_offsets_[s] + t] = source_base + t;
+    }
+  }
+}
+
+const IndexVector& TreePlan::conv_ancestors(Index width) const {
+  if (width < 1 || width > 64) throw TreeError("conv width: must be in [1, 64], got " + std::to_string(width));
+  std::lock_guard<std::mutex> lock(conv_mutex_);
+  auto found = conv_ancestors_.find(width);
+  if (found != conv_ancestors_.end()) return *found->second;
+  const Index taps = width - 1;
+  auto table = std::make_unique<IndexVector>(num_tokens_ * taps, -1);
+  for (Index s = 0; s < num_segments(); ++s) {
+    for (Index i = 0; i < seg_lengths_[s]; ++i) {
+      Index* row = table->data() + (seg_offsets_[s] + i) * taps;
+      // Step back through this segment, then through ancestors (which may be shorter than W).
+      Index segment = s, local = i;
+      for (Index j = 0; j < taps; ++j) {
+        --local;
+        while (local < 0 && segment >= 0) {
+          segment = parents_[segment];
+          if (segment >= 0) local += seg_lengths_[segment];
+        }
+        if (segment < 0) break;
+        row[j] = seg_offsets_[segment] + local;
+      }
+    }
+  }
+  return *(conv_ancestors_[width] = std::move(table));
+}
+
+const std::pair<IndexVector, IndexVector>& TreePlan::conv_readers_of(Index width) const {
+  const IndexVector& ancestors = conv_ancestors(width);
+  std::lock_guard<std::mutex> lock(conv_mutex_);
+  auto found = conv_readers_.find(width);
+  if (found != conv_readers_.end()) return *found->second;
+  auto csr = std::make_unique<std::pair<IndexVector, IndexVector>>();
+  IndexVector& offsets = csr->first;
+  offsets.assign(num_tokens_ + 1, 0);
+  for (Index a : ancestors)
+    if (a >= 0) ++offsets[a + 1];
+  for (Index u = 0; u < num_tokens_; ++u) offsets[u + 1] += offsets[u];
+  csr->second.resize(offsets.back());
+  IndexVector next(offsets.begin(), offsets.end() - 1);
+  for (Index r = 0; r < static_cast<Index>(ancestors.size()); ++r)
+    if (ancestors[r] >= 0) csr->second[next[ancestors[r]]++] = r;
+  return *(conv_readers_[width] = std::move(csr));
+}
+
+const std::vector<std::string>& TreePlan::array_names() {
+  static const std::vector<std::string> names{
+      "seg_offsets",   "seg_lengths",  "parents",        "levels",         "level_offsets",
+      "level_segments", "child_offsets", "children",     "leaves",         "path_offsets",
+      "path_tokens",   "token_source", "token_segment",  "token_position", "segment_start",
+      "segment_source_leaf"};
+  return names;
+}
+
+const IndexVector& TreePlan::array(const std::string& name) const {
+  static const std::map<std::string, IndexVector TreePlan::*> members{
+      {"seg_offsets", &TreePlan::seg_offsets_},       {"seg_lengths", &TreePlan::seg_lengths_},
+      {"parents", &TreePlan::parents_},               {"levels", &TreePlan::levels_},
+      {"level_offsets", &TreePlan::level_offsets_},   {"level_segments", &TreePlan::level_segments_},
+      {"child_offsets", &TreePlan::child_offsets_},   {"children", &TreePlan::children_},
+      {"leaves", &TreePlan::leaves_},                 {"path_offsets", &TreePlan::path_offsets_},
+      {"path_tokens", &TreePlan::path_tokens_},       {"token_source", &TreePlan::token_source_},
+      {"token_segment", &TreePlan::token_segment_},   {"token_position", &TreePlan::token_position_},
+      {"segment_start", &TreePlan::segment_start_},   {"segment_source_leaf", &TreePlan::segment_source_leaf_}};
+  auto found = members.find(name);
+  if (found == members.end()) throw std::out_of_range("TreePlan has no array named '" + name + "'");
+  return this->*(found->second);
+}
+
+}  // namespace tree_recurrence

@@ -1,0 +1,92 @@
+#include "gdn_tree_scan.h"
+
+#include <ATen/ATen.h>
+
+#include <vector>
+
+namespace tree_recurrence::gdn {
+namespace {
+
+at::Tensor l2norm(const at::Tensor& x) {
+  // Same epsilon placement as transformers' l2norm (x * rsqrt(sum(x^2) + 1e-6)).
+  return x * at::rsqrt((x * x).sum(-1, /*keepdim=*/true) + 1e-6);
+}
+
+void check(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta,
+           const at::Tensor& seg_offsets, const at::Tensor& parents) {
+  TORCH_CHECK_VALUE(q.dim() == 3 && k.sizes() == q.sizes(), "gdn_tree_scan: q and k must be (tokens, heads, key_dim) alike, got ",
+                    q.sizes(), " and ", k.sizes());
+  TORCH_CHECK_VALUE(v.dim() == 3 && v.size(0) == q.size(0), "gdn_tree_scan: v must be (tokens, value_heads, value_dim), got ",
+                    v.sizes());
+  TORCH_CHECK_VALUE(v.size(1) % q.size(1) == 0, "gdn_tree_scan: value heads ", v.size(1), " must be a multiple of key heads ",
+                    q.size(1));
+  for (const at::Tensor* t : {&g, &beta})
+    TORCH_CHECK_VALUE(t->dim() == 2 && t->size(0) == v.size(0) && t->size(1) == v.size(1),
+                      "gdn_tree_scan: g and beta must be (tokens, value_heads)=", v.size(0), "x", v.size(1), ", got ", t->sizes());
+  TORCH_CHECK_VALUE(seg_offsets.is_cpu() && parents.is_cpu() && seg_offsets.scalar_type() == at::kLong &&
+                        parents.scalar_type() == at::kLong,
+                    "gdn_tree_scan: seg_offsets and parents must be int64 CPU tensors (the plan's host arrays)");
+  TORCH_CHECK_VALUE(seg_offsets.numel() == parents.numel() + 1, "gdn_tree_scan: seg_offsets must have one more entry than parents");
+  TORCH_CHECK_VALUE(seg_offsets.numel() >= 2 && seg_offsets.data_ptr<int64_t>()[seg_offsets.numel() - 1] == q.size(0),
+                    "gdn_tree_scan: seg_offsets must end at the number of tokens ", q.size(0));
+}
+
+}  // namespace
+
+at::Tensor tree_scan(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& g_in,
+                     const at::Tensor& beta_in, const at::Tensor& seg_offsets, const at::Tensor& parents,
+                     const std::optional<at::Tensor>& initial_state, double scale, bool use_qk_l2norm) {
+  check(q_in, k_in, v_in, g_in, beta_in, seg_offsets, parents);
+  const int64_t groups = v_in.size(1) / q_in.size(1);
+  at::Tensor q = q_in.to(at::kFloat), k = k_in.to(at::kFloat);
+  if (use_qk_l2norm) {
+    q = l2norm(q);
+    k = l2norm(k);
+  }
+  if (groups > 1) {
+    q = q.repeat_interleave(groups, 1);
+    k = k.repeat_interleave(groups, 1);
+  }
+  q = q * scale;
+  const at::Tensor v = v_in.to(at::kFloat), decay = g_in.to(at::kFloat).exp(), beta = beta_in.to(at::kFloat);
+  const int64_t HV = v.size(1), K = q.size(2), V = v.size(2);
+  const int64_t S = parents.numel();
+  const int64_t* offsets = seg_offsets.data_ptr<int64_t>();
+  const int64_t* parent = parents.data_ptr<int64_t>();
+
+  int64_t roots = 0;
+  for (int64_t s = 0; s < S; ++s) roots += parent[s] < 0;
+  if (initial_state) {
+    const auto& h0 = *initial_state;
+    TORCH_CHECK_VALUE((h0.dim() == 3 && h0.size(0) == HV) || (h0.dim() == 4 && h0.size(0) == roots && h0.size(1) == HV),
+                      "gdn_tree_scan: initial_state must be (value_heads, key_dim, value_dim) or (roots=", roots,
+                      ", value_heads, key_dim, value_dim), got ", h0.sizes());
+  }
+  std::vector<at::Tensor> final_state(S);
+  std::vector<at::Tensor> outputs(q.size(0));
+  int64_t root = 0;
+  for (int64_t s = 0; s < S; ++s) {
+    at::Tensor state;
+    if (parent[s] >= 0) {
+      state = final_state[parent[s]];
+    } else if (initial_state) {
+      state = (initial_state->dim() == 3 ? *initial_state : (*initial_state)[root]).to(at::kFloat);
+      ++root;
+    } else {
+      state = at::zeros({HV, K, V}, v.options());
+      ++root;
+    }
+    for (int64_t t = offsets[s]; t < offsets[s + 1]; ++t) {
+      const at::Tensor kt = k[t].unsqueeze(-1);                    // (HV, K, 1)
+      state = state * decay[t].view({HV, 1, 1});
+      const at::Tensor remembered = (state * kt).sum(1);          // (HV, V)
+      const at::Tensor delta = (v[t] - remembered) * beta[t].unsqueeze(-1);
+      state = state + kt * delta.unsqueeze(1);
+      outputs[t] = (state * q[t].unsqueeze(-1)).sum(1);            // (HV, V)
+    }
+    final_state[s] = state;
+  }
+  return at::stack(outputs).to(v_in.scalar_type());
+}
+
+}  // namespace tree_recurrence::gdn

@@ -1,0 +1,23 @@
+// Native gated delta rule over a trie (host-driven; every segment starts from its parent's
+// final state). Written with ATen ops, so autograd derives the backward; it is the CPU reference
+// the fork and rescan strategies are checked against, and runs on any device (slowly on CUDA,
+// where it is not advertised).
+//
+//   q, k (N, H, K); v (N, HV, V), HV a multiple of H (grouped values); g, beta (N, HV), g the log
+//   decay (<= 0). seg_offsets (S+1) and parents (S) are the plan's host int64 arrays.
+//   initial_state (HV, K, V) or (R, HV, K, V) (one per root, in root order) or None.
+//   Returns o (N, HV, V) in v's dtype; the recurrence runs in fp32:
+//     S <- S * exp(g_t);  S <- S + k_t (beta_t (v_t - S^T k_t))^T;  o_t = S^T (scale * q_t)
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+
+namespace tree_recurrence::gdn {
+
+at::Tensor tree_scan(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta,
+                     const at::Tensor& seg_offsets, const at::Tensor& parents, const std::optional<at::Tensor>& initial_state,
+                     double scale, bool use_qk_l2norm);
+
+}  // namespace tree_recurrence::gdn

@@ -1,0 +1,27 @@
+// Torch ops of the gated_delta_net family, namespace tree_recurrence_gated_delta_net.
+#include <torch/library.h>
+
+#include "gdn_tree_scan.h"
+#include "tree_recurrence/sdk/tree_conv_op.h"
+
+#define TR_STR2(x) #x
+#define TR_STR(x) TR_STR2(x)
+
+TORCH_LIBRARY(TREE_RECURRENCE_OP_NAMESPACE, m) {
+  tree_recurrence::define_tree_conv(m);
+  m.def("gdn_tree_scan(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor seg_offsets, Tensor parents, "
+        "Tensor? initial_state, float scale, bool use_qk_l2norm) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(TREE_RECURRENCE_OP_NAMESPACE, CompositeImplicitAutograd, m) {
+  m.impl("gdn_tree_scan", &tree_recurrence::gdn::tree_scan);
+}
+
+TORCH_LIBRARY_IMPL(TREE_RECURRENCE_OP_NAMESPACE, CPU, m) { tree_recurrence::impl_tree_conv_cpu(m); }
+#ifdef TREE_RECURRENCE_WITH_CUDA
+TORCH_LIBRARY_IMPL(TREE_RECURRENCE_OP_NAMESPACE, CUDA, m) { tree_recurrence::impl_tree_conv_cuda(m); }
+#endif
+TORCH_LIBRARY_IMPL(TREE_RECURRENCE_OP_NAMESPACE, Meta, m) { tree_recurrence::impl_tree_conv_meta(m); }
+TORCH_LIBRARY_IMPL(TREE_RECURRENCE_OP_NAMESPACE, Autograd, m) {
+  tree_recurrence::impl_tree_conv_autograd(m, TR_STR(TREE_RECURRENCE_OP_NAMESPACE) "::tree_conv");
+}

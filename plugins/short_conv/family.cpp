@@ -1,0 +1,20 @@
+// Gated short conv family: LFM2, LFM2-MoE.
+#include "tree_recurrence/sdk/family.h"
+
+namespace {
+
+class ShortConvFamily final : public tree_recurrence::TreeFamily {
+ public:
+  std::vector<tree_recurrence::KernelInfo> kernels() const override {
+#ifdef TREE_RECURRENCE_WITH_CUDA
+    const bool cuda = true;
+#else
+    const bool cuda = false;
+#endif
+    return {{"tree_conv", "cpu", true}, {"tree_conv", "cuda", cuda}};
+  }
+};
+
+}  // namespace
+
+TREE_RECURRENCE_FAMILY(ShortConvFamily, "short_conv", "0.1.0")

@@ -1,0 +1,53 @@
+# tree_recurrence_add_family(<name> SOURCES ... [CUDA_SOURCES ...] MANIFEST <family.yaml>
+#                            [LINK ...] [OUTPUT_DIR <dir>] [INSTALL_DIR <dir>])
+#
+# Builds the family plugin library `tree_recurrence_<name>` (a MODULE library loaded at run time)
+# against LibTorch, stamps it with the build fingerprint the registry checks (torch version,
+# _GLIBCXX_USE_CXX11_ABI from torch's flags, CUDA version and archs), and places its manifest next
+# to it. The op namespace is `tree_recurrence_<name>`, passed as TREE_RECURRENCE_OP_NAMESPACE so it
+# is never typed twice.
+function(tree_recurrence_fingerprint_definitions target)
+  set(cuda_version "")
+  set(cuda_archs "")
+  if(CMAKE_CUDA_COMPILER_VERSION)
+    set(cuda_version "${CMAKE_CUDA_COMPILER_VERSION}")
+    string(REPLACE ";" "," cuda_archs "${CMAKE_CUDA_ARCHITECTURES}")
+  endif()
+  target_compile_definitions(${target} PRIVATE
+    TREE_RECURRENCE_TORCH_VERSION="${Torch_VERSION}"
+    TREE_RECURRENCE_CUDA_VERSION="${cuda_version}"
+    TREE_RECURRENCE_CUDA_ARCHS="${cuda_archs}")
+endfunction()
+
+function(tree_recurrence_add_family name)
+  cmake_parse_arguments(ARG "" "MANIFEST;OUTPUT_DIR;INSTALL_DIR" "SOURCES;CUDA_SOURCES;LINK" ${ARGN})
+  set(target tree_recurrence_${name})
+  set(sources ${ARG_SOURCES})
+  if(CMAKE_CUDA_COMPILER AND ARG_CUDA_SOURCES)
+    list(APPEND sources ${ARG_CUDA_SOURCES})
+  endif()
+  add_library(${target} MODULE ${sources})
+  target_link_libraries(${target} PRIVATE ${TORCH_LIBRARIES} ${ARG_LINK})
+  if(TARGET TreeRecurrence::sdk)
+    target_link_libraries(${target} PRIVATE TreeRecurrence::sdk)
+  endif()
+  target_compile_definitions(${target} PRIVATE TREE_RECURRENCE_OP_NAMESPACE=tree_recurrence_${name})
+  if(CMAKE_CUDA_COMPILER AND ARG_CUDA_SOURCES)
+    target_compile_definitions(${target} PRIVATE TREE_RECURRENCE_WITH_CUDA=1)
+  endif()
+  tree_recurrence_fingerprint_definitions(${target})
+  set_target_properties(${target} PROPERTIES PREFIX "lib" CXX_VISIBILITY_PRESET hidden)
+  if(NOT ARG_OUTPUT_DIR)
+    set(ARG_OUTPUT_DIR "${CMAKE_BINARY_DIR}/plugins")
+  endif()
+  set_target_properties(${target} PROPERTIES LIBRARY_OUTPUT_DIRECTORY "${ARG_OUTPUT_DIR}")
+  if(ARG_MANIFEST)
+    configure_file("${ARG_MANIFEST}" "${ARG_OUTPUT_DIR}/${name}.yaml" COPYONLY)
+  endif()
+  if(ARG_INSTALL_DIR)
+    install(TARGETS ${target} LIBRARY DESTINATION "${ARG_INSTALL_DIR}")
+    if(ARG_MANIFEST)
+      install(FILES "${ARG_MANIFEST}" DESTINATION "${ARG_INSTALL_DIR}" RENAME "${name}.yaml")
+    endif()
+  endif()
+endfunction()

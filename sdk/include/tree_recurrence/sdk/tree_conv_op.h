@@ -1,0 +1,237 @@
+// The tree conv as a torch op, for any family that has a causal depthwise conv seam.
+//
+// Each family registers it in its own namespace (one TORCH_LIBRARY per plugin):
+//   TORCH_LIBRARY(ns, m) { tree_recurrence::define_tree_conv(m); }
+//   TORCH_LIBRARY_IMPL(ns, CPU, m) { tree_recurrence::impl_tree_conv_cpu(m); } ... (see below)
+// Schema:
+//   tree_conv(Tensor x, Tensor weight, Tensor? bias, Tensor ancestors, Tensor reader_offsets,
+//             Tensor readers, bool silu) -> Tensor
+//   x (N, C) token-major; weight (C, W); bias (C) or None; ancestors (N, W-1) int64 from the
+//   plan; reader_offsets/readers: the plan's reverse table (used by the CUDA backward).
+//   Returns y (N, C) in x's dtype, computed in fp32 with SiLU applied before the single rounding.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/library.h>
+
+#ifdef TREE_RECURRENCE_WITH_CUDA
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
+
+#include "tree_recurrence/kernels/tree_conv.h"
+
+namespace tree_recurrence {
+namespace conv_op {
+
+inline kernels::DType kernel_dtype(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return kernels::DType::Float32;
+    case at::kDouble: return kernels::DType::Float64;
+    case at::kBFloat16: return kernels::DType::BFloat16;
+    case at::kHalf: return kernels::DType::Float16;
+    default: TORCH_CHECK_TYPE(false, "tree_conv: x has dtype ", t.scalar_type(), ", expected float32, float64, bfloat16 or float16");
+  }
+}
+
+inline void check_inputs(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                         const at::Tensor& ancestors) {
+  TORCH_CHECK_VALUE(x.dim() == 2, "tree_conv: x must be (tokens, channels), got ", x.sizes());
+  TORCH_CHECK_VALUE(weight.dim() == 2 && weight.size(0) == x.size(1),
+                    "tree_conv: weight must be (channels=", x.size(1), ", width), got ", weight.sizes());
+  const int64_t W = weight.size(1);
+  TORCH_CHECK_VALUE(W >= 1 && W <= kernels::kTreeConvMaxWidth, "tree_conv: width ", W, " not in [1, ",
+                    kernels::kTreeConvMaxWidth, "]");
+  TORCH_CHECK_VALUE(ancestors.dim() == 2 && ancestors.size(0) == x.size(0) && ancestors.size(1) == W - 1,
+                    "tree_conv: ancestors must be (tokens=", x.size(0), ", width-1=", W - 1, "), got ", ancestors.sizes());
+  TORCH_CHECK_TYPE(ancestors.scalar_type() == at::kLong, "tree_conv: ancestors must be int64");
+  if (bias) TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == x.size(1), "tree_conv: bias must be (channels), got ", bias->sizes());
+  for (const at::Tensor* t : {&weight, &ancestors})
+    TORCH_CHECK_VALUE(t->device() == x.device(), "tree_conv: all tensors must be on ", x.device(), ", got one on ", t->device());
+  if (bias) TORCH_CHECK_VALUE(bias->device() == x.device(), "tree_conv: bias is on ", bias->device(), ", x on ", x.device());
+}
+
+// CPU kernels compute in float32 or float64; half types are widened and rounded back.
+inline at::Tensor cpu_compute(const at::Tensor& t) {
+  return (t.scalar_type() == at::kDouble ? t : t.to(at::kFloat)).contiguous();
+}
+
+inline kernels::TreeConvParams params(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                                      const at::Tensor& ancestors, bool silu) {
+  kernels::TreeConvParams p;
+  p.num_tokens = x.size(0);
+  p.channels = x.size(1);
+  p.width = weight.size(1);
+  p.ancestors = p.width > 1 ? ancestors.data_ptr<int64_t>() : nullptr;
+  p.x = x.data_ptr();
+  p.weight = weight.data_ptr();
+  p.bias = bias ? bias->data_ptr() : nullptr;
+  p.silu = silu;
+  return p;
+}
+
+inline at::Tensor forward_cpu(const at::Tensor& x_in, const at::Tensor& weight_in, const std::optional<at::Tensor>& bias_in,
+                              const at::Tensor& ancestors_in, const at::Tensor&, const at::Tensor&, bool silu) {
+  check_inputs(x_in, weight_in, bias_in, ancestors_in);
+  const at::Tensor x = cpu_compute(x_in);
+  const at::Tensor weight = weight_in.to(x.scalar_type()).contiguous();
+  const std::optional<at::Tensor> bias = bias_in ? std::optional<at::Tensor>(bias_in->to(x.scalar_type()).contiguous()) : std::nullopt;
+  const at::Tensor ancestors = ancestors_in.contiguous();
+  at::Tensor y = at::empty_like(x);
+  auto p = params(x, weight, bias, ancestors, silu);
+  p.y = y.data_ptr();
+  try {
+    kernels::tree_conv_forward_cpu(p, kernel_dtype(x));
+  } catch (const std::invalid_argument& e) {
+    TORCH_CHECK_VALUE(false, e.what());
+  }
+  return y.to(x_in.scalar_type());
+}
+
+// Returns (grad_x, grad_weight, grad_bias) in the inputs' dtypes.
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cpu(const at::Tensor& grad_y_in, const at::Tensor& x_in,
+                                                                    const at::Tensor& weight_in,
+                                                                    const std::optional<at::Tensor>& bias_in,
+                                                                    const at::Tensor& ancestors_in, const at::Tensor&,
+                                                                    const at::Tensor&, bool silu) {
+  const at::Tensor x = cpu_compute(x_in);
+  const at::Tensor weight = weight_in.to(x.scalar_type()).contiguous();
+  const std::optional<at::Tensor> bias = bias_in ? std::optional<at::Tensor>(bias_in->to(x.scalar_type()).contiguous()) : std::nullopt;
+  const at::Tensor grad_y = grad_y_in.to(x.scalar_type()).contiguous();
+  const at::Tensor ancestors = ancestors_in.contiguous();
+  at::Tensor grad_x = at::empty_like(x);
+  at::Tensor grad_w = at::zeros(weight.sizes(), x.options().dtype(at::kFloat));
+  at::Tensor grad_b = at::zeros({x.size(1)}, x.options().dtype(at::kFloat));
+  auto p = params(x, weight, bias, ancestors, silu);
+  p.grad_y = grad_y.data_ptr();
+  p.grad_x = grad_x.data_ptr();
+  p.grad_weight = grad_w.data_ptr<float>();
+  p.grad_bias = bias ? grad_b.data_ptr<float>() : nullptr;
+  try {
+    kernels::tree_conv_backward_cpu(p, kernel_dtype(x));
+  } catch (const std::invalid_argument& e) {
+    TORCH_CHECK_VALUE(false, e.what());
+  }
+  return {grad_x.to(x_in.scalar_type()), grad_w.to(weight_in.scalar_type()),
+          bias_in ? grad_b.to(bias_in->scalar_type()) : at::Tensor()};
+}
+
+#ifdef TREE_RECURRENCE_WITH_CUDA
+inline at::Tensor forward_cuda(const at::Tensor& x_in, const at::Tensor& weight_in, const std::optional<at::Tensor>& bias_in,
+                               const at::Tensor& ancestors_in, const at::Tensor&, const at::Tensor&, bool silu) {
+  check_inputs(x_in, weight_in, bias_in, ancestors_in);
+  c10::cuda::CUDAGuard guard(x_in.device());
+  const at::Tensor x = x_in.contiguous();
+  const at::Tensor weight = weight_in.to(x.scalar_type()).contiguous();
+  const std::optional<at::Tensor> bias = bias_in ? std::optional<at::Tensor>(bias_in->to(x.scalar_type()).contiguous()) : std::nullopt;
+  const at::Tensor ancestors = ancestors_in.contiguous();
+  at::Tensor y = at::empty_like(x);
+  auto p = params(x, weight, bias, ancestors, silu);
+  p.y = y.data_ptr();
+  try {
+    kernels::tree_conv_forward_cuda(p, kernel_dtype(x), c10::cuda::getCurrentCUDAStream().stream());
+  } catch (const std::invalid_argument& e) {
+    TORCH_CHECK_VALUE(false, e.what());
+  }
+  return y;
+}
+
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(const at::Tensor& grad_y_in, const at::Tensor& x_in,
+                                                                     const at::Tensor& weight_in,
+                                                                     const std::optional<at::Tensor>& bias_in,
+                                                                     const at::Tensor& ancestors_in, const at::Tensor& reader_offsets,
+                                                                     const at::Tensor& readers, bool silu) {
+  c10::cuda::CUDAGuard guard(x_in.device());
+  const at::Tensor x = x_in.contiguous();
+  const at::Tensor weight = weight_in.to(x.scalar_type()).contiguous();
+  const std::optional<at::Tensor> bias = bias_in ? std::optional<at::Tensor>(bias_in->to(x.scalar_type()).contiguous()) : std::nullopt;
+  const at::Tensor grad_y = grad_y_in.to(x.scalar_type()).contiguous();
+  const at::Tensor ancestors = ancestors_in.contiguous();
+  at::Tensor grad_x = at::empty_like(x);
+  at::Tensor grad_w = at::zeros(weight.sizes(), x.options().dtype(at::kFloat));
+  at::Tensor grad_b = at::zeros({x.size(1)}, x.options().dtype(at::kFloat));
+  const int64_t ws = kernels::tree_conv_backward_cuda_workspace_floats(x.size(0), x.size(1), weight.size(1));
+  at::Tensor workspace = at::empty({std::max<int64_t>(ws, 1)}, x.options().dtype(at::kFloat));
+  auto p = params(x, weight, bias, ancestors, silu);
+  p.grad_y = grad_y.data_ptr();
+  p.grad_x = grad_x.data_ptr();
+  p.grad_weight = grad_w.data_ptr<float>();
+  p.grad_bias = bias ? grad_b.data_ptr<float>() : nullptr;
+  p.reader_offsets = reader_offsets.data_ptr<int64_t>();
+  p.readers = readers.data_ptr<int64_t>();
+  p.workspace = workspace.data_ptr<float>();
+  try {
+    kernels::tree_conv_backward_cuda(p, kernel_dtype(x), c10::cuda::getCurrentCUDAStream().stream());
+  } catch (const std::invalid_argument& e) {
+    TORCH_CHECK_VALUE(false, e.what());
+  }
+  return {grad_x, grad_w.to(weight_in.scalar_type()), bias_in ? grad_b.to(bias_in->scalar_type()) : at::Tensor()};
+}
+#endif
+
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_any(const at::Tensor& grad_y, const at::Tensor& x,
+                                                                    const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                                                                    const at::Tensor& ancestors, const at::Tensor& reader_offsets,
+                                                                    const at::Tensor& readers, bool silu) {
+#ifdef TREE_RECURRENCE_WITH_CUDA
+  if (x.is_cuda()) return backward_cuda(grad_y, x, weight, bias, ancestors, reader_offsets, readers, silu);
+#endif
+  TORCH_CHECK_VALUE(x.is_cpu(), "tree_conv: no kernel for device ", x.device(), " in this build");
+  return backward_cpu(grad_y, x, weight, bias, ancestors, reader_offsets, readers, silu);
+}
+
+class TreeConvFunction : public torch::autograd::Function<TreeConvFunction> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                            const std::optional<at::Tensor>& bias, const at::Tensor& ancestors, const at::Tensor& reader_offsets,
+                            const at::Tensor& readers, bool silu, const c10::OperatorHandle* op) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    ctx->save_for_backward({x, weight, bias ? *bias : at::Tensor(), ancestors, reader_offsets, readers});
+    ctx->saved_data["silu"] = silu;
+    ctx->saved_data["has_bias"] = bias.has_value();
+    return op->typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&,
+                                const at::Tensor&, const at::Tensor&, bool)>()
+        .call(x, weight, bias, ancestors, reader_offsets, readers, silu);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    const bool has_bias = ctx->saved_data["has_bias"].toBool();
+    std::optional<at::Tensor> bias = has_bias ? std::optional<at::Tensor>(saved[2]) : std::nullopt;
+    auto [gx, gw, gb] = backward_any(grads[0], saved[0], saved[1], bias, saved[3], saved[4], saved[5],
+                                     ctx->saved_data["silu"].toBool());
+    return {gx, gw, has_bias ? gb : at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+}  // namespace conv_op
+
+inline void define_tree_conv(torch::Library& m) {
+  m.def("tree_conv(Tensor x, Tensor weight, Tensor? bias, Tensor ancestors, Tensor reader_offsets, Tensor readers, bool silu) -> Tensor");
+}
+
+inline void impl_tree_conv_cpu(torch::Library& m) { m.impl("tree_conv", &conv_op::forward_cpu); }
+
+#ifdef TREE_RECURRENCE_WITH_CUDA
+inline void impl_tree_conv_cuda(torch::Library& m) { m.impl("tree_conv", &conv_op::forward_cuda); }
+#endif
+
+inline void impl_tree_conv_meta(torch::Library& m) {
+  m.impl("tree_conv", [](const at::Tensor& x, const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&,
+                         const at::Tensor&, const at::Tensor&, bool) { return at::empty_like(x); });
+}
+
+// `qualified` is "<namespace>::tree_conv", used to call below autograd.
+inline void impl_tree_conv_autograd(torch::Library& m, const char* qualified) {
+  m.impl("tree_conv", [qualified](const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                                  const at::Tensor& ancestors, const at::Tensor& reader_offsets, const at::Tensor& readers,
+                                  bool silu) {
+    static const c10::OperatorHandle op = c10::Dispatcher::singleton().findSchemaOrThrow(qualified, "");
+    return conv_op::TreeConvFunction::apply(x, weight, bias, ancestors, reader_offsets, readers, silu, &op);
+  });
+}
+
+}  // namespace tree_recurrence

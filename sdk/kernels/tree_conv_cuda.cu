@@ -1,0 +1,293 @@
+#include "tree_recurrence/kernels/tree_conv.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+
+namespace tree_recurrence::kernels {
+namespace {
+
+// A warp spans 32 consecutive channels of one token, so every row access is coalesced and the
+// token's ancestor row is a broadcast; 8 warps take 8 tokens at a time.
+constexpr int kChannelsPerBlock = 32;
+constexpr int kTokenLanes = 8;
+constexpr int64_t kMaxGridY = 65535;
+// Weight-gradient chunking: enough blocks to fill the GPU, but chunks long enough that the
+// second (reduction) pass stays negligible. Depends on N and C only, so results do not depend
+// on the device.
+constexpr int64_t kTargetBlocks = 2048;
+constexpr int64_t kMinChunkTokens = 512;
+
+template <typename T>
+struct TypeTag {
+  using type = T;
+};
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+__device__ __forceinline__ float to_float(float v) { return v; }
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+
+template <typename T>
+__device__ __forceinline__ T from_float(float v);
+template <>
+__device__ __forceinline__ float from_float<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
+template <>
+__device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
+
+template <typename T, int W>
+__device__ __forceinline__ float load_weights(const TreeConvParams& p, int64_t c, float (&w)[W]) {
+  const T* weight = static_cast<const T*>(p.weight) + c * W;
+#pragma unroll
+  for (int k = 0; k < W; ++k) w[k] = to_float(weight[k]);
+  return p.bias ? to_float(static_cast<const T*>(p.bias)[c]) : 0.f;
+}
+
+// Tap k of token t, oldest first; tap W-1 is t itself and missing ancestors read as zero.
+template <typename T, int W>
+__device__ __forceinline__ void load_taps(const TreeConvParams& p, int64_t t, int64_t c,
+                                          float (&taps)[W]) {
+  const T* x = static_cast<const T*>(p.x);
+  taps[W - 1] = to_float(x[t * p.channels + c]);
+#pragma unroll
+  for (int k = 0; k < W - 1; ++k) {
+    const int64_t src = p.ancestors[t * (W - 1) + (W - 2 - k)];
+    taps[k] = src >= 0 ? to_float(x[src * p.channels + c]) : 0.f;
+  }
+}
+
+// Bias first, then taps oldest to newest: the order causal_conv1d accumulates in.
+template <int W>
+__device__ __forceinline__ float dot_taps(float bias, const float (&w)[W], const float (&taps)[W]) {
+  float acc = bias;
+#pragma unroll
+  for (int k = 0; k < W; ++k) acc += w[k] * taps[k];
+  return acc;
+}
+
+__device__ __forceinline__ float silu_grad(float v) {
+  const float s = 1.f / (1.f + expf(-v));
+  return s * (1.f + v * (1.f - s));
+}
+
+// dLoss/d(pre-activation) of token t; taps must be t's taps (only read with SiLU).
+template <typename T, int W>
+__device__ __forceinline__ float grad_pre(const TreeConvParams& p, int64_t t, int64_t c,
+                                          float bias, const float (&w)[W],
+                                          const float (&taps)[W]) {
+  const float g = to_float(static_cast<const T*>(p.grad_y)[t * p.channels + c]);
+  return p.silu ? g * silu_grad(dot_taps<W>(bias, w, taps)) : g;
+}
+
+template <typename T, int W>
+__global__ void __launch_bounds__(kChannelsPerBlock* kTokenLanes)
+    forward_kernel(TreeConvParams p) {
+  const int64_t c = int64_t(blockIdx.x) * kChannelsPerBlock + threadIdx.x;
+  if (c >= p.channels) return;
+  float w[W];
+  const float bias = load_weights<T, W>(p, c, w);
+  T* y = static_cast<T*>(p.y);
+  const int64_t stride = int64_t(gridDim.y) * kTokenLanes;
+  for (int64_t t = int64_t(blockIdx.y) * kTokenLanes + threadIdx.y; t < p.num_tokens; t += stride) {
+    float taps[W];
+    load_taps<T, W>(p, t, c, taps);
+    float v = dot_taps<W>(bias, w, taps);
+    if (p.silu) v = v / (1.f + expf(-v));
+    y[t * p.channels + c] = from_float<T>(v);
+  }
+}
+
+template <typename T, int W>
+__device__ __forceinline__ float grad_pre_at(const TreeConvParams& p, int64_t t, int64_t c,
+                                             float bias, const float (&w)[W]) {
+  float taps[W] = {};
+  if (p.silu) load_taps<T, W>(p, t, c, taps);
+  return grad_pre<T, W>(p, t, c, bias, w, taps);
+}
+
+// Gather form of grad_x: token u sums what every reader (from the CSR) sends back to it, so
+// each output has one writer and a fixed summation order.
+template <typename T, int W>
+__global__ void __launch_bounds__(kChannelsPerBlock* kTokenLanes)
+    grad_x_kernel(TreeConvParams p) {
+  const int64_t c = int64_t(blockIdx.x) * kChannelsPerBlock + threadIdx.x;
+  if (c >= p.channels) return;
+  float w[W];
+  const float bias = load_weights<T, W>(p, c, w);
+  const T* weight = static_cast<const T*>(p.weight) + c * W;
+  T* grad_x = static_cast<T*>(p.grad_x);
+  const int64_t stride = int64_t(gridDim.y) * kTokenLanes;
+  for (int64_t u = int64_t(blockIdx.y) * kTokenLanes + threadIdx.y; u < p.num_tokens; u += stride) {
+    float acc = w[W - 1] * grad_pre_at<T, W>(p, u, c, bias, w);
+    if constexpr (W > 1) {
+      for (int64_t i = p.reader_offsets[u]; i < p.reader_offsets[u + 1]; ++i) {
+        const int64_t r = p.readers[i];
+        const int64_t reader = r / (W - 1);
+        const int back = int(r - reader * (W - 1)) + 1;
+        // Weight from memory (L1-resident): a run-time index into w[] would spill it.
+        acc += to_float(weight[W - 1 - back]) * grad_pre_at<T, W>(p, reader, c, bias, w);
+      }
+    }
+    grad_x[u * p.channels + c] = from_float<T>(acc);
+  }
+}
+
+// Per-channel sums over one token chunk: W weight taps and the bias. Each warp row (token lane)
+// sums privately, then lane sums are added in a fixed order through shared memory.
+template <typename T, int W>
+__global__ void __launch_bounds__(kChannelsPerBlock* kTokenLanes)
+    weight_grad_kernel(TreeConvParams p, int64_t tokens_per_chunk, float* partial) {
+  __shared__ float lane_sums[kTokenLanes][W + 1][kChannelsPerBlock];
+  const int64_t c = int64_t(blockIdx.x) * kChannelsPerBlock + threadIdx.x;
+  const bool active = c < p.channels;
+  float acc[W + 1] = {};
+  if (active) {
+    float w[W];
+    const float bias = load_weights<T, W>(p, c, w);
+    const int64_t begin = int64_t(blockIdx.y) * tokens_per_chunk;
+    const int64_t end = min(p.num_tokens, begin + tokens_per_chunk);
+    for (int64_t t = begin + threadIdx.y; t < end; t += kTokenLanes) {
+      float taps[W];
+      load_taps<T, W>(p, t, c, taps);
+      const float g = grad_pre<T, W>(p, t, c, bias, w, taps);
+#pragma unroll
+      for (int k = 0; k < W; ++k) acc[k] += g * taps[k];
+      acc[W] += g;
+    }
+  }
+#pragma unroll
+  for (int k = 0; k <= W; ++k) lane_sums[threadIdx.y][k][threadIdx.x] = acc[k];
+  __syncthreads();
+  if (threadIdx.y != 0 || !active) return;
+#pragma unroll
+  for (int k = 0; k <= W; ++k) {
+    float s = 0.f;
+    for (int lane = 0; lane < kTokenLanes; ++lane) s += lane_sums[lane][k][threadIdx.x];
+    if (partial) partial[(int64_t(blockIdx.y) * p.channels + c) * (W + 1) + k] = s;
+    else if (k < W) p.grad_weight[c * W + k] += s;
+    else if (p.grad_bias) p.grad_bias[c] += s;
+  }
+}
+
+// Second pass over the chunk partials, chunk order fixed.
+__global__ void reduce_chunks_kernel(const float* partial, int64_t chunks, int64_t channels,
+                                     int width, float* grad_weight, float* grad_bias) {
+  const int64_t per_chunk = channels * (width + 1);
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= per_chunk) return;
+  float s = 0.f;
+  for (int64_t chunk = 0; chunk < chunks; ++chunk) s += partial[chunk * per_chunk + i];
+  const int64_t c = i / (width + 1), k = i % (width + 1);
+  if (k < width) grad_weight[c * width + k] += s;
+  else if (grad_bias) grad_bias[c] += s;
+}
+
+int64_t weight_grad_chunks(int64_t num_tokens, int64_t channels) {
+  if (num_tokens == 0 || channels == 0) return 1;
+  const int64_t wanted = ceil_div(kTargetBlocks, ceil_div(channels, kChannelsPerBlock));
+  const int64_t by_tokens = ceil_div(num_tokens, kMinChunkTokens);
+  return std::max<int64_t>(1, std::min({wanted, by_tokens, kMaxGridY}));
+}
+
+dim3 token_grid(const TreeConvParams& p) {
+  return dim3(unsigned(ceil_div(p.channels, kChannelsPerBlock)),
+              unsigned(std::min(ceil_div(p.num_tokens, kTokenLanes), kMaxGridY)));
+}
+
+const dim3 kBlock(kChannelsPerBlock, kTokenLanes);
+
+void check_launch(const char* op) {
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess)
+    throw std::runtime_error(std::string(op) + ": CUDA launch failed: " + cudaGetErrorString(err));
+}
+
+template <typename T, int W>
+void launch_weight_grad(const TreeConvParams& p, cudaStream_t stream) {
+  const int64_t chunks = p.workspace ? weight_grad_chunks(p.num_tokens, p.channels) : 1;
+  const int64_t tokens_per_chunk = ceil_div(p.num_tokens, chunks);
+  const int64_t used = ceil_div(p.num_tokens, tokens_per_chunk);
+  float* partial = used > 1 ? p.workspace : nullptr;
+  const dim3 grid(unsigned(ceil_div(p.channels, kChannelsPerBlock)), unsigned(used));
+  weight_grad_kernel<T, W><<<grid, kBlock, 0, stream>>>(p, tokens_per_chunk, partial);
+  if (!partial) return;
+  const int64_t per_chunk = p.channels * (W + 1);
+  reduce_chunks_kernel<<<unsigned(ceil_div(per_chunk, 256)), 256, 0, stream>>>(
+      partial, used, p.channels, W, p.grad_weight, p.grad_bias);
+}
+
+template <typename T, typename Fn>
+void dispatch_width(int64_t width, Fn&& fn) {
+  switch (width) {
+    case 1: return fn(TypeTag<T>{}, std::integral_constant<int, 1>{});
+    case 2: return fn(TypeTag<T>{}, std::integral_constant<int, 2>{});
+    case 3: return fn(TypeTag<T>{}, std::integral_constant<int, 3>{});
+    case 4: return fn(TypeTag<T>{}, std::integral_constant<int, 4>{});
+    case 5: return fn(TypeTag<T>{}, std::integral_constant<int, 5>{});
+    case 6: return fn(TypeTag<T>{}, std::integral_constant<int, 6>{});
+    case 7: return fn(TypeTag<T>{}, std::integral_constant<int, 7>{});
+    case 8: return fn(TypeTag<T>{}, std::integral_constant<int, 8>{});
+    default: throw std::invalid_argument("tree_conv: unsupported width");
+  }
+}
+
+static_assert(kTreeConvMaxWidth == 8, "dispatch_width covers widths 1..8");
+
+// Validates, skips empty inputs, then calls fn(TypeTag<T>, integral_constant<int, W>).
+template <typename Fn>
+void run_cuda(const TreeConvParams& p, DType dtype, bool backward, const char* op, Fn&& fn) {
+  check_tree_conv_params(p, backward);
+  if (dtype == DType::Float64)
+    throw std::invalid_argument(std::string("tree_conv: ") + op +
+                                " on CUDA supports float32, bfloat16 and float16, not float64");
+  if (backward && p.width > 1 && (!p.reader_offsets || !p.readers))
+    throw std::invalid_argument(std::string("tree_conv: ") + op +
+                                " on CUDA needs reader_offsets and readers when width > 1 "
+                                "(see build_conv_readers)");
+  if (p.num_tokens == 0 || p.channels == 0) return;
+  switch (dtype) {
+    case DType::Float32: dispatch_width<float>(p.width, fn); break;
+    case DType::BFloat16: dispatch_width<__nv_bfloat16>(p.width, fn); break;
+    case DType::Float16: dispatch_width<__half>(p.width, fn); break;
+    case DType::Float64: break;
+  }
+  check_launch(op);
+}
+
+}  // namespace
+
+int64_t tree_conv_backward_cuda_workspace_floats(int64_t num_tokens, int64_t channels,
+                                                 int64_t width) {
+  const int64_t chunks = weight_grad_chunks(num_tokens, channels);
+  return chunks > 1 ? chunks * channels * (width + 1) : 0;
+}
+
+void tree_conv_forward_cuda(const TreeConvParams& params, DType dtype, void* stream) {
+  const auto s = static_cast<cudaStream_t>(stream);
+  run_cuda(params, dtype, false, "tree_conv_forward", [&](auto type, auto width) {
+    using T = typename decltype(type)::type;
+    forward_kernel<T, decltype(width)::value><<<token_grid(params), kBlock, 0, s>>>(params);
+  });
+}
+
+void tree_conv_backward_cuda(const TreeConvParams& params, DType dtype, void* stream) {
+  const auto s = static_cast<cudaStream_t>(stream);
+  run_cuda(params, dtype, true, "tree_conv_backward", [&](auto type, auto width) {
+    using T = typename decltype(type)::type;
+    constexpr int W = decltype(width)::value;
+    grad_x_kernel<T, W><<<token_grid(params), kBlock, 0, s>>>(params);
+    launch_weight_grad<T, W>(params, s);
+  });
+}
+
+}  // namespace tree_recurrence::kernels

@@ -1,0 +1,86 @@
+#include <doctest/doctest.h>
+
+#include <cstdlib>
+#include <fstream>
+
+#include "forest.h"
+#include "tree_recurrence/policy.h"
+
+using namespace tree_recurrence;
+using namespace test_forest;
+
+namespace {
+std::shared_ptr<TreePlan> fork_plan() {  // prompt of 100 tokens, 3 completions of 10: saves 200, 2 levels
+  return TreePlan::build(trl_input(layout({{1, 2, 3}, {}, {}, {}}, {0}, {100, 10, 10, 10})));
+}
+}  // namespace
+
+TEST_SUITE("Policy") {
+  TEST_CASE("auto prefers native, then fork when it saves enough, else rescan") {
+    auto plan = fork_plan();
+    Policy p;
+    p.fork_min_saved_tokens = 200;
+    CHECK(p.choose(*plan, true, true).strategy == Strategy::Native);
+    CHECK(p.choose(*plan, false, true).strategy == Strategy::Fork);
+    p.fork_min_saved_tokens = 201;
+    CHECK(p.choose(*plan, false, true).strategy == Strategy::Rescan);
+    CHECK(p.choose(*plan, false, false).strategy == Strategy::Rescan);
+    p.prefer_native = false;
+    p.fork_min_saved_tokens = 10;
+    CHECK(p.choose(*plan, true, true).strategy == Strategy::Fork);
+    p.fork_min_saved_tokens = 1000;
+    CHECK(p.choose(*plan, true, true).strategy == Strategy::Native);
+  }
+
+  TEST_CASE("chains fork for free") {
+    auto chains = TreePlan::build(trl_input(layout({{}, {}}, {0, 1}, {5, 6})));
+    Policy p;
+    p.fork_min_saved_tokens = 1000000;
+    CHECK(p.choose(*chains, false, true).strategy == Strategy::Fork);
+  }
+
+  TEST_CASE("forced strategies and their errors") {
+    auto plan = fork_plan();
+    Policy p;
+    p.strategy = Strategy::Rescan;
+    CHECK(p.choose(*plan, true, true).strategy == Strategy::Rescan);
+    p.strategy = Strategy::Fork;
+    CHECK_THROWS_WITH_AS(p.choose(*plan, true, false), doctest::Contains("fork was forced"), std::invalid_argument);
+    p.strategy = Strategy::Native;
+    CHECK_THROWS_WITH_AS(p.choose(*plan, false, true), doctest::Contains("native was forced"), std::invalid_argument);
+  }
+
+  TEST_CASE("YAML text, files and errors") {
+    Policy p = Policy::from_yaml_text("fork_min_saved_tokens: 64\nstrategy: rescan\nprefer_native: false\n");
+    CHECK(p.fork_min_saved_tokens == 64);
+    CHECK(p.strategy == Strategy::Rescan);
+    CHECK_FALSE(p.prefer_native);
+    CHECK_THROWS_WITH_AS(Policy::from_yaml_text("fork_min_saved: 3"), doctest::Contains("unknown policy key 'fork_min_saved'"),
+                         std::invalid_argument);
+    CHECK_THROWS_WITH_AS(Policy::from_yaml_text("fork_min_saved_tokens: -3"), doctest::Contains("non-negative integer"),
+                         std::invalid_argument);
+    CHECK_THROWS_WITH_AS(Policy::from_yaml_text("strategy: sideways"), doctest::Contains("unknown value 'sideways'"),
+                         std::invalid_argument);
+    CHECK_THROWS_WITH_AS(Policy::from_yaml_text("[1, 2"), doctest::Contains("invalid YAML"), std::invalid_argument);
+    CHECK_THROWS_WITH_AS(Policy::from_yaml_file("/nonexistent/policy.yaml"), doctest::Contains("cannot read"), std::invalid_argument);
+    const std::string path = "policy_test.yaml";
+    std::ofstream(path) << "fork_min_saved_tokens: 7\n";
+    CHECK(Policy::from_yaml_file(path).fork_min_saved_tokens == 7);
+  }
+
+  TEST_CASE("environment overrides the file, and the file overrides defaults") {
+    const std::string path = "policy_env_test.yaml";
+    std::ofstream(path) << "fork_min_saved_tokens: 11\nstrategy: fork\n";
+    setenv("TREE_RECURRENCE_POLICY_FILE", path.c_str(), 1);
+    setenv("TREE_RECURRENCE_STRATEGY", "rescan", 1);
+    Policy p = Policy::from_environment();
+    CHECK(p.fork_min_saved_tokens == 11);
+    CHECK(p.strategy == Strategy::Rescan);
+    setenv("TREE_RECURRENCE_FORK_MIN_SAVED_TOKENS", "nope", 1);
+    CHECK_THROWS_WITH_AS(Policy::from_environment(), doctest::Contains("TREE_RECURRENCE_FORK_MIN_SAVED_TOKENS"), std::invalid_argument);
+    unsetenv("TREE_RECURRENCE_POLICY_FILE");
+    unsetenv("TREE_RECURRENCE_STRATEGY");
+    unsetenv("TREE_RECURRENCE_FORK_MIN_SAVED_TOKENS");
+    CHECK(Policy::from_environment().strategy == Strategy::Auto);
+  }
+}
