@@ -177,6 +177,7 @@ PYBIND11_MODULE(_core, m) {
       .def_static("from_yaml_text", py::overload_cast<const std::string&, Policy, const std::string&>(&Policy::from_yaml_text),
                   py::arg("text"), py::arg("base"), py::arg("origin") = "<string>")
       .def_static("from_environment", py::overload_cast<Policy>(&Policy::from_environment), py::arg("base"))
+      .def_static("from_environment_variables", &Policy::from_environment_variables, py::arg("base"))
       .def("choose",
            [](const Policy& p, const TreePlan& plan, bool native_available, bool fork_available) {
              Decision d = p.choose(plan, native_available, fork_available);

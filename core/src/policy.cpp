@@ -85,8 +85,12 @@ Policy Policy::from_yaml_text(const std::string& text) { return from_yaml_text(t
 Policy Policy::from_environment() { return from_environment(Policy()); }
 
 Policy Policy::from_environment(Policy base) {
+  if (const char* file = std::getenv("TREE_RECURRENCE_POLICY_FILE"); file && *file) base = from_yaml_file(file, base);
+  return from_environment_variables(base);
+}
+
+Policy Policy::from_environment_variables(Policy base) {
   Policy policy = base;
-  if (const char* file = std::getenv("TREE_RECURRENCE_POLICY_FILE"); file && *file) policy = from_yaml_file(file, policy);
   if (const char* v = std::getenv("TREE_RECURRENCE_FORK_MIN_SAVED_TOKENS"); v && *v)
     policy.fork_min_saved_tokens = parse_count("fork_min_saved_tokens", v, "TREE_RECURRENCE_FORK_MIN_SAVED_TOKENS");
   if (const char* v = std::getenv("TREE_RECURRENCE_STRATEGY"); v && *v) policy.strategy = strategy_from_string(v);

@@ -302,6 +302,8 @@ def test_conv_seq_idx_padding_and_api_errors():
         ref.causal_conv1d_fn(x, w, b, seq_idx=seq_idx, return_final_states=True)
     with pytest.raises(TypeError):
         ref.causal_conv1d_fn(x, w, b, seq_idx=seq_idx.long())
+    with pytest.raises(RuntimeError):  # the CUDA kernel supports widths 2..4 only
+        ref.causal_conv1d_fn(x, torch.randn(4, 5), b)
 
 
 def test_conv_initial_states_gradient():

@@ -40,7 +40,7 @@ def causal_conv1d_fn(
     """Causal depthwise conv1d with causal-conv1d's API.
 
     x: (batch, dim, seqlen) channels-first (any memory layout is accepted here).
-    weight: (dim, width). bias: (dim,) or None.
+    weight: (dim, width), width 2..4 as in the CUDA kernel. bias: (dim,) or None.
     seq_idx: (batch, seqlen) int32 or None. A position only reads earlier positions of the
         same row that carry the same ``seq_idx``; a position with ``seq_idx < 0`` (padding)
         outputs exactly 0 (no bias, no activation), as the CUDA kernel does.
@@ -63,6 +63,8 @@ def causal_conv1d_fn(
     if weight.dim() != 2 or weight.shape[0] != dim:
         raise ValueError(f"weight must be (dim={dim}, width), got shape {tuple(weight.shape)}")
     width = weight.shape[1]
+    if not 2 <= width <= 4:
+        raise RuntimeError("causal_conv1d only supports width between 2 and 4")
     if bias is not None and tuple(bias.shape) != (dim,):
         raise ValueError(f"bias must be ({dim},), got shape {tuple(bias.shape)}")
     if seq_idx is not None:

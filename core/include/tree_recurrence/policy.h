@@ -45,6 +45,8 @@ struct Policy {
   // TREE_RECURRENCE_STRATEGY, TREE_RECURRENCE_PREFER_NATIVE.
   static Policy from_environment(Policy base);
   static Policy from_environment();
+  // Only the TREE_RECURRENCE_* variables, not the policy file.
+  static Policy from_environment_variables(Policy base);
 
   Decision choose(const TreePlan& plan, bool native_available, bool fork_available) const;
 };

@@ -1,0 +1,16 @@
+"""tree-recurrence: recurrent and linear-attention layers of transformers models on tree-packed rows.
+
+    support = tree_recurrence.install(model)          # hooks the model's recurrent seams
+    model(input_ids, position_ids=..., **tree_kwargs) # forward a tree-packed row
+"""
+
+import torch  # noqa: F401  -- libtorch must be loaded before any plugin library
+
+from . import _core
+from ._plan import TREE_FIELDS, TreePlan, has_tree, tree_plan
+from .plugins import add_plugin_path
+from .policy import Policy
+
+__version__ = "0.1.0"
+
+__all__ = ["TREE_FIELDS", "TreePlan", "Policy", "add_plugin_path", "has_tree", "tree_plan", "__version__"]

@@ -1,0 +1,175 @@
+"""TreePlan from a forward's ``tree_*`` kwargs, built once and cached on ``tree_cu_seqlens_q``."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Mapping
+
+import torch
+
+from . import _core
+
+# Keyword names a trainer passes to the model's forward (docs/tree-format.md).
+CU_SEQLENS_Q = "tree_cu_seqlens_q"
+KV_INDEX = "tree_kv_index"
+CU_SEQLENS_K = "tree_cu_seqlens_k"
+SEGMENT_PARENTS = "tree_segment_parents"
+SEGMENT_DEPTHS = "tree_segment_depths"
+TREE_FIELDS = (CU_SEQLENS_Q, KV_INDEX, CU_SEQLENS_K, SEGMENT_PARENTS, SEGMENT_DEPTHS)
+
+_CACHE_ATTR = "_tree_recurrence_plan"
+
+
+def _as_index_vector(name: str, value: Any, device: torch.device | None) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
+    if value.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{name}: expected an int32 or int64 tensor, got {value.dtype}")
+    if value.dim() == 2 and value.shape[0] == 1:
+        value = value[0]
+    if value.dim() != 1:
+        raise ValueError(
+            f"{name}: expected a 1-D tensor (one packed row, batch size 1), got shape {tuple(value.shape)}; "
+            "a collated batch of several rows must be split first (integrations.trl.tree_kwargs_from_batch)"
+        )
+    if device is not None and value.device != device:
+        raise ValueError(f"{name}: is on {value.device} but {CU_SEQLENS_Q} is on {device}; all tree tensors must share a device")
+    return value
+
+
+class TreePlan:
+    """Host plan of one tree-packed row (see docs/architecture.md for every array)."""
+
+    def __init__(self, core: _core.TreePlan, device: torch.device):
+        self._core = core
+        self.device = device  # where the tree tensors came from
+        self._host: dict[str, torch.Tensor] = {}
+        self._on_device: dict[tuple, Any] = {}
+
+    # counts
+    num_tokens = property(lambda self: self._core.num_tokens)
+    num_segments = property(lambda self: self._core.num_segments)
+    num_leaves = property(lambda self: self._core.num_leaves)
+    num_levels = property(lambda self: self._core.num_levels)
+    path_token_total = property(lambda self: self._core.path_token_total)
+    saved_tokens = property(lambda self: self._core.saved_tokens)
+    max_path_length = property(lambda self: self._core.max_path_length)
+    max_segment_length = property(lambda self: self._core.max_segment_length)
+    is_chains = property(lambda self: self._core.is_chains)
+
+    @staticmethod
+    def _wrap(buffer: Any) -> torch.Tensor:
+        if len(buffer) == 0:
+            return torch.empty(0, dtype=torch.int64)
+        with warnings.catch_warnings():  # the plan's arrays are read-only by contract
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.frombuffer(buffer, dtype=torch.int64)
+
+    def array(self, name: str) -> torch.Tensor:
+        """A plan array as a read-only int64 CPU tensor sharing the plan's memory."""
+        if name not in self._host:
+            self._host[name] = self._wrap(self._core.array(name))
+        return self._host[name]
+
+    def tensor(self, name: str, device: torch.device | str | None = None) -> torch.Tensor:
+        """A plan array on ``device`` (default: the tree tensors' device), copied once."""
+        device = torch.device(device) if device is not None else self.device
+        key = (name, device)
+        if key not in self._on_device:
+            self._on_device[key] = self.array(name).to(device)
+        return self._on_device[key]
+
+    def conv_tables(self, width: int, device: torch.device | str | None = None):
+        """(ancestors (N, width-1), reader_offsets (N+1), readers) on ``device``, cached."""
+        device = torch.device(device) if device is not None else self.device
+        key = ("conv", width, device)
+        if key not in self._on_device:
+            ancestors, offsets, readers = (self._wrap(b) for b in self._core.conv_tables(width))
+            self._on_device[key] = (
+                ancestors.view(self.num_tokens, width - 1).to(device),
+                offsets.to(device),
+                readers.to(device),
+            )
+        return self._on_device[key]
+
+    def padded_paths(self, device: torch.device | str | None = None):
+        """(gather (P, Lmax) token index with -1 padding, source (N) flat index into P*Lmax)."""
+        device = torch.device(device) if device is not None else self.device
+        key = ("padded_paths", device)
+        if key not in self._on_device:
+            offsets = self.array("path_offsets")
+            lengths = offsets[1:] - offsets[:-1]
+            width = self.max_path_length
+            position = torch.arange(width).expand(self.num_leaves, width)
+            valid = position < lengths[:, None]
+            gather = torch.full((self.num_leaves, width), -1, dtype=torch.int64)
+            gather[valid] = self.array("path_tokens")
+            leaf = self.array("segment_source_leaf")[self.array("token_segment")]
+            source = leaf * width + self.array("token_position")
+            self._on_device[key] = (gather.to(device), source.to(device))
+        return self._on_device[key]
+
+    def padded_level(self, level: int, device: torch.device | str | None = None):
+        """For one trie level: (segments, gather (n, Lmax) with -1 padding, scatter (tokens of the
+        level), flat source index into n*Lmax for each of those tokens)."""
+        device = torch.device(device) if device is not None else self.device
+        key = ("level", level, device)
+        if key not in self._on_device:
+            lo, hi = self.array("level_offsets")[level : level + 2].tolist()
+            segments = self.array("level_segments")[lo:hi]
+            starts = self.array("seg_offsets")[segments]
+            lengths = self.array("seg_lengths")[segments]
+            width = int(lengths.max())
+            position = torch.arange(width).expand(len(segments), width)
+            valid = position < lengths[:, None]
+            gather = torch.where(valid, starts[:, None] + position, torch.full_like(position, -1))
+            tokens = gather[valid]
+            source = (torch.arange(len(segments))[:, None] * width + position)[valid]
+            self._on_device[key] = (segments, gather.to(device), tokens.to(device), source.to(device))
+        return self._on_device[key]
+
+    def __repr__(self) -> str:
+        return (
+            f"TreePlan(tokens={self.num_tokens}, segments={self.num_segments}, samples={self.num_leaves}, "
+            f"levels={self.num_levels}, path_tokens={self.path_token_total}, saved={self.saved_tokens})"
+        )
+
+
+def has_tree(kwargs: Mapping[str, Any]) -> bool:
+    return kwargs.get(CU_SEQLENS_Q) is not None
+
+
+def tree_plan(kwargs: Mapping[str, Any], num_tokens: int | None = None) -> TreePlan | None:
+    """The plan of the tree kwargs in ``kwargs``, or None when there are none.
+
+    Built on the host with one device-to-host copy and cached on the ``tree_cu_seqlens_q``
+    tensor (rebuilt if that tensor is modified in place), so every layer and every gradient
+    checkpoint replay of one forward shares it. Raises ValueError naming the field on bad input.
+    """
+    cu_q = kwargs.get(CU_SEQLENS_Q)
+    if cu_q is None:
+        stray = [k for k in TREE_FIELDS if kwargs.get(k) is not None]
+        if stray:
+            raise ValueError(f"{CU_SEQLENS_Q}: missing, but {', '.join(stray)} given")
+        return None
+    if isinstance(cu_q, torch.Tensor):
+        cached = getattr(cu_q, _CACHE_ATTR, None)
+        if cached is not None and cached[1] == cu_q._version and (num_tokens is None or cached[0].num_tokens == num_tokens):
+            return cached[0]
+    device = cu_q.device if isinstance(cu_q, torch.Tensor) else None
+    present = {name: _as_index_vector(name, kwargs[name], device) for name in TREE_FIELDS if kwargs.get(name) is not None}
+    sizes = [t.numel() for t in present.values()]
+    host = torch.cat([t.to(torch.int64) for t in present.values()]).cpu()  # the one device->host copy
+    parts = dict(zip(present, torch.split(host, sizes)))
+
+    def raw(name):
+        t = parts.get(name)
+        return None if t is None else (t.data_ptr(), t.numel())
+
+    core = _core.TreePlan.build(
+        raw(CU_SEQLENS_Q), raw(KV_INDEX), raw(CU_SEQLENS_K), raw(SEGMENT_PARENTS), raw(SEGMENT_DEPTHS),
+        -1 if num_tokens is None else int(num_tokens),
+    )
+    plan = TreePlan(core, device)
+    setattr(cu_q, _CACHE_ATTR, (plan, cu_q._version))
+    return plan

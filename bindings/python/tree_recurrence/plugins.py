@@ -1,0 +1,59 @@
+"""Family plugins: discovery through the C++ registry, and their torch op namespaces.
+
+Folders searched, in order: the package's own ``plugins`` folder, every folder of
+TREE_RECURRENCE_PLUGIN_PATH (os.pathsep-separated), then folders given to ``add_plugin_path``.
+A refused plugin is listed with its reason (``doctor``) and never loaded into a crash.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import _core
+
+PACKAGE_PLUGIN_DIR = Path(_core.__file__).resolve().parent / "plugins"
+_extra_folders: list[str] = []
+
+
+def plugin_folders() -> list[str]:
+    folders = [str(PACKAGE_PLUGIN_DIR)]
+    folders += [f for f in os.environ.get("TREE_RECURRENCE_PLUGIN_PATH", "").split(os.pathsep) if f]
+    return folders + _extra_folders
+
+
+def add_plugin_path(folder: str | os.PathLike) -> list[dict[str, Any]]:
+    """Registers a plugin folder and loads what is new there; returns the new records."""
+    folder = os.fspath(folder)
+    if folder not in _extra_folders:
+        _extra_folders.append(folder)
+    return _core.discover_plugins([folder])
+
+
+def discover() -> list[dict[str, Any]]:
+    """Scans every plugin folder (new manifests only) and returns all records, loaded or refused."""
+    _core.discover_plugins(plugin_folders())
+    return _core.plugin_records()
+
+
+def families() -> dict[str, dict[str, Any]]:
+    """Loaded families by name. Plugins found later in the search order never replace one."""
+    return {r["family"]: r for r in discover() if r["loaded"]}
+
+
+def refused() -> list[dict[str, Any]]:
+    return [r for r in discover() if not r["loaded"]]
+
+
+def ops(family: str):
+    """The torch op namespace of a loaded family (``torch.ops.tree_recurrence_<family>``)."""
+    if family not in families():
+        raise KeyError(f"no loaded family plugin named '{family}'")
+    return getattr(torch.ops, f"tree_recurrence_{family}")
+
+
+def has_kernel(record: dict[str, Any], name: str, device: torch.device) -> bool:
+    return any(k == name and d == device.type and ok for k, d, ok in record["kernels"])
