@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 
+#include <cmath>
 #include <vector>
 
 namespace tree_recurrence::gdn {
@@ -47,7 +48,7 @@ at::Tensor tree_scan(const at::Tensor& q_in, const at::Tensor& k_in, const at::T
     q = q.repeat_interleave(groups, 1);
     k = k.repeat_interleave(groups, 1);
   }
-  q = q * scale;
+  q = q * (scale > 0 ? scale : 1.0 / std::sqrt(static_cast<double>(q.size(2))));
   const at::Tensor v = v_in.to(at::kFloat), decay = g_in.to(at::kFloat).exp(), beta = beta_in.to(at::kFloat);
   const int64_t HV = v.size(1), K = q.size(2), V = v.size(2);
   const int64_t S = parents.numel();

@@ -8,9 +8,11 @@ import torch  # noqa: F401  -- libtorch must be loaded before any plugin library
 
 from . import _core
 from ._plan import TREE_FIELDS, TreePlan, has_tree, tree_plan
+from .install import Support, install, set_backend, uninstall
 from .plugins import add_plugin_path
 from .policy import Policy
 
 __version__ = "0.1.0"
 
-__all__ = ["TREE_FIELDS", "TreePlan", "Policy", "add_plugin_path", "has_tree", "tree_plan", "__version__"]
+__all__ = ["TREE_FIELDS", "TreePlan", "Policy", "Support", "add_plugin_path", "has_tree", "install", "set_backend",
+           "tree_plan", "uninstall", "__version__"]

@@ -1,0 +1,203 @@
+"""install / uninstall: decide whether a model can take tree-packed rows, and hook it.
+
+``install(model)`` describes every module of the model to the family plugins' detectors (C++),
+patches the modeling modules of the mixers they claim, and returns a :class:`Support`:
+
+* ``mode == "tree"``: every recurrent layer follows the trie;
+* ``mode == "none"``: some layer would mix packed samples (``reason`` names it); nothing is
+  patched for such a model.
+
+Backends per family: ``"auto"`` (policy chooses native / fork / rescan), ``"native"`` (the
+family's own tree kernels only), ``"kernel"`` (fork / rescan over whatever transformers bound:
+a kernel library or its PyTorch reference).
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from . import _core, driver, plugins, seams
+from .policy import Policy
+
+BACKENDS = ("auto", "native", "kernel")
+ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention", "attention", "qwen_sparse_attention", "mlp", "moe"}
+
+_installed: dict[int, "Support"] = {}
+
+
+@dataclass
+class LayerSupport:
+    path: str
+    class_name: str
+    family: str | None
+    backend: str | None
+    modeling_module: str | None
+
+
+@dataclass
+class Support:
+    mode: str
+    reason: str = ""
+    layers: list[LayerSupport] = field(default_factory=list)
+    families: dict[str, str] = field(default_factory=dict)  # family -> backend
+    modules: list[str] = field(default_factory=list)  # modeling modules this model's hooks live in
+
+    def __bool__(self) -> bool:
+        return self.mode != "none"
+
+
+def _text_config(model) -> Any:
+    config = getattr(model, "config", None)
+    if config is None:
+        return None
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def _layer_types(config) -> list[str]:
+    for attr in ("layer_types", "layers_block_type"):
+        try:
+            value = getattr(config, attr, None)
+        except Exception:  # some configs compute these properties and may fail
+            value = None
+        if value:
+            return list(value)
+    return []
+
+
+def _describe(path: str, module: torch.nn.Module, model_type: str) -> dict:
+    desc = {
+        "path": path,
+        "class_name": type(module).__name__,
+        "model_type": model_type,
+        "params": [(n, list(p.shape)) for n, p in module.named_parameters(recurse=False)],
+        "conv": None,
+    }
+    if isinstance(module, torch.nn.Conv1d):
+        padding = module.padding[0] if isinstance(module.padding, tuple) else module.padding
+        desc["conv"] = {"in_channels": module.in_channels, "out_channels": module.out_channels, "groups": module.groups,
+                        "kernel_size": module.kernel_size[0], "padding": padding if isinstance(padding, int) else -1}
+    return desc
+
+
+def _is_recurrent_leftover(desc: dict) -> str | None:
+    """Why an unclaimed module mixes tokens like a recurrent layer, or None."""
+    if any(name == "A_log" for name, _ in desc["params"]):
+        return "has a state-space decay (A_log)"
+    conv = desc["conv"]
+    if conv and conv["groups"] == conv["in_channels"] == conv["out_channels"] and conv["kernel_size"] > 1 and \
+            conv["padding"] == conv["kernel_size"] - 1:
+        return f"is a causal depthwise conv (width {conv['kernel_size']})"
+    return None
+
+
+def _check_backends(backends: dict[str, str] | None, families: dict) -> dict[str, str]:
+    backends = dict(backends or {})
+    for family, backend in backends.items():
+        if family not in families:
+            raise ValueError(f"backends: unknown family '{family}', loaded families: {sorted(families)}")
+        if backend not in BACKENDS:
+            raise ValueError(f"backends: unknown backend '{backend}' for family '{family}', choose one of {list(BACKENDS)}")
+    return backends
+
+
+def install(model: torch.nn.Module, policy: Policy | None = None, backends: dict[str, str] | None = None) -> Support:
+    """Hooks ``model``'s recurrent layers so they follow tree-packed rows. See the module doc."""
+    families = plugins.families()
+    backends = _check_backends(backends, families)
+    policy = policy or Policy()
+    config = _text_config(model)
+    model_type = getattr(config, "model_type", "") or ""
+    claimed: dict[str, tuple[str, torch.nn.Module]] = {}  # path -> (family, mixer)
+    leftovers: list[str] = []
+    for path, module in model.named_modules():
+        if any(path.startswith(p + ".") for p in claimed):
+            continue  # inside a covered mixer
+        desc = _describe(path, module, model_type)
+        owner = None
+        for family in families:
+            covered, role, _ = _core.detect(family, desc)
+            if covered and role == "mixer":
+                owner = family
+                break
+        if owner:
+            claimed[path] = (owner, module)
+            continue
+        why = _is_recurrent_leftover(desc)
+        if why:
+            leftovers.append(f"{path or type(model).__name__} ({type(module).__name__}) {why} and no family plugin covers it")
+
+    implemented = {lt for f in families.values() for m in f["manifest"]["models"] for lt in m["layer_types"]}
+    unknown = sorted({lt for lt in _layer_types(config) if lt not in ATTENTION_LAYER_TYPES and lt not in implemented})
+    if unknown:
+        leftovers.insert(0, f"layer_types {unknown} of {model_type or type(model).__name__} are implemented by no family "
+                            f"plugin found (found: {sorted(families) or 'none'})")
+    if leftovers:
+        return Support(mode="none", reason="; ".join(leftovers))
+
+    for family in {f for f, _ in claimed.values()}:
+        missing = {seam: spec["adapter"] for seam, spec in families[family]["manifest"]["seams"].items()
+                   if spec["adapter"] not in driver.ADAPTERS}
+        if missing:
+            layers = [p for p, (f, _) in claimed.items() if f == family]
+            return Support(mode="none", reason=f"family '{family}' covers {layers} but its seams {missing} need adapters "
+                                                f"this version lacks (known: {sorted(driver.ADAPTERS)})")
+
+    support = Support(mode="tree")
+    for path, (family, mixer) in claimed.items():
+        manifest = families[family]["manifest"]
+        module_name = type(mixer).__module__
+        entry = next((m for m in manifest["models"] if m["module"] == module_name), None)
+        if entry is None:
+            return Support(mode="none", reason=f"{path} ({type(mixer).__name__}) lives in {module_name}, which the "
+                                                f"'{family}' manifest does not list")
+        modeling = importlib.import_module(module_name)
+        carriers = [getattr(modeling, c) for c in entry.get("plan_carriers", []) if hasattr(modeling, c)]
+        backend = backends.get(family, seams.owners[module_name].backend if module_name in seams.owners else "auto")
+        seams.patch_module(modeling, family, manifest["seams"], carriers, policy, backend)
+        seams.owners[module_name].models.add(id(model))
+        support.layers.append(LayerSupport(path, type(mixer).__name__, family, backend, module_name))
+        support.families[family] = backend
+        if module_name not in support.modules:
+            support.modules.append(module_name)
+    _installed[id(model)] = support
+    model._tree_recurrence_support = support
+    return support
+
+
+def uninstall(model: torch.nn.Module) -> None:
+    """Removes this model's claim on its modeling modules; a module no installed model uses is
+    restored attribute by attribute to the very objects it had before install."""
+    support = _installed.pop(id(model), None)
+    if support is None:
+        return
+    for name in support.modules:
+        owner = seams.owners.get(name)
+        if owner is None:
+            continue
+        owner.models.discard(id(model))
+        if not owner.models:
+            seams.unpatch_module(name)
+    if getattr(model, "_tree_recurrence_support", None) is support:
+        del model._tree_recurrence_support
+
+
+def set_backend(model: torch.nn.Module, family: str, backend: str) -> None:
+    """Swaps a family's backend at run time for the modeling modules this model uses."""
+    support = _installed.get(id(model))
+    if support is None:
+        raise ValueError("set_backend: this model has no tree_recurrence hooks; call install(model) first")
+    _check_backends({family: backend}, plugins.families())
+    if family not in support.families:
+        raise ValueError(f"set_backend: the model has no layer of family '{family}' (has {sorted(support.families)})")
+    for name in support.modules:
+        owner = seams.owners[name]
+        if owner.family == family:
+            owner.backend = backend
+    support.families[family] = backend
+    for layer in support.layers:
+        if layer.family == family:
+            layer.backend = backend

@@ -1,0 +1,126 @@
+"""The generic seam patcher: replaces module-level seam functions of transformers modeling modules
+with wrappers that follow the trie, and restores them exactly.
+
+A wrapper with no ``tree_*`` kwargs (and no plan in context) calls the original unchanged, so
+outputs are bit-identical. With a tree it hands the call to the driver adapter the family manifest
+names. Each modeling module has one owner (``owners``); models of one architecture share its
+wrappers, and the latest policy and backends of the owner apply.
+
+Seams that get no kwargs (LFM2's short conv) read the plan from a context set by the manifest's
+``plan_carriers`` classes (the decoder layer, whose forward receives the kwargs, also under
+gradient-checkpoint replay). The context is a ContextVar set and reset in try/finally, so it is
+exact under nesting, re-entry, exceptions and threads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from . import driver
+from ._plan import TreePlan, tree_plan
+from .policy import Policy
+
+_context_plan: contextvars.ContextVar[TreePlan | None] = contextvars.ContextVar("tree_recurrence_plan", default=None)
+
+WRAPPER_MARK = "__tree_recurrence_seam__"
+
+
+@contextlib.contextmanager
+def plan_context(plan: TreePlan | None):
+    """Makes ``plan`` the plan of seams that get no kwargs, for the duration of the block."""
+    token = _context_plan.set(plan)
+    try:
+        yield plan
+    finally:
+        _context_plan.reset(token)
+
+
+def current_plan() -> TreePlan | None:
+    return _context_plan.get()
+
+
+@dataclass
+class ModuleOwner:
+    """What this package changed in one modeling module, and for whom."""
+
+    module: Any
+    family: str
+    policy: Policy
+    backend: str = "auto"
+    originals: dict[str, Any] = field(default_factory=dict)  # seam name -> the very object replaced
+    carriers: dict[type, Callable] = field(default_factory=dict)  # class -> its original forward
+    models: set[int] = field(default_factory=set)  # id() of installed models using it
+
+
+owners: dict[str, ModuleOwner] = {}
+
+
+def _make_seam_wrapper(owner: ModuleOwner, seam: str, spec: dict, original: Callable) -> Callable:
+    adapter = driver.ADAPTERS[spec["adapter"]]
+
+    def seam_wrapper(*args, **kwargs):
+        plan = tree_plan(kwargs) if spec.get("plan_source", "kwargs") == "kwargs" else None
+        if plan is None:
+            plan = _context_plan.get()
+        if plan is None:
+            return original(*args, **kwargs)
+        call = driver.SeamCall.bind(owner.family, seam, spec, original, plan, args, kwargs)
+        return adapter(call, owner.backend, owner.policy)
+
+    functools.update_wrapper(seam_wrapper, original, assigned=("__module__", "__name__", "__qualname__", "__doc__"))
+    setattr(seam_wrapper, WRAPPER_MARK, (owner.family, seam))
+    seam_wrapper.__tree_recurrence_original__ = original
+    return seam_wrapper
+
+
+def _make_carrier_forward(original_forward: Callable) -> Callable:
+    @functools.wraps(original_forward)
+    def forward(self, *args, **kwargs):
+        plan = tree_plan(kwargs)
+        if plan is None:
+            return original_forward(self, *args, **kwargs)
+        with plan_context(plan):
+            return original_forward(self, *args, **kwargs)
+
+    setattr(forward, WRAPPER_MARK, "carrier")
+    return forward
+
+
+def patch_module(module: Any, family: str, seams: dict[str, dict], carrier_classes: list[type], policy: Policy,
+                 backend: str) -> ModuleOwner:
+    """Installs the family's wrappers into ``module`` (idempotent; updates policy and backend)."""
+    name = module.__name__
+    owner = owners.get(name)
+    if owner is not None:
+        if owner.family != family:
+            raise ValueError(f"{name} is already patched by family '{owner.family}', not '{family}'")
+        owner.policy, owner.backend = policy, backend
+        return owner
+    owner = ModuleOwner(module=module, family=family, policy=policy, backend=backend)
+    for seam, spec in seams.items():
+        if not hasattr(module, seam):
+            continue
+        if spec["adapter"] not in driver.ADAPTERS:
+            raise ValueError(f"family '{family}': seam '{seam}' uses adapter '{spec['adapter']}', "
+                             f"which this version does not have (known: {sorted(driver.ADAPTERS)})")
+        original = getattr(module, seam)
+        owner.originals[seam] = original
+        setattr(module, seam, _make_seam_wrapper(owner, seam, spec, original))
+    for cls in carrier_classes:
+        owner.carriers[cls] = cls.__dict__["forward"]
+        cls.forward = _make_carrier_forward(cls.__dict__["forward"])
+    owners[name] = owner
+    return owner
+
+
+def unpatch_module(name: str) -> None:
+    """Restores every attribute of the module to the very object it was."""
+    owner = owners.pop(name)
+    for seam, original in owner.originals.items():
+        setattr(owner.module, seam, original)
+    for cls, forward in owner.carriers.items():
+        cls.forward = forward
