@@ -39,7 +39,9 @@ at::Tensor tree_scan(const at::Tensor& q_in, const at::Tensor& k_in, const at::T
                      const std::optional<at::Tensor>& initial_state, double scale, bool use_qk_l2norm) {
   check(q_in, k_in, v_in, g_in, beta_in, seg_offsets, parents);
   const int64_t groups = v_in.size(1) / q_in.size(1);
-  at::Tensor q = q_in.to(at::kFloat), k = k_in.to(at::kFloat);
+  // fp32 states, as the library kernels; float64 when the values are float64 (exact tests).
+  const at::ScalarType compute = v_in.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  at::Tensor q = q_in.to(compute), k = k_in.to(compute);
   if (use_qk_l2norm) {
     q = l2norm(q);
     k = l2norm(k);
@@ -49,7 +51,7 @@ at::Tensor tree_scan(const at::Tensor& q_in, const at::Tensor& k_in, const at::T
     k = k.repeat_interleave(groups, 1);
   }
   q = q * (scale > 0 ? scale : 1.0 / std::sqrt(static_cast<double>(q.size(2))));
-  const at::Tensor v = v_in.to(at::kFloat), decay = g_in.to(at::kFloat).exp(), beta = beta_in.to(at::kFloat);
+  const at::Tensor v = v_in.to(compute), decay = g_in.to(compute).exp(), beta = beta_in.to(compute);
   const int64_t HV = v.size(1), K = q.size(2), V = v.size(2);
   const int64_t S = parents.numel();
   const int64_t* offsets = seg_offsets.data_ptr<int64_t>();
@@ -71,7 +73,7 @@ at::Tensor tree_scan(const at::Tensor& q_in, const at::Tensor& k_in, const at::T
     if (parent[s] >= 0) {
       state = final_state[parent[s]];
     } else if (initial_state) {
-      state = (initial_state->dim() == 3 ? *initial_state : (*initial_state)[root]).to(at::kFloat);
+      state = (initial_state->dim() == 3 ? *initial_state : (*initial_state)[root]).to(compute);
       ++root;
     } else {
       state = at::zeros({HV, K, V}, v.options());

@@ -7,7 +7,7 @@
 //   decay (<= 0). seg_offsets (S+1) and parents (S) are the plan's host int64 arrays.
 //   initial_state (HV, K, V) or (R, HV, K, V) (one per root, in root order) or None.
 //   scale <= 0 means key_dim^-0.5 (what the models use).
-//   Returns o (N, HV, V) in v's dtype; the recurrence runs in fp32:
+//   Returns o (N, HV, V) in v's dtype; the recurrence runs in fp32 (float64 for float64 values):
 //     S <- S * exp(g_t);  S <- S + k_t (beta_t (v_t - S^T k_t))^T;  o_t = S^T (scale * q_t)
 #pragma once
 

@@ -1,27 +1,18 @@
-// Torch ops of the gated_delta_net family, namespace tree_recurrence_gated_delta_net.
-#include <torch/library.h>
+// Torch ops of the gated_delta_net family (namespace tree_recurrence_gated_delta_net), registered
+// when the family is created (sdk/op_library.h says why).
+#include "ops.h"
 
 #include "gdn_tree_scan.h"
 #include "tree_recurrence/sdk/tree_conv_op.h"
 
-#define TR_STR2(x) #x
-#define TR_STR(x) TR_STR2(x)
+namespace tree_recurrence::gdn {
 
-TORCH_LIBRARY(TREE_RECURRENCE_OP_NAMESPACE, m) {
-  tree_recurrence::define_tree_conv(m);
-  m.def("gdn_tree_scan(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor seg_offsets, Tensor parents, "
-        "Tensor? initial_state, float scale, bool use_qk_l2norm) -> Tensor");
+void register_ops() {
+  register_tree_conv_op();
+  op_library(torch::Library::FRAGMENT)
+      .def("gdn_tree_scan(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor seg_offsets, Tensor parents, "
+           "Tensor? initial_state, float scale, bool use_qk_l2norm) -> Tensor");
+  op_library(torch::Library::IMPL, c10::DispatchKey::CompositeImplicitAutograd).impl("gdn_tree_scan", &tree_scan);
 }
 
-TORCH_LIBRARY_IMPL(TREE_RECURRENCE_OP_NAMESPACE, CompositeImplicitAutograd, m) {
-  m.impl("gdn_tree_scan", &tree_recurrence::gdn::tree_scan);
-}
-
-TORCH_LIBRARY_IMPL(TREE_RECURRENCE_OP_NAMESPACE, CPU, m) { tree_recurrence::impl_tree_conv_cpu(m); }
-#ifdef TREE_RECURRENCE_WITH_CUDA
-TORCH_LIBRARY_IMPL(TREE_RECURRENCE_OP_NAMESPACE, CUDA, m) { tree_recurrence::impl_tree_conv_cuda(m); }
-#endif
-TORCH_LIBRARY_IMPL(TREE_RECURRENCE_OP_NAMESPACE, Meta, m) { tree_recurrence::impl_tree_conv_meta(m); }
-TORCH_LIBRARY_IMPL(TREE_RECURRENCE_OP_NAMESPACE, Autograd, m) {
-  tree_recurrence::impl_tree_conv_autograd(m, TR_STR(TREE_RECURRENCE_OP_NAMESPACE) "::tree_conv");
-}
+}  // namespace tree_recurrence::gdn

@@ -1,17 +1,19 @@
-// Torch ops of this family (namespace from TREE_RECURRENCE_OP_NAMESPACE): the shared tree conv.
-#include <torch/library.h>
+// Torch ops of the mamba2 family (namespace tree_recurrence_mamba2): the shared tree conv and the
+// native tree SSD scan, registered when the family is created (sdk/op_library.h says why: a bad
+// schema must refuse the plugin, not terminate the process while its library loads).
+#include "ops.h"
 
+#include "ssd_tree_scan.h"
 #include "tree_recurrence/sdk/tree_conv_op.h"
 
-#define TR_STR2(x) #x
-#define TR_STR(x) TR_STR2(x)
+namespace tree_recurrence::ssd {
 
-TORCH_LIBRARY(TREE_RECURRENCE_OP_NAMESPACE, m) { tree_recurrence::define_tree_conv(m); }
-TORCH_LIBRARY_IMPL(TREE_RECURRENCE_OP_NAMESPACE, CPU, m) { tree_recurrence::impl_tree_conv_cpu(m); }
-#ifdef TREE_RECURRENCE_WITH_CUDA
-TORCH_LIBRARY_IMPL(TREE_RECURRENCE_OP_NAMESPACE, CUDA, m) { tree_recurrence::impl_tree_conv_cuda(m); }
-#endif
-TORCH_LIBRARY_IMPL(TREE_RECURRENCE_OP_NAMESPACE, Meta, m) { tree_recurrence::impl_tree_conv_meta(m); }
-TORCH_LIBRARY_IMPL(TREE_RECURRENCE_OP_NAMESPACE, Autograd, m) {
-  tree_recurrence::impl_tree_conv_autograd(m, TR_STR(TREE_RECURRENCE_OP_NAMESPACE) "::tree_conv");
+void register_ops() {
+  register_tree_conv_op();
+  op_library(torch::Library::FRAGMENT)
+      .def("ssd_tree_scan(Tensor x, Tensor dt, Tensor B, Tensor C, Tensor seg_offsets, Tensor parents, Tensor? initial_state, "
+           "Tensor A, float[] dt_limit, Tensor? D=None, Tensor? dt_bias=None, bool dt_softplus=False, Tensor? z=None) -> Tensor");
+  op_library(torch::Library::IMPL, c10::DispatchKey::CompositeImplicitAutograd).impl("ssd_tree_scan", &tree_scan);
 }
+
+}  // namespace tree_recurrence::ssd

@@ -17,7 +17,7 @@ std::map<std::string, const PluginRecord*> by_manifest_name(const std::vector<co
 TEST_SUITE("Registry") {
   TEST_CASE("every failure mode is reported and skipped; the good plugin loads") {
     auto records = by_manifest_name(Registry::instance().discover({TEST_PLUGIN_DIR}));
-    REQUIRE(records.size() == 9);
+    REQUIRE(records.size() == 10);
     const PluginRecord* good = records.at("test_good.yaml");
     CHECK(good->loaded);
     CHECK(good->error.empty());
@@ -43,6 +43,7 @@ TEST_SUITE("Registry") {
     refused("test_no_entry.yaml", "has no entry symbol 'tree_recurrence_plugin_info'");
     refused("test_factory_throws.yaml", "family factory failed: test factory refuses to build");
     refused("test_zz_duplicate.yaml", "family 'test_good' is already loaded");
+    refused("test_bad_schema.yaml", "family factory failed:");
   }
 
   TEST_CASE("discovering a folder again adds nothing") {

@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-__all__ = ["causal_conv1d_fn", "chunk_gated_delta_rule", "l2norm"]
+__all__ = ["bind_reference_kernels", "causal_conv1d_fn", "chunk_gated_delta_rule", "l2norm"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -250,7 +250,8 @@ def chunk_gated_delta_rule(
                 )
             raise ValueError(f"initial_state must be {list(expected)}, got {list(initial_state.shape)}")
 
-    f32 = torch.float32
+    # fp32 as FLA computes; float64 when any input is float64, so tests can compare exactly.
+    f32 = torch.float64 if torch.float64 in (q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype) else torch.float32
     qf, kf, vf, gf, bf = (t.to(f32) for t in (q, k, v, g, beta))
     if use_gate_in_kernel:
         A_log = kwargs.get("A_log")
@@ -297,3 +298,66 @@ def chunk_gated_delta_rule(
     if state_v_first:
         ht = ht.transpose(-1, -2).contiguous()
     return o, ht
+
+
+# --------------------------------------------------------------------------------------------
+# Binding the references into a modeling module, exactly as transformers binds a library
+# --------------------------------------------------------------------------------------------
+
+# seam name in a modeling module -> (hub key, package, reference standing in for the package)
+_LIBRARY_SEAMS = {
+    "causal_conv1d_fn": ("causal_conv1d_fn", "causal_conv1d", "causal_conv1d_fn"),
+    "torch_chunk_gated_delta_rule": ("chunk_gated_delta_rule", "fla", "chunk_gated_delta_rule"),
+    "mamba2_chunk_scan": ("mamba_chunk_scan_combined", "mamba_ssm", "mamba_chunk_scan_combined"),
+    "mamba2_split_conv1d_scan_combined": ("mamba_split_conv1d_scan_combined", "mamba_ssm",
+                                          "mamba_split_conv1d_scan_combined"),
+}
+
+
+def bind_reference_kernels(module, seams=None):
+    """Rebinds ``module``'s seams as if FLA / causal-conv1d / mamba-ssm were installed, with these
+    references as the libraries: each seam is re-decorated with transformers' own
+    ``use_kernel_func_from_hub_with_fallback`` while a stand-in package is importable, so the
+    seam filters keywords and dispatches exactly as it would with the real library.
+
+    Call it before ``tree_recurrence.install``. Returns a function that restores the seams.
+    """
+    import sys
+    import types
+
+    from transformers.integrations import hub_kernels
+
+    this = sys.modules[__name__]
+    replaced = {}
+    for seam, (key, package, reference_name) in _LIBRARY_SEAMS.items():
+        if seams is not None and seam not in seams:
+            continue
+        if not hasattr(module, seam) or not hasattr(this, reference_name):
+            continue
+        current = getattr(module, seam)
+        torch_function = getattr(current, "__wrapped__", None)
+        if torch_function is None:
+            raise ValueError(f"{module.__name__}.{seam} is not a transformers kernel seam (no __wrapped__)")
+        internal = hub_kernels._KERNELS_INTERNAL_PATH_MAPPINGS.get(key)
+        parts = [package] + (internal.split(".") if internal else [])
+        fakes = [types.ModuleType(".".join(parts[: i + 1])) for i in range(len(parts))]
+        for parent, child, name in zip(fakes, fakes[1:], parts[1:]):
+            setattr(parent, name, child)
+        setattr(fakes[-1], key, getattr(this, reference_name))
+        saved = {f.__name__: sys.modules.get(f.__name__) for f in fakes}
+        sys.modules.update({f.__name__: f for f in fakes})
+        try:
+            replaced[seam] = current
+            setattr(module, seam, hub_kernels.use_kernel_func_from_hub_with_fallback(key, package)(torch_function))
+        finally:
+            for name, previous in saved.items():
+                if previous is None:
+                    sys.modules.pop(name, None)
+                else:
+                    sys.modules[name] = previous
+
+    def restore():
+        for seam, original in replaced.items():
+            setattr(module, seam, original)
+
+    return restore

@@ -1,8 +1,7 @@
 // The tree conv as a torch op, for any family that has a causal depthwise conv seam.
 //
-// Each family registers it in its own namespace (one TORCH_LIBRARY per plugin):
-//   TORCH_LIBRARY(ns, m) { tree_recurrence::define_tree_conv(m); }
-//   TORCH_LIBRARY_IMPL(ns, CPU, m) { tree_recurrence::impl_tree_conv_cpu(m); } ... (see below)
+// Each family registers it in its own namespace, from its constructor (sdk/op_library.h):
+//   register_tree_conv_op();
 // Schema:
 //   tree_conv(Tensor x, Tensor weight, Tensor? bias, Tensor ancestors, Tensor reader_offsets,
 //             Tensor readers, bool silu) -> Tensor
@@ -24,6 +23,7 @@
 #endif
 
 #include "tree_recurrence/kernels/tree_conv.h"
+#include "tree_recurrence/sdk/op_library.h"
 
 namespace tree_recurrence {
 namespace conv_op {
@@ -225,13 +225,24 @@ inline void impl_tree_conv_meta(torch::Library& m) {
 }
 
 // `qualified` is "<namespace>::tree_conv", used to call below autograd.
-inline void impl_tree_conv_autograd(torch::Library& m, const char* qualified) {
+inline void impl_tree_conv_autograd(torch::Library& m, std::string qualified) {
   m.impl("tree_conv", [qualified](const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                                   const at::Tensor& ancestors, const at::Tensor& reader_offsets, const at::Tensor& readers,
                                   bool silu) {
-    static const c10::OperatorHandle op = c10::Dispatcher::singleton().findSchemaOrThrow(qualified, "");
+    static const c10::OperatorHandle op = c10::Dispatcher::singleton().findSchemaOrThrow(qualified.c_str(), "");
     return conv_op::TreeConvFunction::apply(x, weight, bias, ancestors, reader_offsets, readers, silu, &op);
   });
+}
+
+// Defines tree_conv in this plugin's namespace with its CPU, CUDA, Meta and Autograd kernels.
+inline void register_tree_conv_op() {
+  define_tree_conv(op_library(torch::Library::FRAGMENT));
+  impl_tree_conv_cpu(op_library(torch::Library::IMPL, c10::DispatchKey::CPU));
+#ifdef TREE_RECURRENCE_WITH_CUDA
+  impl_tree_conv_cuda(op_library(torch::Library::IMPL, c10::DispatchKey::CUDA));
+#endif
+  impl_tree_conv_meta(op_library(torch::Library::IMPL, c10::DispatchKey::Meta));
+  impl_tree_conv_autograd(op_library(torch::Library::IMPL, c10::DispatchKey::Autograd), qualified_op("tree_conv"));
 }
 
 }  // namespace tree_recurrence

@@ -1,0 +1,110 @@
+#include "ssd_tree_scan.h"
+
+#include <ATen/ATen.h>
+
+#include <vector>
+
+namespace tree_recurrence::ssd {
+namespace {
+
+void check(const at::Tensor& x, const at::Tensor& dt, const at::Tensor& B, const at::Tensor& C, const at::Tensor& seg_offsets,
+           const at::Tensor& parents, const at::Tensor& A, const std::optional<at::Tensor>& D,
+           const std::optional<at::Tensor>& dt_bias, at::ArrayRef<double> dt_limit) {
+  TORCH_CHECK_VALUE(x.dim() == 3, "ssd_tree_scan: x must be (tokens, heads, head_dim), got ", x.sizes());
+  const int64_t T = x.size(0), H = x.size(1), P = x.size(2);
+  TORCH_CHECK_VALUE(dt.dim() == 2 && dt.size(0) == T && dt.size(1) == H, "ssd_tree_scan: dt must be (tokens, heads)=", T, "x",
+                    H, ", got ", dt.sizes());
+  TORCH_CHECK_VALUE(B.dim() == 3 && B.size(0) == T && C.sizes() == B.sizes(),
+                    "ssd_tree_scan: B and C must be (tokens, groups, state) alike, got ", B.sizes(), " and ", C.sizes());
+  TORCH_CHECK_VALUE(B.size(1) > 0 && H % B.size(1) == 0, "ssd_tree_scan: heads ", H, " must be a multiple of groups ",
+                    B.size(1));
+  TORCH_CHECK_VALUE(A.dim() == 1 && A.size(0) == H, "ssd_tree_scan: A must be (heads=", H, "), got ", A.sizes());
+  if (D)
+    TORCH_CHECK_VALUE((D->dim() == 1 && D->size(0) == H) || (D->dim() == 2 && D->size(0) == H && D->size(1) == P),
+                      "ssd_tree_scan: D must be (heads=", H, ") or (heads, head_dim=", P, "), got ", D->sizes());
+  if (dt_bias)
+    TORCH_CHECK_VALUE(dt_bias->dim() == 1 && dt_bias->size(0) == H, "ssd_tree_scan: dt_bias must be (heads=", H, "), got ",
+                      dt_bias->sizes());
+  TORCH_CHECK_VALUE(dt_limit.size() == 2 && dt_limit[0] <= dt_limit[1],
+                    "ssd_tree_scan: dt_limit must be (low, high) with low <= high");
+  TORCH_CHECK_VALUE(seg_offsets.is_cpu() && parents.is_cpu() && seg_offsets.scalar_type() == at::kLong &&
+                        parents.scalar_type() == at::kLong,
+                    "ssd_tree_scan: seg_offsets and parents must be int64 CPU tensors (the plan's host arrays)");
+  TORCH_CHECK_VALUE(seg_offsets.numel() == parents.numel() + 1, "ssd_tree_scan: seg_offsets must have one more entry than parents");
+  TORCH_CHECK_VALUE(seg_offsets.numel() >= 2 && seg_offsets.data_ptr<int64_t>()[seg_offsets.numel() - 1] == T,
+                    "ssd_tree_scan: seg_offsets must end at the number of tokens ", T);
+}
+
+}  // namespace
+
+at::Tensor tree_scan(const at::Tensor& x_in, const at::Tensor& dt_in, const at::Tensor& B_in, const at::Tensor& C_in,
+                     const at::Tensor& seg_offsets, const at::Tensor& parents, const std::optional<at::Tensor>& initial_state,
+                     const at::Tensor& A_in, at::ArrayRef<double> dt_limit, const std::optional<at::Tensor>& D,
+                     const std::optional<at::Tensor>& dt_bias, bool dt_softplus, const std::optional<at::Tensor>& z_in) {
+  check(x_in, dt_in, B_in, C_in, seg_offsets, parents, A_in, D, dt_bias, dt_limit);
+  const int64_t H = x_in.size(1), P = x_in.size(2), N = B_in.size(2);
+  const int64_t heads_per_group = H / B_in.size(1);
+
+  // dt as the reference prepares it: bias, softplus and clamp in dt's own dtype, then fp32.
+  at::Tensor dt = dt_in;
+  if (dt_bias) dt = dt + dt_bias->to(dt.scalar_type());
+  if (dt_softplus) dt = at::softplus(dt, /*beta=*/1, /*threshold=*/20);
+  dt = at::clamp(dt, dt_limit[0], dt_limit[1]).to(at::kFloat);  // (T, H)
+
+  const at::Tensor x = x_in.to(at::kFloat);
+  at::Tensor B = B_in.to(at::kFloat), C = C_in.to(at::kFloat);
+  if (heads_per_group > 1) {
+    B = B.repeat_interleave(heads_per_group, 1);  // (T, H, N)
+    C = C.repeat_interleave(heads_per_group, 1);
+  }
+  const at::Tensor decay = (dt * A_in.to(at::kFloat)).exp();  // (T, H)
+  const at::Tensor dx = x * dt.unsqueeze(-1);                 // (T, H, P)
+
+  const int64_t S = parents.numel();
+  const int64_t* offsets = seg_offsets.data_ptr<int64_t>();
+  const int64_t* parent = parents.data_ptr<int64_t>();
+  int64_t roots = 0;
+  for (int64_t s = 0; s < S; ++s) roots += parent[s] < 0;
+  if (initial_state) {
+    const auto& h0 = *initial_state;
+    TORCH_CHECK_VALUE((h0.dim() == 3 && h0.size(0) == H && h0.size(1) == P && h0.size(2) == N) ||
+                          (h0.dim() == 4 && h0.size(0) == roots && h0.size(1) == H && h0.size(2) == P && h0.size(3) == N),
+                      "ssd_tree_scan: initial_state must be (heads, head_dim, state)=(", H, ", ", P, ", ", N, ") or (roots=",
+                      roots, ", heads, head_dim, state), got ", h0.sizes());
+  }
+
+  std::vector<at::Tensor> final_state(S);
+  std::vector<at::Tensor> outputs(x.size(0));
+  int64_t root = 0;
+  for (int64_t s = 0; s < S; ++s) {
+    at::Tensor state;
+    if (parent[s] >= 0) {
+      state = final_state[parent[s]];
+    } else if (initial_state) {
+      state = (initial_state->dim() == 3 ? *initial_state : (*initial_state)[root]).to(at::kFloat);
+      ++root;
+    } else {
+      state = at::zeros({H, P, N}, x.options());
+      ++root;
+    }
+    for (int64_t t = offsets[s]; t < offsets[s + 1]; ++t) {
+      state = state * decay[t].view({H, 1, 1}) + dx[t].unsqueeze(-1) * B[t].unsqueeze(1);  // (H, P, N)
+      outputs[t] = (state * C[t].unsqueeze(1)).sum(-1);                                      // (H, P)
+    }
+    final_state[s] = state;
+  }
+  at::Tensor y = at::stack(outputs);  // (T, H, P) fp32
+  if (D) y = y + (D->dim() == 1 ? D->view({H, 1}) : *D) * x;
+  if (z_in) {
+    at::Tensor z = *z_in;
+    if (z.dim() == 4) {
+      TORCH_CHECK_VALUE(z.size(0) == 1, "ssd_tree_scan: z must be (tokens, heads, head_dim) or (1, tokens, ...), got ", z.sizes());
+      z = z[0];
+    }
+    TORCH_CHECK_VALUE(z.sizes() == x_in.sizes(), "ssd_tree_scan: z must be shaped like x ", x_in.sizes(), ", got ", z.sizes());
+    y = y * at::silu(z.to(at::kFloat));
+  }
+  return y.to(at::kFloat);
+}
+
+}  // namespace tree_recurrence::ssd

@@ -1,0 +1,221 @@
+"""Shared fixtures of the Python suites: deterministic seeds, an install() that always uninstalls,
+kernel libraries bound the way transformers binds them, and a cache of the "every sample alone"
+references (the expensive part), keyed by model type, forest and seed."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import sys
+import types
+
+import pytest
+import torch
+
+import models as M
+
+# Modeling modules as transformers left them at import (before any test touched them).
+_PRISTINE: dict[str, dict] = {}
+
+
+def pristine_seams(model_type: str) -> dict:
+    """The module's own seam objects, captured before any test ran."""
+    name = M.MODELING_MODULES[model_type]
+    if name not in _PRISTINE:
+        module = importlib.import_module(name)
+        _PRISTINE[name] = {s: getattr(module, s) for s in ("causal_conv1d_fn", "torch_chunk_gated_delta_rule")}
+    return _PRISTINE[name]
+
+
+for _mt in M.MODELING_MODULES:
+    try:
+        pristine_seams(_mt)
+    except ImportError:  # a model type this transformers lacks: its tests skip
+        pass
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+    yield
+
+
+# ------------------------------------------------------------------------------------------------
+# install / uninstall
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def tree_install():
+    """``tree_install(model, **kw)`` = tree_recurrence.install, undone at teardown, whatever happened."""
+    import tree_recurrence as tr
+
+    models = []
+
+    def install(model, **kw):
+        support = tr.install(model, **kw)
+        models.append(model)
+        return support
+
+    yield install
+    for model in models:
+        tr.uninstall(model)
+
+
+@pytest.fixture
+def decisions():
+    """The driver's decision log, emptied before the test."""
+    from tree_recurrence import driver
+
+    driver.decisions.clear()
+    return driver.decisions
+
+
+# ------------------------------------------------------------------------------------------------
+# kernel libraries bound as transformers binds them
+# ------------------------------------------------------------------------------------------------
+
+
+class KernelSpy:
+    """Wraps a stand-in library function (functools.wraps: same signature, so transformers' keyword
+    filter sees the library's parameters) and records how each call was made."""
+
+    def __init__(self):
+        self.calls: list[dict] = []
+
+    def wrap(self, kind: str, fn):
+        @functools.wraps(fn)
+        def spy(*args, **kwargs):
+            self.calls.append({"kind": kind, "batch": args[0].shape[0], "cu_seqlens": kwargs.get("cu_seqlens"),
+                               "initial_state": kwargs.get("initial_state"), "nargs": len(args), "keywords": sorted(kwargs)})
+            return fn(*args, **kwargs)
+
+        return spy
+
+    def of(self, kind: str) -> list[dict]:
+        return [c for c in self.calls if c["kind"] == kind]
+
+
+@contextlib.contextmanager
+def _fake_packages(package: str, func_name: str, fn):
+    """Makes ``package`` importable with ``fn`` at transformers' internal path for ``func_name``
+    (``_KERNELS_INTERNAL_PATH_MAPPINGS``), e.g. fla.ops.gated_delta_rule.chunk_gated_delta_rule."""
+    from transformers.integrations import hub_kernels
+
+    internal = hub_kernels._KERNELS_INTERNAL_PATH_MAPPINGS.get(func_name)
+    parts = [package] + (internal.split(".") if internal else [])
+    fakes = []
+    for i in range(len(parts)):
+        mod = types.ModuleType(".".join(parts[: i + 1]))
+        mod.__path__ = []  # a package
+        fakes.append(mod)
+    for parent, child, attr in zip(fakes, fakes[1:], parts[1:]):
+        setattr(parent, attr, child)
+    setattr(fakes[-1], func_name, fn)
+    saved = {m.__name__: sys.modules.get(m.__name__) for m in fakes}
+    sys.modules.update({m.__name__: m for m in fakes})
+    try:
+        yield
+    finally:
+        for name, previous in saved.items():
+            if previous is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = previous
+
+
+def bind_library(module, seam: str, hub_key: str, package: str, fn):
+    """Re-decorates ``module.<seam>``'s torch function with transformers' own
+    ``use_kernel_func_from_hub_with_fallback(hub_key, package)`` while a stand-in ``package``
+    exposes ``fn``: the result is what the modeling module would hold had the library been
+    installed at import. Returns the new seam object."""
+    from transformers.integrations.hub_kernels import use_kernel_func_from_hub_with_fallback
+
+    torch_function = pristine_seams_by_module(module)[seam].__wrapped__
+    with _fake_packages(package, hub_key, fn):
+        bound = use_kernel_func_from_hub_with_fallback(hub_key, package)(torch_function)
+    setattr(module, seam, bound)
+    return bound
+
+
+def pristine_seams_by_module(module) -> dict:
+    for mt, name in M.MODELING_MODULES.items():
+        if name == module.__name__:
+            return pristine_seams(mt)
+    raise KeyError(module.__name__)
+
+
+BINDINGS = {
+    # name: (bind FLA's chunk_gated_delta_rule, bind causal-conv1d's causal_conv1d_fn)
+    "torch": (False, False),
+    "fla": (True, False),
+    "fla+causal_conv1d": (True, True),
+}
+
+
+@pytest.fixture
+def bind_kernels():
+    """``bind_kernels(model_type, binding)`` binds tree_recurrence.reference's FLA / causal-conv1d
+    stand-ins into the model type's modeling module (call it before install) and returns a
+    KernelSpy of their calls; the module's seams are restored at teardown (after the
+    tree_install fixture has uninstalled, since that fixture is set up first by the tests)."""
+    from tree_recurrence import reference
+
+    restore = []
+
+    def bind(model_type: str, binding: str) -> KernelSpy:
+        fla, conv = BINDINGS[binding]
+        module = importlib.import_module(M.MODELING_MODULES[model_type])
+        spy = KernelSpy()
+        restore.append((module, {s: getattr(module, s) for s in ("causal_conv1d_fn", "torch_chunk_gated_delta_rule")}))
+        if fla:
+            bind_library(module, "torch_chunk_gated_delta_rule", "chunk_gated_delta_rule", "fla",
+                         spy.wrap("gdr", reference.chunk_gated_delta_rule))
+        if conv:
+            bind_library(module, "causal_conv1d_fn", "causal_conv1d_fn", "causal_conv1d",
+                         spy.wrap("conv", reference.causal_conv1d_fn))
+        return spy
+
+    yield bind
+    for module, seams in reversed(restore):
+        for name, obj in seams.items():
+            setattr(module, name, obj)
+
+
+# ------------------------------------------------------------------------------------------------
+# the references: every sample alone, cached for the session
+# ------------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def transformers_seams(model_type: str):
+    """Runs the block with the modeling module's own (torch) seams, whatever is bound or installed."""
+    module = importlib.import_module(M.MODELING_MODULES[model_type])
+    current = {s: getattr(module, s) for s in ("causal_conv1d_fn", "torch_chunk_gated_delta_rule")}
+    for name, obj in pristine_seams(model_type).items():
+        setattr(module, name, obj)
+    try:
+        yield
+    finally:
+        for name, obj in current.items():
+            setattr(module, name, obj)
+
+
+_ALONE: dict[tuple, M.Result] = {}
+
+
+@pytest.fixture(scope="session")
+def alone_reference():
+    """``alone_reference(model_type, forest_name, tree, **config_overrides)`` -> Result of every
+    sample run alone through a fresh (deterministic) model with transformers' own seams; cached."""
+
+    def get(model_type: str, forest: str, tree: M.PackedTree, **overrides) -> M.Result:
+        key = (model_type, forest, tuple(sorted(overrides.items())))
+        if key not in _ALONE:
+            model = M.make_model(model_type, **overrides)
+            with transformers_seams(model_type):
+                _ALONE[key] = M.run_alone(model, tree.samples, M.loss_weights(tree.samples))
+        return _ALONE[key]
+
+    return get
