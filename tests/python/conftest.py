@@ -36,31 +36,28 @@ for _mt in M.MODELING_MODULES:
 
 
 @pytest.fixture(autouse=True)
-def _seed():
+def _seed_and_leak_check():
+    """Seeds torch; after the test, every modeling module must hold transformers' own seams again
+    and no module may still be patched (a leak would silently change later tests)."""
+    from tree_recurrence import seams
+
     torch.manual_seed(0)
     yield
+    leaks = sorted(seams.owners)
+    for name, original in _PRISTINE.items():
+        module = sys.modules[name]
+        for seam, obj in original.items():
+            if getattr(module, seam) is not obj:
+                leaks.append(f"{name}.{seam}")
+                setattr(module, seam, obj)
+    for name in list(seams.owners):
+        seams.unpatch_module(name)
+    assert not leaks, f"test left modeling modules changed: {leaks}"
 
 
 # ------------------------------------------------------------------------------------------------
 # install / uninstall
 # ------------------------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def tree_install():
-    """``tree_install(model, **kw)`` = tree_recurrence.install, undone at teardown, whatever happened."""
-    import tree_recurrence as tr
-
-    models = []
-
-    def install(model, **kw):
-        support = tr.install(model, **kw)
-        models.append(model)
-        return support
-
-    yield install
-    for model in models:
-        tr.uninstall(model)
 
 
 @pytest.fixture
@@ -158,8 +155,7 @@ BINDINGS = {
 def bind_kernels():
     """``bind_kernels(model_type, binding)`` binds tree_recurrence.reference's FLA / causal-conv1d
     stand-ins into the model type's modeling module (call it before install) and returns a
-    KernelSpy of their calls; the module's seams are restored at teardown (after the
-    tree_install fixture has uninstalled, since that fixture is set up first by the tests)."""
+    KernelSpy of their calls; the module's seams are restored at teardown."""
     from tree_recurrence import reference
 
     restore = []
@@ -181,6 +177,25 @@ def bind_kernels():
     for module, seams in reversed(restore):
         for name, obj in seams.items():
             setattr(module, name, obj)
+
+
+@pytest.fixture
+def tree_install(bind_kernels):
+    """``tree_install(model, **kw)`` = tree_recurrence.install, undone at teardown, whatever happened.
+    It depends on bind_kernels so that it is torn down first: uninstall puts back the seams it
+    replaced (possibly bound stand-ins), then bind_kernels puts back transformers' own."""
+    import tree_recurrence as tr
+
+    models = []
+
+    def install(model, **kw):
+        support = tr.install(model, **kw)
+        models.append(model)
+        return support
+
+    yield install
+    for model in models:
+        tr.uninstall(model)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -47,6 +47,7 @@ class SeamCall:
     plan: TreePlan
     named: dict
     rest: dict  # other keywords, tree_* removed
+    positional: int  # how many of the manifest's arguments the model passed positionally
 
     @classmethod
     def bind(cls, family, seam, spec, original, plan, args, kwargs) -> "SeamCall":
@@ -62,12 +63,18 @@ class SeamCall:
             if rest.get(key) is not None:
                 raise ValueError(f"{seam}: got both tree_* kwargs and '{key}'; a tree-packed row carries its own boundaries")
             rest.pop(key, None)
-        return cls(family, seam, spec, original, plan, named, rest)
+        return cls(family, seam, spec, original, plan, named, rest, len(args))
 
     def call_original(self, inputs: dict, **extra):
-        """Calls the bound kernel with the manifest's arguments positionally, as the model does."""
+        """Calls the bound kernel the way the model called the seam (same positional arguments,
+        same keywords), with ``inputs`` replacing arguments and ``extra`` added or replacing
+        keywords. Library kernels order their parameters differently from the torch references
+        (causal-conv1d puts seq_idx before activation), so keywords must stay keywords."""
         names = self.spec["args"]
-        return self.original(*[inputs.get(n, self.named.get(n)) for n in names], **{**self.rest, **extra})
+        value = lambda n: inputs.get(n, self.named.get(n))  # noqa: E731
+        positional = [value(n) for n in names[: self.positional]]
+        keywords = {n: value(n) for n in names[self.positional:] if n in self.named or n in inputs}
+        return self.original(*positional, **{**self.rest, **keywords, **extra})
 
 
 def bound_implementation(seam: Any) -> tuple[Any, tuple, bool]:

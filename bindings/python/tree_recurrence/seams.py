@@ -9,7 +9,9 @@ wrappers, and the latest policy and backends of the owner apply.
 Seams that get no kwargs (LFM2's short conv) read the plan from a context set by the manifest's
 ``plan_carriers`` classes (the decoder layer, whose forward receives the kwargs, also under
 gradient-checkpoint replay). The context is a ContextVar set and reset in try/finally, so it is
-exact under nesting, re-entry, exceptions and threads.
+exact under nesting, re-entry, exceptions and threads. A carrier that is a model head over a base
+model that drops the kwargs (``Mamba2ForCausalLM``) also hands its ``tree_*`` kwargs to the base
+model for the duration of its forward, so the layers get them (and checkpoint replays keep them).
 """
 
 from __future__ import annotations
@@ -77,14 +79,39 @@ def _make_seam_wrapper(owner: ModuleOwner, seam: str, spec: dict, original: Call
     return seam_wrapper
 
 
+def _hand_tree_kwargs_to_base_model(carrier: Any, kwargs: dict):
+    """For a carrier that wraps a base model (a ``PreTrainedModel`` head such as
+    ``Mamba2ForCausalLM``, whose forward calls its backbone without ``**kwargs``): makes every call
+    of the base model during this forward receive the carrier's ``tree_*`` kwargs (those it was not
+    given itself). A plan context alone would not do there: gradient checkpointing replays the
+    layers in backward, outside the context, and the layers only keep the kwargs they received.
+    Returns the hook handle to remove, or None."""
+    import torch
+
+    base = getattr(carrier, "base_model", None)
+    if not isinstance(base, torch.nn.Module) or base is carrier:
+        return None
+    tree = {k: v for k, v in kwargs.items() if k.startswith("tree_")}
+
+    def add_tree_kwargs(module, args, base_kwargs):
+        return args, {**tree, **base_kwargs}
+
+    return base.register_forward_pre_hook(add_tree_kwargs, with_kwargs=True)
+
+
 def _make_carrier_forward(original_forward: Callable) -> Callable:
     @functools.wraps(original_forward)
     def forward(self, *args, **kwargs):
         plan = tree_plan(kwargs)
         if plan is None:
             return original_forward(self, *args, **kwargs)
-        with plan_context(plan):
-            return original_forward(self, *args, **kwargs)
+        handle = _hand_tree_kwargs_to_base_model(self, kwargs)
+        try:
+            with plan_context(plan):
+                return original_forward(self, *args, **kwargs)
+        finally:
+            if handle is not None:
+                handle.remove()
 
     setattr(forward, WRAPPER_MARK, "carrier")
     return forward
