@@ -66,10 +66,20 @@ void TreePlan::derive_parents(const TreeInput& input) {
   if (cu.front() != 0) fail("tree_cu_seqlens_k", "must start at 0, starts at " + std::to_string(cu.front()));
   if (cu.back() != K)
     fail("tree_cu_seqlens_k", "ends at " + std::to_string(cu.back()) + " but tree_kv_index has " + std::to_string(K) + " entries");
-  for (Index i = 0; i < K; ++i)
-    if (kv[i] < 0 || kv[i] >= num_tokens_)
-      fail("tree_kv_index", "entry " + std::to_string(i) + " is " + std::to_string(kv[i]) + ", outside the row [0, " +
-                                std::to_string(num_tokens_) + ")");
+  // Range check as one vectorizable min/max pass; the slow search only runs to name the culprit.
+  Index lowest = 0, highest = 0;
+  if (K > 0) {
+    lowest = highest = kv[0];
+    for (Index i = 1; i < K; ++i) {
+      lowest = std::min(lowest, kv[i]);
+      highest = std::max(highest, kv[i]);
+    }
+  }
+  if (lowest < 0 || highest >= num_tokens_)
+    for (Index i = 0; i < K; ++i)
+      if (kv[i] < 0 || kv[i] >= num_tokens_)
+        fail("tree_kv_index", "entry " + std::to_string(i) + " is " + std::to_string(kv[i]) + ", outside the row [0, " +
+                                  std::to_string(num_tokens_) + ")");
   parents_.assign(S, -1);
   for (Index s = 0; s < S; ++s) {
     const Index begin = cu[s], end = cu[s + 1], len = seg_lengths_[s];
@@ -80,7 +90,7 @@ void TreePlan::derive_parents(const TreeInput& input) {
       fail("tree_kv_index", at_segment(s) + "key path has " + std::to_string(end - begin) + " entries, fewer than the segment's " +
                                 std::to_string(len) + " tokens");
     for (Index i = 0; i < len; ++i)
-      if (kv[end - len + i] != seg_offsets_[s] + i)
+      if (kv[end - len + i] != seg_offsets_[s] + i) [[unlikely]]
         fail("tree_kv_index", at_segment(s) + "key path must end in the segment's own tokens " + std::to_string(seg_offsets_[s]) +
                                   ".." + std::to_string(seg_offsets_[s + 1] - 1) + ", found token " + std::to_string(kv[end - len + i]) +
                                   " at path position " + std::to_string(end - len + i - begin));
@@ -166,21 +176,31 @@ void TreePlan::build_topology() {
 void TreePlan::build_paths() {
   const Index S = num_segments();
   path_offsets_.assign(1, 0);
-  for (Index leaf : leaves_) {
+  IndexVector leaf_index(S, -1);
+  for (Index i = 0; i < num_leaves(); ++i) {
+    const Index leaf = leaves_[i];
     const Index length = segment_start_[leaf] + seg_lengths_[leaf];
     path_offsets_.push_back(path_offsets_.back() + length);
     max_path_length_ = std::max(max_path_length_, length);
+    leaf_index[leaf] = i;
   }
-  path_tokens_.resize(path_offsets_.back());
+  // A segment's outputs come from the first path through it: its own if it is a leaf, else its
+  // first child's. Children come after parents, so one backward sweep settles every segment.
   segment_source_leaf_.assign(S, -1);
-  for (Index i = 0; i < num_leaves(); ++i) {
-    // Walk leaf -> root, writing each segment's tokens at its place in the path.
-    for (Index s = leaves_[i]; s >= 0; s = parents_[s]) {
-      const Index base = path_offsets_[i] + segment_start_[s];
-      for (Index t = 0; t < seg_lengths_[s]; ++t) path_tokens_[base + t] = seg_offsets_[s] + t;
-      if (segment_source_leaf_[s] < 0) segment_source_leaf_[s] = i;
-    }
-  }
+  for (Index s = S - 1; s >= 0; --s)
+    segment_source_leaf_[s] = leaf_index[s] >= 0 ? leaf_index[s] : segment_source_leaf_[children_[child_offsets_[s]]];
+}
+
+const IndexVector& TreePlan::path_tokens() const {
+  std::call_once(path_tokens_once_, [this] {
+    path_tokens_.resize(path_offsets_.back());
+    for (Index i = 0; i < num_leaves(); ++i)
+      for (Index s = leaves_[i]; s >= 0; s = parents_[s]) {
+        const Index base = path_offsets_[i] + segment_start_[s];
+        for (Index t = 0; t < seg_lengths_[s]; ++t) path_tokens_[base + t] = seg_offsets_[s] + t;
+      }
+  });
+  return path_tokens_;
 }
 
 void TreePlan::build_tokens() {
@@ -255,9 +275,10 @@ const IndexVector& TreePlan::array(const std::string& name) const {
       {"level_offsets", &TreePlan::level_offsets_},   {"level_segments", &TreePlan::level_segments_},
       {"child_offsets", &TreePlan::child_offsets_},   {"children", &TreePlan::children_},
       {"leaves", &TreePlan::leaves_},                 {"path_offsets", &TreePlan::path_offsets_},
-      {"path_tokens", &TreePlan::path_tokens_},       {"token_source", &TreePlan::token_source_},
+      {"token_source", &TreePlan::token_source_},
       {"token_segment", &TreePlan::token_segment_},   {"token_position", &TreePlan::token_position_},
       {"segment_start", &TreePlan::segment_start_},   {"segment_source_leaf", &TreePlan::segment_source_leaf_}};
+  if (name == "path_tokens") return path_tokens();
   auto found = members.find(name);
   if (found == members.end()) throw std::out_of_range("TreePlan has no array named '" + name + "'");
   return this->*(found->second);

@@ -33,8 +33,28 @@ def add_plugin_path(folder: str | os.PathLike) -> list[dict[str, Any]]:
     return _core.discover_plugins([folder])
 
 
+def runtime_mismatch() -> str | None:
+    """Why the running torch cannot host this build's plugins, or None.
+
+    The core and every plugin record the torch version and C++ ABI they were built with; a
+    plugin for another torch would fail with undefined symbols or worse, so none is loaded."""
+    built = _core.core_fingerprint()  # "torch X, cxx11_abi N, cuda ..."
+    built_torch = built.split(",")[0].removeprefix("torch ").strip()
+    running = torch.__version__.split("+")[0]
+    if built_torch != running:
+        return f"this build of tree-recurrence is for torch {built_torch}, but torch {running} is running: reinstall it"
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    if f"cxx11_abi {abi}" not in built:
+        return f"this build uses another C++ ABI than the running torch (cxx11_abi {abi}): reinstall it"
+    return None
+
+
 def discover() -> list[dict[str, Any]]:
     """Scans every plugin folder (new manifests only) and returns all records, loaded or refused."""
+    mismatch = runtime_mismatch()
+    if mismatch:
+        return [{"family": "*", "version": "", "manifest_path": "", "library_path": "", "loaded": False,
+                 "error": mismatch, "fingerprint": "", "manifest": None, "kernels": []}]
     _core.discover_plugins(plugin_folders())
     return _core.plugin_records()
 

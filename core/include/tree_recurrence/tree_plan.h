@@ -63,7 +63,8 @@ class TreePlan {
   const IndexVector& children() const { return children_; }
   const IndexVector& leaves() const { return leaves_; }
   const IndexVector& path_offsets() const { return path_offsets_; }
-  const IndexVector& path_tokens() const { return path_tokens_; }
+  // O(sum of path lengths): built on first use (rescan and attention need it, fork does not).
+  const IndexVector& path_tokens() const;
   const IndexVector& token_source() const { return token_source_; }
   const IndexVector& token_segment() const { return token_segment_; }
   const IndexVector& token_position() const { return token_position_; }
@@ -96,9 +97,11 @@ class TreePlan {
   Index max_path_length_ = 0;
   Index max_segment_length_ = 0;
   IndexVector seg_offsets_, seg_lengths_, parents_, levels_, level_offsets_, level_segments_;
-  IndexVector child_offsets_, children_, leaves_, path_offsets_, path_tokens_;
+  IndexVector child_offsets_, children_, leaves_, path_offsets_;
+  mutable IndexVector path_tokens_;
   IndexVector token_source_, token_segment_, token_position_, segment_start_, segment_source_leaf_;
   mutable std::mutex conv_mutex_;
+  mutable std::once_flag path_tokens_once_;
   mutable std::map<Index, std::unique_ptr<IndexVector>> conv_ancestors_;
   mutable std::map<Index, std::unique_ptr<std::pair<IndexVector, IndexVector>>> conv_readers_;
 };
