@@ -1,0 +1,136 @@
+"""GPU tests (skipped without CUDA): the CUDA tree conv op against the CPU op in float64, and a
+tiny Qwen3.5 in bf16 on a tree-packed row against its samples run alone (relative RMS error
+<= 5e-3 for outputs, <= 2e-2 for gradients, SPEC.md's bf16 bar)."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+import tree_recurrence
+from tree_recurrence import driver, plugins
+from tree_recurrence.attention import register_tree_attention
+from tree_recurrence.reference import bind_reference_kernels
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the device machine)")
+
+CONV = "gated_delta_net"
+
+
+def rel_rms(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.double(), want.double()
+    return ((got - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt().clamp(min=1e-30)).item()
+
+
+def random_tree_kwargs(generator: torch.Generator, segments: int, max_len: int, device) -> dict:
+    lengths = torch.randint(1, max_len + 1, (segments,), generator=generator)
+    parents = [-1] + [int(torch.randint(-1, s, (1,), generator=generator)) for s in range(1, segments)]
+    offsets = torch.zeros(segments + 1, dtype=torch.int64)
+    offsets[1:] = torch.cumsum(lengths, 0)
+    return {"tree_cu_seqlens_q": offsets.to(device), "tree_segment_parents": torch.tensor(parents).to(device)}
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("width", [2, 4])
+def test_cuda_tree_conv_matches_cpu(dtype, tol, width):
+    g = torch.Generator().manual_seed(width)
+    kwargs = random_tree_kwargs(g, 300, 9, "cuda")
+    plan = tree_recurrence.tree_plan(kwargs)
+    n, c = plan.num_tokens, 96
+    x = torch.randn(1, c, n, generator=g, dtype=torch.float64)
+    w = torch.randn(c, width, generator=g, dtype=torch.float64)
+    b = torch.randn(c, generator=g, dtype=torch.float64)
+    gy = torch.randn(1, c, n, generator=g, dtype=torch.float64)
+    results = {}
+    for device, dt in (("cpu", torch.float64), ("cuda", dtype)):
+        xs, ws, bs = (t.to(device, dt).requires_grad_() for t in (x, w, b))
+        y = driver.tree_conv(CONV, xs, ws, bs, "silu", plan)
+        y.backward(gy.to(device, dt))
+        results[device] = [t.detach().cpu() for t in (y, xs.grad, ws.grad, bs.grad)]
+    for got, want, name in zip(results["cuda"], results["cpu"], ("y", "grad_x", "grad_weight", "grad_bias")):
+        assert rel_rms(got, want) <= tol, name
+
+
+def tiny_qwen(dtype):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        "qwen3_5_text", vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_conv_kernel_dim=4, linear_key_head_dim=32,
+        linear_value_head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+        layer_types=["linear_attention", "linear_attention", "full_attention"])
+    return AutoModelForCausalLM.from_config(config, attn_implementation=register_tree_attention()).to("cuda", dtype)
+
+
+def trl_row(generator):
+    from trl.experimental.async_grpo.packing import TreeRow
+
+    row = TreeRow()
+    prompt = torch.randint(0, 256, (48,), generator=generator)
+    for n in (1, 3, 17, 30):  # a 1-token completion and some shorter than the conv width
+        ids = torch.cat([prompt, torch.randint(0, 256, (n,), generator=generator)])
+        row.add({"input_ids": ids, "completion_mask": torch.ones_like(ids), "old_log_probs": torch.zeros(len(ids)),
+                 "advantage": 1.0, "group_id": 0})
+    return row.pack()
+
+
+def test_bf16_qwen3_5_tree_matches_samples_alone():
+    pytest.importorskip("trl")
+    torch.manual_seed(0)
+    model = tiny_qwen(torch.bfloat16).train()
+    modeling = importlib.import_module(type(model).__module__)
+    restore = bind_reference_kernels(modeling, seams=["torch_chunk_gated_delta_rule"])  # fwd+bwd on any GPU
+    try:
+        support = tree_recurrence.install(model)
+        assert support.mode == "tree"
+        packed = trl_row(torch.Generator().manual_seed(1))
+        kw = {k: packed[k].cuda() for k in ("tree_kv_index", "tree_cu_seqlens_q", "tree_cu_seqlens_k")}
+        plan = tree_recurrence.tree_plan(kw)
+        ids = packed["input_ids"].cuda()
+        logits = model(input_ids=ids[None], position_ids=packed["position_ids"].cuda()[None], use_cache=False, **kw).logits[0]
+        assert ("gated_delta_net", "causal_conv1d_fn", "native", "native tree conv") in driver.decisions
+        weights = torch.randn(plan.max_path_length, 256, device="cuda", dtype=torch.bfloat16)
+        offsets = plan.array("path_offsets").tolist()
+        paths = [plan.array("path_tokens")[a:b].cuda() for a, b in zip(offsets[:-1], offsets[1:])]
+        sum((logits[p].float() * weights[: len(p)].float()).sum() for p in paths).backward()
+        tree_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        model.zero_grad()
+        worst = 0.0
+        for p in paths:
+            alone = model(input_ids=ids[p][None], use_cache=False).logits[0]
+            worst = max(worst, rel_rms(logits[p], alone))
+            (alone.float() * weights[: len(p)].float()).sum().backward()
+        assert worst <= 5e-3
+        for name, param in model.named_parameters():
+            assert rel_rms(tree_grads[name], param.grad) <= 2e-2, name
+    finally:
+        tree_recurrence.uninstall(model)
+        restore()
+
+
+def test_fla_forward_tree_matches_samples_alone():
+    """With FLA bound by transformers (installed on the device), the GDN core forks over FLA's
+    varlen kernel; forward only (FLA's backward refuses Hopper with Triton < 3.7.1)."""
+    pytest.importorskip("fla")
+    pytest.importorskip("trl")
+    torch.manual_seed(0)
+    model = tiny_qwen(torch.bfloat16).eval()
+    modeling = importlib.import_module(type(model).__module__)
+    assert driver.bound_implementation(modeling.torch_chunk_gated_delta_rule)[2], "FLA is importable but not bound"
+    tree_recurrence.install(model, policy=tree_recurrence.Policy(fork_min_saved_tokens=0), backends={"gated_delta_net": "kernel"})
+    try:
+        packed = trl_row(torch.Generator().manual_seed(2))
+        kw = {k: packed[k].cuda() for k in ("tree_kv_index", "tree_cu_seqlens_q", "tree_cu_seqlens_k")}
+        plan = tree_recurrence.tree_plan(kw)
+        ids = packed["input_ids"].cuda()
+        with torch.no_grad():
+            logits = model(input_ids=ids[None], position_ids=packed["position_ids"].cuda()[None], use_cache=False, **kw).logits[0]
+            assert driver.decisions[-1][2] == "fork"
+            offsets = plan.array("path_offsets").tolist()
+            for a, b in zip(offsets[:-1], offsets[1:]):
+                p = plan.array("path_tokens")[a:b].cuda()
+                assert rel_rms(logits[p], model(input_ids=ids[p][None], use_cache=False).logits[0]) <= 5e-3
+    finally:
+        tree_recurrence.uninstall(model)
