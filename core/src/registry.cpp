@@ -4,18 +4,16 @@
 #include <algorithm>
 #include <boost/dll/shared_library.hpp>
 #include <filesystem>
-#include <sstream>
 
 namespace tree_recurrence {
 namespace fs = std::filesystem;
 namespace {
 
 std::string describe(const TreeRecurrenceFingerprint& f) {
-  std::ostringstream out;
-  out << "torch " << (f.torch_version ? f.torch_version : "?") << ", cxx11_abi " << f.cxx11_abi << ", cuda "
-      << (f.cuda_version && *f.cuda_version ? f.cuda_version : "none");
-  if (f.cuda_archs && *f.cuda_archs) out << " (sm " << f.cuda_archs << ")";
-  return out.str();
+  std::string out = std::string("torch ") + (f.torch_version ? f.torch_version : "?") + ", cxx11_abi " +
+                    std::to_string(f.cxx11_abi) + ", cuda " + (f.cuda_version && *f.cuda_version ? f.cuda_version : "none");
+  if (f.cuda_archs && *f.cuda_archs) out += std::string(" (sm ") + f.cuda_archs + ")";
+  return out;
 }
 
 const TreeRecurrenceFingerprint& own_fingerprint() {

@@ -1,7 +1,6 @@
 #include "tree_recurrence/tree_plan.h"
 
 #include <algorithm>
-#include <sstream>
 
 namespace tree_recurrence {
 namespace {
