@@ -14,7 +14,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import tree_recurrence
-from tree_recurrence import driver
+from tree_recurrence import driver  # noqa: F401  (decisions)
 from tree_recurrence.attention import register_tree_attention
 from tree_recurrence.reference import bind_reference_kernels
 
@@ -58,6 +58,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="float64", choices=["float64", "float32"],
                         help="float64 (default) makes gradient comparisons sharp: the A_log/dt_bias gradients are "
                              "sums of many cancelling terms, so fp32 rounding alone moves them by ~1e-5 absolute")
+    parser.add_argument("--installed-kernels", action="store_true",
+                        help="keep whatever kernels transformers bound (FLA, causal-conv1d) instead of the references")
     args = parser.parse_args()
     from trl.experimental.async_grpo.packing import TreeRow
 
@@ -65,11 +67,12 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     model = tiny_qwen3_5(register_tree_attention(), dtype).to(args.device).train()
     modeling = importlib.import_module(type(model).__module__)
-    if not driver.bound_implementation(modeling.torch_chunk_gated_delta_rule)[2]:
-        # No FLA / causal-conv1d here: bind this package's reference kernels in their place, as
-        # transformers would bind the libraries (varlen, per-sequence states, float64-capable).
+    if not args.installed_kernels:
+        # The comparison must be exact, so this package's reference kernels stand in for FLA and
+        # causal-conv1d, bound exactly as transformers binds the libraries (varlen, per-sequence
+        # states, float64-capable, and a backward on every GPU).
         bind_reference_kernels(modeling)
-        print("kernels: FLA and causal-conv1d are not installed; tree_recurrence.reference stands in for them")
+        print("kernels: tree_recurrence.reference stands in for FLA / causal-conv1d (--installed-kernels to keep them)")
     backends = None if args.strategy in ("auto", "native") else {"gated_delta_net": "kernel"}
     support = tree_recurrence.install(model, policy=tree_recurrence.Policy(strategy=args.strategy), backends=backends)
     print(f"install: mode={support.mode} families={support.families} layers={len(support.layers)}")

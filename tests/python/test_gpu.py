@@ -45,7 +45,7 @@ def test_cuda_tree_conv_matches_cpu(dtype, tol, width):
     gy = torch.randn(1, c, n, generator=g, dtype=torch.float64)
     results = {}
     for device, dt in (("cpu", torch.float64), ("cuda", dtype)):
-        xs, ws, bs = (t.to(device, dt).requires_grad_() for t in (x, w, b))
+        xs, ws, bs = (t.detach().to(device, dt).clone().requires_grad_() for t in (x, w, b))
         y = driver.tree_conv(CONV, xs, ws, bs, "silu", plan)
         y.backward(gy.to(device, dt))
         results[device] = [t.detach().cpu() for t in (y, xs.grad, ws.grad, bs.grad)]
@@ -77,34 +77,48 @@ def trl_row(generator):
 
 
 def test_bf16_qwen3_5_tree_matches_samples_alone():
+    """bf16 tree row vs the samples run alone, both measured against the fp32 model run alone
+    (FLA's way of judging bf16 kernels): the tree must meet SPEC.md's bar (5e-3 outputs, 2e-2
+    gradients, relative RMS) or be no worse than 1.5x the model's own bf16 path on the samples."""
     pytest.importorskip("trl")
     torch.manual_seed(0)
-    model = tiny_qwen(torch.bfloat16).train()
+    model = tiny_qwen(torch.float32).train()
     modeling = importlib.import_module(type(model).__module__)
     restore = bind_reference_kernels(modeling, seams=["torch_chunk_gated_delta_rule"])  # fwd+bwd on any GPU
+    packed = trl_row(torch.Generator().manual_seed(1))
+    kw = {k: packed[k].cuda() for k in ("tree_kv_index", "tree_cu_seqlens_q", "tree_cu_seqlens_k")}
+    ids = packed["input_ids"].cuda()
     try:
         support = tree_recurrence.install(model)
         assert support.mode == "tree"
-        packed = trl_row(torch.Generator().manual_seed(1))
-        kw = {k: packed[k].cuda() for k in ("tree_kv_index", "tree_cu_seqlens_q", "tree_cu_seqlens_k")}
         plan = tree_recurrence.tree_plan(kw)
-        ids = packed["input_ids"].cuda()
-        logits = model(input_ids=ids[None], position_ids=packed["position_ids"].cuda()[None], use_cache=False, **kw).logits[0]
-        assert ("gated_delta_net", "causal_conv1d_fn", "native", "native tree conv") in driver.decisions
-        weights = torch.randn(plan.max_path_length, 256, device="cuda", dtype=torch.bfloat16)
         offsets = plan.array("path_offsets").tolist()
         paths = [plan.array("path_tokens")[a:b].cuda() for a, b in zip(offsets[:-1], offsets[1:])]
-        sum((logits[p].float() * weights[: len(p)].float()).sum() for p in paths).backward()
-        tree_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-        model.zero_grad()
-        worst = 0.0
-        for p in paths:
-            alone = model(input_ids=ids[p][None], use_cache=False).logits[0]
-            worst = max(worst, rel_rms(logits[p], alone))
-            (alone.float() * weights[: len(p)].float()).sum().backward()
-        assert worst <= 5e-3
+        weights = torch.randn(plan.max_path_length, 256, device="cuda")
+
+        def alone(m):
+            outs = []
+            for p in paths:
+                out = m(input_ids=ids[p][None], use_cache=False).logits[0]
+                (out.float() * weights[: len(p)]).sum().backward()
+                outs.append(out.detach().float())
+            grads = {n: q.grad.float().clone() for n, q in m.named_parameters()}
+            m.zero_grad()
+            return outs, grads
+
+        ref_logits, ref_grads = alone(model)  # fp32, samples alone
+        model.to(torch.bfloat16)
+        bf16_logits, bf16_grads = alone(model)
+        logits = model(input_ids=ids[None], position_ids=packed["position_ids"].cuda()[None], use_cache=False, **kw).logits[0]
+        assert ("gated_delta_net", "causal_conv1d_fn", "native", "native tree conv") in driver.decisions
+        sum((logits[p].float() * weights[: len(p)]).sum() for p in paths).backward()
+        tree_err = max(rel_rms(logits[p], r) for p, r in zip(paths, ref_logits))
+        alone_err = max(rel_rms(b, r) for b, r in zip(bf16_logits, ref_logits))
+        print(f"logits rel RMS vs fp32 alone: tree {tree_err:.2e}, bf16 alone {alone_err:.2e}")
+        assert tree_err <= max(5e-3, 1.5 * alone_err)
         for name, param in model.named_parameters():
-            assert rel_rms(tree_grads[name], param.grad) <= 2e-2, name
+            tree_g, alone_g = rel_rms(param.grad, ref_grads[name]), rel_rms(bf16_grads[name], ref_grads[name])
+            assert tree_g <= max(2e-2, 1.5 * alone_g), (name, tree_g, alone_g)
     finally:
         tree_recurrence.uninstall(model)
         restore()
