@@ -36,23 +36,38 @@ for _mt in M.MODELING_MODULES:
 
 
 @pytest.fixture(autouse=True)
-def _seed_and_leak_check():
-    """Seeds torch; after the test, every modeling module must hold transformers' own seams again
-    and no module may still be patched (a leak would silently change later tests)."""
-    from tree_recurrence import seams
-
+def _seed():
     torch.manual_seed(0)
     yield
-    leaks = sorted(seams.owners)
+
+
+def _gdn_module_changes() -> list[str]:
+    from tree_recurrence import seams
+
+    changes = [f"{name} is patched" for name in sorted(seams.owners) if name in _PRISTINE]
     for name, original in _PRISTINE.items():
         module = sys.modules[name]
-        for seam, obj in original.items():
-            if getattr(module, seam) is not obj:
-                leaks.append(f"{name}.{seam}")
-                setattr(module, seam, obj)
-    for name in list(seams.owners):
+        changes += [f"{name}.{seam} is not transformers' own" for seam, obj in original.items() if getattr(module, seam) is not obj]
+    return changes
+
+
+@pytest.fixture
+def gdn_modules_pristine():
+    """Use with ``pytestmark = pytest.mark.usefixtures("gdn_modules_pristine")``: the GDN modeling
+    modules must hold transformers' own seams, unpatched, before and after each test (a leak would
+    silently change later tests). A leak is repaired after being reported."""
+    from tree_recurrence import seams
+
+    before = _gdn_module_changes()
+    assert not before, f"an earlier test left GDN modeling modules changed: {before}"
+    yield
+    leaks = _gdn_module_changes()
+    for name in [n for n in list(seams.owners) if n in _PRISTINE]:
         seams.unpatch_module(name)
-    assert not leaks, f"test left modeling modules changed: {leaks}"
+    for name, original in _PRISTINE.items():
+        for seam, obj in original.items():
+            setattr(sys.modules[name], seam, obj)
+    assert not leaks, f"test left GDN modeling modules changed: {leaks}"
 
 
 # ------------------------------------------------------------------------------------------------

@@ -21,14 +21,11 @@ import models as M
 import tree_recurrence as tr
 from tree_recurrence import driver, seams
 
+pytestmark = pytest.mark.usefixtures("gdn_modules_pristine")
+
 FAMILY = "gated_delta_net"
 CONV, SCAN = "causal_conv1d_fn", "torch_chunk_gated_delta_rule"
 ALL_MODEL_TYPES = M.GDN_MODEL_TYPES + ["qwen4_exp_text"]
-
-CONV_POSITIONAL_BUG = (
-    "library bug: driver.SeamCall.call_original passes the manifest args [hidden_states, weight, bias, "
-    "activation] positionally; causal-conv1d's causal_conv1d_fn takes seq_idx 4th, so activation='silu' "
-    "lands in seq_idx (see test_conv_seam_over_causal_conv1d_keeps_activation_a_keyword)")
 
 # (strategy, binding): native runs the family's tree kernels (backend auto); fork / rescan run over
 # whatever transformers bound (backend kernel): its torch reference, or a library stand-in.
@@ -38,10 +35,8 @@ CASES = [
     pytest.param("rescan", "torch", id="rescan-torch"),
     pytest.param("fork", "fla", id="fork-fla"),
     pytest.param("rescan", "fla", id="rescan-fla"),
-    pytest.param("fork", "fla+causal_conv1d", id="fork-fla+cc",
-                 marks=pytest.mark.xfail(raises=AttributeError, strict=True, reason=CONV_POSITIONAL_BUG)),
-    pytest.param("rescan", "fla+causal_conv1d", id="rescan-fla+cc",
-                 marks=pytest.mark.xfail(raises=AttributeError, strict=True, reason=CONV_POSITIONAL_BUG)),
+    pytest.param("fork", "fla+causal_conv1d", id="fork-fla+cc"),
+    pytest.param("rescan", "fla+causal_conv1d", id="rescan-fla+cc"),
 ]
 
 
@@ -64,11 +59,14 @@ def check_tree_run(model_type, forest, strategy, binding, *, tree_install, bind_
     spy = bind_kernels(model_type, binding) if binding != "torch" else None
     bound_scan = getattr(_module(model_type), SCAN)  # what transformers would hold
     model = M.make_model(model_type, **overrides)
-    if checkpointing:
-        model.gradient_checkpointing_enable()
+    if checkpointing:  # True, or gradient_checkpointing_kwargs
+        model.gradient_checkpointing_enable(**({} if checkpointing is True else {"gradient_checkpointing_kwargs": checkpointing}))
         assert model.is_gradient_checkpointing
-    backend = "auto" if strategy == "native" else "kernel"
-    support = tree_install(model, policy=tr.Policy(strategy=strategy), backends={FAMILY: backend})
+    backend = "auto" if strategy in ("native", "auto") else "kernel"
+    if strategy == "auto":  # the defaults: install(model), which picks the native kernels on CPU
+        support, strategy = tree_install(model), "native"
+    else:
+        support = tree_install(model, policy=tr.Policy(strategy=strategy), backends={FAMILY: backend})
     assert support.mode == "tree", support.reason
     assert support.families == {FAMILY: backend}
     gdn_layers = _linear_layers(model)
@@ -92,6 +90,12 @@ def check_tree_run(model_type, forest, strategy, binding, *, tree_install, bind_
         assert not is_library and "cu_seqlens" not in params  # transformers' torch reference: padded batches
         return
     assert is_library and "cu_seqlens" in params
+    convs = spy.of("conv")
+    if strategy == "native" or binding != "fla+causal_conv1d":
+        assert convs == []
+    else:  # every path as one row of a padded batch, called the way the model calls it
+        assert len(convs) == runs
+        assert all(c["batch"] == len(tree.samples) and c["nargs"] <= 3 and "activation" in c["keywords"] for c in convs)
     gdr = spy.of("gdr")
     if strategy == "native":
         assert gdr == []
@@ -120,6 +124,13 @@ def check_tree_run(model_type, forest, strategy, binding, *, tree_install, bind_
 @pytest.mark.parametrize("model_type", ALL_MODEL_TYPES)
 def test_model_strategy(model_type, strategy, binding, tree_install, bind_kernels, decisions, alone_reference):
     check_tree_run(model_type, "mixed", strategy, binding, tree_install=tree_install, bind_kernels=bind_kernels,
+                   decisions=decisions, alone_reference=alone_reference)
+
+
+def test_default_install_runs_native(tree_install, bind_kernels, decisions, alone_reference, monkeypatch):
+    for var in ("TREE_RECURRENCE_STRATEGY", "TREE_RECURRENCE_PREFER_NATIVE", "TREE_RECURRENCE_POLICY_FILE"):
+        monkeypatch.delenv(var, raising=False)
+    check_tree_run("qwen3_5_text", "mixed", "auto", "fla", tree_install=tree_install, bind_kernels=bind_kernels,
                    decisions=decisions, alone_reference=alone_reference)
 
 
@@ -155,6 +166,12 @@ def test_forest_shapes(forest, strategy, binding, fmt, tree_install, bind_kernel
 def test_gradient_checkpointing(model_type, strategy, binding, tree_install, bind_kernels, decisions, alone_reference):
     check_tree_run(model_type, "mixed", strategy, binding, checkpointing=True, tree_install=tree_install,
                    bind_kernels=bind_kernels, decisions=decisions, alone_reference=alone_reference)
+
+
+@pytest.mark.parametrize("strategy,binding", [c for c in CASES if c.id in ("native", "fork-fla", "rescan-torch")])
+def test_reentrant_gradient_checkpointing(strategy, binding, tree_install, bind_kernels, decisions, alone_reference):
+    check_tree_run("qwen3_5_text", "mixed", strategy, binding, checkpointing={"use_reentrant": True},
+                   tree_install=tree_install, bind_kernels=bind_kernels, decisions=decisions, alone_reference=alone_reference)
 
 
 class _CountingCore:
@@ -301,10 +318,10 @@ def test_tree_row_with_cache_is_refused(tree_install):
 
 
 def test_conv_seam_over_causal_conv1d_keeps_activation_a_keyword(bind_kernels, tree_install):
-    """Minimal reproduction of a driver bug. Models call ``causal_conv1d_fn(x, w, None,
-    activation="silu")``; with causal-conv1d bound (signature ``x, weight, bias, seq_idx, ...,
-    activation``) the driver's rescan conv must pass activation as a keyword, as the model does.
-    It passes it 4th positionally, into seq_idx."""
+    """Regression: models call ``causal_conv1d_fn(x, w, None, activation="silu")``; with
+    causal-conv1d bound (signature ``x, weight, bias, seq_idx, ..., activation``) the driver's
+    rescan conv must pass activation as a keyword, as the model does, not 4th positionally (where
+    it would land in seq_idx)."""
     from tree_recurrence import reference
 
     spy = bind_kernels("qwen3_5_text", "fla+causal_conv1d")

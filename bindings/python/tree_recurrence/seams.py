@@ -105,6 +105,12 @@ def _make_carrier_forward(original_forward: Callable) -> Callable:
         plan = tree_plan(kwargs)
         if plan is None:
             return original_forward(self, *args, **kwargs)
+        for key in ("past_key_values", "cache_params"):
+            # Seams without kwargs cannot see a cache: refuse here what a scan seam refuses itself.
+            if kwargs.get(key) is not None:
+                raise ValueError(f"{type(self).__name__}: got a tree-packed row and a cache ({key}); a tree-packed "
+                                 "row has one recurrent state per sample, not one per row: call the model with "
+                                 "use_cache=False")
         handle = _hand_tree_kwargs_to_base_model(self, kwargs)
         try:
             with plan_context(plan):
