@@ -278,6 +278,7 @@ def test_plan_follows_the_other_tree_fields(packed):
     kw = t.minimal_kwargs()
     first = tr.tree_plan(kw)
     chains = {**kw, "tree_segment_parents": torch.full_like(kw["tree_segment_parents"], -1)}  # every segment a root
+    chains.pop("tree_segment_depths", None)  # the old levels would (rightly) be refused for the new parents
     plan = tr.tree_plan(chains)
     assert plan.array("parents").tolist() == [-1] * t.num_segments, "stale plan served for new tree_segment_parents"
     assert plan is not first

@@ -30,7 +30,7 @@ def _as_index_vector(name: str, value: Any, device: torch.device | None) -> torc
     if value.dim() != 1:
         raise ValueError(
             f"{name}: expected a 1-D tensor (one packed row, batch size 1), got shape {tuple(value.shape)}; "
-            "a collated batch of several rows must be split first (integrations.trl.tree_kwargs_from_batch)"
+            "a collated batch of several rows must be split into one forward per row first"
         )
     if device is not None and value.device != device:
         raise ValueError(f"{name}: is on {value.device} but {CU_SEQLENS_Q} is on {device}; all tree tensors must share a device")
@@ -152,9 +152,13 @@ def tree_plan(kwargs: Mapping[str, Any], num_tokens: int | None = None) -> TreeP
         if stray:
             raise ValueError(f"{CU_SEQLENS_Q}: missing, but {', '.join(stray)} given")
         return None
+    # The cache key: every tree field by identity and version (an in-place edit or a different
+    # companion tensor rebuilds the plan).
+    key = tuple((name, id(kwargs[name]), getattr(kwargs[name], "_version", None))
+                for name in TREE_FIELDS if kwargs.get(name) is not None)
     if isinstance(cu_q, torch.Tensor):
         cached = getattr(cu_q, _CACHE_ATTR, None)
-        if cached is not None and cached[1] == cu_q._version and (num_tokens is None or cached[0].num_tokens == num_tokens):
+        if cached is not None and cached[1] == key and (num_tokens is None or cached[0].num_tokens == num_tokens):
             return cached[0]
     device = cu_q.device if isinstance(cu_q, torch.Tensor) else None
     present = {name: _as_index_vector(name, kwargs[name], device) for name in TREE_FIELDS if kwargs.get(name) is not None}
@@ -171,5 +175,6 @@ def tree_plan(kwargs: Mapping[str, Any], num_tokens: int | None = None) -> TreeP
         -1 if num_tokens is None else int(num_tokens),
     )
     plan = TreePlan(core, device)
-    setattr(cu_q, _CACHE_ATTR, (plan, cu_q._version))
+    # The companions are kept alive with the entry so their ids cannot be reused while it is cached.
+    setattr(cu_q, _CACHE_ATTR, (plan, key, [kwargs[name] for name in TREE_FIELDS if kwargs.get(name) is not None]))
     return plan

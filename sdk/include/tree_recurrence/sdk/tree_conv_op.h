@@ -40,6 +40,7 @@ inline kernels::DType kernel_dtype(const at::Tensor& t) {
 
 inline void check_inputs(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                          const at::Tensor& ancestors) {
+  kernel_dtype(x);  // refuses integer and bool inputs before anything is converted
   TORCH_CHECK_VALUE(x.dim() == 2, "tree_conv: x must be (tokens, channels), got ", x.sizes());
   TORCH_CHECK_VALUE(weight.dim() == 2 && weight.size(0) == x.size(1),
                     "tree_conv: weight must be (channels=", x.size(1), ", width), got ", weight.sizes());
@@ -184,6 +185,24 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_any(const at::Ten
   return backward_cpu(grad_y, x, weight, bias, ancestors, reader_offsets, readers, silu);
 }
 
+// The backward as an op of its own (CPU, CUDA, Meta), so autograd reaches it through the dispatcher
+// and tracing with fake tensors (torch.compile, AOTAutograd) sees shapes, not data pointers.
+// The bias gradient is always returned (zeros without a bias) so the schema has no optional output.
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_op(const at::Tensor& grad_y, const at::Tensor& x,
+                                                                   const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                                                                   const at::Tensor& ancestors, const at::Tensor& reader_offsets,
+                                                                   const at::Tensor& readers, bool silu) {
+  auto [gx, gw, gb] = backward_any(grad_y, x, weight, bias, ancestors, reader_offsets, readers, silu);
+  if (!gb.defined()) gb = at::zeros({x.size(1)}, x.options());
+  return {gx, gw, gb};
+}
+
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_meta(const at::Tensor&, const at::Tensor& x,
+                                                                     const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                                                                     const at::Tensor&, const at::Tensor&, const at::Tensor&, bool) {
+  return {at::empty_like(x), at::empty_like(weight), bias ? at::empty_like(*bias) : at::empty({x.size(1)}, x.options())};
+}
+
 class TreeConvFunction : public torch::autograd::Function<TreeConvFunction> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
@@ -201,8 +220,13 @@ class TreeConvFunction : public torch::autograd::Function<TreeConvFunction> {
     auto saved = ctx->get_saved_variables();
     const bool has_bias = ctx->saved_data["has_bias"].toBool();
     std::optional<at::Tensor> bias = has_bias ? std::optional<at::Tensor>(saved[2]) : std::nullopt;
-    auto [gx, gw, gb] = backward_any(grads[0], saved[0], saved[1], bias, saved[3], saved[4], saved[5],
-                                     ctx->saved_data["silu"].toBool());
+    static const auto op = c10::Dispatcher::singleton()
+                               .findSchemaOrThrow(qualified_op("tree_conv_backward").c_str(), "")
+                               .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+                                   const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                                   const at::Tensor&, const at::Tensor&, const at::Tensor&, bool)>();
+    auto [gx, gw, gb] = op.call(grads[0].contiguous(), saved[0], saved[1], bias, saved[3], saved[4], saved[5],
+                                ctx->saved_data["silu"].toBool());
     return {gx, gw, has_bias ? gb : at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
@@ -211,17 +235,26 @@ class TreeConvFunction : public torch::autograd::Function<TreeConvFunction> {
 
 inline void define_tree_conv(torch::Library& m) {
   m.def("tree_conv(Tensor x, Tensor weight, Tensor? bias, Tensor ancestors, Tensor reader_offsets, Tensor readers, bool silu) -> Tensor");
+  m.def("tree_conv_backward(Tensor grad_y, Tensor x, Tensor weight, Tensor? bias, Tensor ancestors, Tensor reader_offsets, "
+        "Tensor readers, bool silu) -> (Tensor, Tensor, Tensor)");
 }
 
-inline void impl_tree_conv_cpu(torch::Library& m) { m.impl("tree_conv", &conv_op::forward_cpu); }
+inline void impl_tree_conv_cpu(torch::Library& m) {
+  m.impl("tree_conv", &conv_op::forward_cpu);
+  m.impl("tree_conv_backward", &conv_op::backward_op);
+}
 
 #ifdef TREE_RECURRENCE_WITH_CUDA
-inline void impl_tree_conv_cuda(torch::Library& m) { m.impl("tree_conv", &conv_op::forward_cuda); }
+inline void impl_tree_conv_cuda(torch::Library& m) {
+  m.impl("tree_conv", &conv_op::forward_cuda);
+  m.impl("tree_conv_backward", &conv_op::backward_op);
+}
 #endif
 
 inline void impl_tree_conv_meta(torch::Library& m) {
   m.impl("tree_conv", [](const at::Tensor& x, const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&,
                          const at::Tensor&, const at::Tensor&, bool) { return at::empty_like(x); });
+  m.impl("tree_conv_backward", &conv_op::backward_meta);
 }
 
 // `qualified` is "<namespace>::tree_conv", used to call below autograd.
