@@ -1,6 +1,7 @@
 """Command line: ``python -m tree_recurrence doctor`` (plugins, fingerprints, kernels, coverage).
 
-``doctor --json`` prints the same as JSON.
+``doctor --json`` prints the same as JSON. ``sdk --cmake-dir`` / ``sdk --include-dir`` print where the
+installed SDK is, to build a family plugin out of tree (docs/plugins.md).
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import argparse
 import importlib.util
 import json
 import sys
+from pathlib import Path
 
 import torch
 
@@ -23,7 +25,7 @@ def _module_present(name: str) -> bool:
 
 
 def doctor_report() -> dict:
-    records = plugins.discover()
+    records = plugins.discover(rescan=True)
     report = {
         "version": __version__,
         "abi_version": _core.ABI_VERSION,
@@ -70,12 +72,35 @@ def print_doctor(report: dict) -> None:
         print(f"  {r['family']}: {r['reason']}")
 
 
+def sdk_dir(kind: str) -> Path:
+    """The installed SDK's ``cmake`` or ``include`` folder (inside the package: tree_recurrence/sdk/)."""
+    return Path(__file__).resolve().parent / "sdk" / kind
+
+
+def print_sdk_dir(kind: str) -> int:
+    folder = sdk_dir(kind)
+    marker = folder / ("TreeRecurrenceSDKConfig.cmake" if kind == "cmake" else "tree_recurrence/sdk/family.h")
+    if not marker.is_file():
+        print(f"tree-recurrence: no SDK at {folder} ({marker.name} missing): this copy of the package was not "
+              "installed with its SDK; reinstall it (pip install --no-build-isolation .)", file=sys.stderr)
+        return 1
+    print(folder)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tree_recurrence")
     sub = parser.add_subparsers(dest="command", required=True)
     doctor = sub.add_parser("doctor", help="plugins found, ABI and build fingerprints, kernels, model coverage")
     doctor.add_argument("--json", action="store_true", help="print the report as JSON")
+    sdk = sub.add_parser("sdk", help="where the installed SDK is, to build a family plugin out of tree (docs/plugins.md)")
+    where = sdk.add_mutually_exclusive_group(required=True)
+    where.add_argument("--cmake-dir", action="store_true", help="the folder holding TreeRecurrenceSDKConfig.cmake "
+                       "(pass it as -DTreeRecurrenceSDK_DIR=... or append it to CMAKE_PREFIX_PATH)")
+    where.add_argument("--include-dir", action="store_true", help="the folder holding tree_recurrence/sdk/*.h")
     args = parser.parse_args(argv)
+    if args.command == "sdk":
+        return print_sdk_dir("cmake" if args.cmake_dir else "include")
     if args.command == "doctor":
         report = doctor_report()
         if args.json:

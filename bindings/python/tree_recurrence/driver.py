@@ -77,7 +77,20 @@ class SeamCall:
         return self.original(*positional, **{**self.rest, **keywords, **extra})
 
 
+_bound_cache: dict[int, tuple[Any, Any]] = {}
+
+
 def bound_implementation(seam: Any) -> tuple[Any, tuple, bool]:
+    """Cached per seam object (seams are module globals, alive while bound)."""
+    cached = _bound_cache.get(id(seam))
+    if cached is not None and cached[0] is seam:
+        return cached[1]
+    found = _find_bound_implementation(seam)
+    _bound_cache[id(seam)] = (seam, found)
+    return found
+
+
+def _find_bound_implementation(seam: Any) -> tuple[Any, tuple, bool]:
     """(implementation, named parameters, is_library_kernel) of a transformers seam object.
 
     transformers wraps each seam with use_kernel_func_from_hub_with_fallback, which picks a

@@ -17,6 +17,9 @@ from . import _core
 
 PACKAGE_PLUGIN_DIR = Path(_core.__file__).resolve().parent / "plugins"
 _extra_folders: list[str] = []
+# Families registered from Python (components.register_family): name -> a record shaped like a plugin's, plus
+# "detect" (a callable: module description dict -> (claimed, role, reason)) and "op_namespace".
+python_families: dict[str, dict[str, Any]] = {}
 
 
 def plugin_folders() -> list[str]:
@@ -27,10 +30,13 @@ def plugin_folders() -> list[str]:
 
 def add_plugin_path(folder: str | os.PathLike) -> list[dict[str, Any]]:
     """Registers a plugin folder and loads what is new there; returns the new records."""
+    global _scan
     folder = os.fspath(folder)
     if folder not in _extra_folders:
         _extra_folders.append(folder)
-    return _core.discover_plugins([folder])
+    added = _core.discover_plugins([folder])
+    _scan = None
+    return added
 
 
 def runtime_mismatch() -> str | None:
@@ -49,19 +55,43 @@ def runtime_mismatch() -> str | None:
     return None
 
 
-def discover() -> list[dict[str, Any]]:
-    """Scans every plugin folder (new manifests only) and returns all records, loaded or refused."""
+# Records of the last scan and the folders it covered: every seam call asks for the families, so
+# scanning folders and converting manifests must not happen per call.
+_scan: tuple[tuple[str, ...], list[dict[str, Any]]] | None = None
+
+
+def discover(rescan: bool = False) -> list[dict[str, Any]]:
+    """All plugin records, loaded or refused. Folders are scanned on first use, when the folder list
+    changes (TREE_RECURRENCE_PLUGIN_PATH, add_plugin_path) and with ``rescan=True`` (new manifests
+    in known folders; ``doctor`` does this)."""
+    global _scan
     mismatch = runtime_mismatch()
     if mismatch:
         return [{"family": "*", "version": "", "manifest_path": "", "library_path": "", "loaded": False,
                  "error": mismatch, "fingerprint": "", "manifest": None, "kernels": []}]
-    _core.discover_plugins(plugin_folders())
-    return _core.plugin_records()
+    folders = tuple(plugin_folders())
+    if rescan or _scan is None or _scan[0] != folders:
+        _core.discover_plugins(list(folders))
+        _scan = (folders, _core.plugin_records())
+    return _scan[1]
 
 
 def families() -> dict[str, dict[str, Any]]:
-    """Loaded families by name. Plugins found later in the search order never replace one."""
-    return {r["family"]: r for r in discover() if r["loaded"]}
+    """Loaded families by name, then those registered from Python (``python_families``). Plugins found later
+    in the search order never replace one, and a Python-registered family never replaces a plugin."""
+    found = {r["family"]: r for r in discover() if r["loaded"]}
+    for name, record in python_families.items():
+        record["shadowed"] = name in found
+        found.setdefault(name, record)
+    return found
+
+
+def detect(family: str, description: dict) -> tuple[bool, str, str]:
+    """(claimed, role, reason) of a loaded family's detector for one module description."""
+    record = python_families.get(family)
+    if record is not None and not record.get("shadowed"):
+        return record["detect"](description)
+    return _core.detect(family, description)
 
 
 def refused() -> list[dict[str, Any]]:
@@ -70,9 +100,10 @@ def refused() -> list[dict[str, Any]]:
 
 def ops(family: str):
     """The torch op namespace of a loaded family (``torch.ops.tree_recurrence_<family>``)."""
-    if family not in families():
+    record = families().get(family)
+    if record is None:
         raise KeyError(f"no loaded family plugin named '{family}'")
-    return getattr(torch.ops, f"tree_recurrence_{family}")
+    return getattr(torch.ops, record.get("op_namespace") or f"tree_recurrence_{family}")
 
 
 def has_kernel(record: dict[str, Any], name: str, device: torch.device) -> bool:
