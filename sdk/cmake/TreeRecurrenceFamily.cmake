@@ -12,6 +12,11 @@ function(tree_recurrence_fingerprint_definitions target)
   if(CMAKE_CUDA_COMPILER_VERSION)
     set(cuda_version "${CMAKE_CUDA_COMPILER_VERSION}")
     string(REPLACE ";" "," cuda_archs "${CMAKE_CUDA_ARCHITECTURES}")
+  elseif(TREE_RECURRENCE_SDK_CUDA_VERSION)
+    # Out of tree, without a CUDA compiler of its own (the installed TreeRecurrenceSDKConfig.cmake sets these):
+    # the family links the package's prebuilt CUDA kernels, so it carries their CUDA version and archs.
+    set(cuda_version "${TREE_RECURRENCE_SDK_CUDA_VERSION}")
+    set(cuda_archs "${TREE_RECURRENCE_SDK_CUDA_ARCHS}")
   endif()
   target_compile_definitions(${target} PRIVATE
     TREE_RECURRENCE_TORCH_VERSION="${Torch_VERSION}"

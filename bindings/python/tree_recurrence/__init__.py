@@ -9,10 +9,13 @@ import torch  # noqa: F401  -- libtorch must be loaded before any plugin library
 from . import _core
 from ._plan import TREE_FIELDS, TreePlan, has_tree, tree_plan
 from .install import Support, install, set_backend, uninstall
+from . import components
+from .components import mark_tree_forward, register_family, tree_conv, tree_scan, unregister_family
 from .plugins import add_plugin_path
 from .policy import Policy
 
 __version__ = "0.1.0"
 
-__all__ = ["TREE_FIELDS", "TreePlan", "Policy", "Support", "add_plugin_path", "has_tree", "install", "set_backend",
-           "tree_plan", "uninstall", "__version__"]
+__all__ = ["TREE_FIELDS", "TreePlan", "Policy", "Support", "add_plugin_path", "components", "has_tree", "install",
+           "mark_tree_forward", "register_family", "set_backend", "tree_conv", "tree_plan", "tree_scan", "uninstall",
+           "unregister_family", "__version__"]

@@ -119,7 +119,7 @@ def install(model: torch.nn.Module, policy: Policy | None = None, backends: dict
         desc = _describe(path, module, model_type)
         owner = None
         for family in families:
-            covered, role, _ = _core.detect(family, desc)
+            covered, role, _ = plugins.detect(family, desc)
             if covered and role == "mixer":
                 owner = family
                 break

@@ -1,0 +1,114 @@
+#include "kda_tree_scan.h"
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+#include <vector>
+
+namespace kimi_linear {
+namespace {
+
+at::Tensor l2norm(const at::Tensor& x) {
+  // transformers' KDA l2norm (x / sqrt(sum(x^2) + 1e-6)), matching FLA's.
+  return x / at::sqrt((x * x).sum(-1, /*keepdim=*/true) + 1e-6);
+}
+
+void check(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta,
+           const at::Tensor& seg_offsets, const at::Tensor& parents) {
+  TORCH_CHECK_VALUE(q.dim() == 3 && k.sizes() == q.sizes(), "kda_tree_scan: q and k must be (tokens, heads, key_dim) alike, got ",
+                    q.sizes(), " and ", k.sizes());
+  TORCH_CHECK_VALUE(v.dim() == 3 && v.size(0) == q.size(0), "kda_tree_scan: v must be (tokens=", q.size(0),
+                    ", value_heads, value_dim), got ", v.sizes());
+  TORCH_CHECK_VALUE(q.size(1) > 0 && v.size(1) % q.size(1) == 0, "kda_tree_scan: value heads ", v.size(1),
+                    " must be a multiple of key heads ", q.size(1));
+  TORCH_CHECK_VALUE(g.dim() == 3 && g.size(0) == v.size(0) && g.size(1) == v.size(1) && g.size(2) == q.size(2),
+                    "kda_tree_scan: g must be (tokens, value_heads, key_dim)=(", v.size(0), ", ", v.size(1), ", ", q.size(2),
+                    ") (one log decay per key channel), got ", g.sizes());
+  TORCH_CHECK_VALUE(beta.dim() == 2 && beta.size(0) == v.size(0) && beta.size(1) == v.size(1),
+                    "kda_tree_scan: beta must be (tokens, value_heads)=(", v.size(0), ", ", v.size(1), "), got ", beta.sizes());
+  for (const at::Tensor* t : {&k, &v, &g, &beta})
+    TORCH_CHECK_VALUE(t->device() == q.device(), "kda_tree_scan: all tensors must be on ", q.device(), ", got one on ",
+                      t->device());
+  TORCH_CHECK_VALUE(seg_offsets.is_cpu() && parents.is_cpu() && seg_offsets.scalar_type() == at::kLong &&
+                        parents.scalar_type() == at::kLong,
+                    "kda_tree_scan: seg_offsets and parents must be int64 CPU tensors (the plan's host arrays)");
+  TORCH_CHECK_VALUE(seg_offsets.dim() == 1 && parents.dim() == 1 && seg_offsets.numel() == parents.numel() + 1,
+                    "kda_tree_scan: seg_offsets must have one more entry than parents");
+  TORCH_CHECK_VALUE(seg_offsets.numel() >= 2 && seg_offsets.data_ptr<int64_t>()[0] == 0 &&
+                        seg_offsets.data_ptr<int64_t>()[seg_offsets.numel() - 1] == q.size(0),
+                    "kda_tree_scan: seg_offsets must run from 0 to the number of tokens ", q.size(0));
+  const int64_t S = parents.numel();
+  const int64_t* offsets = seg_offsets.data_ptr<int64_t>();
+  const int64_t* parent = parents.data_ptr<int64_t>();
+  for (int64_t s = 0; s < S; ++s) {
+    TORCH_CHECK_VALUE(offsets[s] <= offsets[s + 1], "kda_tree_scan: seg_offsets decrease at segment ", s);
+    TORCH_CHECK_VALUE(parent[s] < s, "kda_tree_scan: segment ", s, " has parent ", parent[s],
+                      ", expected -1 or an earlier segment");
+  }
+}
+
+}  // namespace
+
+at::Tensor tree_scan(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& g_in,
+                     const at::Tensor& beta_in, const at::Tensor& seg_offsets, const at::Tensor& parents,
+                     const std::optional<at::Tensor>& initial_state, double scale, bool use_qk_l2norm) {
+  check(q_in, k_in, v_in, g_in, beta_in, seg_offsets, parents);
+  const int64_t groups = v_in.size(1) / q_in.size(1);
+  // fp32 states, as the library kernels; float64 when the values are float64 (exact tests).
+  const at::ScalarType compute = v_in.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  at::Tensor q = q_in.to(compute), k = k_in.to(compute);
+  if (use_qk_l2norm) {
+    q = l2norm(q);
+    k = l2norm(k);
+  }
+  if (groups > 1) {
+    q = q.repeat_interleave(groups, 1);
+    k = k.repeat_interleave(groups, 1);
+  }
+  q = q * (scale > 0 ? scale : 1.0 / std::sqrt(static_cast<double>(q.size(2))));
+  const at::Tensor v = v_in.to(compute);
+  const at::Tensor decay = g_in.to(compute).exp().unsqueeze(-1);   // (N, HV, K, 1): per key channel
+  const at::Tensor beta = beta_in.to(compute).unsqueeze(-1);       // (N, HV, 1)
+  const int64_t HV = v.size(1), K = q.size(2), V = v.size(2);
+  const int64_t S = parents.numel();
+  const int64_t* offsets = seg_offsets.data_ptr<int64_t>();
+  const int64_t* parent = parents.data_ptr<int64_t>();
+
+  int64_t roots = 0;
+  for (int64_t s = 0; s < S; ++s) roots += parent[s] < 0;
+  if (initial_state) {
+    const auto& h0 = *initial_state;
+    TORCH_CHECK_VALUE((h0.dim() == 3 && h0.size(0) == HV && h0.size(1) == K && h0.size(2) == V) ||
+                          (h0.dim() == 4 && h0.size(0) == roots && h0.size(1) == HV && h0.size(2) == K && h0.size(3) == V),
+                      "kda_tree_scan: initial_state must be (value_heads, key_dim, value_dim)=(", HV, ", ", K, ", ", V,
+                      ") or (roots=", roots, ", value_heads, key_dim, value_dim), got ", h0.sizes());
+  }
+  std::vector<at::Tensor> final_state(S);
+  std::vector<at::Tensor> outputs(q.size(0));
+  int64_t root = 0;
+  for (int64_t s = 0; s < S; ++s) {
+    at::Tensor state;
+    if (parent[s] >= 0) {
+      state = final_state[parent[s]];
+    } else if (initial_state) {
+      state = (initial_state->dim() == 3 ? *initial_state : (*initial_state)[root]).to(compute);
+      ++root;
+    } else {
+      state = at::zeros({HV, K, V}, v.options());
+      ++root;
+    }
+    for (int64_t t = offsets[s]; t < offsets[s + 1]; ++t) {
+      const at::Tensor kt = k[t].unsqueeze(-1);                  // (HV, K, 1)
+      state = state * decay[t];                                   // decay each key channel's row of S
+      const at::Tensor remembered = (state * kt).sum(1);          // (HV, V) = S^T k
+      const at::Tensor delta = (v[t] - remembered) * beta[t];     // (HV, V)
+      state = state + kt * delta.unsqueeze(1);
+      outputs[t] = (state * q[t].unsqueeze(-1)).sum(1);           // (HV, V) = S^T q
+    }
+    final_state[s] = state;
+  }
+  if (outputs.empty()) return at::empty({0, HV, V}, v_in.options());
+  return at::stack(outputs).to(v_in.scalar_type());
+}
+
+}  // namespace kimi_linear
