@@ -8,12 +8,9 @@ class GatedDeltaNetFamily final : public tree_recurrence::TreeFamily {
  public:
   GatedDeltaNetFamily() { tree_recurrence::gdn::register_ops(); }
   std::vector<tree_recurrence::KernelInfo> kernels() const override {
-#ifdef TREE_RECURRENCE_WITH_CUDA
-    const bool cuda = true;
-#else
-    const bool cuda = false;
-#endif
-    return {{"tree_conv", "cpu", true}, {"tree_conv", "cuda", cuda}, {"gdn_tree_scan", "cpu", true}};
+    auto kernels = tree_recurrence::tree_conv_kernels();
+    kernels.push_back({"gdn_tree_scan", "cpu", true});
+    return kernels;
   }
 };
 

@@ -8,12 +8,7 @@ class ShortConvFamily final : public tree_recurrence::TreeFamily {
  public:
   ShortConvFamily() { tree_recurrence::short_conv::register_ops(); }
   std::vector<tree_recurrence::KernelInfo> kernels() const override {
-#ifdef TREE_RECURRENCE_WITH_CUDA
-    const bool cuda = true;
-#else
-    const bool cuda = false;
-#endif
-    return {{"tree_conv", "cpu", true}, {"tree_conv", "cuda", cuda}};
+    return tree_recurrence::tree_conv_kernels();
   }
 };
 

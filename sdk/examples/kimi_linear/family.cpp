@@ -16,14 +16,11 @@ class KimiLinearFamily final : public tree_recurrence::TreeFamily {
   // The default detect() claims the manifest's mixer classes (KimiLinearDeltaAttention, ...): nothing to add.
 
   std::vector<tree_recurrence::KernelInfo> kernels() const override {
-#ifdef TREE_RECURRENCE_WITH_CUDA
-    const bool cuda = true;  // the SDK's kernels archive holds the CUDA tree conv
-#else
-    const bool cuda = false;
-#endif
     // kda_tree_scan is an ATen composite: it runs on CUDA too, one token at a time, so it is advertised for
     // the CPU only (on CUDA the driver forks or rescans over the bound kernel, FLA's chunk_kda).
-    return {{"tree_conv", "cpu", true}, {"tree_conv", "cuda", cuda}, {"kda_tree_scan", "cpu", true}};
+    auto kernels = tree_recurrence::tree_conv_kernels();
+    kernels.push_back({"kda_tree_scan", "cpu", true});
+    return kernels;
   }
 };
 

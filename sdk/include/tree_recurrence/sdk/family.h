@@ -63,6 +63,17 @@ struct KernelInfo {
   bool available = false;
 };
 
+// The shared tree conv's kernels as linked into the calling plugin (CUDA when the SDK's kernels
+// were built with it), for a family's kernels() list.
+inline std::vector<KernelInfo> tree_conv_kernels() {
+#ifdef TREE_RECURRENCE_WITH_CUDA
+  constexpr bool cuda = true;
+#else
+  constexpr bool cuda = false;
+#endif
+  return {{"tree_conv", "cpu", true}, {"tree_conv", "cuda", cuda}};
+}
+
 class TreeFamily {
  public:
   virtual ~TreeFamily() = default;
