@@ -4,29 +4,68 @@
 patches the modeling modules of the mixers they claim, and returns a :class:`Support`:
 
 * ``mode == "tree"``: every recurrent layer follows the trie;
+* ``mode == "chains"``: every recurrent layer follows packed sample boundaries, but some layer's
+  family declares ``follows: chains`` (a manifest model entry, or a Python-registered family's
+  entry): it cannot start a segment from its parent's final state. Pack one chain per sample
+  (``integrations.trl.ChainRow``); a forward whose row branches (plan levels > 1) raises a
+  ``ValueError`` naming that layer (``reason`` names them all);
 * ``mode == "none"``: some layer would mix packed samples (``reason`` names it); nothing is
   patched for such a model.
 
-Backends per family: ``"auto"`` (policy chooses native / fork / rescan), ``"native"`` (the
-family's own tree kernels only), ``"kernel"`` (fork / rescan over whatever transformers bound:
-a kernel library or its PyTorch reference).
+Backends per family (``BACKENDS``: name -> availability check): ``"auto"`` (policy chooses
+native / fork / rescan), ``"native"`` (the family's own tree kernels only), ``"kernel"`` (fork /
+rescan over whatever transformers bound: a kernel library or its PyTorch reference), ``"trl"``
+(hand the family's modeling modules to TRL's own tree kernels; TRL 1.16 has none, so asking for
+it is an error that lists the available backends). A backend whose check says it is unusable is
+refused with the check's reason; a hand-off backend (``HANDOFF_BACKENDS``) leaves the modeling
+module unpatched for the library that owns it.
 """
 
 from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from . import _core, driver, plugins, seams
+from ._plan import tree_plan
 from .policy import Policy
 
-BACKENDS = ("auto", "native", "kernel")
+
+def _trl_backend(family: str) -> str | None:
+    try:
+        from .integrations import trl as trl_integration
+    except ImportError as error:
+        return f"TRL is not importable ({error})"
+    return trl_integration.trl_backend_unavailable(family)
+
+
+# Backend name -> availability check: check(family) is None when the backend can serve the family,
+# else the reason it cannot. register_backend() adds one.
+BACKENDS: dict[str, Callable[[str], str | None]] = {
+    "auto": lambda family: None,
+    "native": lambda family: None,  # checked per call: the family's native ops for the tensors' device
+    "kernel": lambda family: None,
+    "trl": _trl_backend,
+}
+# Backends that hand the family's modeling modules to another library (install patches nothing there).
+HANDOFF_BACKENDS: set[str] = {"trl"}
+FOLLOWS = ("tree", "chains")  # what a family's manifest model entry may declare as "follows" (default "tree")
+
+
+def register_backend(name: str, check: Callable[[str], str | None], handoff: bool = False) -> None:
+    """Adds a backend name with its availability check (``check(family) -> None`` or why not)."""
+    BACKENDS[name] = check
+    if handoff:
+        HANDOFF_BACKENDS.add(name)
+
+
 ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention", "attention", "qwen_sparse_attention", "mlp", "moe"}
 
 _installed: dict[int, "Support"] = {}
+_guards: dict[int, list] = {}  # id(model) -> forward pre-hook handles of its "chains" layers
 
 
 @dataclass
@@ -36,6 +75,7 @@ class LayerSupport:
     family: str | None
     backend: str | None
     modeling_module: str | None
+    follows: str = "tree"  # "tree", or "chains": only rows without branches
 
 
 @dataclass
@@ -101,7 +141,35 @@ def _check_backends(backends: dict[str, str] | None, families: dict) -> dict[str
             raise ValueError(f"backends: unknown family '{family}', loaded families: {sorted(families)}")
         if backend not in BACKENDS:
             raise ValueError(f"backends: unknown backend '{backend}' for family '{family}', choose one of {list(BACKENDS)}")
+        why = BACKENDS[backend](family)
+        if why:
+            usable = [name for name, check in BACKENDS.items() if name == "auto" or not check(family)]
+            raise ValueError(f"backends: backend '{backend}' is not available for family '{family}': {why}. "
+                             f"Available backends: {usable}")
     return backends
+
+
+def _chains_guard(path: str, family: str) -> Callable:
+    """A forward pre-hook refusing rows that branch, for a layer whose family follows chains only."""
+
+    def guard(module, args, kwargs):
+        plan = tree_plan(kwargs)
+        if plan is None:
+            plan = seams.current_plan()
+        if plan is not None and not plan.is_chains:
+            raise ValueError(
+                f"{path} ({type(module).__name__}, family '{family}') follows packed samples only as separate chains, "
+                f"but this row is a tree ({plan.num_levels} levels, {plan.num_segments} segments, {plan.num_leaves} "
+                "samples): pack every sample as its own chain (tree_recurrence.integrations.trl.ChainRow, "
+                "ChainTokenBudgetBatcher, ChainFixedCountBatcher)")
+        return None
+
+    return guard
+
+
+def _remove_guards(model_id: int) -> None:
+    for handle in _guards.pop(model_id, []):
+        handle.remove()
 
 
 def install(model: torch.nn.Module, policy: Policy | None = None, backends: dict[str, str] | None = None) -> Support:
@@ -138,7 +206,7 @@ def install(model: torch.nn.Module, policy: Policy | None = None, backends: dict
     if leftovers:
         return Support(mode="none", reason="; ".join(leftovers))
 
-    for family in {f for f, _ in claimed.values()}:
+    for family in sorted({f for f, _ in claimed.values()}):
         missing = {seam: spec["adapter"] for seam, spec in families[family]["manifest"]["seams"].items()
                    if spec["adapter"] not in driver.ADAPTERS}
         if missing:
@@ -146,23 +214,49 @@ def install(model: torch.nn.Module, policy: Policy | None = None, backends: dict
             return Support(mode="none", reason=f"family '{family}' covers {layers} but its seams {missing} need adapters "
                                                 f"this version lacks (known: {sorted(driver.ADAPTERS)})")
 
-    support = Support(mode="tree")
+    # Resolve every claimed mixer's manifest entry before patching anything, so a refusal patches nothing.
+    entries = {}
     for path, (family, mixer) in claimed.items():
-        manifest = families[family]["manifest"]
         module_name = type(mixer).__module__
-        entry = next((m for m in manifest["models"] if m["module"] == module_name), None)
+        entry = next((m for m in families[family]["manifest"]["models"] if m["module"] == module_name), None)
         if entry is None:
             return Support(mode="none", reason=f"{path} ({type(mixer).__name__}) lives in {module_name}, which the "
                                                 f"'{family}' manifest does not list")
-        modeling = importlib.import_module(module_name)
-        carriers = [getattr(modeling, c) for c in entry.get("plan_carriers", []) if hasattr(modeling, c)]
+        follows = entry.get("follows", "tree")
+        if follows not in FOLLOWS:
+            return Support(mode="none", reason=f"{path} ({type(mixer).__name__}): the '{family}' manifest says it follows "
+                                                f"{follows!r}, which this version does not know (known: {list(FOLLOWS)})")
+        handoff = backends.get(family) in HANDOFF_BACKENDS
+        owner = seams.owners.get(module_name)
+        if handoff and owner is not None:
+            raise ValueError(f"backends: {module_name} is already hooked by tree_recurrence (family '{owner.family}', "
+                             f"backend '{owner.backend}') for another model; uninstall that model before handing the "
+                             f"module to backend '{backends[family]}'")
+        entries[path] = (entry, follows)
+
+    chains = [f"{path} ({type(mixer).__name__}, family '{family}')" for path, (family, mixer) in claimed.items()
+              if entries[path][1] == "chains"]
+    support = Support(mode="chains", reason=f"{', '.join(chains)} follow packed samples only as separate chains: "
+                                            "they cannot start a segment from the state its parent ends in; pack one "
+                                            "chain per sample") if chains else Support(mode="tree")
+    _remove_guards(id(model))  # install twice: the new guards replace the old ones
+    for path, (family, mixer) in claimed.items():
+        manifest = families[family]["manifest"]
+        module_name = type(mixer).__module__
+        entry, follows = entries[path]
         backend = backends.get(family, seams.owners[module_name].backend if module_name in seams.owners else "auto")
-        seams.patch_module(modeling, family, manifest["seams"], carriers, policy, backend)
-        seams.owners[module_name].models.add(id(model))
-        support.layers.append(LayerSupport(path, type(mixer).__name__, family, backend, module_name))
+        if backend not in HANDOFF_BACKENDS:
+            modeling = importlib.import_module(module_name)
+            carriers = [getattr(modeling, c) for c in entry.get("plan_carriers", []) if hasattr(modeling, c)]
+            seams.patch_module(modeling, family, manifest["seams"], carriers, policy, backend)
+            seams.owners[module_name].models.add(id(model))
+            if module_name not in support.modules:
+                support.modules.append(module_name)
+        if follows == "chains":
+            _guards.setdefault(id(model), []).append(
+                mixer.register_forward_pre_hook(_chains_guard(path, family), with_kwargs=True))
+        support.layers.append(LayerSupport(path, type(mixer).__name__, family, backend, module_name, follows))
         support.families[family] = backend
-        if module_name not in support.modules:
-            support.modules.append(module_name)
     _installed[id(model)] = support
     model._tree_recurrence_support = support
     return support
@@ -174,6 +268,7 @@ def uninstall(model: torch.nn.Module) -> None:
     support = _installed.pop(id(model), None)
     if support is None:
         return
+    _remove_guards(id(model))
     for name in support.modules:
         owner = seams.owners.get(name)
         if owner is None:
@@ -193,6 +288,10 @@ def set_backend(model: torch.nn.Module, family: str, backend: str) -> None:
     _check_backends({family: backend}, plugins.families())
     if family not in support.families:
         raise ValueError(f"set_backend: the model has no layer of family '{family}' (has {sorted(support.families)})")
+    if backend in HANDOFF_BACKENDS or support.families[family] in HANDOFF_BACKENDS:
+        raise ValueError(f"set_backend: backend '{backend if backend in HANDOFF_BACKENDS else support.families[family]}' "
+                         f"hands the modeling modules to another library; choose it at install "
+                         f"(uninstall, then install(model, backends={{'{family}': ...}}))")
     for name in support.modules:
         owner = seams.owners[name]
         if owner.family == family:

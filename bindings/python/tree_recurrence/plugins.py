@@ -3,6 +3,12 @@
 Folders searched, in order: the package's own ``plugins`` folder, every folder of
 TREE_RECURRENCE_PLUGIN_PATH (os.pathsep-separated), then folders given to ``add_plugin_path``.
 A refused plugin is listed with its reason (``doctor``) and never loaded into a crash.
+
+TREE_RECURRENCE_DISABLE_FAMILIES (comma- or os.pathsep-separated family names) makes those families
+absent: they are listed as refused ("disabled by ...") and ``install`` treats their models as it
+would without the plugin. The package folder is always searched, so this is the way to run without
+one of its families. A disabled plugin's library may still be loaded (the registry loads every
+manifest of a folder); nothing of it is used.
 """
 
 from __future__ import annotations
@@ -59,6 +65,18 @@ def runtime_mismatch() -> str | None:
 # scanning folders and converting manifests must not happen per call.
 _scan: tuple[tuple[str, ...], list[dict[str, Any]]] | None = None
 
+DISABLE_ENV = "TREE_RECURRENCE_DISABLE_FAMILIES"
+
+
+def disabled_families() -> set[str]:
+    """Family names TREE_RECURRENCE_DISABLE_FAMILIES switches off (read at each call)."""
+    value = os.environ.get(DISABLE_ENV, "")
+    return {name.strip() for name in value.replace(os.pathsep, ",").split(",") if name.strip()}
+
+
+def _disabled_record(record: dict[str, Any]) -> dict[str, Any]:
+    return {**record, "loaded": False, "error": f"disabled by {DISABLE_ENV}"}
+
 
 def discover(rescan: bool = False) -> list[dict[str, Any]]:
     """All plugin records, loaded or refused. Folders are scanned on first use, when the folder list
@@ -73,6 +91,9 @@ def discover(rescan: bool = False) -> list[dict[str, Any]]:
     if rescan or _scan is None or _scan[0] != folders:
         _core.discover_plugins(list(folders))
         _scan = (folders, _core.plugin_records())
+    disabled = disabled_families()
+    if disabled:
+        return [_disabled_record(r) if r["family"] in disabled and r["loaded"] else r for r in _scan[1]]
     return _scan[1]
 
 
@@ -80,9 +101,11 @@ def families() -> dict[str, dict[str, Any]]:
     """Loaded families by name, then those registered from Python (``python_families``). Plugins found later
     in the search order never replace one, and a Python-registered family never replaces a plugin."""
     found = {r["family"]: r for r in discover() if r["loaded"]}
+    disabled = disabled_families()
     for name, record in python_families.items():
         record["shadowed"] = name in found
-        found.setdefault(name, record)
+        if name not in disabled:
+            found.setdefault(name, record)
     return found
 
 
