@@ -254,7 +254,9 @@ def test_everything_is_restored_on_errors(saved_models, built, monkeypatch):
     from tree_recurrence import plugins
 
     monkeypatch.setenv(plugins.DISABLE_ENV, FAMILY)
-    with pytest.raises(ValueError, match=r"cannot take tree-packed rows: model.layers.0.linear_attn \(Qwen3_5GatedDeltaNet\) has a state-space decay"):
+    with pytest.raises(ValueError, match=r"cannot take tree-packed rows: layer_types \['linear_attention'\] of qwen3_5_text "
+                                         r"are implemented by no family plugin found.*model.layers.0.linear_attn "
+                                         r"\(Qwen3_5GatedDeltaNet\) has a state-space decay"):
         with T.tree_recurrent_models(attn_implementation="tree_sdpa"):
             built(saved_models[MODEL_TYPE])
     assert all(getattr(agt, name) is originals[name] for name in PATCHED_NAMES)

@@ -198,7 +198,12 @@ def install(model: torch.nn.Module, policy: Policy | None = None, backends: dict
         if why:
             leftovers.append(f"{path or type(model).__name__} ({type(module).__name__}) {why} and no family plugin covers it")
 
-    implemented = {lt for f in families.values() for m in f["manifest"]["models"] for lt in m["layer_types"]}
+    # layer_types this model's recurrent layers may carry: those of the manifest entries for its
+    # model type and of the mixers found in it. Pooling every family's values would let another
+    # family's "linear_attention" vouch for a model whose own family is missing.
+    mixers = {type(m).__name__ for _, m in claimed.values()}
+    implemented = {lt for f in families.values() for m in f["manifest"]["models"]
+                   if m["model_type"] == model_type or mixers & set(m["mixers"]) for lt in m["layer_types"]}
     unknown = sorted({lt for lt in _layer_types(config) if lt not in ATTENTION_LAYER_TYPES and lt not in implemented})
     if unknown:
         leftovers.insert(0, f"layer_types {unknown} of {model_type or type(model).__name__} are implemented by no family "
