@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import _core, driver, plugins, seams
+from . import driver, plugins, seams
 from ._plan import tree_plan
 from .policy import Policy
 

@@ -65,9 +65,7 @@ def _make_seam_wrapper(owner: ModuleOwner, seam: str, spec: dict, original: Call
     adapter = driver.ADAPTERS[spec["adapter"]]
 
     def seam_wrapper(*args, **kwargs):
-        plan = tree_plan(kwargs) if spec.get("plan_source", "kwargs") == "kwargs" else None
-        if plan is None:
-            plan = _context_plan.get()
+        plan = tree_plan(kwargs) or _context_plan.get()
         if plan is None:
             return original(*args, **kwargs)
         call = driver.SeamCall.bind(owner.family, seam, spec, original, plan, args, kwargs)
