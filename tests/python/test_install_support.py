@@ -271,7 +271,7 @@ def test_set_backend_swaps_at_run_time_with_equal_outputs(installed, decisions):
 def test_unknown_backend_and_family_list_the_choices(installed):
     model = M.make_model(MODEL_TYPE)
     with pytest.raises(ValueError, match=r"unknown backend 'fast' for family 'gated_delta_net', choose one of "
-                                         r"\['auto', 'native', 'kernel', 'trl'\]"):
+                                         r"\['auto', 'native', 'kernel', 'reference', 'trl'\]"):
         installed(model, backends={FAMILY: "fast"})
     with pytest.raises(ValueError, match=r"unknown family 'gdn', loaded families: \['gated_delta_net', 'mamba2', "
                                          r"'short_conv'\]"):
@@ -280,7 +280,7 @@ def test_unknown_backend_and_family_list_the_choices(installed):
     with pytest.raises(ValueError, match="call install"):
         tr.set_backend(model, FAMILY, "kernel")
     installed(model)
-    with pytest.raises(ValueError, match=r"choose one of \['auto', 'native', 'kernel', 'trl'\]"):
+    with pytest.raises(ValueError, match=r"choose one of \['auto', 'native', 'kernel', 'reference', 'trl'\]"):
         tr.set_backend(model, FAMILY, "fast")
     with pytest.raises(ValueError, match=r"no layer of family 'mamba2' \(has \['gated_delta_net'\]\)"):
         tr.set_backend(model, "mamba2", "kernel")
@@ -297,7 +297,7 @@ def test_trl_backend_is_unavailable_with_trl_1_16(installed):
     message = str(error.value)
     assert f"backend 'trl' is not available for family '{FAMILY}'" in message
     assert f"trl {trl.__version__} ships no tree recurrent kernel" in message
-    assert "Available backends: ['auto', 'native', 'kernel']" in message
+    assert "Available backends: ['auto', 'native', 'kernel', 'reference']" in message
     assert M.MODELING_MODULES[MODEL_TYPE] not in seams.owners
     installed(model)
     with pytest.raises(ValueError, match="ships no tree recurrent kernel"):

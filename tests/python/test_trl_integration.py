@@ -286,7 +286,7 @@ def test_everything_is_restored_on_errors(saved_models, built, monkeypatch):
 def test_unavailable_backend_fails_before_anything_is_patched(no_gpu_probe):
     originals = {name: getattr(agt, name) for name in PATCHED_NAMES}
     with pytest.raises(ValueError, match=r"ships no tree recurrent kernel.*Available backends: \['auto', 'native', "
-                                         r"'kernel'\]"):
+                                         r"'kernel', 'reference'\]"):
         with T.tree_recurrent_models(backends={FAMILY: "trl"}):
             pass
     assert all(getattr(agt, name) is originals[name] for name in PATCHED_NAMES)

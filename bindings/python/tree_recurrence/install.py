@@ -14,7 +14,8 @@ patches the modeling modules of the mixers they claim, and returns a :class:`Sup
 
 Backends per family (``BACKENDS``: name -> availability check): ``"auto"`` (policy chooses
 native / fork / rescan), ``"native"`` (the family's own tree kernels only), ``"kernel"`` (fork /
-rescan over whatever transformers bound: a kernel library or its PyTorch reference), ``"trl"``
+rescan over whatever transformers bound: a kernel library or its PyTorch reference),
+``"reference"`` (fork / rescan over this package's reference kernels, bound as libraries), ``"trl"``
 (hand the family's modeling modules to TRL's own tree kernels; TRL 1.16 has none, so asking for
 it is an error that lists the available backends). A backend whose check says it is unusable is
 refused with the check's reason; a hand-off backend (``HANDOFF_BACKENDS``) leaves the modeling
@@ -48,6 +49,9 @@ BACKENDS: dict[str, Callable[[str], str | None]] = {
     "auto": lambda family: None,
     "native": lambda family: None,  # checked per call: the family's native ops for the tensors' device
     "kernel": lambda family: None,
+    # fork / rescan over tree_recurrence.reference (library APIs: varlen, per-sequence states),
+    # wrapped as transformers wraps a library; seams without a reference use the bound kernel
+    "reference": lambda family: None,
     "trl": _trl_backend,
 }
 # Backends that hand the family's modeling modules to another library (install patches nothing there).

@@ -675,47 +675,68 @@ _LIBRARY_SEAMS = {
 }
 
 
-def bind_reference_kernels(module, seams=None):
-    """Rebinds ``module``'s seams as if FLA / causal-conv1d / mamba-ssm were installed, with these
-    references as the libraries: each seam is re-decorated with transformers' own
-    ``use_kernel_func_from_hub_with_fallback`` while a stand-in package is importable, so the
-    seam filters keywords and dispatches exactly as it would with the real library.
-
-    Call it before ``tree_recurrence.install``. Returns a function that restores the seams.
-    """
+def reference_seam(seam: str, current):
+    """The reference standing in for ``seam``'s library, wrapped exactly as transformers wraps a
+    library kernel (keyword filtering included), with ``current``'s torch reference as fallback;
+    None when no reference stands in for that seam. Cached per seam while neither the torch
+    reference nor the reference implementation changes (tests replace them with spies)."""
     import sys
     import types
 
     from transformers.integrations import hub_kernels
 
+    if seam not in _LIBRARY_SEAMS:
+        return None
+    key, package, reference_name = _LIBRARY_SEAMS[seam]
     this = sys.modules[__name__]
+    torch_function = getattr(current, "__wrapped__", None)
+    if torch_function is None or not hasattr(this, reference_name):
+        return None
+    implementation = getattr(this, reference_name)
+    cached = _wrapped_references.get(seam)
+    if cached is not None and cached[0] is torch_function and cached[1] is implementation:
+        return cached[2]
+    internal = hub_kernels._KERNELS_INTERNAL_PATH_MAPPINGS.get(key)
+    parts = [package] + (internal.split(".") if internal else [])
+    fakes = [types.ModuleType(".".join(parts[: i + 1])) for i in range(len(parts))]
+    for parent, child, name in zip(fakes, fakes[1:], parts[1:]):
+        setattr(parent, name, child)
+    setattr(fakes[-1], key, implementation)
+    saved = {f.__name__: sys.modules.get(f.__name__) for f in fakes}
+    sys.modules.update({f.__name__: f for f in fakes})
+    try:  # transformers picks the implementation while the stand-in package is importable
+        wrapped = hub_kernels.use_kernel_func_from_hub_with_fallback(key, package)(torch_function)
+    finally:
+        for name, previous in saved.items():
+            if previous is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = previous
+    _wrapped_references[seam] = (torch_function, implementation, wrapped)
+    return wrapped
+
+
+_wrapped_references: dict = {}
+
+
+def bind_reference_kernels(module, seams=None):
+    """Rebinds ``module``'s seams as if FLA / causal-conv1d / mamba-ssm were installed, with these
+    references as the libraries (``reference_seam``), so each seam filters keywords and dispatches
+    exactly as it would with the real library.
+
+    Call it before ``tree_recurrence.install``. Returns a function that restores the seams.
+    """
     replaced = {}
-    for seam, (key, package, reference_name) in _LIBRARY_SEAMS.items():
-        if seams is not None and seam not in seams:
-            continue
-        if not hasattr(module, seam) or not hasattr(this, reference_name):
+    for seam in _LIBRARY_SEAMS:
+        if (seams is not None and seam not in seams) or not hasattr(module, seam):
             continue
         current = getattr(module, seam)
-        torch_function = getattr(current, "__wrapped__", None)
-        if torch_function is None:
+        if getattr(current, "__wrapped__", None) is None:
             raise ValueError(f"{module.__name__}.{seam} is not a transformers kernel seam (no __wrapped__)")
-        internal = hub_kernels._KERNELS_INTERNAL_PATH_MAPPINGS.get(key)
-        parts = [package] + (internal.split(".") if internal else [])
-        fakes = [types.ModuleType(".".join(parts[: i + 1])) for i in range(len(parts))]
-        for parent, child, name in zip(fakes, fakes[1:], parts[1:]):
-            setattr(parent, name, child)
-        setattr(fakes[-1], key, getattr(this, reference_name))
-        saved = {f.__name__: sys.modules.get(f.__name__) for f in fakes}
-        sys.modules.update({f.__name__: f for f in fakes})
-        try:
+        wrapped = reference_seam(seam, current)
+        if wrapped is not None:
             replaced[seam] = current
-            setattr(module, seam, hub_kernels.use_kernel_func_from_hub_with_fallback(key, package)(torch_function))
-        finally:
-            for name, previous in saved.items():
-                if previous is None:
-                    sys.modules.pop(name, None)
-                else:
-                    sys.modules[name] = previous
+            setattr(module, seam, wrapped)
 
     def restore():
         for seam, original in replaced.items():

@@ -68,7 +68,12 @@ def _make_seam_wrapper(owner: ModuleOwner, seam: str, spec: dict, original: Call
         plan = tree_plan(kwargs) or _context_plan.get()
         if plan is None:
             return original(*args, **kwargs)
-        call = driver.SeamCall.bind(owner.family, seam, spec, original, plan, args, kwargs)
+        kernel = original
+        if owner.backend == "reference":  # this package's references in place of the bound library
+            from .reference import reference_seam
+
+            kernel = reference_seam(seam, original) or original
+        call = driver.SeamCall.bind(owner.family, seam, spec, kernel, plan, args, kwargs)
         return adapter(call, owner.backend, owner.policy)
 
     functools.update_wrapper(seam_wrapper, original, assigned=("__module__", "__name__", "__qualname__", "__doc__"))
