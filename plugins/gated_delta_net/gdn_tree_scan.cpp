@@ -2,6 +2,8 @@
 
 #include <ATen/ATen.h>
 
+#include "tree_recurrence/sdk/segment_walk.h"
+
 #include <cmath>
 #include <vector>
 
@@ -53,42 +55,16 @@ at::Tensor tree_scan(const at::Tensor& q_in, const at::Tensor& k_in, const at::T
   q = q * (scale > 0 ? scale : 1.0 / std::sqrt(static_cast<double>(q.size(2))));
   const at::Tensor v = v_in.to(compute), decay = g_in.to(compute).exp(), beta = beta_in.to(compute);
   const int64_t HV = v.size(1), K = q.size(2), V = v.size(2);
-  const int64_t S = parents.numel();
-  const int64_t* offsets = seg_offsets.data_ptr<int64_t>();
-  const int64_t* parent = parents.data_ptr<int64_t>();
-
-  int64_t roots = 0;
-  for (int64_t s = 0; s < S; ++s) roots += parent[s] < 0;
-  if (initial_state) {
-    const auto& h0 = *initial_state;
-    TORCH_CHECK_VALUE((h0.dim() == 3 && h0.size(0) == HV) || (h0.dim() == 4 && h0.size(0) == roots && h0.size(1) == HV),
-                      "gdn_tree_scan: initial_state must be (value_heads, key_dim, value_dim) or (roots=", roots,
-                      ", value_heads, key_dim, value_dim), got ", h0.sizes());
-  }
-  std::vector<at::Tensor> final_state(S);
   std::vector<at::Tensor> outputs(q.size(0));
-  int64_t root = 0;
-  for (int64_t s = 0; s < S; ++s) {
-    at::Tensor state;
-    if (parent[s] >= 0) {
-      state = final_state[parent[s]];
-    } else if (initial_state) {
-      state = (initial_state->dim() == 3 ? *initial_state : (*initial_state)[root]).to(compute);
-      ++root;
-    } else {
-      state = at::zeros({HV, K, V}, v.options());
-      ++root;
-    }
-    for (int64_t t = offsets[s]; t < offsets[s + 1]; ++t) {
-      const at::Tensor kt = k[t].unsqueeze(-1);                    // (HV, K, 1)
-      state = state * decay[t].view({HV, 1, 1});
-      const at::Tensor remembered = (state * kt).sum(1);          // (HV, V)
-      const at::Tensor delta = (v[t] - remembered) * beta[t].unsqueeze(-1);
-      state = state + kt * delta.unsqueeze(1);
-      outputs[t] = (state * q[t].unsqueeze(-1)).sum(1);            // (HV, V)
-    }
-    final_state[s] = state;
-  }
+  walk_segments("gdn_tree_scan", seg_offsets, parents, initial_state, {HV, K, V}, v.options(), [&](at::Tensor state, int64_t t) {
+    const at::Tensor kt = k[t].unsqueeze(-1);  // (HV, K, 1)
+    state = state * decay[t].view({HV, 1, 1});
+    const at::Tensor remembered = (state * kt).sum(1);  // (HV, V)
+    const at::Tensor delta = (v[t] - remembered) * beta[t].unsqueeze(-1);
+    state = state + kt * delta.unsqueeze(1);
+    outputs[t] = (state * q[t].unsqueeze(-1)).sum(1);  // (HV, V)
+    return state;
+  });
   return at::stack(outputs).to(v_in.scalar_type());
 }
 

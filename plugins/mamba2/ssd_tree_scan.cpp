@@ -4,6 +4,8 @@
 
 #include <vector>
 
+#include "tree_recurrence/sdk/segment_walk.h"
+
 namespace tree_recurrence::ssd {
 namespace {
 
@@ -60,39 +62,12 @@ at::Tensor tree_scan(const at::Tensor& x_in, const at::Tensor& dt_in, const at::
   const at::Tensor decay = (dt * A_in.to(at::kFloat)).exp();  // (T, H)
   const at::Tensor dx = x * dt.unsqueeze(-1);                 // (T, H, P)
 
-  const int64_t S = parents.numel();
-  const int64_t* offsets = seg_offsets.data_ptr<int64_t>();
-  const int64_t* parent = parents.data_ptr<int64_t>();
-  int64_t roots = 0;
-  for (int64_t s = 0; s < S; ++s) roots += parent[s] < 0;
-  if (initial_state) {
-    const auto& h0 = *initial_state;
-    TORCH_CHECK_VALUE((h0.dim() == 3 && h0.size(0) == H && h0.size(1) == P && h0.size(2) == N) ||
-                          (h0.dim() == 4 && h0.size(0) == roots && h0.size(1) == H && h0.size(2) == P && h0.size(3) == N),
-                      "ssd_tree_scan: initial_state must be (heads, head_dim, state)=(", H, ", ", P, ", ", N, ") or (roots=",
-                      roots, ", heads, head_dim, state), got ", h0.sizes());
-  }
-
-  std::vector<at::Tensor> final_state(S);
   std::vector<at::Tensor> outputs(x.size(0));
-  int64_t root = 0;
-  for (int64_t s = 0; s < S; ++s) {
-    at::Tensor state;
-    if (parent[s] >= 0) {
-      state = final_state[parent[s]];
-    } else if (initial_state) {
-      state = (initial_state->dim() == 3 ? *initial_state : (*initial_state)[root]).to(at::kFloat);
-      ++root;
-    } else {
-      state = at::zeros({H, P, N}, x.options());
-      ++root;
-    }
-    for (int64_t t = offsets[s]; t < offsets[s + 1]; ++t) {
-      state = state * decay[t].view({H, 1, 1}) + dx[t].unsqueeze(-1) * B[t].unsqueeze(1);  // (H, P, N)
-      outputs[t] = (state * C[t].unsqueeze(1)).sum(-1);                                      // (H, P)
-    }
-    final_state[s] = state;
-  }
+  walk_segments("ssd_tree_scan", seg_offsets, parents, initial_state, {H, P, N}, x.options(), [&](at::Tensor state, int64_t t) {
+    state = state * decay[t].view({H, 1, 1}) + dx[t].unsqueeze(-1) * B[t].unsqueeze(1);  // (H, P, N)
+    outputs[t] = (state * C[t].unsqueeze(1)).sum(-1);                                      // (H, P)
+    return state;
+  });
   at::Tensor y = at::stack(outputs);  // (T, H, P) fp32
   if (D) y = y + (D->dim() == 1 ? D->view({H, 1}) : *D) * x;
   if (z_in) {

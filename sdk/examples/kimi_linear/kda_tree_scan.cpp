@@ -5,6 +5,8 @@
 #include <cmath>
 #include <vector>
 
+#include "tree_recurrence/sdk/segment_walk.h"
+
 namespace kimi_linear {
 namespace {
 
@@ -37,14 +39,7 @@ void check(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const 
   TORCH_CHECK_VALUE(seg_offsets.numel() >= 2 && seg_offsets.data_ptr<int64_t>()[0] == 0 &&
                         seg_offsets.data_ptr<int64_t>()[seg_offsets.numel() - 1] == q.size(0),
                     "kda_tree_scan: seg_offsets must run from 0 to the number of tokens ", q.size(0));
-  const int64_t S = parents.numel();
-  const int64_t* offsets = seg_offsets.data_ptr<int64_t>();
-  const int64_t* parent = parents.data_ptr<int64_t>();
-  for (int64_t s = 0; s < S; ++s) {
-    TORCH_CHECK_VALUE(offsets[s] <= offsets[s + 1], "kda_tree_scan: seg_offsets decrease at segment ", s);
-    TORCH_CHECK_VALUE(parent[s] < s, "kda_tree_scan: segment ", s, " has parent ", parent[s],
-                      ", expected -1 or an earlier segment");
-  }
+  // segment order and parents are checked by walk_segments
 }
 
 }  // namespace
@@ -70,43 +65,17 @@ at::Tensor tree_scan(const at::Tensor& q_in, const at::Tensor& k_in, const at::T
   const at::Tensor decay = g_in.to(compute).exp().unsqueeze(-1);   // (N, HV, K, 1): per key channel
   const at::Tensor beta = beta_in.to(compute).unsqueeze(-1);       // (N, HV, 1)
   const int64_t HV = v.size(1), K = q.size(2), V = v.size(2);
-  const int64_t S = parents.numel();
-  const int64_t* offsets = seg_offsets.data_ptr<int64_t>();
-  const int64_t* parent = parents.data_ptr<int64_t>();
-
-  int64_t roots = 0;
-  for (int64_t s = 0; s < S; ++s) roots += parent[s] < 0;
-  if (initial_state) {
-    const auto& h0 = *initial_state;
-    TORCH_CHECK_VALUE((h0.dim() == 3 && h0.size(0) == HV && h0.size(1) == K && h0.size(2) == V) ||
-                          (h0.dim() == 4 && h0.size(0) == roots && h0.size(1) == HV && h0.size(2) == K && h0.size(3) == V),
-                      "kda_tree_scan: initial_state must be (value_heads, key_dim, value_dim)=(", HV, ", ", K, ", ", V,
-                      ") or (roots=", roots, ", value_heads, key_dim, value_dim), got ", h0.sizes());
-  }
-  std::vector<at::Tensor> final_state(S);
   std::vector<at::Tensor> outputs(q.size(0));
-  int64_t root = 0;
-  for (int64_t s = 0; s < S; ++s) {
-    at::Tensor state;
-    if (parent[s] >= 0) {
-      state = final_state[parent[s]];
-    } else if (initial_state) {
-      state = (initial_state->dim() == 3 ? *initial_state : (*initial_state)[root]).to(compute);
-      ++root;
-    } else {
-      state = at::zeros({HV, K, V}, v.options());
-      ++root;
-    }
-    for (int64_t t = offsets[s]; t < offsets[s + 1]; ++t) {
-      const at::Tensor kt = k[t].unsqueeze(-1);                  // (HV, K, 1)
-      state = state * decay[t];                                   // decay each key channel's row of S
-      const at::Tensor remembered = (state * kt).sum(1);          // (HV, V) = S^T k
-      const at::Tensor delta = (v[t] - remembered) * beta[t];     // (HV, V)
-      state = state + kt * delta.unsqueeze(1);
-      outputs[t] = (state * q[t].unsqueeze(-1)).sum(1);           // (HV, V) = S^T q
-    }
-    final_state[s] = state;
-  }
+  tree_recurrence::walk_segments("kda_tree_scan", seg_offsets, parents, initial_state, {HV, K, V}, v.options(),
+                                 [&](at::Tensor state, int64_t t) {
+                                   const at::Tensor kt = k[t].unsqueeze(-1);               // (HV, K, 1)
+                                   state = state * decay[t];                                // decay each key channel's row of S
+                                   const at::Tensor remembered = (state * kt).sum(1);       // (HV, V) = S^T k
+                                   const at::Tensor delta = (v[t] - remembered) * beta[t];  // (HV, V)
+                                   state = state + kt * delta.unsqueeze(1);
+                                   outputs[t] = (state * q[t].unsqueeze(-1)).sum(1);        // (HV, V) = S^T q
+                                   return state;
+                                 });
   if (outputs.empty()) return at::empty({0, HV, V}, v_in.options());
   return at::stack(outputs).to(v_in.scalar_type());
 }
