@@ -265,6 +265,17 @@ def chunk_gated_delta_rule(
         if dt_bias is not None:
             gf = gf + dt_bias.to(f32)
         gf = -A_log.to(f32).exp() * F.softplus(gf)
+    return _delta_rule(_gated_delta_scan, qf, kf, vf, gf, bf, v.dtype, scale, initial_state, output_final_state,
+                       use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, bounds)
+
+
+def _delta_rule(scan, qf, kf, vf, gf, bf, out_dtype, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, bounds):
+    """What FLA's delta-rule kernels (GDN, KDA) share around their token recurrence ``scan``:
+    beta as a logit, q/k l2norm and scale, grouped value heads, per-sequence initial and final
+    states over ``bounds`` (cu_seqlens as a list, or None for a padded batch). Inputs in the
+    compute dtype; returns ``(o in out_dtype, final_state or None)``."""
+    H, HV, K, V = qf.shape[2], vf.shape[2], qf.shape[3], vf.shape[3]
     if use_beta_sigmoid_in_kernel:
         bf = (2.0 if allow_neg_eigval else 1.0) * bf.sigmoid()
     if use_qk_l2norm_in_kernel:
@@ -274,29 +285,24 @@ def chunk_gated_delta_rule(
     if HV != H:
         qf = qf.repeat_interleave(HV // H, dim=2)
         kf = kf.repeat_interleave(HV // H, dim=2)
-
+    N = qf.shape[0] if bounds is None else len(bounds) - 1
     if initial_state is None:
         h0 = qf.new_zeros(N, HV, K, V)
     else:
-        h0 = initial_state.to(f32)
+        h0 = initial_state.to(qf.dtype)
         if state_v_first:
             h0 = h0.transpose(-1, -2)
-
     if bounds is None:
-        o, ht = _gated_delta_scan(qf, kf, vf, gf, bf, h0)
+        o, ht = scan(qf, kf, vf, gf, bf, h0)
     else:
         outs, finals = [], []
         for n in range(N):
             s, e = bounds[n], bounds[n + 1]
-            o_n, h_n = _gated_delta_scan(
-                qf[:, s:e], kf[:, s:e], vf[:, s:e], gf[:, s:e], bf[:, s:e], h0[n : n + 1]
-            )
+            o_n, h_n = scan(qf[:, s:e], kf[:, s:e], vf[:, s:e], gf[:, s:e], bf[:, s:e], h0[n : n + 1])
             outs.append(o_n)
             finals.append(h_n)
-        o = torch.cat(outs, dim=1)
-        ht = torch.cat(finals, dim=0)
-
-    o = o.to(v.dtype)
+        o, ht = torch.cat(outs, dim=1), torch.cat(finals, dim=0)
+    o = o.to(out_dtype)
     if not output_final_state:
         return o, None
     if state_v_first:
@@ -626,38 +632,8 @@ def chunk_kda(
             if A_log is None:
                 raise AssertionError("A_log must be provided when use_gate_in_kernel=True.")
             gf = -A_log.to(f32).exp().view(HV, 1) * F.softplus(gf)
-    if use_beta_sigmoid_in_kernel:
-        bf = (2.0 if allow_neg_eigval else 1.0) * bf.sigmoid()
-    if use_qk_l2norm_in_kernel:
-        qf = l2norm(qf, dim=-1, eps=1e-6)
-        kf = l2norm(kf, dim=-1, eps=1e-6)
-    qf = qf * scale
-    if HV != H:
-        qf = qf.repeat_interleave(HV // H, dim=2)
-        kf = kf.repeat_interleave(HV // H, dim=2)
-    if initial_state is None:
-        h0 = qf.new_zeros(N, HV, K, V)
-    else:
-        h0 = initial_state.to(f32)
-        if state_v_first:
-            h0 = h0.transpose(-1, -2)
-
-    if bounds is None:
-        o, ht = _kda_scan(qf, kf, vf, gf, bf, h0)
-    else:
-        outs, finals = [], []
-        for n in range(N):
-            s, e = bounds[n], bounds[n + 1]
-            o_n, h_n = _kda_scan(qf[:, s:e], kf[:, s:e], vf[:, s:e], gf[:, s:e], bf[:, s:e], h0[n : n + 1])
-            outs.append(o_n)
-            finals.append(h_n)
-        o, ht = torch.cat(outs, dim=1), torch.cat(finals, dim=0)
-    o = o.to(q.dtype)
-    if not output_final_state:
-        return o, None
-    if state_v_first:
-        ht = ht.transpose(-1, -2).contiguous()
-    return o, ht
+    return _delta_rule(_kda_scan, qf, kf, vf, gf, bf, q.dtype, scale, initial_state, output_final_state,
+                       use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, bounds)
 
 
 # --------------------------------------------------------------------------------------------
