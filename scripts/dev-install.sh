@@ -1,7 +1,18 @@
 #!/usr/bin/env bash
-# Rebuilds and reinstalls the package from this checkout (incremental: build/ is kept).
-# Serialized with a lock so parallel sessions never build into the same folder at once.
+# Rebuilds and reinstalls the package from this checkout into the interpreter scripts/python-env.sh
+# picks (.venv, or PYTHON) (incremental: build/py is kept). Serialized by a lock file inside the
+# build folder, so parallel sessions on one checkout never build into it at once, while other
+# checkouts and other users of the machine are not held up.
+#   --verbose-build   show the CMake configure and the build's [step/total] lines (setup.sh uses it)
+# Other arguments go to pip.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-exec flock /tmp/tree-recurrence-build.lock \
-  python3 -m pip install --no-build-isolation --no-deps -q . "$@"
+source scripts/python-env.sh
+quiet=(-q)
+if [ "${1:-}" = "--verbose-build" ]; then
+  quiet=(-v)
+  shift
+fi
+mkdir -p build/py
+# No build isolation: the plugins must be built against the very torch they run with.
+exec flock build/py/.install.lock "$PY" -m pip install --no-build-isolation --no-deps "${quiet[@]}" . "$@"
