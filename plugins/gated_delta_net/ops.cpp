@@ -2,7 +2,7 @@
 // when the family is created (sdk/op_library.h says why).
 #include "ops.h"
 
-#include "gdn_tree_scan.h"
+#include "csrc/gdn_tree_scan.h"
 #include "tree_recurrence/sdk/tree_conv_op.h"
 
 namespace tree_recurrence::gdn {

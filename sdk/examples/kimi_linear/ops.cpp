@@ -2,7 +2,7 @@
 // tree_recurrence_add_family), registered when the family is created (tree_recurrence/sdk/op_library.h).
 #include "ops.h"
 
-#include "kda_tree_scan.h"
+#include "csrc/kda_tree_scan.h"
 #include "tree_recurrence/sdk/tree_conv_op.h"
 
 namespace kimi_linear {
