@@ -25,6 +25,8 @@ module unpatched for the library that owns it.
 from __future__ import annotations
 
 import importlib
+import logging
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -68,8 +70,13 @@ def register_backend(name: str, check: Callable[[str], str | None], handoff: boo
 
 ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention", "attention", "qwen_sparse_attention", "mlp", "moe"}
 
+# Installed models by id(), held weakly (guarded by seams.lock): a model collected without uninstall
+# releases its hooks (seams.sweep).
 _installed: dict[int, "Support"] = {}
+_installed_refs: dict[int, weakref.ref] = {}
 _guards: dict[int, list] = {}  # id(model) -> forward pre-hook handles of its "chains" layers
+_cache_hooks: dict[int, list] = {}  # id(model) -> the pre-hooks turning use_cache off for tree rows
+logger = logging.getLogger("tree_recurrence")
 
 
 @dataclass
@@ -172,12 +179,76 @@ def _chains_guard(path: str, family: str) -> Callable:
 
 
 def _remove_guards(model_id: int) -> None:
-    for handle in _guards.pop(model_id, []):
+    for handle in _guards.pop(model_id, []) + _cache_hooks.pop(model_id, []):
         handle.remove()
 
 
+def _forget_collected(model_id: int) -> None:
+    """seams' sweep: drops the records of an installed model that was garbage-collected."""
+    ref = _installed_refs.get(model_id)
+    if ref is not None and ref() is None:
+        del _installed_refs[model_id]
+        _installed.pop(model_id, None)
+        _guards.pop(model_id, None)  # the hooks died with the model's modules
+        _cache_hooks.pop(model_id, None)
+
+
+seams._release_hooks.append(_forget_collected)
+
+
+def _support_of(model: torch.nn.Module) -> "Support | None":
+    ref = _installed_refs.get(id(model))
+    return _installed.get(id(model)) if ref is not None and ref() is model else None
+
+
+_told_use_cache = False
+
+
+def _no_cache_for_tree_rows(module, args, kwargs):
+    """A forward pre-hook of an installed model (and its base model): a tree-packed row without a cache
+    of its own runs with ``use_cache=False`` (a row of many samples has no one recurrent state to
+    cache); says so once."""
+    global _told_use_cache
+    if kwargs.get("use_cache") is False or kwargs.get("past_key_values") is not None or \
+            kwargs.get("cache_params") is not None or tree_plan(kwargs) is None:
+        return None
+    if not _told_use_cache:
+        _told_use_cache = True
+        logger.info("tree_recurrence: a tree-packed row runs with use_cache=False (it holds many samples, each "
+                    "with its own recurrent state); pass use_cache=False to say so")
+    return args, {**kwargs, "use_cache": False}
+
+
+def _instance_forward_bypass(mixer: torch.nn.Module) -> str | None:
+    """Why ``mixer``'s instance-level ``forward`` (set by kernelize, say) would bypass the modeling
+    module's seams, or None (no instance forward, or one that still calls the class's forward or a
+    forward marked with mark_tree_forward: accelerate's hooks, profilers)."""
+    forward = mixer.__dict__.get("forward")
+    if forward is None:
+        return None
+    class_forward = getattr(type(mixer), "forward", None)
+    item = forward
+    for _ in range(16):
+        func = getattr(item, "__func__", item)
+        if func is class_forward or hasattr(func, "__tree_recurrence_forward__"):
+            return None
+        inner = getattr(item, "__wrapped__", None) or getattr(item, "_old_forward", None) or getattr(item, "func", None)
+        if inner is None:
+            break
+        item = inner
+    what = getattr(forward, "__qualname__", None) or getattr(getattr(forward, "__func__", None), "__qualname__", None) \
+        or type(forward).__name__
+    return f"its forward was replaced on the instance (by {what}), which bypasses the module's seams"
+
+
 def install(model: torch.nn.Module, policy: Policy | None = None, backends: dict[str, str] | None = None) -> Support:
-    """Hooks ``model``'s recurrent layers so they follow tree-packed rows. See the module doc."""
+    """Hooks ``model``'s recurrent layers so they follow tree-packed rows. See the module doc.
+    Thread-safe: installs and uninstalls of models sharing modeling modules are serialized."""
+    with seams.locked():
+        return _install(model, policy, backends)
+
+
+def _install(model: torch.nn.Module, policy: Policy | None, backends: dict[str, str] | None) -> Support:
     families = plugins.families()
     backends = _check_backends(backends, families)
     policy = policy or Policy()
@@ -212,8 +283,14 @@ def install(model: torch.nn.Module, policy: Policy | None = None, backends: dict
     if unknown:
         leftovers.insert(0, f"layer_types {unknown} of {model_type or type(model).__name__} are implemented by no family "
                             f"plugin found (found: {sorted(families) or 'none'})")
+    recurrent = {lt for lt in _layer_types(config) if lt not in ATTENTION_LAYER_TYPES}
+    for name, record in families.items():
+        for entry in record["manifest"]["models"]:
+            if entry["model_type"] == model_type and recurrent & set(entry["layer_types"]) and not mixers & set(entry["mixers"]):
+                leftovers.append(f"layer_types {sorted(recurrent & set(entry['layer_types']))} of {model_type} are "
+                                 f"family '{name}' mixers {entry['mixers']}, but the model has none of them")
     if leftovers:
-        return Support(mode="none", reason="; ".join(leftovers))
+        return Support(mode="none", reason="; ".join(dict.fromkeys(leftovers)))
 
     for family in sorted({f for f, _ in claimed.values()}):
         missing = {seam: spec["adapter"] for seam, spec in families[family]["manifest"]["seams"].items()
@@ -231,6 +308,20 @@ def install(model: torch.nn.Module, policy: Policy | None = None, backends: dict
         if entry is None:
             return Support(mode="none", reason=f"{path} ({type(mixer).__name__}) lives in {module_name}, which the "
                                                 f"'{family}' manifest does not list")
+        module = importlib.import_module(module_name)
+        needed = [seam for seam, spec in families[family]["manifest"]["seams"].items()
+                  if spec["adapter"] != "decline" and not hasattr(module, seam)]
+        if needed:
+            return Support(mode="none", reason=f"{path} ({type(mixer).__name__}): its modeling module {module_name} "
+                                                f"lacks the seam(s) {needed} family '{family}' needs")
+        bypass = _instance_forward_bypass(mixer)
+        if bypass:
+            return Support(mode="none", reason=f"{path} ({type(mixer).__name__}): {bypass}")
+        if families[family].get("python") and not families[family]["manifest"]["seams"] and \
+                not hasattr(getattr(type(mixer), "forward", None), "__tree_recurrence_forward__"):
+            return Support(mode="none", reason=f"{path} ({type(mixer).__name__}): family '{family}' (registered from "
+                                                f"Python, no seams) claims mixers whose forward follows trees, but "
+                                                f"{type(mixer).__name__}.forward is not marked with mark_tree_forward")
         follows = entry.get("follows", "tree")
         if follows not in FOLLOWS:
             return Support(mode="none", reason=f"{path} ({type(mixer).__name__}): the '{family}' manifest says it follows "
@@ -248,6 +339,8 @@ def install(model: torch.nn.Module, policy: Policy | None = None, backends: dict
     support = Support(mode="chains", reason=f"{', '.join(chains)} follow packed samples only as separate chains: "
                                             "they cannot start a segment from the state its parent ends in; pack one "
                                             "chain per sample") if chains else Support(mode="tree")
+    if not claimed:
+        support.reason = "no recurrent layers"
     _remove_guards(id(model))  # install twice: the new guards replace the old ones
     for path, (family, mixer) in claimed.items():
         manifest = families[family]["manifest"]
@@ -257,8 +350,7 @@ def install(model: torch.nn.Module, policy: Policy | None = None, backends: dict
         if backend not in HANDOFF_BACKENDS:
             modeling = importlib.import_module(module_name)
             carriers = [getattr(modeling, c) for c in entry.get("plan_carriers", []) if hasattr(modeling, c)]
-            seams.patch_module(modeling, family, manifest["seams"], carriers, policy, backend)
-            seams.owners[module_name].models.add(id(model))
+            seams.add_model(seams.patch_module(modeling, family, manifest["seams"], carriers, policy, backend), model)
             if module_name not in support.modules:
                 support.modules.append(module_name)
         if follows == "chains":
@@ -266,32 +358,36 @@ def install(model: torch.nn.Module, policy: Policy | None = None, backends: dict
                 mixer.register_forward_pre_hook(_chains_guard(path, family), with_kwargs=True))
         support.layers.append(LayerSupport(path, type(mixer).__name__, family, backend, module_name, follows))
         support.families[family] = backend
+    if claimed:
+        _cache_hooks[id(model)] = [m.register_forward_pre_hook(_no_cache_for_tree_rows, with_kwargs=True)
+                                   for m in dict.fromkeys([model, getattr(model, "base_model", model)])
+                                   if isinstance(m, torch.nn.Module)]
     _installed[id(model)] = support
+    if _installed_refs.get(id(model)) is None or _installed_refs[id(model)]() is not model:
+        _installed_refs[id(model)] = weakref.ref(model, lambda _, model_id=id(model): seams._on_collected(model_id))
     model._tree_recurrence_support = support
     return support
 
 
 def uninstall(model: torch.nn.Module) -> None:
     """Removes this model's claim on its modeling modules; a module no installed model uses is
-    restored attribute by attribute to the very objects it had before install."""
-    support = _installed.pop(id(model), None)
-    if support is None:
-        return
-    _remove_guards(id(model))
-    for name in support.modules:
-        owner = seams.owners.get(name)
-        if owner is None:
-            continue
-        owner.models.discard(id(model))
-        if not owner.models:
-            seams.unpatch_module(name)
+    restored attribute by attribute to the very objects it had before install (an attribute something
+    else wrapped since keeps that wrapper; ours under it steps aside). Thread-safe."""
+    with seams.locked():
+        support = _support_of(model)
+        if support is None:
+            return
+        del _installed[id(model)], _installed_refs[id(model)]
+        _remove_guards(id(model))
+        for name in support.modules:
+            seams.release_model(name, id(model))
     if getattr(model, "_tree_recurrence_support", None) is support:
         del model._tree_recurrence_support
 
 
 def set_backend(model: torch.nn.Module, family: str, backend: str) -> None:
     """Swaps a family's backend at run time for the modeling modules this model uses."""
-    support = _installed.get(id(model))
+    support = _support_of(model)
     if support is None:
         raise ValueError("set_backend: this model has no tree_recurrence hooks; call install(model) first")
     _check_backends({family: backend}, plugins.families())
