@@ -1,11 +1,19 @@
 """Tree attention for transformers models: each segment attends to its root-to-segment path.
 
-A reference implementation (dense mask + SDPA) for tests and for users without TRL's flash
-kernel. ``register_tree_attention()`` registers it as attention implementation ``"tree_sdpa"``;
-without tree kwargs it is transformers' SDPA attention, so one model serves both.
+Two implementations, registered with transformers' attention interface:
+
+- ``"tree_sdpa"``: the reference (a dense N x N mask + SDPA), for tests and small rows;
+- ``"tree_flex"``: FlexAttention with a block mask built once per plan from the trie (a key is
+  visible iff it lies on the query's root-to-token path and not after it; sliding windows and
+  grouped KV heads as the model asks), for users without TRL's flash kernel.
+
+``register_tree_attention(name)`` registers one of them; without tree kwargs either is
+transformers' SDPA attention, so one model serves both ordinary and tree-packed batches.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -13,10 +21,20 @@ import torch.nn.functional as F
 from ._plan import tree_plan
 
 TREE_ATTENTION = "tree_sdpa"
+TREE_FLEX = "tree_flex"
 
 
-def tree_attention_mask(plan, device) -> torch.Tensor:
-    """(N, N) bool: token t may attend to token u iff u is on t's path at or before t. Cached."""
+def tree_attention_mask(plan, device, sliding_window: int | None = None) -> torch.Tensor:
+    """(N, N) bool: token t may attend to token u iff u is on t's path at or before t (and, with
+    ``sliding_window``, fewer than that many path positions back). Cached with the plan."""
+    if sliding_window is not None:
+        key = ("attention_mask", torch.device(device), int(sliding_window))
+        cache = plan._on_device
+        if key not in cache:
+            position = plan.tensor("token_position", device)
+            near = (position[:, None] - position[None, :]) < int(sliding_window)
+            cache[key] = tree_attention_mask(plan, device) & near
+        return cache[key]
     key = ("attention_mask", torch.device(device))
     cache = plan._on_device
     if key not in cache:
@@ -47,7 +65,7 @@ def tree_sdpa_attention(module, query, key, value, attention_mask, scaling=None,
     if groups > 1:
         key = key.repeat_interleave(groups, dim=1)
         value = value.repeat_interleave(groups, dim=1)
-    mask = tree_attention_mask(plan, query.device)
+    mask = tree_attention_mask(plan, query.device, kwargs.get("sliding_window"))
     # A dense boolean mask sends SDPA to its math kernel, which in half precision rounds the scores
     # and probabilities (the fused causal kernels accumulate in fp32); computing in fp32 keeps this
     # reference at least as accurate as the model's own attention on each sample.
@@ -59,13 +77,173 @@ def tree_sdpa_attention(module, query, key, value, attention_mask, scaling=None,
     return out.to(query.dtype).transpose(1, 2).contiguous(), None
 
 
-def register_tree_attention() -> str:
+# ------------------------------------------------------------------------------------------------
+# tree_flex: FlexAttention with a block mask from the trie
+# ------------------------------------------------------------------------------------------------
+
+
+def tree_subtree_ends(plan, device) -> torch.Tensor:
+    """(N,) int64: for each token u, one past the last token of the subtree of u's segment.
+
+    Segments are in DFS pre-order, so the subtree of segment a is the contiguous token range
+    [seg_offsets[a], seg_offsets[a + size(a)]); a query t sees key u iff u <= t < end[u] (u's
+    segment is t's segment or one of its ancestors, and u is not after t). Cached with the plan."""
+    device = torch.device(device)
+    key = ("subtree_end", device)
+    cache = plan._on_device
+    if key not in cache:
+        parents = plan.array("parents")
+        end_segment = torch.arange(1, plan.num_segments + 1, dtype=torch.int64)
+        level_offsets = plan.array("level_offsets")
+        level_segments = plan.array("level_segments")
+        for level in range(plan.num_levels - 1, 0, -1):  # deepest first: children before parents
+            segments = level_segments[level_offsets[level]:level_offsets[level + 1]]
+            end_segment.scatter_reduce_(0, parents[segments], end_segment[segments], "amax")
+        ends = plan.array("seg_offsets")[end_segment][plan.array("token_segment")]
+        cache[key] = ends.to(device)
+    return cache[key]
+
+
+def tree_mask_mod(plan, device, sliding_window: int | None = None):
+    """The FlexAttention ``mask_mod`` of the plan's tree (see :func:`tree_subtree_ends`)."""
+    ends = tree_subtree_ends(plan, device)
+    if sliding_window is None:
+        def mask_mod(b, h, q, kv):
+            return (kv <= q) & (q < ends[kv])
+    else:
+        position = plan.tensor("token_position", device)
+        window = int(sliding_window)
+
+        def mask_mod(b, h, q, kv):
+            return (kv <= q) & (q < ends[kv]) & (position[q] - position[kv] < window)
+    return mask_mod
+
+
+FLEX_BLOCK = 128  # FlexAttention's sparse block size
+
+
+def tree_block_mask(plan, device, sliding_window: int | None = None, block: int = FLEX_BLOCK):
+    """The plan's FlexAttention BlockMask on ``device``, built once and cached with the plan, so
+    every layer and every gradient-checkpoint replay of a forward reuses it.
+
+    Built by query-block chunks (never the whole N x N mask at once: a forest of 64 chains of 2,560
+    tokens would need 27 GB): each chunk evaluates the mask against the keys up to its last query
+    and reduces it to (partial, full) blocks; padding past N counts as masked, so an edge block is
+    never full."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    device = torch.device(device)
+    key = ("flex_block_mask", device, None if sliding_window is None else int(sliding_window), block)
+    cache = plan._on_device
+    if key not in cache:
+        n = plan.num_tokens
+        mask_mod = tree_mask_mod(plan, device, sliding_window)
+        blocks = -(-n // block)
+        partial = torch.zeros(blocks, blocks, dtype=torch.bool, device=device)
+        full = torch.zeros(blocks, blocks, dtype=torch.bool, device=device)
+        rows_per_chunk = max(1, (1 << 28) // (blocks * block * block))  # ~256 M mask entries a chunk
+        padded_keys = torch.arange(blocks * block, device=device)
+        for first in range(0, blocks, rows_per_chunk):
+            last = min(blocks, first + rows_per_chunk)
+            q = torch.arange(first * block, last * block, device=device)
+            kv = padded_keys[: last * block]
+            m = mask_mod(0, 0, q.clamp(max=n - 1)[:, None], kv.clamp(max=n - 1)[None, :])
+            m &= (q[:, None] < n) & (kv[None, :] < n)
+            m = m.view(last - first, block, last, block)
+            any_ = m.any(dim=3).any(dim=1)
+            all_ = m.all(dim=3).all(dim=1)
+            full[first:last, :last] = all_
+            partial[first:last, :last] = any_ & ~all_
+
+        def ordered(flags):
+            counts = flags.sum(dim=1, dtype=torch.int32)
+            indices = torch.argsort(flags.to(torch.int8), dim=1, descending=True, stable=True).to(torch.int32)
+            return counts[None, None].contiguous(), indices[None, None].contiguous()
+
+        kv_num, kv_idx = ordered(partial)
+        full_num, full_idx = ordered(full)
+        cache[key] = BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block, mask_mod=mask_mod,
+                                              seq_lengths=(n, n))
+    return cache[key]
+
+
+def _dense_flex_mask(plan, device, sliding_window):
+    """The block mask's mask materialised (N, N) bool, for the CPU backward path; cached."""
+    key = ("flex_dense_mask", torch.device(device), None if sliding_window is None else int(sliding_window))
+    cache = plan._on_device
+    if key not in cache:
+        n = plan.num_tokens
+        q = torch.arange(n, device=device)
+        cache[key] = tree_mask_mod(plan, device, sliding_window)(0, 0, q[:, None], q[None, :])
+    return cache[key]
+
+
+_compiled_flex = None
+
+
+def _flex_kernel():
+    """flex_attention compiled once (its eager form materialises every score: only for CPU)."""
+    global _compiled_flex
+    if _compiled_flex is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+    return _compiled_flex
+
+
+def tree_flex_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    plan = tree_plan(kwargs)
+    if plan is None:  # an ordinary batch: plain causal SDPA with the mask transformers built
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    if query.shape[0] != 1 or query.shape[2] != plan.num_tokens:
+        raise ValueError(
+            f"attention '{TREE_FLEX}': expected one packed row of {plan.num_tokens} tokens, got query {tuple(query.shape)}"
+        )
+    if module.training and dropout:
+        raise ValueError(f"attention '{TREE_FLEX}': attention dropout {dropout} is not supported (set attention_dropout=0)")
+    if kwargs.get("softcap") is not None:
+        raise ValueError(f"attention '{TREE_FLEX}': softcap {kwargs['softcap']} is not supported")
+    if query.shape[1] % key.shape[1]:
+        raise ValueError(f"attention '{TREE_FLEX}': {query.shape[1]} query heads are not a multiple of {key.shape[1]} key heads")
+    window = kwargs.get("sliding_window")
+    grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
+    if query.device.type == "cpu" and grad:
+        # torch's FlexAttention has no CPU backward: the same mask, materialised, through SDPA.
+        groups = query.shape[1] // key.shape[1]
+        if groups > 1:
+            key = key.repeat_interleave(groups, dim=1)
+            value = value.repeat_interleave(groups, dim=1)
+        compute = torch.float32 if query.dtype in (torch.float16, torch.bfloat16) else query.dtype
+        out = F.scaled_dot_product_attention(query.to(compute), key.to(compute), value.to(compute),
+                                             attn_mask=_dense_flex_mask(plan, query.device, window)[None, None], scale=scaling)
+        return out.to(query.dtype).transpose(1, 2).contiguous(), None
+    from torch.nn.attention.flex_attention import flex_attention
+
+    block_mask = tree_block_mask(plan, query.device, window)
+    gqa = query.shape[1] != key.shape[1]
+    if query.device.type == "cpu":  # eager flex (it materialises the scores; CPU rows are small)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+            out = flex_attention(query, key, value, block_mask=block_mask, scale=scaling, enable_gqa=gqa)
+    else:
+        out = _flex_kernel()(query, key, value, block_mask=block_mask, scale=scaling, enable_gqa=gqa)
+    return out.transpose(1, 2).contiguous(), None
+
+
+_IMPLEMENTATIONS = {TREE_ATTENTION: tree_sdpa_attention, TREE_FLEX: tree_flex_attention}
+
+
+def register_tree_attention(name: str = TREE_ATTENTION) -> str:
+    """Registers tree attention ``name`` (``"tree_sdpa"`` or ``"tree_flex"``) with transformers and
+    returns the name, to pass as ``attn_implementation``."""
+    if name not in _IMPLEMENTATIONS:
+        raise ValueError(f"register_tree_attention: name must be one of {sorted(_IMPLEMENTATIONS)}, got {name!r}")
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    AttentionInterface.register(TREE_ATTENTION, tree_sdpa_attention)
-    from transformers.masking_utils import sdpa_mask
-
+    AttentionInterface.register(name, _IMPLEMENTATIONS[name])
     # Ordinary batches get SDPA's own mask; tree-packed rows ignore it (the plan gives the mask).
-    AttentionMaskInterface.register(TREE_ATTENTION, sdpa_mask)
-    return TREE_ATTENTION
+    AttentionMaskInterface.register(name, sdpa_mask)
+    return name

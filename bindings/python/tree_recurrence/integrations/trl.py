@@ -28,28 +28,31 @@ on exit, also on exceptions):
   is ``"chains"`` (``packing="auto"``) or when ``packing="chains"``.
 
 The hooks installed on the model stay after the block (``tree_recurrence.uninstall(model)`` removes
-them). See docs/trl.md.
+them); if the block raises (the trainer's constructor failing, say), every model it installed is
+uninstalled too. See docs/trl.md.
+
+Importing this module imports neither transformers nor trl: the chain classes (subclasses of TRL's)
+are built on first use, and everything else imports TRL when called.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
+import importlib.util
 import logging
+import sys
+import warnings
 import weakref
 from collections.abc import Mapping
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
-import trl
-from trl.experimental.async_grpo import async_grpo_trainer as _agt
-from trl.experimental.async_grpo.async_grpo_trainer import FixedCountBatcher, TokenBudgetBatcher
-from trl.experimental.async_grpo.packing import TreeRow
-
 from .. import plugins
 from .._plan import tree_plan
-from ..install import Support, _check_backends, install
+from ..install import Support, _check_backends, install, uninstall
 from ..policy import Policy
 
 logger = logging.getLogger("tree_recurrence")
@@ -57,29 +60,102 @@ logger = logging.getLogger("tree_recurrence")
 __all__ = ["ChainFixedCountBatcher", "ChainRow", "ChainTokenBudgetBatcher", "guarded_flops", "tree_kwargs_from_batch",
            "tree_recurrent_models", "trl_backend_unavailable"]
 
-TRAINER_MODULE = _agt.__name__
+TRAINER_MODULE = "trl.experimental.async_grpo.async_grpo_trainer"
 # What trl 1.16's refusal lets through (async_grpo_trainer.py: `layer_types - {...}`).
 _TRL_ATTENTION_TYPES = {"full_attention", "sliding_attention"}
-# A mapping family -> tree kernel that a TRL shipping tree recurrent kernels would expose in its packing
-# module. No TRL release has one (1.16: tree attention "tree_fa3" only); the "trl" backend checks for it.
-_TRL_KERNELS_ATTR = "TREE_RECURRENT_KERNELS"
+
+
+def _trainer_module():
+    return importlib.import_module(TRAINER_MODULE)
 
 
 # ------------------------------------------------------------------------------------------------
-# the "trl" backend
+# the "trl" backend: TRL's own tree kernels (huggingface/trl#7686)
 # ------------------------------------------------------------------------------------------------
+
+# Family -> the function with which TRL patches a model's modeling modules with its own tree kernel.
+# #7686 adds ``patch_tree_gdn`` for Gated DeltaNet; trl 1.16 has none. TRL keeps the modeling modules
+# it patched in a module-level set (any set whose name says "patched"): a module in it is TRL's, and
+# one this package patches is recorded there so TRL does not wrap it again.
+TRL_TREE_KERNELS = {"gated_delta_net": "patch_tree_gdn"}
+# Where a TRL release may define them (searched in order).
+TRL_KERNEL_MODULES = ("trl.experimental.async_grpo.tree_gdn", "trl.experimental.async_grpo.gdn",
+                      "trl.experimental.async_grpo.packing", "trl.experimental.async_grpo.async_grpo_trainer",
+                      "trl.experimental.async_grpo")
+
+
+def _trl_version() -> str:
+    trl = sys.modules.get("trl")
+    return getattr(trl, "__version__", "?") if trl is not None else "?"
+
+
+def _trl_kernel(family: str, load: bool = True) -> tuple[Any, Callable, set | None] | str:
+    """(module, patch function, patched set) of TRL's tree kernel for ``family``, or why there is none.
+    ``load=False`` looks only at modules already imported (never imports TRL)."""
+    name = TRL_TREE_KERNELS.get(family)
+    if name is None:
+        return f"TRL has no tree kernel for family '{family}' (its tree kernels: {sorted(TRL_TREE_KERNELS)})"
+    for module_name in TRL_KERNEL_MODULES:
+        module = sys.modules.get(module_name)
+        if module is None and load:
+            try:
+                found = importlib.util.find_spec(module_name) is not None
+            except (ImportError, ValueError):
+                found = False
+            module = importlib.import_module(module_name) if found else None
+        function = getattr(module, name, None) if module is not None else None
+        if callable(function):
+            patched = next((value for key, value in vars(module).items()
+                            if isinstance(value, set) and "patched" in key.lower()), None)
+            return module, function, patched
+    return (f"trl {_trl_version()} has no {name} (TRL's own tree kernel, huggingface/trl#7686; looked in "
+            f"{', '.join(TRL_KERNEL_MODULES)})")
 
 
 def trl_backend_unavailable(family: str) -> str | None:
-    """Why backend ``"trl"`` cannot serve ``family`` (None when it can): the installed TRL must ship a
-    tree recurrent kernel for it. trl 1.16 ships none."""
-    packing = importlib.import_module("trl.experimental.async_grpo.packing")
-    kernels = getattr(packing, _TRL_KERNELS_ATTR, None) or {}
-    if family in kernels:
-        return None
-    what = f"none for '{family}'" if kernels else "no tree recurrent kernel"
-    return (f"trl {trl.__version__} ships {what} (its async_grpo packing has tree attention "
-            f"'{getattr(packing, 'TREE_ATTENTION', 'tree_fa3')}' only)")
+    """Why backend ``"trl"`` cannot serve ``family`` (None when it can): the installed TRL must have
+    its own tree kernel for it (``patch_tree_gdn`` for Gated DeltaNet, huggingface/trl#7686)."""
+    found = _trl_kernel(family)
+    return found if isinstance(found, str) else None
+
+
+def _in_patched_set(patched: set, module_name: str) -> bool:
+    module = sys.modules.get(module_name)
+    return module_name in patched or (module is not None and module in patched)
+
+
+def trl_owns(module_name: str, family: str) -> bool:
+    """Whether TRL patched ``module_name`` with its own tree kernel (without importing TRL)."""
+    found = _trl_kernel(family, load=False)
+    return not isinstance(found, str) and found[2] is not None and _in_patched_set(found[2], module_name)
+
+
+def note_patched_here(module_name: str, family: str, patched: bool) -> None:
+    """Records (``patched``) or forgets a module this package hooks in TRL's patched set, so that TRL's
+    patcher leaves it alone (without importing TRL: a TRL imported later cannot know)."""
+    found = _trl_kernel(family, load=False)
+    if isinstance(found, str) or found[2] is None:
+        return
+    entries = found[2]
+    module = sys.modules.get(module_name)
+    # TRL's set holds module names or module objects: record ours the same way
+    key = module if module is not None and any(not isinstance(e, str) for e in entries) else module_name
+    if patched:
+        entries.add(key)
+    else:
+        entries.discard(key)
+
+
+def hand_off(model: torch.nn.Module, family: str, module_names: list[str]) -> None:
+    """Backend ``"trl"``: TRL's patcher takes the model's modeling modules of ``family`` (those it has not
+    patched already)."""
+    found = _trl_kernel(family)
+    if isinstance(found, str):
+        raise ValueError(f"backends: backend 'trl' cannot take family '{family}': {found}")
+    _, patch, patched = found
+    if patched is not None and module_names and all(_in_patched_set(patched, name) for name in module_names):
+        return
+    patch(model)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -87,90 +163,109 @@ def trl_backend_unavailable(family: str) -> str | None:
 # ------------------------------------------------------------------------------------------------
 
 
-class ChainRow(TreeRow):
-    """A :class:`~trl.experimental.async_grpo.packing.TreeRow` in which every sample is its own chain:
-    nothing is shared between samples, not even an identical prompt. ``pack()`` (inherited) emits the
-    same fields, so TRL's collator and ``compute_loss`` work unchanged; each sample is one segment whose
-    key path is itself (plain padding-free packing in the tree format). For models whose support is
-    ``"chains"``; ``fits`` charges a sample its full length."""
-
-    def fits(self, sample: dict[str, Any], budget: int) -> bool:
-        return (len(self.tokens) + len(sample["input_ids"]) <= budget
-                and self.trained + int(sample["completion_mask"].sum()) <= budget)
-
-    def add(self, sample: dict[str, Any]) -> None:
-        input_ids = sample["input_ids"].tolist()
-        if not input_ids:
-            raise ValueError("ChainRow.add: the sample has no tokens")
-        nodes: list[int] = []
-        for depth, (token, following) in enumerate(zip(input_ids, [*input_ids[1:], None])):
-            node = len(self.tokens)
-            self.tokens.append(token)
-            self.children.append({})
-            self.load += depth + 1
-            if depth == 0:
-                self.roots[("sample", len(self.samples))] = node  # a key no other sample has: never shared
-            else:
-                self.children[nodes[-1]][(token, following)] = node
-            nodes.append(node)
-        self.samples.append(sample)
-        self.sample_nodes.append(nodes)
-        self.groups.add(sample["group_id"])
-        self.trained += int(sample["completion_mask"].sum())
+_CHAIN_CLASSES = ("ChainRow", "ChainTokenBudgetBatcher", "ChainFixedCountBatcher")
 
 
-class ChainTokenBudgetBatcher(TokenBudgetBatcher):
-    """TRL's :class:`TokenBudgetBatcher` with :class:`ChainRow` rows: ``num_processes`` rows of at most
-    ``token_budget`` tokens each (every token counted, nothing being shared), each sample placed in the
-    least loaded row it fits (a group's rows bring no saving here), a micro-batch emitted when the next
-    sample fits nowhere; a sample longer than the budget is dropped with TRL's warning and counter."""
-
-    def __iter__(self):
-        rows = [ChainRow() for _ in range(self.num_processes)]
-        for sample in self.dataset:
-            n = len(sample["input_ids"])
-            if n > self.token_budget:
-                logger.warning(
-                    f"Dropping a rollout sample of {n} tokens that exceeds token_budget={self.token_budget}. "
-                    "Raise token_budget to avoid dropping samples.")
-                self.metrics["batch/dropped_oversize_total"].append(1.0)
-                continue
-            while True:
-                placed = self._place(rows, sample)
-                if placed is not None:
-                    placed.add(sample)
-                    break
-                yield rows
-                rows = [ChainRow() for _ in range(self.num_processes)]
-
-    def _place(self, rows: list[TreeRow], sample: dict[str, Any]) -> TreeRow | None:
-        # An empty row fits any sample within the budget, so no emitted micro-batch has an empty row.
-        return min((row for row in rows if row.fits(sample, self.token_budget)), key=lambda row: row.load, default=None)
+def __getattr__(name: str):
+    # The chain classes subclass TRL's: built (importing TRL) when first asked for.
+    if name in _CHAIN_CLASSES:
+        globals().update(_chain_classes())
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-class ChainFixedCountBatcher(FixedCountBatcher):
-    """TRL's :class:`FixedCountBatcher` with :class:`ChainRow` rows: ``microbatch_size`` samples, spread
-    over ``num_processes`` rows by their attention cost (longest first into the least loaded row; with
-    nothing shared, a group gains nothing from staying together), added to each row in arrival order."""
+@functools.lru_cache(maxsize=None)
+def _chain_classes() -> dict[str, type]:
+    from trl.experimental.async_grpo.async_grpo_trainer import FixedCountBatcher, TokenBudgetBatcher
+    from trl.experimental.async_grpo.packing import TreeRow
 
-    def __iter__(self):
-        batch: list[dict[str, Any]] = []
-        for sample in self.dataset:
-            batch.append(sample)
-            if len(batch) < self.microbatch_size:
-                continue
-            loads = [0] * self.num_processes
-            assignment = [0] * len(batch)
-            for i in sorted(range(len(batch)), key=lambda i: len(batch[i]["input_ids"]), reverse=True):
-                row = min(range(self.num_processes), key=lambda r: loads[r])
-                n = len(batch[i]["input_ids"])
-                loads[row] += n * (n + 1) // 2
-                assignment[i] = row
+    class ChainRow(TreeRow):
+        """A :class:`~trl.experimental.async_grpo.packing.TreeRow` in which every sample is its own chain:
+        nothing is shared between samples, not even an identical prompt. ``pack()`` (inherited) emits the
+        same fields, so TRL's collator and ``compute_loss`` work unchanged; each sample is one segment whose
+        key path is itself (plain padding-free packing in the tree format). For models whose support is
+        ``"chains"``; ``fits`` charges a sample its full length."""
+
+        def fits(self, sample: dict[str, Any], budget: int) -> bool:
+            return (len(self.tokens) + len(sample["input_ids"]) <= budget
+                    and self.trained + int(sample["completion_mask"].sum()) <= budget)
+
+        def add(self, sample: dict[str, Any]) -> None:
+            input_ids = sample["input_ids"].tolist()
+            if not input_ids:
+                raise ValueError("ChainRow.add: the sample has no tokens")
+            nodes: list[int] = []
+            for depth, (token, following) in enumerate(zip(input_ids, [*input_ids[1:], None])):
+                node = len(self.tokens)
+                self.tokens.append(token)
+                self.children.append({})
+                self.load += depth + 1
+                if depth == 0:
+                    self.roots[("sample", len(self.samples))] = node  # a key no other sample has: never shared
+                else:
+                    self.children[nodes[-1]][(token, following)] = node
+                nodes.append(node)
+            self.samples.append(sample)
+            self.sample_nodes.append(nodes)
+            self.groups.add(sample["group_id"])
+            self.trained += int(sample["completion_mask"].sum())
+
+
+    class ChainTokenBudgetBatcher(TokenBudgetBatcher):
+        """TRL's :class:`TokenBudgetBatcher` with :class:`ChainRow` rows: ``num_processes`` rows of at most
+        ``token_budget`` tokens each (every token counted, nothing being shared), each sample placed in the
+        least loaded row it fits (a group's rows bring no saving here), a micro-batch emitted when the next
+        sample fits nowhere; a sample longer than the budget is dropped with TRL's warning and counter."""
+
+        def __iter__(self):
             rows = [ChainRow() for _ in range(self.num_processes)]
-            for i, queued in enumerate(batch):
-                rows[assignment[i]].add(queued)
-            yield rows
-            batch = []
+            for sample in self.dataset:
+                n = len(sample["input_ids"])
+                if n > self.token_budget:
+                    logger.warning(
+                        f"Dropping a rollout sample of {n} tokens that exceeds token_budget={self.token_budget}. "
+                        "Raise token_budget to avoid dropping samples.")
+                    self.metrics["batch/dropped_oversize_total"].append(1.0)
+                    continue
+                while True:
+                    placed = self._place(rows, sample)
+                    if placed is not None:
+                        placed.add(sample)
+                        break
+                    yield rows
+                    rows = [ChainRow() for _ in range(self.num_processes)]
+
+        def _place(self, rows: list[TreeRow], sample: dict[str, Any]) -> TreeRow | None:
+            # An empty row fits any sample within the budget, so no emitted micro-batch has an empty row.
+            return min((row for row in rows if row.fits(sample, self.token_budget)), key=lambda row: row.load, default=None)
+
+
+    class ChainFixedCountBatcher(FixedCountBatcher):
+        """TRL's :class:`FixedCountBatcher` with :class:`ChainRow` rows: ``microbatch_size`` samples, spread
+        over ``num_processes`` rows by their attention cost (longest first into the least loaded row; with
+        nothing shared, a group gains nothing from staying together), added to each row in arrival order."""
+
+        def __iter__(self):
+            batch: list[dict[str, Any]] = []
+            for sample in self.dataset:
+                batch.append(sample)
+                if len(batch) < self.microbatch_size:
+                    continue
+                loads = [0] * self.num_processes
+                assignment = [0] * len(batch)
+                for i in sorted(range(len(batch)), key=lambda i: len(batch[i]["input_ids"]), reverse=True):
+                    row = min(range(self.num_processes), key=lambda r: loads[r])
+                    n = len(batch[i]["input_ids"])
+                    loads[row] += n * (n + 1) // 2
+                    assignment[i] = row
+                rows = [ChainRow() for _ in range(self.num_processes)]
+                for i, queued in enumerate(batch):
+                    rows[assignment[i]].add(queued)
+                yield rows
+                batch = []
+
+    return {"ChainRow": ChainRow, "ChainTokenBudgetBatcher": ChainTokenBudgetBatcher,
+            "ChainFixedCountBatcher": ChainFixedCountBatcher}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -593,7 +688,7 @@ def tree_recurrent_models(policy: Policy | None = None, backends: dict[str, str]
     passed its refusal; the config is intact when the constructor returns.
 
     ``attn_implementation``: replaces TRL's ``"tree_fa3"`` (flash-attention 3 from the kernels hub, CUDA
-    only), e.g. ``"tree_sdpa"`` (``tree_recurrence.attention``, registered here). ``packing``: ``"auto"``
+    only), e.g. ``"tree_flex"`` or ``"tree_sdpa"`` (``tree_recurrence.attention``, registered here). ``packing``: ``"auto"``
     switches the trainer to :class:`ChainTokenBudgetBatcher` / :class:`ChainFixedCountBatcher` when a
     loaded model's support is ``"chains"``; ``"chains"`` always; ``"tree"`` never. ``flops``: replace
     the trainer's FLOPs estimate with :func:`guarded_flops` (used for MFU every optimizer step: keep
@@ -602,11 +697,14 @@ def tree_recurrent_models(policy: Policy | None = None, backends: dict[str, str]
     if packing not in ("auto", "tree", "chains"):
         raise ValueError(f"tree_recurrent_models: packing must be 'auto', 'tree' or 'chains', got {packing!r}")
     _check_backends(backends, plugins.families())  # unknown or unavailable backends fail here, not in the trainer
-    if attn_implementation == "tree_sdpa":
+    if attn_implementation in ("tree_sdpa", "tree_flex"):
         from ..attention import register_tree_attention
 
-        register_tree_attention()
+        register_tree_attention(attn_implementation)
+    _agt = _trainer_module()
+    chain_classes = _chain_classes()
     supports: list[Support] = []
+    installed: list[torch.nn.Module] = []  # uninstalled again if the block raises
     patches = _Patches()
     hider = _LayerTypesHider()
     load_model = _agt.create_model_from_path
@@ -616,8 +714,8 @@ def tree_recurrent_models(policy: Policy | None = None, backends: dict[str, str]
     def use_chain_batchers():
         nonlocal chains_patched
         if not chains_patched:
-            patches.set(_agt, "TokenBudgetBatcher", ChainTokenBudgetBatcher)
-            patches.set(_agt, "FixedCountBatcher", ChainFixedCountBatcher)
+            patches.set(_agt, "TokenBudgetBatcher", chain_classes["ChainTokenBudgetBatcher"])
+            patches.set(_agt, "FixedCountBatcher", chain_classes["ChainFixedCountBatcher"])
             chains_patched = True
 
     def create_model_from_path(model_id, *args, **kwargs):
@@ -626,6 +724,7 @@ def tree_recurrent_models(policy: Policy | None = None, backends: dict[str, str]
         model = load_model(model_id, *args, **kwargs)
         support = install(model, policy=policy, backends=backends)
         supports.append(support)
+        installed.append(model)
         if support.mode == "none":
             raise ValueError(f"tree_recurrent_models: {type(model).__name__} ({model_id}) cannot take tree-packed rows: "
                              f"{support.reason}")
@@ -651,6 +750,10 @@ def tree_recurrent_models(policy: Policy | None = None, backends: dict[str, str]
         if packing == "chains":
             use_chain_batchers()
         yield supports
+    except BaseException:
+        for model in reversed(installed):  # the docstring's promise: nothing changed outlives a failure
+            uninstall(model)
+        raise
     finally:
         hider.restore_all()
         patches.restore()
