@@ -139,6 +139,9 @@ def has_tree(kwargs: Mapping[str, Any]) -> bool:
     return kwargs.get(CU_SEQLENS_Q) is not None
 
 
+# Host work (the plan is built and cached on the host from the index tensors' values): under
+# torch.compile it runs eagerly, a graph break, instead of being traced with fake tensors.
+@torch.compiler.disable
 def tree_plan(kwargs: Mapping[str, Any], num_tokens: int | None = None) -> TreePlan | None:
     """The plan of the tree kwargs in ``kwargs``, or None when there are none.
 

@@ -24,6 +24,8 @@ TREE_ATTENTION = "tree_sdpa"
 TREE_FLEX = "tree_flex"
 
 
+# Built on the host from the plan and cached: under torch.compile it runs eagerly (a graph break).
+@torch.compiler.disable
 def tree_attention_mask(plan, device, sliding_window: int | None = None) -> torch.Tensor:
     """(N, N) bool: token t may attend to token u iff u is on t's path at or before t (and, with
     ``sliding_window``, fewer than that many path positions back). Cached with the plan."""

@@ -156,6 +156,9 @@ def tree_conv(family: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     return y.transpose(0, 1).unsqueeze(0)
 
 
+# Seam dispatch is host work (policy, plan tables, kernel lookup) around native ops or bound
+# kernels: under torch.compile it runs eagerly, one graph break per seam call.
+@torch.compiler.disable
 def run_conv(call: SeamCall, backend: str, policy: Policy) -> torch.Tensor:
     x_name, w_name, b_name, act_name = call.spec["args"][:4]
     x = call.named[x_name]
@@ -281,6 +284,7 @@ def _scan_fork(call: SeamCall, varlen: bool):
     return torch.cat(pieces)[inverse].unsqueeze(0)
 
 
+@torch.compiler.disable  # see run_conv
 def run_scan(call: SeamCall, backend: str, policy: Policy):
     spec = call.spec
     first = call.named[spec["sequence"][0]]
@@ -311,6 +315,7 @@ def run_scan(call: SeamCall, backend: str, policy: Policy):
     return _finish(call, _scan_rescan(call, varlen))
 
 
+@torch.compiler.disable  # see run_conv
 def run_decline(call: SeamCall, backend: str, policy: Policy):
     """For fused seams whose callers have an unfused path: answer what the model's own reference
     answers when it cannot fuse (the manifest's ``declined``, None by default), so the mixer takes
