@@ -9,7 +9,12 @@ class Mamba2Family final : public tree_recurrence::TreeFamily {
   Mamba2Family() { tree_recurrence::ssd::register_ops(); }
   std::vector<tree_recurrence::KernelInfo> kernels() const override {
     auto kernels = tree_recurrence::tree_conv_kernels();
+    // ssd_tree_scan is a composite of ATen ops around the SDK's chunk_state_pass: it runs wherever
+    // that op has a kernel (CPU always, CUDA when built with CUDA).
     kernels.push_back({"ssd_tree_scan", "cpu", true});
+#ifdef TREE_RECURRENCE_WITH_CUDA
+    kernels.push_back({"ssd_tree_scan", "cuda", true});
+#endif
     return kernels;
   }
 };

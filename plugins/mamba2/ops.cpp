@@ -1,19 +1,30 @@
-// Torch ops of the mamba2 family (namespace tree_recurrence_mamba2): the shared tree conv and the
-// native tree SSD scan, registered when the family is created (sdk/op_library.h says why: a bad
+// Torch ops of the mamba2 family (namespace tree_recurrence_mamba2): the shared tree conv, the
+// chunked tree SSD scan (ssd_tree_scan, the seam's native op) and its float64 oracle
+// (ssd_token_scan), registered when the family is created (sdk/op_library.h says why: a bad
 // schema must refuse the plugin, not terminate the process while its library loads).
 #include "ops.h"
 
-#include "ssd_tree_scan.h"
+#include "csrc/ssd_chunked.h"
+#include "csrc/ssd_token_scan.h"
+#include "tree_recurrence/sdk/chunk_state_op.h"
 #include "tree_recurrence/sdk/tree_conv_op.h"
 
 namespace tree_recurrence::ssd {
 
 void register_ops() {
   register_tree_conv_op();
+  register_chunk_state_op();  // the inter-chunk state pass ssd_tree_scan calls (qualified_op)
   op_library(torch::Library::FRAGMENT)
-      .def("ssd_tree_scan(Tensor x, Tensor dt, Tensor B, Tensor C, Tensor seg_offsets, Tensor parents, Tensor? initial_state, "
+      .def("ssd_tree_scan(Tensor x, Tensor dt, Tensor B, Tensor C, Tensor gather, Tensor scatter, Tensor seg_chunk_offsets, "
+           "Tensor parents, Tensor root_index, Tensor level_segments, int[] level_offsets, Tensor child_offsets, "
+           "Tensor children, Tensor? initial_state, Tensor A, float[] dt_limit, Tensor? D=None, Tensor? dt_bias=None, "
+           "bool dt_softplus=False, Tensor? z=None) -> Tensor");
+  op_library(torch::Library::FRAGMENT)
+      .def("ssd_token_scan(Tensor x, Tensor dt, Tensor B, Tensor C, Tensor seg_offsets, Tensor parents, Tensor? initial_state, "
            "Tensor A, float[] dt_limit, Tensor? D=None, Tensor? dt_bias=None, bool dt_softplus=False, Tensor? z=None) -> Tensor");
-  op_library(torch::Library::IMPL, c10::DispatchKey::CompositeImplicitAutograd).impl("ssd_tree_scan", &tree_scan);
+  auto& composite = op_library(torch::Library::IMPL, c10::DispatchKey::CompositeImplicitAutograd);
+  composite.impl("ssd_tree_scan", &chunked_scan);
+  composite.impl("ssd_token_scan", &token_scan);
 }
 
 }  // namespace tree_recurrence::ssd

@@ -9,7 +9,7 @@ separately (the native tree SSD scan + tree conv; rescan over transformers' torc
 rescan over tree_recurrence.reference's mamba-ssm / causal-conv1d stand-ins bound the way
 transformers binds the libraries), with gradient checkpointing on and off.
 
-Also here: the native op against transformers' torch ``mamba2_chunk_scan`` (the semantics it
+Also here: the oracle op (ssd_token_scan) against transformers' torch ``mamba2_chunk_scan`` (the semantics it
 implements), the mamba-ssm reference functions, the fused seam's decline, install()'s answer for
 every model type, and proof that the comparison fails on an unpatched model.
 """
@@ -442,7 +442,7 @@ def test_tree_row_with_cache_is_refused(env):
 
 
 # ------------------------------------------------------------------------------------------------
-# the native tree SSD scan op against transformers' torch mamba2_chunk_scan
+# the tree SSD oracle op (ssd_token_scan) against transformers' torch mamba2_chunk_scan
 # ------------------------------------------------------------------------------------------------
 
 _hf_scan = importlib.import_module(MODULES["mamba2"]).mamba2_chunk_scan.__wrapped__
@@ -461,7 +461,9 @@ def _ssd_inputs(T=19, H=4, P=6, G=2, N=5, dtype=torch.float32, seed=0):
 
 
 def _op():
-    return plugins.ops(FAMILY).ssd_tree_scan
+    # the token-by-token oracle (ssd_token_scan); the chunked ssd_tree_scan is checked against it in
+    # test_ssd_chunked.py, and runs every "native" model test here
+    return plugins.ops(FAMILY).ssd_token_scan
 
 
 @pytest.mark.parametrize("dt_limit", [(0.0, float("inf")), (0.05, 0.8)], ids=["nolimit", "limit"])

@@ -552,7 +552,7 @@ def test_gdn_and_ssd_scan_components():
     y = components.ssd_scan(x, dt, A, B, C, plan, D=D, dt_bias=dt_bias, dt_softplus=True)
     ops = torch.ops.tree_recurrence_mamba2
     for pos in tree.sample_positions:  # every sample alone: a one-segment trie
-        alone = ops.ssd_tree_scan(x[0, pos], dt[0, pos], B[0, pos], C[0, pos], torch.tensor([0, len(pos)]),
+        alone = ops.ssd_token_scan(x[0, pos], dt[0, pos], B[0, pos], C[0, pos], torch.tensor([0, len(pos)]),
                                   torch.tensor([-1]), None, A, [0.0, float("inf")], D, dt_bias, True, None)
         assert (alone - y[0, pos]).abs().max() < 1e-5
     if hasattr(reference, "mamba_chunk_scan_combined"):  # rescan over mamba-ssm's API (no fork: SSD has no neutral padding)

@@ -1,7 +1,8 @@
-// Native Mamba2 SSD scan over a trie (host-driven; every segment starts from its parent's final
-// state). Written with ATen ops, so autograd derives the backward; it is the CPU reference the
-// fork and rescan strategies are checked against, and runs on any device (slowly on CUDA, where
-// it is not advertised).
+// The float64 oracle of the Mamba2 SSD tree scan (op `ssd_token_scan`): a token-by-token
+// recurrence over the trie, host-driven (every segment starts from its parent's final state),
+// written with ATen ops so autograd derives the backward. Tests check the chunked `ssd_tree_scan`
+// (ssd_chunked.h) against it; it computes in float64 for float64 inputs, else in fp32. It is not a
+// seam kernel (nothing dispatches to it).
 //
 // Semantics: exactly transformers' torch `mamba2_chunk_scan` (modeling_mamba2.py and the copies
 // in bamba, nemotron_h, granitemoehybrid, falcon_h1, zamba2), as a token recurrence:
@@ -16,7 +17,7 @@
 //   torch reference ignores z and every transformers mixer passes z=None).
 //   seg_offsets (S+1), parents (S): the plan's host int64 arrays.
 //   initial_state (H, P, N) or (R, H, P, N) (one per root, in root order) or None (zeros).
-//   Returns y (T, H, P) in fp32, as the torch reference returns it.
+//   Returns y (T, H, P) in fp32 (float64 for float64 x), as the torch reference returns it.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -25,7 +26,7 @@
 
 namespace tree_recurrence::ssd {
 
-at::Tensor tree_scan(const at::Tensor& x, const at::Tensor& dt, const at::Tensor& B, const at::Tensor& C,
+at::Tensor token_scan(const at::Tensor& x, const at::Tensor& dt, const at::Tensor& B, const at::Tensor& C,
                      const at::Tensor& seg_offsets, const at::Tensor& parents, const std::optional<at::Tensor>& initial_state,
                      const at::Tensor& A, at::ArrayRef<double> dt_limit, const std::optional<at::Tensor>& D,
                      const std::optional<at::Tensor>& dt_bias, bool dt_softplus, const std::optional<at::Tensor>& z);

@@ -1,0 +1,132 @@
+#include "ssd_chunked.h"
+
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+
+#include <limits>
+
+#include "tree_recurrence/sdk/op_library.h"
+
+namespace tree_recurrence::ssd {
+namespace {
+
+void check(const at::Tensor& x, const at::Tensor& dt, const at::Tensor& B, const at::Tensor& C, const at::Tensor& gather,
+           const at::Tensor& scatter, const at::Tensor& A, const std::optional<at::Tensor>& D,
+           const std::optional<at::Tensor>& dt_bias, at::ArrayRef<double> dt_limit) {
+  TORCH_CHECK_TYPE(at::isFloatingType(x.scalar_type()), "ssd_tree_scan: x has dtype ", x.scalar_type(),
+                   ", expected float32, float64, bfloat16 or float16");
+  TORCH_CHECK_VALUE(x.dim() == 3, "ssd_tree_scan: x must be (tokens, heads, head_dim), got ", x.sizes());
+  const int64_t T = x.size(0), H = x.size(1), P = x.size(2);
+  TORCH_CHECK_VALUE(dt.dim() == 2 && dt.size(0) == T && dt.size(1) == H, "ssd_tree_scan: dt must be (tokens, heads)=", T, "x",
+                    H, ", got ", dt.sizes());
+  TORCH_CHECK_VALUE(B.dim() == 3 && B.size(0) == T && C.sizes() == B.sizes(),
+                    "ssd_tree_scan: B and C must be (tokens, groups, state) alike, got ", B.sizes(), " and ", C.sizes());
+  TORCH_CHECK_VALUE(B.size(1) > 0 && H % B.size(1) == 0, "ssd_tree_scan: heads ", H, " must be a multiple of groups ",
+                    B.size(1));
+  TORCH_CHECK_VALUE(A.dim() == 1 && A.size(0) == H, "ssd_tree_scan: A must be (heads=", H, "), got ", A.sizes());
+  if (D)
+    TORCH_CHECK_VALUE((D->dim() == 1 && D->size(0) == H) || (D->dim() == 2 && D->size(0) == H && D->size(1) == P),
+                      "ssd_tree_scan: D must be (heads=", H, ") or (heads, head_dim=", P, "), got ", D->sizes());
+  if (dt_bias)
+    TORCH_CHECK_VALUE(dt_bias->dim() == 1 && dt_bias->size(0) == H, "ssd_tree_scan: dt_bias must be (heads=", H, "), got ",
+                      dt_bias->sizes());
+  TORCH_CHECK_VALUE(dt_limit.size() == 2 && dt_limit[0] <= dt_limit[1],
+                    "ssd_tree_scan: dt_limit must be (low, high) with low <= high");
+  TORCH_CHECK_VALUE(gather.dim() == 2 && gather.size(1) > 0 && gather.scalar_type() == at::kLong,
+                    "ssd_tree_scan: gather must be an int64 (chunks, chunk_size) table (TreePlan.chunk_tables), got ",
+                    gather.scalar_type(), " ", gather.sizes());
+  TORCH_CHECK_VALUE(scatter.dim() == 1 && scatter.size(0) == T && scatter.scalar_type() == at::kLong,
+                    "ssd_tree_scan: scatter must be an int64 (tokens=", T, ") table (TreePlan.chunk_tables), got ",
+                    scatter.scalar_type(), " ", scatter.sizes());
+  for (const at::Tensor* t : {&dt, &B, &C, &gather, &scatter, &A})
+    TORCH_CHECK_VALUE(t->device() == x.device(), "ssd_tree_scan: every tensor must be on x's device ", x.device(),
+                      ", got one on ", t->device(), " (the plan's tables: TreePlan.chunk_tables(chunk, device))");
+}
+
+}  // namespace
+
+at::Tensor chunked_scan(const at::Tensor& x_in, const at::Tensor& dt_in, const at::Tensor& B_in, const at::Tensor& C_in,
+                        const at::Tensor& gather, const at::Tensor& scatter, const at::Tensor& seg_chunk_offsets,
+                        const at::Tensor& parents, const at::Tensor& root_index, const at::Tensor& level_segments,
+                        at::IntArrayRef level_offsets, const at::Tensor& child_offsets, const at::Tensor& children,
+                        const std::optional<at::Tensor>& initial_state, const at::Tensor& A_in, at::ArrayRef<double> dt_limit,
+                        const std::optional<at::Tensor>& D, const std::optional<at::Tensor>& dt_bias, bool dt_softplus,
+                        const std::optional<at::Tensor>& z_in) {
+  check(x_in, dt_in, B_in, C_in, gather, scatter, A_in, D, dt_bias, dt_limit);
+  const int64_t T = x_in.size(0), H = x_in.size(1), P = x_in.size(2);
+  const int64_t G = B_in.size(1), N = B_in.size(2), hpg = H / G;
+  const int64_t NC = gather.size(0), L = gather.size(1);
+  const auto f = x_in.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+
+  // dt as mamba-ssm's kernels prepare it: bias, softplus (threshold 20) and clamp in fp32.
+  at::Tensor dt = dt_in.to(f);
+  if (dt_bias) dt = dt + dt_bias->to(f);
+  if (dt_softplus) dt = at::softplus(dt, /*beta=*/1, /*threshold=*/20);
+  dt = at::clamp(dt, dt_limit[0], dt_limit[1]);  // (T, H)
+
+  // Chunk-major views; padding reads the appended zero row (index T): dt = 0 leaves the state alone.
+  const at::Tensor index = at::where(gather < 0, at::full({}, T, gather.options()), gather).reshape({-1});
+  auto chunks = [&](const at::Tensor& t) {
+    at::Tensor padded = at::cat({t, at::zeros(t.narrow(0, 0, 1).sizes(), t.options())}, 0);
+    std::vector<int64_t> shape{NC, L};
+    for (int64_t d = 1; d < t.dim(); ++d) shape.push_back(t.size(d));
+    return padded.index_select(0, index).view(shape);
+  };
+  const at::Tensor dtc = chunks(dt).permute({0, 2, 1});                  // (NC, H, L)
+  const at::Tensor xc = chunks(x_in.to(f)).permute({0, 2, 1, 3});        // (NC, H, L, P)
+  const at::Tensor Bc = chunks(B_in.to(f)).permute({0, 2, 1, 3});        // (NC, G, L, N)
+  const at::Tensor Cc = chunks(C_in.to(f)).permute({0, 2, 1, 3});        // (NC, G, L, N)
+
+  const at::Tensor Gc = at::cumsum(dtc * A_in.to(f).view({1, H, 1}), -1);  // (NC, H, L), <= 0 and decreasing
+  const at::Tensor G_last = Gc.narrow(-1, L - 1, 1);                        // (NC, H, 1)
+  const at::Tensor u = (dtc.unsqueeze(-1) * xc).contiguous();              // (NC, H, L, P)
+  const at::Tensor kd = (Bc.unsqueeze(2) * at::exp(G_last - Gc).view({NC, G, hpg, L, 1})).view({NC, H, L, N});
+  const at::Tensor decay = at::exp(G_last.squeeze(-1)).contiguous();       // (NC, H)
+
+  // The state pass over the trie: h (NC, H, N, P) fp32 entering each chunk.
+  std::optional<at::Tensor> h0;
+  if (initial_state) {
+    at::Tensor s = *initial_state;
+    if (s.dim() == 4 && s.size(0) == 1) s = s[0];
+    TORCH_CHECK_VALUE((s.dim() == 3 || s.dim() == 4) && s.size(-3) == H && s.size(-2) == P && s.size(-1) == N,
+                      "ssd_tree_scan: initial_state must be (heads=", H, ", head_dim=", P, ", state=", N,
+                      ") or (roots, heads, head_dim, state), got ", initial_state->sizes());
+    TORCH_CHECK_VALUE(s.device() == x_in.device(), "ssd_tree_scan: initial_state is on ", s.device(), ", x on ", x_in.device());
+    h0 = s.to(f).transpose(-1, -2).contiguous();  // (..., H, N, P): the state pass's (K, V) layout
+  }
+  static const auto state_pass =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow(qualified_op("chunk_state_pass").c_str(), "")
+          .typed<std::tuple<at::Tensor, at::Tensor>(
+              const std::optional<at::Tensor>&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+              const std::optional<at::Tensor>&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+              at::IntArrayRef, const at::Tensor&, const at::Tensor&)>();
+  const at::Tensor h = std::get<0>(state_pass.call(std::nullopt, u, kd.contiguous(), decay, h0, seg_chunk_offsets, parents,
+                                                    root_index, level_segments, level_offsets, child_offsets, children))
+                           .to(f);
+
+  // Outputs of the chunk's own tokens and of the entering state, grouped matmuls (B, C per group).
+  const at::Tensor hg = h.view({NC, G, hpg, N, P}).permute({0, 1, 3, 2, 4}).reshape({NC, G, N, hpg * P});
+  const at::Tensor y_state = at::matmul(Cc, hg).view({NC, G, L, hpg, P}).permute({0, 1, 3, 2, 4}).reshape({NC, H, L, P}) *
+                             at::exp(Gc).unsqueeze(-1);
+  const at::Tensor causal = at::ones({L, L}, gather.options().dtype(at::kBool)).tril();
+  const at::Tensor segsum = (Gc.unsqueeze(-1) - Gc.unsqueeze(-2)).masked_fill(causal.logical_not(),
+                                                                              -std::numeric_limits<double>::infinity());
+  const at::Tensor scores = (at::matmul(Cc, Bc.transpose(-1, -2)).unsqueeze(2) * at::exp(segsum).view({NC, G, hpg, L, L}))
+                                .view({NC, H, L, L});
+  at::Tensor y = (y_state + at::matmul(scores, u)).permute({0, 2, 1, 3}).reshape({NC * L, H, P}).index_select(0, scatter);
+
+  if (D) y = y + (D->dim() == 1 ? D->to(f).view({H, 1}) : D->to(f)) * x_in.to(f);
+  if (z_in) {
+    at::Tensor z = *z_in;
+    if (z.dim() == 4) {
+      TORCH_CHECK_VALUE(z.size(0) == 1, "ssd_tree_scan: z must be (tokens, heads, head_dim) or (1, tokens, ...), got ", z.sizes());
+      z = z[0];
+    }
+    TORCH_CHECK_VALUE(z.sizes() == x_in.sizes(), "ssd_tree_scan: z must be shaped like x ", x_in.sizes(), ", got ", z.sizes());
+    y = y * at::silu(z.to(f));
+  }
+  return y;
+}
+
+}  // namespace tree_recurrence::ssd

@@ -1,0 +1,42 @@
+// The Mamba2 SSD scan over a trie, chunked (op `ssd_tree_scan`): a composite of ATen ops, so it runs
+// on every device (batched matmuls over all chunks at once: cuBLAS on CUDA) and autograd derives
+// its backward. The only sequential part, the inter-chunk state recurrence that follows the trie,
+// is the SDK op `chunk_state_pass` (sdk/include/tree_recurrence/sdk/chunk_state_op.h).
+//
+// Chunks never cross a segment boundary: every segment is cut into ceil(len / chunk) chunks, the
+// last one right-padded. Per chunk c and head h, with dt prepared as below and A (H) < 0:
+//   dA_j = dt_j A_h,  G_i = sum_{j<=i} dA_j (within the chunk; padding has dt = 0)
+//   kd_j = B_j exp(G_last - G_j),  u_j = dt_j x_j,  decay = exp(G_last)
+//   h = chunk_state_pass(kd, u, decay, ...)           state entering each chunk, (N, P) per head
+//   y_i = exp(G_i) C_i . h + sum_{j<=i} (C_i . B_j) exp(G_i - G_j) u_j + D x_i,  then * silu(z_i)
+// Differences of G are masked to -inf above the diagonal before exp (never exp of a positive
+// number), so strong decays underflow to 0 and never produce NaN.
+//
+// Arguments (the plan's chunk tables on x's device: TreePlan.chunk_tables; no host sync):
+//   x (T, H, P); dt (T, H) raw; B, C (T, G, N), head h reads group h / (H / G);
+//   gather (NC, chunk) int64 token of each chunk position or -1; scatter (T) int64 flat position
+//   of each token in NC * chunk; seg_chunk_offsets, parents, root_index, level_segments,
+//   level_offsets, child_offsets, children: handed to chunk_state_pass as they are;
+//   initial_state (H, P, N), (1, H, P, N) (shared by every root) or (R, H, P, N) (one per root, in
+//   root order) or None (zeros) -- mamba-ssm's (P, N) layout;
+//   A (H); dt_limit (lo, hi); D (H) or (H, P) or None; dt_bias (H) or None; dt <- clamp(softplus?(dt
+//   + dt_bias)) computed in fp32 (mamba-ssm's kernels); z like x or (1, T, H, P) or None.
+// Computes in fp32 (float64 for float64 x; bf16 and fp16 inputs are widened); the state is fp32.
+// Returns y (T, H, P) in fp32 (float64 for float64 x), as transformers' torch reference does.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+
+namespace tree_recurrence::ssd {
+
+at::Tensor chunked_scan(const at::Tensor& x, const at::Tensor& dt, const at::Tensor& B, const at::Tensor& C,
+                        const at::Tensor& gather, const at::Tensor& scatter, const at::Tensor& seg_chunk_offsets,
+                        const at::Tensor& parents, const at::Tensor& root_index, const at::Tensor& level_segments,
+                        at::IntArrayRef level_offsets, const at::Tensor& child_offsets, const at::Tensor& children,
+                        const std::optional<at::Tensor>& initial_state, const at::Tensor& A, at::ArrayRef<double> dt_limit,
+                        const std::optional<at::Tensor>& D, const std::optional<at::Tensor>& dt_bias, bool dt_softplus,
+                        const std::optional<at::Tensor>& z);
+
+}  // namespace tree_recurrence::ssd

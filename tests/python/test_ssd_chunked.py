@@ -1,0 +1,302 @@
+"""The chunked Mamba2 SSD tree scan (op ``ssd_tree_scan``) against its float64 token-by-token oracle
+(op ``ssd_token_scan``): outputs and the gradients of x, dt, A (hence A_log), B, C, D, dt_bias, z
+and the initial states, on tries with segments of 1 token, around the chunk size and long, deep and
+wide, grouped and ungrouped B/C, D per head and per channel, dt_limit clamping active, strong decays.
+
+fp32 runs are judged by the relative error max|got - want| / max|want| of every tensor (<= 1e-5);
+the oracle runs on float64 copies of the same inputs. A CUDA class (skipped without a GPU) checks
+the same on the device, an 8k-token segment included.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tree_recurrence import plugins
+
+FAMILY = "mamba2"
+CHUNK = 64
+
+
+def _ops():
+    return plugins.ops(FAMILY)
+
+
+def _levels(parents):
+    level = []
+    for p in parents:
+        level.append(0 if p < 0 else level[p] + 1)
+    return level
+
+
+def chunk_tables(seg_offsets, parents, chunk=CHUNK, device="cpu"):
+    """The chunk tables (TreePlan.chunk_tables' contract) from a trie's seg_offsets and parents."""
+    so, par = [int(v) for v in seg_offsets], [int(v) for v in parents]
+    S, T = len(par), so[-1]
+    counts = [max(1, math.ceil((so[s + 1] - so[s]) / chunk)) for s in range(S)]
+    sco = [0]
+    for n in counts:
+        sco.append(sco[-1] + n)
+    gather = torch.full((sco[-1], chunk), -1, dtype=torch.int64)
+    scatter = torch.empty(T, dtype=torch.int64)
+    for s in range(S):
+        for k in range(counts[s]):
+            c, lo = sco[s] + k, so[s] + k * chunk
+            hi = min(so[s + 1], lo + chunk)
+            gather[c, : hi - lo] = torch.arange(lo, hi)
+            scatter[lo:hi] = c * chunk + torch.arange(hi - lo)
+    level = _levels(par)
+    order = sorted(range(S), key=lambda s: (level[s], s))
+    level_offsets = [0] * (max(level, default=-1) + 2)
+    for lv in level:
+        level_offsets[lv + 1] += 1
+    for i in range(1, len(level_offsets)):
+        level_offsets[i] += level_offsets[i - 1]
+    roots = [s for s in range(S) if par[s] < 0]
+    root_index = [roots.index(s) if par[s] < 0 else -1 for s in range(S)]
+    kids = [[c for c in range(S) if par[c] == s] for s in range(S)]
+    child_offsets = [0]
+    for k in kids:
+        child_offsets.append(child_offsets[-1] + len(k))
+    t = lambda v: torch.tensor(v, dtype=torch.int64, device=device)  # noqa: E731
+    return dict(gather=gather.to(device), scatter=scatter.to(device), seg_chunk_offsets=t(sco), parents=t(par),
+                root_index=t(root_index), level_segments=t(order), level_offsets=level_offsets,
+                child_offsets=t(child_offsets), children=t([c for k in kids for c in k]))
+
+
+# Until the SDK's chunk_state_pass is registered in the family (engineer A's op), a Python loop of
+# the same contract stands in for it, so the composite can be checked on its own.
+_FALLBACK = None
+
+
+def _state_pass_loop(w, u, kd, decay, initial_state, seg_chunk_offsets, parents, root_index, level_segments,
+                     level_offsets, child_offsets, children):
+    NC, H, _, K = kd.shape
+    V = u.shape[-1]
+    f = torch.float64 if u.dtype == torch.float64 else torch.float32
+    sco, par, root = seg_chunk_offsets.tolist(), parents.tolist(), root_index.tolist()
+    finals, hs = {}, [None] * NC
+    for s in range(len(par)):
+        if par[s] >= 0:
+            state = finals[par[s]]
+        elif initial_state is None:
+            state = u.new_zeros(H, K, V, dtype=f)
+        else:
+            state = (initial_state if initial_state.dim() == 3 else initial_state[root[s]]).to(f)
+        for c in range(sco[s], sco[s + 1]):
+            hs[c] = state
+            state = decay[c].to(f)[:, None, None] * state + kd[c].to(f).transpose(-1, -2) @ u[c].to(f)
+        finals[s] = state
+    return torch.stack(hs), u.clone()
+
+
+def ensure_state_pass():
+    global _FALLBACK
+    namespace = getattr(torch.ops, f"tree_recurrence_{FAMILY}")
+    _ops()  # loads the plugin (registers its ops)
+    try:
+        namespace.chunk_state_pass.default
+        return
+    except (AttributeError, RuntimeError):
+        pass
+    if _FALLBACK is None:
+        lib = torch.library.Library(f"tree_recurrence_{FAMILY}", "FRAGMENT")
+        lib.define("chunk_state_pass(Tensor? w, Tensor u, Tensor kd, Tensor decay, Tensor? initial_state, "
+                   "Tensor seg_chunk_offsets, Tensor parents, Tensor root_index, Tensor level_segments, "
+                   "int[] level_offsets, Tensor child_offsets, Tensor children) -> (Tensor, Tensor)")
+        lib.impl("chunk_state_pass", _state_pass_loop, "CompositeImplicitAutograd")
+        _FALLBACK = lib
+
+
+@pytest.fixture(autouse=True)
+def _state_pass():
+    ensure_state_pass()
+
+
+# ------------------------------------------------------------------------------------------------
+# inputs, the oracle, the comparison
+# ------------------------------------------------------------------------------------------------
+
+
+def make_inputs(T, H=4, P=6, G=2, N=5, dtype=torch.float32, device="cpu", seed=0, roots=1, D_per_channel=False,
+                strong=False):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    ins = dict(x=r(T, H, P), dt=r(T, H), B=r(T, G, N), C=r(T, G, N), z=r(T, H, P),
+               D=r(H, P) if D_per_channel else r(H), dt_bias=r(H) * 0.5, h0=r(roots, H, P, N))
+    # A is fp32 in the models whatever their dtype (float64 in the float64 test)
+    ins["A"] = -(torch.rand(H, generator=g, dtype=torch.float64) * (40.0 if strong else 2.0) + 0.1)
+    if strong:
+        ins["dt"] = ins["dt"].abs() * 10 + 5
+    return {k: v.to(device=device, dtype=dtype if k != "A" or dtype == torch.float64 else torch.float32).requires_grad_() for k, v in ins.items()}
+
+
+def run_chunked(ins, seg_offsets, parents, dt_limit=(0.0, float("inf")), use=("D", "dt_bias", "z", "h0"), chunk=CHUNK):
+    tabs = chunk_tables(seg_offsets, parents, chunk, ins["x"].device)
+    return _ops().ssd_tree_scan(
+        ins["x"], ins["dt"], ins["B"], ins["C"], tabs["gather"], tabs["scatter"], tabs["seg_chunk_offsets"], tabs["parents"],
+        tabs["root_index"], tabs["level_segments"], tabs["level_offsets"], tabs["child_offsets"], tabs["children"],
+        ins["h0"] if "h0" in use else None, A=ins["A"], dt_limit=list(dt_limit), D=ins["D"] if "D" in use else None,
+        dt_bias=ins["dt_bias"] if "dt_bias" in use else None, dt_softplus=True, z=ins["z"] if "z" in use else None)
+
+
+def run_oracle(ins, seg_offsets, parents, dt_limit=(0.0, float("inf")), use=("D", "dt_bias", "z", "h0")):
+    return _ops().ssd_token_scan(
+        ins["x"], ins["dt"], ins["B"], ins["C"], torch.as_tensor(seg_offsets), torch.as_tensor(parents),
+        ins["h0"] if "h0" in use else None, A=ins["A"], dt_limit=list(dt_limit), D=ins["D"] if "D" in use else None,
+        dt_bias=ins["dt_bias"] if "dt_bias" in use else None, dt_softplus=True, z=ins["z"] if "z" in use else None)
+
+
+def as_oracle(ins):
+    return {k: v.detach().cpu().double().requires_grad_() for k, v in ins.items()}
+
+
+def rel(got, want, floor=1e-30):
+    got, want = got.detach().double().cpu(), want.detach().double().cpu()
+    return float((got - want).abs().max()) / max(float(want.abs().max()), floor)
+
+
+def check(seg_offsets, parents, tol=1e-5, dt_limit=(0.0, float("inf")), use=("D", "dt_bias", "z", "h0"),
+          dtype=torch.float32, device="cpu", floor=1e-30, **kw):
+    seg_offsets, parents = list(seg_offsets), list(parents)
+    roots = sum(p < 0 for p in parents)
+    ins = make_inputs(seg_offsets[-1], dtype=dtype, device=device, roots=roots, **kw)
+    ref = as_oracle(ins)
+    y = run_chunked(ins, seg_offsets, parents, dt_limit, use)
+    want = run_oracle(ref, seg_offsets, parents, dt_limit, use)
+    assert y.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    assert torch.isfinite(y).all()
+    assert rel(y, want) <= tol, ("y", rel(y, want))
+    w = torch.randn(want.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    names = ["x", "dt", "A", "B", "C"] + [n for n in ("D", "dt_bias", "z") if n in use] + (["h0"] if "h0" in use else [])
+    got_g = torch.autograd.grad((y * w.to(y.device, y.dtype)).sum(), [ins[n] for n in names])
+    want_g = torch.autograd.grad((want * w).sum(), [ref[n] for n in names])
+    errors = {n: rel(a, b, floor) for n, a, b in zip(names, got_g, want_g)}
+    for n, a in zip(names, got_g):
+        assert torch.isfinite(a).all(), n
+    assert all(e <= tol for e in errors.values()), errors
+    return y, want, errors
+
+
+# ------------------------------------------------------------------------------------------------
+# CPU
+# ------------------------------------------------------------------------------------------------
+
+# segments of 1, 63, 64, 65 tokens and a 130-token one in a branching trie with two roots
+MIXED = ([0, 1, 64, 128, 193, 194, 324, 389], [-1, 0, 1, 0, -1, 4, 4])
+
+
+def test_mixed_trie_fp32_matches_the_float64_oracle():
+    check(*MIXED)
+
+
+def test_groups_one_and_per_channel_D_and_dt_limit_clamping():
+    _, _, errors = check(*MIXED, G=1, D_per_channel=True, dt_limit=(0.2, 0.9))
+    assert errors["dt_bias"] >= 0  # every gradient compared (dt_limit clamps most of dt here)
+
+
+def test_without_optional_inputs():
+    check(*MIXED, use=())
+
+
+def test_deep_trie():
+    # a chain of 12 segments of 5..40 tokens, each the child of the previous
+    lengths = [5, 17, 40, 1, 33, 8, 2, 29, 11, 64, 3, 21]
+    offsets = [0]
+    for n in lengths:
+        offsets.append(offsets[-1] + n)
+    check(offsets, [-1] + list(range(len(lengths) - 1)), G=4, H=4)
+
+
+def test_wide_trie():
+    # one 70-token prompt with 12 completions of 1..60 tokens, and a second root with 3 children
+    lengths = [70] + [1 + 5 * i for i in range(12)] + [9, 64, 65, 1]
+    parents = [-1] + [0] * 12 + [-1, 13, 13, 13]
+    offsets = [0]
+    for n in lengths:
+        offsets.append(offsets[-1] + n)
+    check(offsets, parents)
+
+
+def test_long_segment():
+    check([0, 2048, 2100], [-1, 0], H=2, P=4, G=1, N=4)
+
+
+def test_strong_decays_do_not_nan():
+    # dt * A down to -600 per token: every decay across a token underflows (fp32, and float64 near
+    # it), so A's gradient is ~1e-19 in float64 and 0 or denormal in fp32: judged against 1, not
+    # against its own vanishing size.
+    check(*MIXED, strong=True, floor=1.0)
+
+
+def test_float64_is_exact():
+    check(*MIXED, dtype=torch.float64, tol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_inputs(dtype):
+    # one rounding of every input (2^-8 / 2^-11 relative) apart from the float64 oracle on the same values
+    check(*MIXED, dtype=dtype, tol=2e-2 if dtype == torch.bfloat16 else 3e-3)
+
+
+def test_shared_initial_state_and_chunk_sizes():
+    ins = make_inputs(MIXED[0][-1], roots=1)
+    shared = dict(ins, h0=ins["h0"][0])
+    y64 = run_chunked(shared, *MIXED)
+    for chunk in (1, 7, 32):
+        assert rel(run_chunked(shared, *MIXED, chunk=chunk), y64) <= 1e-5, chunk
+    # (1, H, P, N) is shared by every root, as (H, P, N) is
+    torch.testing.assert_close(run_chunked(ins, *MIXED), y64, atol=0, rtol=0)
+    want = run_oracle(as_oracle(shared), *MIXED)
+    assert rel(y64, want) <= 1e-5
+
+
+def test_errors_name_the_argument():
+    ins = make_inputs(10)
+    off, par = [0, 10], [-1]
+    tabs = chunk_tables(off, par)
+    base = [ins["x"], ins["dt"], ins["B"], ins["C"], tabs["gather"], tabs["scatter"], tabs["seg_chunk_offsets"],
+            tabs["parents"], tabs["root_index"], tabs["level_segments"], tabs["level_offsets"], tabs["child_offsets"],
+            tabs["children"], None]
+    op = _ops().ssd_tree_scan
+    with pytest.raises(ValueError, match="dt must be"):
+        op(*([ins["x"], ins["dt"][:, :2]] + base[2:]), A=ins["A"], dt_limit=[0.0, 1.0])
+    with pytest.raises(ValueError, match="multiple of groups"):
+        op(*([ins["x"][:, :3], ins["dt"][:, :3]] + base[2:]), A=ins["A"][:3], dt_limit=[0.0, 1.0])
+    with pytest.raises(ValueError, match="scatter"):
+        op(*(base[:5] + [tabs["scatter"][:5]] + base[6:]), A=ins["A"], dt_limit=[0.0, 1.0])
+    with pytest.raises(ValueError, match="gather"):
+        op(*(base[:4] + [tabs["gather"].int()] + base[5:]), A=ins["A"], dt_limit=[0.0, 1.0])
+    with pytest.raises(ValueError, match="initial_state"):
+        op(*(base[:13] + [torch.zeros(2, 2, 6, 5)]), A=ins["A"], dt_limit=[0.0, 1.0])
+    with pytest.raises(ValueError, match="dt_limit"):
+        op(*base, A=ins["A"], dt_limit=[1.0, 0.0])
+    with pytest.raises(ValueError, match="D must be"):
+        op(*base, A=ins["A"], dt_limit=[0.0, 1.0], D=torch.zeros(3))
+
+
+# ------------------------------------------------------------------------------------------------
+# CUDA
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+class TestCuda:
+    def test_mixed_trie(self):
+        check(*MIXED, device="cuda", tol=1e-5)
+
+    def test_wide_and_grouped(self):
+        lengths = [70] + [1 + 5 * i for i in range(12)]
+        offsets = [0]
+        for n in lengths:
+            offsets.append(offsets[-1] + n)
+        check(offsets, [-1] + [0] * 12, device="cuda", H=8, P=64, G=2, N=64)
+
+    def test_8k_segment(self):
+        check([0, 8192, 8192 + 100], [-1, 0], device="cuda", H=2, P=16, G=1, N=16)
+
+    def test_bf16(self):
+        check(*MIXED, device="cuda", dtype=torch.bfloat16, tol=2e-2)
