@@ -11,9 +11,13 @@ import functools
 import gc
 import importlib
 import logging
+import os
+import subprocess
 import sys
+import textwrap
 import threading
 import time
+import types
 
 import pytest
 import torch
@@ -328,3 +332,102 @@ def test_missing_mixer_classes_are_named(installed):
     assert support.mode == "none"
     assert "family 'gated_delta_net' mixers ['Qwen3_5GatedDeltaNet']" in support.reason
     assert "the model has none of them" in support.reason, support.reason
+
+
+# ------------------------------------------------------------------------------------------------
+# 8. TRL's own tree GDN kernel (huggingface/trl#7686's patch_tree_gdn), faked
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fake_trl_gdn(monkeypatch):
+    """A TRL with #7686's API: ``patch_tree_gdn(model)`` wraps the GDN modeling modules' scan with its
+    own tree kernel, once per module, recording each in its patched set."""
+    import trl.experimental.async_grpo  # noqa: F401 -- the parent package
+
+    fake = types.ModuleType("trl.experimental.async_grpo.tree_gdn")
+    fake._PATCHED_MODULES = set()
+    fake.calls = []
+    replaced = {}
+
+    def patch_tree_gdn(model):
+        fake.calls.append(model)
+        for m in model.modules():
+            name = type(m).__module__
+            if type(m).__name__.endswith("GatedDeltaNet") and name not in fake._PATCHED_MODULES:
+                module = sys.modules[name]
+                original = getattr(module, SCAN)
+
+                def trl_tree_kernel(*args, **kwargs):
+                    return original(*args, **kwargs)
+
+                replaced[name] = original
+                setattr(module, SCAN, trl_tree_kernel)
+                fake._PATCHED_MODULES.add(name)
+
+    fake.patch_tree_gdn = patch_tree_gdn
+    monkeypatch.setitem(sys.modules, fake.__name__, fake)
+    yield fake
+    for name, original in replaced.items():
+        setattr(sys.modules[name], SCAN, original)
+
+
+def test_module_trl_patched_first_is_left_to_trl(fake_trl_gdn, installed):
+    module = _module()
+    fake_trl_gdn.patch_tree_gdn(M.make_model(MODEL_TYPE))
+    trl_kernel = getattr(module, SCAN)
+    support = installed(M.make_model(MODEL_TYPE, seed=1))
+    assert support.mode == "tree" and support.families == {FAMILY: "trl"} and support.modules == []
+    assert [layer.backend for layer in support.layers] == ["trl"]
+    assert getattr(module, SCAN) is trl_kernel and NAME not in seams.owners, "TRL's kernel was wrapped"
+
+
+def test_module_patched_here_is_recorded_in_trls_patched_set(fake_trl_gdn, installed):
+    module = _module()
+    pristine = getattr(module, SCAN)
+    model = M.make_model(MODEL_TYPE)
+    installed(model)
+    ours = getattr(module, SCAN)
+    assert NAME in fake_trl_gdn._PATCHED_MODULES
+    fake_trl_gdn.patch_tree_gdn(model)  # TRL's patcher sees the module taken
+    assert getattr(module, SCAN) is ours
+    tr.uninstall(model)
+    assert NAME not in fake_trl_gdn._PATCHED_MODULES and getattr(module, SCAN) is pristine
+
+
+def test_backend_trl_hands_the_family_to_trl(fake_trl_gdn, installed):
+    module = _module()
+    model = M.make_model(MODEL_TYPE)
+    support = installed(model, backends={FAMILY: "trl"})
+    assert fake_trl_gdn.calls == [model]
+    assert support.mode == "tree" and support.families == {FAMILY: "trl"} and support.modules == []
+    assert NAME in fake_trl_gdn._PATCHED_MODULES and getattr(module, SCAN).__name__ == "trl_tree_kernel"
+    assert NAME not in seams.owners
+    installed(M.make_model(MODEL_TYPE, seed=1), backends={FAMILY: "trl"})  # TRL has it already: not patched twice
+    assert len(fake_trl_gdn.calls) == 1
+
+
+def test_backend_trl_without_trls_kernel_falls_back_with_a_warning(installed):
+    with pytest.warns(UserWarning, match=r"has no patch_tree_gdn \(TRL's own tree kernel, huggingface/trl#7686.*"
+                                         r"using 'auto' \(tree_recurrence's own hooks\) instead"):
+        support = installed(M.make_model(MODEL_TYPE), backends={FAMILY: "trl"})
+    assert support.mode == "tree" and support.families == {FAMILY: "auto"} and support.modules == [NAME]
+
+
+# ------------------------------------------------------------------------------------------------
+# 16. the TRL integration imports neither transformers nor trl until used
+# ------------------------------------------------------------------------------------------------
+
+
+def test_importing_the_trl_integration_is_light():
+    code = textwrap.dedent("""
+        import sys
+        import tree_recurrence.integrations.trl as T
+        heavy = sorted(m for m in ("transformers", "trl") if m in sys.modules)
+        assert not heavy, heavy
+        assert callable(T.tree_recurrent_models) and callable(T.tree_kwargs_from_batch)
+        print("ok")  # (T.ChainRow, which subclasses TRL's TreeRow, imports TRL: test_trl_integration uses it)
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "TRL_EXPERIMENTAL_SILENCE": "1"})
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]

@@ -286,33 +286,35 @@ def test_unknown_backend_and_family_list_the_choices(installed):
         tr.set_backend(model, "mamba2", "kernel")
 
 
-def test_trl_backend_is_unavailable_with_trl_1_16(installed):
-    """TRL 1.16 ships tree attention only (no recurrent tree kernel): asking for it says so and lists
-    what is available."""
+def test_trl_backend_falls_back_with_trl_1_16(installed):
+    """TRL 1.16 has no tree kernel of its own (huggingface/trl#7686's patch_tree_gdn): asking for it warns,
+    naming what is missing, and this package's own hooks serve the family (test_hooks_behaviour has the
+    hand-off to a TRL that has it)."""
     import trl
 
     model = M.make_model(MODEL_TYPE)
-    with pytest.raises(ValueError) as error:
-        installed(model, backends={FAMILY: "trl"})
-    message = str(error.value)
-    assert f"backend 'trl' is not available for family '{FAMILY}'" in message
-    assert f"trl {trl.__version__} ships no tree recurrent kernel" in message
-    assert "Available backends: ['auto', 'native', 'kernel', 'reference']" in message
-    assert M.MODELING_MODULES[MODEL_TYPE] not in seams.owners
-    installed(model)
-    with pytest.raises(ValueError, match="ships no tree recurrent kernel"):
+    with pytest.warns(UserWarning, match=rf"backend 'trl' is not available for family '{FAMILY}': trl {trl.__version__} "
+                                         r"has no patch_tree_gdn .*using 'auto'"):
+        support = installed(model, backends={FAMILY: "trl"})
+    assert support.mode == "tree" and support.families == {FAMILY: "auto"}
+    assert M.MODELING_MODULES[MODEL_TYPE] in seams.owners
+    with pytest.warns(UserWarning, match="has no patch_tree_gdn"):
         tr.set_backend(model, FAMILY, "trl")
+    assert support.families == {FAMILY: "auto"}
 
 
 def test_available_handoff_backend_leaves_the_module_to_its_owner(installed, monkeypatch):
-    """Were TRL to ship the kernel (faked here), backend "trl" hands the modeling module to it:
-    install patches nothing there, and the backend cannot be swapped at run time."""
+    """A hand-off backend whose library has the kernel (faked here) gets the modeling module: install
+    patches nothing there, and the backend cannot be swapped at run time."""
+    handed = []
     monkeypatch.setitem(install_mod.BACKENDS, "trl", lambda family: None)
+    monkeypatch.setitem(install_mod.HANDOFF_ACTIONS, "trl", lambda model, family, names: handed.append((family, names)))
     module = _module()
     originals = {s: getattr(module, s) for s in SEAMS}
     model = M.make_model(MODEL_TYPE)
     support = installed(model, backends={FAMILY: "trl"})
     assert support.mode == "tree" and support.families == {FAMILY: "trl"} and support.modules == []
+    assert handed == [(FAMILY, [module.__name__])]
     assert all(getattr(module, s) is originals[s] for s in SEAMS)
     with pytest.raises(ValueError, match="choose it at install"):
         tr.set_backend(model, FAMILY, "kernel")

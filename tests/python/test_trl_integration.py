@@ -27,6 +27,7 @@ import torch
 
 import models as M
 import tree_recurrence as tr
+from tree_recurrence import seams
 
 trl = pytest.importorskip("trl")
 if trl.__version__ != "1.16.0":
@@ -280,14 +281,16 @@ def test_everything_is_restored_on_errors(saved_models, built, monkeypatch):
                 assert seen["model"].config.layer_types is None  # still hidden inside the block
     config = seen["model"].config
     assert type(config) is seen["class"] and config.layer_types is seen["layer_types"]
-    tr.uninstall(seen["model"])
+    # ... and the model installed inside the block is uninstalled: its modeling module is restored
+    assert not hasattr(seen["model"], "_tree_recurrence_support")
+    assert M.MODELING_MODULES[MODEL_TYPE] not in seams.owners
 
 
 def test_unavailable_backend_fails_before_anything_is_patched(no_gpu_probe):
     originals = {name: getattr(agt, name) for name in PATCHED_NAMES}
-    with pytest.raises(ValueError, match=r"ships no tree recurrent kernel.*Available backends: \['auto', 'native', "
-                                         r"'kernel', 'reference'\]"):
-        with T.tree_recurrent_models(backends={FAMILY: "trl"}):
+    with pytest.raises(ValueError, match=r"unknown backend 'fast' for family 'gated_delta_net', choose one of "
+                                         r"\['auto', 'native', 'kernel', 'reference', 'trl'\]"):
+        with T.tree_recurrent_models(backends={FAMILY: "fast"}):
             pass
     assert all(getattr(agt, name) is originals[name] for name in PATCHED_NAMES)
     with pytest.raises(ValueError, match="packing must be"):

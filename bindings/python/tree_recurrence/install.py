@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import importlib
 import logging
+import sys
+import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -58,6 +60,42 @@ BACKENDS: dict[str, Callable[[str], str | None]] = {
 }
 # Backends that hand the family's modeling modules to another library (install patches nothing there).
 HANDOFF_BACKENDS: set[str] = {"trl"}
+
+
+def _trl_hand_off(model, family: str, module_names: list[str]) -> None:
+    from .integrations import trl as trl_integration
+
+    trl_integration.hand_off(model, family, module_names)
+
+
+# Hand-off backend -> what install calls to give the library the model's modules of a family:
+# action(model, family, module names).
+HANDOFF_ACTIONS: dict[str, Callable[[Any, str, list[str]], None]] = {"trl": _trl_hand_off}
+# Backend -> the backend used instead (with a warning) when its check says it is unavailable: a script
+# written for a newer TRL keeps running on an older one, on this package's own hooks.
+FALLBACKS: dict[str, str] = {"trl": "auto"}
+
+
+def _owned_elsewhere(module_name: str, family: str) -> str | None:
+    """The hand-off backend whose library patched ``module_name`` first (TRL's patch_tree_gdn), or None.
+    Looks only at libraries already imported."""
+    if "trl" not in sys.modules:
+        return None
+    from .integrations import trl as trl_integration
+
+    return "trl" if trl_integration.trl_owns(module_name, family) else None
+
+
+def _tell_libraries(module_name: str, family: str, patched: bool) -> None:
+    """Records in TRL's patched set that this package hooks (or no longer hooks) ``module_name``."""
+    if "trl" not in sys.modules:
+        return
+    from .integrations import trl as trl_integration
+
+    trl_integration.note_patched_here(module_name, family, patched)
+
+
+seams.on_unpatch.append(lambda name, family: _tell_libraries(name, family, False))
 FOLLOWS = ("tree", "chains")  # what a family's manifest model entry may declare as "follows" (default "tree")
 
 
@@ -153,7 +191,11 @@ def _check_backends(backends: dict[str, str] | None, families: dict) -> dict[str
         if backend not in BACKENDS:
             raise ValueError(f"backends: unknown backend '{backend}' for family '{family}', choose one of {list(BACKENDS)}")
         why = BACKENDS[backend](family)
-        if why:
+        if why and backend in FALLBACKS:
+            warnings.warn(f"backends: backend '{backend}' is not available for family '{family}': {why}; using "
+                          f"'{FALLBACKS[backend]}' (tree_recurrence's own hooks) instead", UserWarning, stacklevel=3)
+            backends[family] = FALLBACKS[backend]
+        elif why:
             usable = [name for name, check in BACKENDS.items() if name == "auto" or not check(family)]
             raise ValueError(f"backends: backend '{backend}' is not available for family '{family}': {why}. "
                              f"Available backends: {usable}")
@@ -342,15 +384,25 @@ def _install(model: torch.nn.Module, policy: Policy | None, backends: dict[str, 
     if not claimed:
         support.reason = "no recurrent layers"
     _remove_guards(id(model))  # install twice: the new guards replace the old ones
+    handoffs: dict[tuple[str, str], list[str]] = {}
     for path, (family, mixer) in claimed.items():
         manifest = families[family]["manifest"]
         module_name = type(mixer).__module__
         entry, follows = entries[path]
         backend = backends.get(family, seams.owners[module_name].backend if module_name in seams.owners else "auto")
-        if backend not in HANDOFF_BACKENDS:
+        if backend not in HANDOFF_BACKENDS and module_name not in seams.owners:
+            backend = _owned_elsewhere(module_name, family) or backend  # a library patched it first: it stays its
+        if backend in HANDOFF_BACKENDS:
+            handoffs.setdefault((backend, family), [])
+            if module_name not in handoffs[(backend, family)]:
+                handoffs[(backend, family)].append(module_name)
+        else:
             modeling = importlib.import_module(module_name)
             carriers = [getattr(modeling, c) for c in entry.get("plan_carriers", []) if hasattr(modeling, c)]
+            new = module_name not in seams.owners
             seams.add_model(seams.patch_module(modeling, family, manifest["seams"], carriers, policy, backend), model)
+            if new:
+                _tell_libraries(module_name, family, True)
             if module_name not in support.modules:
                 support.modules.append(module_name)
         if follows == "chains":
@@ -358,6 +410,15 @@ def _install(model: torch.nn.Module, policy: Policy | None, backends: dict[str, 
                 mixer.register_forward_pre_hook(_chains_guard(path, family), with_kwargs=True))
         support.layers.append(LayerSupport(path, type(mixer).__name__, family, backend, module_name, follows))
         support.families[family] = backend
+    try:
+        for (backend, family), names in handoffs.items():
+            if backend in HANDOFF_ACTIONS:
+                HANDOFF_ACTIONS[backend](model, family, names)
+    except BaseException:
+        _remove_guards(id(model))
+        for name in support.modules:
+            seams.release_model(name, id(model))
+        raise
     if claimed:
         _cache_hooks[id(model)] = [m.register_forward_pre_hook(_no_cache_for_tree_rows, with_kwargs=True)
                                    for m in dict.fromkeys([model, getattr(model, "base_model", model)])
@@ -390,7 +451,7 @@ def set_backend(model: torch.nn.Module, family: str, backend: str) -> None:
     support = _support_of(model)
     if support is None:
         raise ValueError("set_backend: this model has no tree_recurrence hooks; call install(model) first")
-    _check_backends({family: backend}, plugins.families())
+    backend = _check_backends({family: backend}, plugins.families())[family]  # a fallback may replace it
     if family not in support.families:
         raise ValueError(f"set_backend: the model has no layer of family '{family}' (has {sorted(support.families)})")
     if backend in HANDOFF_BACKENDS or support.families[family] in HANDOFF_BACKENDS:

@@ -292,10 +292,16 @@ def unpatch_module(name: str) -> None:
         _unpatch(name)
 
 
+# Called as hook(module name, family) after a module's hooks are taken out (install.py tells TRL).
+on_unpatch: list[Callable[[str, str], None]] = []
+
+
 def _unpatch(name: str) -> None:
     owner = owners.pop(name, None)
     if owner is None:
         return
+    for hook in on_unpatch:
+        hook(name, owner.family)
     for slot in owner.slots:
         slot.owner = None
         if slot.target.__dict__.get(slot.name) is slot.wrapper:
