@@ -1,6 +1,7 @@
 // tree_recurrence._core: the C++ core as seen from Python. Plans, policies and the registry only;
 // tensors never pass through here (kernels are torch ops registered by the plugins). Plan arrays
-// leave as read-only buffers that torch.frombuffer wraps without a copy.
+// leave as copies (bytearrays that torch.frombuffer wraps): nothing Python does to them can reach a
+// built plan. Plans are built from buffer objects (1-D contiguous int64), never from addresses.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -13,23 +14,28 @@ using namespace tree_recurrence;
 
 namespace {
 
-// A view of one plan array that keeps the plan alive.
-struct IndexArray {
-  std::shared_ptr<const TreePlan> plan;
-  const IndexVector* values;
-};
-
-// (data pointer, length) of a contiguous int64 CPU tensor the caller keeps alive for the call.
-using RawIndex = std::pair<uintptr_t, int64_t>;
-
-IndexVector copy_raw(const RawIndex& raw) {
-  const auto* data = reinterpret_cast<const Index*>(raw.first);
-  return IndexVector(data, data + raw.second);
+// A copy of one plan array, as a bytearray of native int64 values.
+py::bytearray copy_out(const IndexVector& values) {
+  return py::bytearray(reinterpret_cast<const char*>(values.data()), values.size() * sizeof(Index));
 }
 
-std::optional<IndexVector> copy_optional(const std::optional<RawIndex>& raw) {
-  if (!raw) return std::nullopt;
-  return copy_raw(*raw);
+// A copy of a 1-D contiguous int64 buffer (a numpy array, array.array('q'), memoryview, ...).
+IndexVector copy_in(const char* field, const py::buffer& buffer) {
+  const py::buffer_info info = buffer.request();
+  const std::string format = info.format;
+  if (info.itemsize != static_cast<py::ssize_t>(sizeof(Index)) || (format != "q" && format != "l" && format != "<q" && format != "=q" && format != "<l" && format != "=l"))
+    throw py::type_error(std::string(field) + ": expected a buffer of int64 values, got format '" + format + "' with " +
+                         std::to_string(info.itemsize) + "-byte items");
+  if (info.ndim != 1) throw py::value_error(std::string(field) + ": expected a 1-D buffer, got " + std::to_string(info.ndim) + " dimensions");
+  if (info.shape[0] > 1 && info.strides[0] != static_cast<py::ssize_t>(sizeof(Index)))
+    throw py::value_error(std::string(field) + ": expected a contiguous buffer");
+  const auto* data = static_cast<const Index*>(info.ptr);
+  return IndexVector(data, data + info.shape[0]);
+}
+
+std::optional<IndexVector> copy_in(const char* field, const std::optional<py::buffer>& buffer) {
+  if (!buffer) return std::nullopt;
+  return copy_in(field, *buffer);
 }
 
 py::object yaml_to_python(const YAML::Node& node) {
@@ -116,25 +122,17 @@ PYBIND11_MODULE(_core, m) {
   m.attr("ABI_VERSION") = TREE_RECURRENCE_ABI_VERSION;
   m.def("core_fingerprint", &core_fingerprint);
 
-  py::class_<IndexArray>(m, "IndexArray", py::buffer_protocol())
-      .def_buffer([](IndexArray& a) {
-        return py::buffer_info(const_cast<Index*>(a.values->data()), sizeof(Index), py::format_descriptor<Index>::format(), 1,
-                               {static_cast<py::ssize_t>(a.values->size())}, {static_cast<py::ssize_t>(sizeof(Index))},
-                               /*readonly=*/true);
-      })
-      .def("__len__", [](const IndexArray& a) { return a.values->size(); });
-
   py::class_<TreePlan, std::shared_ptr<TreePlan>>(m, "TreePlan")
       .def_static(
           "build",
-          [](const RawIndex& cu_seqlens_q, const std::optional<RawIndex>& kv_index, const std::optional<RawIndex>& cu_seqlens_k,
-             const std::optional<RawIndex>& parents, const std::optional<RawIndex>& depths, Index num_tokens) {
+          [](const py::buffer& cu_seqlens_q, const std::optional<py::buffer>& kv_index, const std::optional<py::buffer>& cu_seqlens_k,
+             const std::optional<py::buffer>& parents, const std::optional<py::buffer>& depths, Index num_tokens) {
             TreeInput input;
-            input.cu_seqlens_q = copy_raw(cu_seqlens_q);
-            input.kv_index = copy_optional(kv_index);
-            input.cu_seqlens_k = copy_optional(cu_seqlens_k);
-            input.segment_parents = copy_optional(parents);
-            input.segment_depths = copy_optional(depths);
+            input.cu_seqlens_q = copy_in("tree_cu_seqlens_q", cu_seqlens_q);
+            input.kv_index = copy_in("tree_kv_index", kv_index);
+            input.cu_seqlens_k = copy_in("tree_cu_seqlens_k", cu_seqlens_k);
+            input.segment_parents = copy_in("tree_segment_parents", parents);
+            input.segment_depths = copy_in("tree_segment_depths", depths);
             input.num_tokens = num_tokens;
             py::gil_scoped_release release;
             return TreePlan::build(input);
@@ -152,7 +150,14 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("is_chains", &TreePlan::is_chains)
       .def_static("array_names", &TreePlan::array_names)
       .def("array",
-           [](const std::shared_ptr<TreePlan>& plan, const std::string& name) { return IndexArray{plan, &plan->array(name)}; })
+           [](const std::shared_ptr<TreePlan>& plan, const std::string& name) {
+             const IndexVector* values;
+             {
+               py::gil_scoped_release release;
+               values = &plan->array(name);
+             }
+             return copy_out(*values);
+           })
       .def("conv_tables", [](const std::shared_ptr<TreePlan>& plan, Index width) {
         // (ancestors, reader_offsets, readers) for a conv of this width, computed once and cached.
         const IndexVector *ancestors, *offsets, *readers;
@@ -162,7 +167,7 @@ PYBIND11_MODULE(_core, m) {
           offsets = &plan->conv_reader_offsets(width);
           readers = &plan->conv_readers(width);
         }
-        return py::make_tuple(IndexArray{plan, ancestors}, IndexArray{plan, offsets}, IndexArray{plan, readers});
+        return py::make_tuple(copy_out(*ancestors), copy_out(*offsets), copy_out(*readers));
       });
 
   py::class_<Policy>(m, "Policy")

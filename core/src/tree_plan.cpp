@@ -18,6 +18,8 @@ void check_offsets(const IndexVector& cu, Index num_tokens) {
     if (cu[s + 1] <= cu[s])
       fail("tree_cu_seqlens_q", at_segment(static_cast<Index>(s)) + "offsets must increase strictly (empty or negative segment: " +
                                     std::to_string(cu[s]) + " -> " + std::to_string(cu[s + 1]) + ")");
+  if (cu.back() > kMaxTokens)
+    fail("tree_cu_seqlens_q", "ends at " + std::to_string(cu.back()) + ": a row holds at most " + std::to_string(kMaxTokens) + " tokens");
   if (num_tokens >= 0 && cu.back() != num_tokens)
     fail("tree_cu_seqlens_q", "ends at " + std::to_string(cu.back()) + " but the row has " + std::to_string(num_tokens) + " tokens");
 }
@@ -32,9 +34,6 @@ std::shared_ptr<TreePlan> TreePlan::build(const TreeInput& input) {
   const Index S = static_cast<Index>(input.cu_seqlens_q.size()) - 1;
   plan->seg_lengths_.resize(S);
   for (Index s = 0; s < S; ++s) plan->seg_lengths_[s] = plan->seg_offsets_[s + 1] - plan->seg_offsets_[s];
-  plan->token_segment_.resize(plan->num_tokens_);
-  for (Index s = 0; s < S; ++s)
-    std::fill(plan->token_segment_.begin() + plan->seg_offsets_[s], plan->token_segment_.begin() + plan->seg_offsets_[s + 1], s);
 
   if (input.kv_index || input.cu_seqlens_k) {
     if (!input.kv_index || !input.cu_seqlens_k)
@@ -49,8 +48,11 @@ std::shared_ptr<TreePlan> TreePlan::build(const TreeInput& input) {
   plan->check_parents(input);
   plan->build_topology();
   plan->build_paths();
-  plan->build_tokens();
   return plan;
+}
+
+Index TreePlan::segment_of(Index token) const {
+  return static_cast<Index>(std::upper_bound(seg_offsets_.begin(), seg_offsets_.end(), token) - seg_offsets_.begin()) - 1;
 }
 
 // TRL's format: a segment's key path is its parent's path followed by its own tokens.
@@ -96,7 +98,7 @@ void TreePlan::derive_parents(const TreeInput& input) {
     const Index prefix = end - len - begin;
     if (prefix == 0) continue;
     const Index last = kv[end - len - 1];
-    const Index p = token_segment_[last];
+    const Index p = segment_of(last);
     if (p >= s)
       fail("tree_kv_index", at_segment(s) + "parent segment " + std::to_string(p) + " comes after its child (segments must be in DFS pre-order)");
     if (last != seg_offsets_[p + 1] - 1)
@@ -202,16 +204,22 @@ const IndexVector& TreePlan::path_tokens() const {
   return path_tokens_;
 }
 
-void TreePlan::build_tokens() {
-  token_position_.resize(num_tokens_);
-  token_source_.resize(num_tokens_);
-  for (Index s = 0; s < num_segments(); ++s) {
-    const Index source_base = path_offsets_[segment_source_leaf_[s]] + segment_start_[s];
-    for (Index t = 0; t < seg_lengths_[s]; ++t) {
-      token_position_[seg_offsets_[s] + t] = segment_start_[s] + t;
-      token_source_[seg_offsets_[s] + t] = source_base + t;
+const TreePlan::TokenTables& TreePlan::token_tables() const {
+  std::call_once(token_tables_once_, [this] {
+    TokenTables& t = token_tables_;
+    t.position.resize(num_tokens_);
+    t.source.resize(num_tokens_);
+    t.segment.resize(num_tokens_);
+    for (Index s = 0; s < num_segments(); ++s) {
+      const Index source_base = path_offsets_[segment_source_leaf_[s]] + segment_start_[s];
+      for (Index i = 0; i < seg_lengths_[s]; ++i) {
+        t.position[seg_offsets_[s] + i] = segment_start_[s] + i;
+        t.source[seg_offsets_[s] + i] = source_base + i;
+        t.segment[seg_offsets_[s] + i] = s;
+      }
     }
-  }
+  });
+  return token_tables_;
 }
 
 const IndexVector& TreePlan::conv_ancestors(Index width) const {
@@ -274,10 +282,11 @@ const IndexVector& TreePlan::array(const std::string& name) const {
       {"level_offsets", &TreePlan::level_offsets_},   {"level_segments", &TreePlan::level_segments_},
       {"child_offsets", &TreePlan::child_offsets_},   {"children", &TreePlan::children_},
       {"leaves", &TreePlan::leaves_},                 {"path_offsets", &TreePlan::path_offsets_},
-      {"token_source", &TreePlan::token_source_},
-      {"token_segment", &TreePlan::token_segment_},   {"token_position", &TreePlan::token_position_},
       {"segment_start", &TreePlan::segment_start_},   {"segment_source_leaf", &TreePlan::segment_source_leaf_}};
   if (name == "path_tokens") return path_tokens();
+  if (name == "token_source") return token_source();
+  if (name == "token_segment") return token_segment();
+  if (name == "token_position") return token_position();
   auto found = members.find(name);
   if (found == members.end()) throw std::out_of_range("TreePlan has no array named '" + name + "'");
   return this->*(found->second);

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, Mapping
 
 import torch
@@ -43,8 +42,9 @@ class TreePlan:
     def __init__(self, core: _core.TreePlan, device: torch.device):
         self._core = core
         self.device = device  # where the tree tensors came from
-        self._host: dict[str, torch.Tensor] = {}
+        self._host: dict[str, tuple] = {}  # array(): (value, [(tensor, version)])
         self._on_device: dict[tuple, Any] = {}
+        self._tables: dict[tuple, tuple] = {}  # tensor() and conv_tables(): (value, [(tensor, version)])
 
     # counts
     num_tokens = property(lambda self: self._core.num_tokens)
@@ -58,39 +58,51 @@ class TreePlan:
     is_chains = property(lambda self: self._core.is_chains)
 
     @staticmethod
-    def _wrap(buffer: Any) -> torch.Tensor:
+    def _wrap(buffer: bytearray) -> torch.Tensor:
+        # The core hands out copies (bytearrays): nothing written here can reach the C++ plan.
         if len(buffer) == 0:
             return torch.empty(0, dtype=torch.int64)
-        with warnings.catch_warnings():  # the plan's arrays are read-only by contract
-            warnings.simplefilter("ignore", UserWarning)
-            return torch.frombuffer(buffer, dtype=torch.int64)
+        return torch.frombuffer(buffer, dtype=torch.int64)
+
+    @staticmethod
+    def _unchanged(entry: tuple) -> bool:
+        """Whether none of a cached entry's tensors was written in place since it was cached."""
+        return all(t._version == v for t, v in entry[1])
+
+    @staticmethod
+    def _entry(value: Any, *tensors: torch.Tensor) -> tuple:
+        return (value, [(t, t._version) for t in tensors])
 
     def array(self, name: str) -> torch.Tensor:
-        """A plan array as a read-only int64 CPU tensor sharing the plan's memory."""
-        if name not in self._host:
-            self._host[name] = self._wrap(self._core.array(name))
-        return self._host[name]
+        """A plan array as an int64 CPU tensor: a copy of the C++ plan's array, cached. Writing to
+        it cannot change the plan: a copy written in place is replaced by a fresh one on next use."""
+        entry = self._host.get(name)
+        if entry is None or not self._unchanged(entry):
+            value = self._wrap(self._core.array(name))
+            entry = self._host[name] = self._entry(value, value)
+        return entry[0]
 
     def tensor(self, name: str, device: torch.device | str | None = None) -> torch.Tensor:
-        """A plan array on ``device`` (default: the tree tensors' device), copied once."""
+        """A plan array on ``device`` (default: the tree tensors' device), copied once (and again
+        if it was written in place)."""
         device = torch.device(device) if device is not None else self.device
         key = (name, device)
-        if key not in self._on_device:
-            self._on_device[key] = self.array(name).to(device)
-        return self._on_device[key]
+        entry = self._tables.get(key)
+        if entry is None or not self._unchanged(entry):
+            value = self._wrap(self._core.array(name)).to(device)
+            entry = self._tables[key] = self._entry(value, value)
+        return entry[0]
 
     def conv_tables(self, width: int, device: torch.device | str | None = None):
         """(ancestors (N, width-1), reader_offsets (N+1), readers) on ``device``, cached."""
         device = torch.device(device) if device is not None else self.device
         key = ("conv", width, device)
-        if key not in self._on_device:
+        entry = self._tables.get(key)
+        if entry is None or not self._unchanged(entry):
             ancestors, offsets, readers = (self._wrap(b) for b in self._core.conv_tables(width))
-            self._on_device[key] = (
-                ancestors.view(self.num_tokens, width - 1).to(device),
-                offsets.to(device),
-                readers.to(device),
-            )
-        return self._on_device[key]
+            value = (ancestors.view(self.num_tokens, width - 1).to(device), offsets.to(device), readers.to(device))
+            entry = self._tables[key] = self._entry(value, *value)
+        return entry[0]
 
     def padded_paths(self, device: torch.device | str | None = None):
         """(gather (P, Lmax) token index with -1 padding, source (N) flat index into P*Lmax)."""
@@ -135,6 +147,19 @@ class TreePlan:
         )
 
 
+def row_length(kwargs: Mapping[str, Any]) -> int | None:
+    """Tokens of the packed row a model forward received (``input_ids`` (1, N) or ``inputs_embeds``
+    (1, N, H)), or None when neither is there: ``tree_plan(kwargs, row_length(kwargs))`` refuses
+    tree kwargs describing another row before anything is allocated for it."""
+    ids = kwargs.get("input_ids")
+    if isinstance(ids, torch.Tensor) and ids.dim() in (1, 2) and (ids.dim() == 1 or ids.shape[0] == 1):
+        return int(ids.shape[-1])
+    embeds = kwargs.get("inputs_embeds")
+    if isinstance(embeds, torch.Tensor) and embeds.dim() == 3 and embeds.shape[0] == 1:
+        return int(embeds.shape[1])
+    return None
+
+
 def has_tree(kwargs: Mapping[str, Any]) -> bool:
     return kwargs.get(CU_SEQLENS_Q) is not None
 
@@ -169,12 +194,12 @@ def tree_plan(kwargs: Mapping[str, Any], num_tokens: int | None = None) -> TreeP
     host = torch.cat([t.to(torch.int64) for t in present.values()]).cpu()  # the one device->host copy
     parts = dict(zip(present, torch.split(host, sizes)))
 
-    def raw(name):
+    def buffer(name):  # the core copies from buffer objects; it never takes an address
         t = parts.get(name)
-        return None if t is None else (t.data_ptr(), t.numel())
+        return None if t is None else t.contiguous().numpy()
 
     core = _core.TreePlan.build(
-        raw(CU_SEQLENS_Q), raw(KV_INDEX), raw(CU_SEQLENS_K), raw(SEGMENT_PARENTS), raw(SEGMENT_DEPTHS),
+        buffer(CU_SEQLENS_Q), buffer(KV_INDEX), buffer(CU_SEQLENS_K), buffer(SEGMENT_PARENTS), buffer(SEGMENT_DEPTHS),
         -1 if num_tokens is None else int(num_tokens),
     )
     plan = TreePlan(core, device)

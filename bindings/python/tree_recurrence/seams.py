@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from . import driver
-from ._plan import TreePlan, tree_plan
+from ._plan import TreePlan, row_length, tree_plan
 from .policy import Policy
 
 _context_plan: contextvars.ContextVar[TreePlan | None] = contextvars.ContextVar("tree_recurrence_plan", default=None)
@@ -214,7 +214,7 @@ def _make_carrier_forward(slot: _Slot, original_forward: Callable) -> Callable:
     def forward(self, *args, **kwargs):
         owner = slot.owner
         active = owner is not None and owners.get(owner.module.__name__) is owner
-        plan = tree_plan(kwargs) if active else None
+        plan = tree_plan(kwargs, row_length(kwargs)) if active else None
         if plan is None:
             return original_forward(self, *args, **kwargs)
         for key in ("past_key_values", "cache_params"):

@@ -39,6 +39,12 @@ struct TreeInput {
   Index num_tokens = -1;  // length of the row when known (input_ids), else taken from cu_seqlens_q
 };
 
+// Sizes are validated before anything is allocated: a row holds at most kMaxTokens tokens (so no
+// index sum of a plan can overflow int64), build() allocates O(segments) beyond copies of its
+// inputs, and every O(tokens) table is built on first use. A tiny input naming a huge row is
+// therefore refused (num_tokens given) or planned in microseconds without per-token memory.
+constexpr Index kMaxTokens = (Index(1) << 31) - 1;
+
 class TreePlan {
  public:
   static std::shared_ptr<TreePlan> build(const TreeInput& input);
@@ -65,9 +71,12 @@ class TreePlan {
   const IndexVector& path_offsets() const { return path_offsets_; }
   // O(sum of path lengths): built on first use (rescan and attention need it, fork does not).
   const IndexVector& path_tokens() const;
-  const IndexVector& token_source() const { return token_source_; }
-  const IndexVector& token_segment() const { return token_segment_; }
-  const IndexVector& token_position() const { return token_position_; }
+  // O(tokens): built on first use (together), like path_tokens.
+  const IndexVector& token_source() const { return token_tables().source; }
+  const IndexVector& token_segment() const { return token_tables().segment; }
+  const IndexVector& token_position() const { return token_tables().position; }
+  // The segment holding token t (binary search; t must be in [0, num_tokens)).
+  Index segment_of(Index token) const;
   const IndexVector& segment_start() const { return segment_start_; }
   const IndexVector& segment_source_leaf() const { return segment_source_leaf_; }
 
@@ -90,7 +99,10 @@ class TreePlan {
   void check_parents(const TreeInput& input);
   void build_topology();
   void build_paths();
-  void build_tokens();
+  struct TokenTables {
+    IndexVector source, segment, position;
+  };
+  const TokenTables& token_tables() const;
   const std::pair<IndexVector, IndexVector>& conv_readers_of(Index width) const;
 
   Index num_tokens_ = 0;
@@ -99,7 +111,9 @@ class TreePlan {
   IndexVector seg_offsets_, seg_lengths_, parents_, levels_, level_offsets_, level_segments_;
   IndexVector child_offsets_, children_, leaves_, path_offsets_;
   mutable IndexVector path_tokens_;
-  IndexVector token_source_, token_segment_, token_position_, segment_start_, segment_source_leaf_;
+  IndexVector segment_start_, segment_source_leaf_;
+  mutable TokenTables token_tables_;
+  mutable std::once_flag token_tables_once_;
   mutable std::mutex conv_mutex_;
   mutable std::once_flag path_tokens_once_;
   mutable std::map<Index, std::unique_ptr<IndexVector>> conv_ancestors_;
