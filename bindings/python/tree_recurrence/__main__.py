@@ -1,5 +1,8 @@
 """Command line: ``python -m tree_recurrence doctor`` (plugins, fingerprints, kernels, coverage).
 
+``bench``: whole-model training-step benchmark of tree rows against chains and a flat row
+(tree_recurrence/bench.py; ``bench --help``).
+
 ``doctor --json`` prints the same as JSON. ``sdk --cmake-dir`` / ``sdk --include-dir`` print where the
 installed SDK is, to build a family plugin out of tree (docs/plugins.md).
 """
@@ -98,7 +101,13 @@ def main(argv: list[str] | None = None) -> int:
     where.add_argument("--cmake-dir", action="store_true", help="the folder holding TreeRecurrenceSDKConfig.cmake "
                        "(pass it as -DTreeRecurrenceSDK_DIR=... or append it to CMAKE_PREFIX_PATH)")
     where.add_argument("--include-dir", action="store_true", help="the folder holding tree_recurrence/sdk/*.h")
+    from . import bench
+
+    bench.add_arguments(sub.add_parser("bench", help="whole-model fwd+bwd: tree row vs chains vs flat row "
+                                       "(tokens/s, speed-up, memory; JSON + PNG)"))
     args = parser.parse_args(argv)
+    if args.command == "bench":
+        return bench.run(args)
     if args.command == "sdk":
         return print_sdk_dir("cmake" if args.cmake_dir else "include")
     if args.command == "doctor":

@@ -1,0 +1,337 @@
+"""``python -m tree_recurrence bench``: whole-model training steps on tree-packed rows.
+
+For each model of a table (``--models FILE``, JSON: name -> transformers ``model_type``, a config
+at realistic width and a tiny one; the repository's is ``benchmarks/bench_models.json``), random
+init, hooked with :func:`tree_recurrence.install`, it times forward + backward of one GRPO-shaped
+batch (``groups`` prompts x ``rollouts`` completions of ``completion`` tokens, the prompt length
+swept) in three layouts of the same samples:
+
+* ``tree``: one tree-packed row (each prompt once, its completions as child segments);
+* ``chains``: the samples packed padding-free as a forest of chains (one root per sample, every
+  sample's prompt repeated), through the same hooks and the same attention;
+* ``flat``: the tree's unique tokens, one chain per prompt group (prompt then its completions
+  laid end to end): what the unique tokens cost with no branching at all.
+
+The loss is the same function of every sample in each layout (sum over each sample's tokens of
+the log-sum-exp of its logits, a shared token counted once per sample through it), so ``tree``
+and ``chains`` give equal losses; ``flat`` computes other outputs (no tree) at the tree's cost
+floor. Reports tokens/s (sample tokens: the tokens the samples hold), speed-up against chains,
+the ratio to flat, peak memory, and which kernel ran for each recurrent family (the driver's
+decisions). Writes ``bench.json`` and ``bench.png`` (speed-up against the token ratio, with the
+ideal line speed-up = token ratio).
+
+The engine names no family: everything model-specific comes from the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+DEFAULT_TABLE = Path("benchmarks") / "bench_models.json"
+MODES = ("tree", "chains", "flat")
+
+
+# ------------------------------------------------------------------------------------------------
+# rows
+# ------------------------------------------------------------------------------------------------
+
+
+def _row(segments: list[tuple[torch.Tensor, int, int]], device) -> dict:
+    """segments: (token ids, parent segment or -1, first position), in DFS pre-order."""
+    ids = torch.cat([s[0] for s in segments])
+    lengths = torch.tensor([len(s[0]) for s in segments])
+    offsets = torch.zeros(len(segments) + 1, dtype=torch.int32)
+    offsets[1:] = torch.cumsum(lengths, 0)
+    parents = torch.tensor([s[1] for s in segments], dtype=torch.int64)
+    positions = torch.cat([torch.arange(s[2], s[2] + len(s[0])) for s in segments])
+    return {"input_ids": ids[None].to(device), "position_ids": positions[None].to(device),
+            "tree_cu_seqlens_q": offsets.to(device), "tree_segment_parents": parents.to(device)}
+
+
+def grpo_rows(groups: int, rollouts: int, prompt: int, completion: int, vocab: int, seed: int, device) -> dict:
+    """The three layouts of one GRPO batch: {mode: (row dict, per-token sample counts, sample tokens)}."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, vocab, (prompt,), generator=g) for _ in range(groups)]
+    completions = [[torch.randint(0, vocab, (completion,), generator=g) for _ in range(rollouts)] for _ in range(groups)]
+    tree, chains, flat = [], [], []
+    counts_tree = []
+    for p, cs in zip(prompts, completions):
+        root = -1
+        if prompt:
+            root = len(tree)
+            tree.append((p, -1, 0))
+            counts_tree.append(torch.full((prompt,), rollouts))
+        for c in cs:
+            tree.append((c, root, prompt))
+            counts_tree.append(torch.ones(completion, dtype=torch.int64))
+            chains.append((torch.cat([p, c]), -1, 0))
+        flat.append((torch.cat([p, *cs]), -1, 0))
+    counts = torch.cat(counts_tree).to(device)
+    sample_tokens = groups * rollouts * (prompt + completion)
+    return {
+        "tree": (_row(tree, device), counts, sample_tokens),
+        "chains": (_row(chains, device), torch.ones(sample_tokens, dtype=torch.int64, device=device), sample_tokens),
+        "flat": (_row(flat, device), counts, sample_tokens),
+    }
+
+
+# ------------------------------------------------------------------------------------------------
+# timing
+# ------------------------------------------------------------------------------------------------
+
+
+def _fresh(row: dict) -> dict:
+    """The row with new tree tensors: each step builds its plan (and attention mask) as training does."""
+    return {k: (v.clone() if k.startswith("tree_") else v) for k, v in row.items()}
+
+
+def train_step(model, row: dict, counts: torch.Tensor, sample_tokens: int) -> float:
+    model.zero_grad(set_to_none=True)
+    logits = model(**_fresh(row), use_cache=False).logits[0]
+    loss = (torch.logsumexp(logits.float(), dim=-1) * counts).sum() / sample_tokens
+    loss.backward()
+    return float(loss.detach())
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_steps(model, row, counts, sample_tokens, device, warmup: int, repeat: int) -> dict:
+    losses = [train_step(model, row, counts, sample_tokens) for _ in range(warmup)]
+    _sync(device)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    times = []
+    for _ in range(repeat):
+        _sync(device)
+        start = time.perf_counter()
+        losses.append(train_step(model, row, counts, sample_tokens))
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    ms = 1000 * statistics.median(times)
+    return {"ms": ms, "tokens_per_s": sample_tokens / (ms / 1000), "loss": losses[-1],
+            "peak_memory_gb": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None}
+
+
+# ------------------------------------------------------------------------------------------------
+# models
+# ------------------------------------------------------------------------------------------------
+
+
+def load_table(path: str | os.PathLike) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise SystemExit(f"bench: --models {path}: no such file (the repository's table is {DEFAULT_TABLE}; "
+                         "run from the repository root or pass --models)")
+    table = {k: v for k, v in json.loads(path.read_text()).items() if not k.startswith("_")}
+    for name, entry in table.items():
+        for field in ("model_type", "config", "tiny"):
+            if field not in entry:
+                raise SystemExit(f"bench: --models {path}: entry {name!r} has no {field!r}")
+    return table
+
+
+def build_model(entry: dict, tiny: bool, dtype, device, attn: str):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from .attention import register_tree_attention
+
+    config = AutoConfig.for_model(entry["model_type"], **entry["tiny" if tiny else "config"])
+    for attr in ("attention_dropout", "hidden_dropout", "dropout"):
+        if isinstance(getattr(config, attr, None), float):
+            setattr(config, attr, 0.0)
+    config.use_cache = False
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=register_tree_attention(attn))
+    return model.to(device=device, dtype=dtype).train()
+
+
+def kernels_ran(decisions) -> dict:
+    """family -> {seam: [strategies]} from the driver's decision log."""
+    out: dict[str, dict[str, list[str]]] = {}
+    for family, seam, strategy, _reason in decisions:
+        strategies = out.setdefault(family, {}).setdefault(seam, [])
+        if strategy not in strategies:
+            strategies.append(strategy)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# the command
+# ------------------------------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--models", default=str(DEFAULT_TABLE), help=f"model table, JSON (default {DEFAULT_TABLE})")
+    parser.add_argument("--model", action="append", help="a name of the table (repeatable; default all)")
+    parser.add_argument("--device", default=None, help="cuda (default when available) or cpu")
+    parser.add_argument("--tiny", action="store_true", help="tiny configs and shape (the default on CPU): seconds, for CI")
+    parser.add_argument("--dtype", default=None, choices=["bfloat16", "float32"], help="default bf16 on GPU, fp32 on CPU")
+    parser.add_argument("--attn", default="tree_flex", choices=["tree_flex", "tree_sdpa"], help="tree attention")
+    parser.add_argument("--groups", type=int, default=None, help="prompts per batch (default 8; tiny 2)")
+    parser.add_argument("--rollouts", type=int, default=None, help="completions per prompt (default 8; tiny 3)")
+    parser.add_argument("--completion", type=int, default=None, help="completion length (default 512; tiny 6)")
+    parser.add_argument("--prompts", default=None, help="prompt lengths swept, comma-separated (default 0,512,2048,4096; tiny 0,4,16)")
+    parser.add_argument("--checkpointing", default="off,on", help="gradient checkpointing settings: off,on / off / on")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed steps per point (default 2; tiny 1)")
+    parser.add_argument("--repeat", type=int, default=None, help="timed steps per point, median taken (default 3; tiny 1)")
+    parser.add_argument("--out", default="bench-results", help="folder for bench.json and bench.png")
+    parser.add_argument("--no-plot", action="store_true", help="skip the PNG")
+
+
+def run(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    import tree_recurrence as tr
+    from . import driver
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    tiny = args.tiny or device.type == "cpu"
+    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    pick = lambda value, full, small: value if value is not None else (small if tiny else full)  # noqa: E731
+    groups, rollouts = pick(args.groups, 8, 2), pick(args.rollouts, 8, 3)
+    completion = pick(args.completion, 512, 6)
+    prompts = [int(p) for p in pick(args.prompts, "0,512,2048,4096", "0,4,16").split(",")]
+    warmup, repeat = pick(args.warmup, 2, 1), pick(args.repeat, 3, 1)
+    settings = {"off": False, "on": True}
+    try:
+        checkpointing = [settings[s.strip()] for s in args.checkpointing.split(",")]
+    except KeyError as error:
+        raise SystemExit(f"bench: --checkpointing: expected off and/or on, got {error.args[0]!r}")
+    table = load_table(args.models)
+    names = args.model or list(table)
+    unknown = [n for n in names if n not in table]
+    if unknown:
+        raise SystemExit(f"bench: --model {unknown[0]!r}: not in {args.models} (has {', '.join(table)})")
+
+    report = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__, "dtype": str(dtype).replace("torch.", ""), "tiny": tiny, "attention": args.attn,
+        "shape": {"groups": groups, "rollouts": rollouts, "completion": completion, "prompts": prompts},
+        "warmup": warmup, "repeat": repeat, "models": {}, "results": [],
+    }
+    total = len(names) * len(prompts) * len(checkpointing) * len(MODES)
+    bar = tqdm(total=total, desc="bench", unit="run", file=sys.stderr)
+    for name in names:
+        entry = table[name]
+        model = build_model(entry, tiny, dtype, device, args.attn)
+        support = tr.install(model)
+        info = {"model_type": entry["model_type"], "kind": entry.get("kind", ""), "support": support.mode,
+                "reason": support.reason, "families": dict(support.families),
+                "parameters": sum(p.numel() for p in model.parameters()), "kernels": {}}
+        report["models"][name] = info
+        try:
+            for prompt in prompts:
+                rows = grpo_rows(groups, rollouts, prompt, completion, model.config.get_text_config().vocab_size, prompt, device)
+                unique = rows["tree"][0]["input_ids"].shape[1]
+                for ckpt in checkpointing:
+                    if ckpt:
+                        model.gradient_checkpointing_enable()
+                    else:
+                        model.gradient_checkpointing_disable()
+                    point = {"model": name, "prompt": prompt, "checkpointing": ckpt, "unique_tokens": unique,
+                             "sample_tokens": rows["tree"][2], "token_ratio": rows["tree"][2] / unique}
+                    for mode in MODES:
+                        bar.set_postfix_str(f"{name} prompt {prompt} ckpt {'on' if ckpt else 'off'} {mode}")
+                        row, counts, sample_tokens = rows[mode]
+                        driver.decisions.clear()
+                        try:
+                            point[mode] = time_steps(model, row, counts, sample_tokens, device, warmup, repeat)
+                        except torch.cuda.OutOfMemoryError as error:
+                            point[mode] = {"error": f"out of memory: {str(error).splitlines()[0]}"}
+                        if mode == "tree":
+                            info["kernels"] = kernels_ran(driver.decisions) or info["kernels"]
+                        if device.type == "cuda":
+                            torch.cuda.empty_cache()
+                        bar.update()
+                    t, c, f = (point[m].get("ms") for m in MODES)
+                    point["speedup_vs_chains"] = c / t if t and c else None
+                    point["tree_over_flat"] = t / f if t and f else None
+                    report["results"].append(point)
+        finally:
+            tr.uninstall(model)
+            del model
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    bar.close()
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(json.dumps(report, indent=2))
+    print_table(report)
+    if not args.no_plot:
+        plot(report, out / "bench.png")
+    print(f"wrote {out / 'bench.json'}" + ("" if args.no_plot else f" and {out / 'bench.png'}"))
+    return 0
+
+
+def print_table(report: dict) -> None:
+    print(f"\n{report['device']}, {report['dtype']}, attention {report['attention']}, shape {report['shape']}")
+    for name, info in report["models"].items():
+        kernels = "; ".join(f"{fam}: " + ", ".join(f"{seam} {'/'.join(s)}" for seam, s in seams.items())
+                            for fam, seams in info["kernels"].items()) or "none recorded"
+        print(f"  {name} ({info['model_type']}, {info['parameters'] / 1e6:.0f}M params, support {info['support']}): {kernels}")
+    header = f"{'model':<12}{'prompt':>7}{'ckpt':>5}{'ratio':>7}{'tree ms':>10}{'chains ms':>11}{'flat ms':>10}" \
+             f"{'tree tok/s':>12}{'speed-up':>10}{'tree/flat':>10}{'tree GB':>9}{'chains GB':>10}"
+    print(header)
+    for r in report["results"]:
+        def ms(mode):
+            return f"{r[mode]['ms']:.1f}" if "ms" in r[mode] else "OOM"
+
+        def gb(mode):
+            v = r[mode].get("peak_memory_gb")
+            return "-" if v is None else f"{v:.1f}"
+
+        tps = r["tree"].get("tokens_per_s")
+        speedup = f"{r['speedup_vs_chains']:.2f}x" if r["speedup_vs_chains"] else "-"
+        over_flat = f"{r['tree_over_flat']:.2f}" if r["tree_over_flat"] else "-"
+        tokens = f"{tps:,.0f}" if tps else "-"
+        print(f"{r['model']:<12}{r['prompt']:>7}{'on' if r['checkpointing'] else 'off':>5}{r['token_ratio']:>7.2f}"
+              f"{ms('tree'):>10}{ms('chains'):>11}{ms('flat'):>10}{tokens:>12}{speedup:>10}{over_flat:>10}"
+              f"{gb('tree'):>9}{gb('chains'):>10}")
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 5))
+    ratios = [r["token_ratio"] for r in report["results"]]
+    top = max(ratios + [1.0]) * 1.05
+    ax.plot([1, top], [1, top], color="gray", linestyle=":", label="ideal: speed-up = token ratio")
+    for i, name in enumerate(report["models"]):
+        for ckpt in (False, True):
+            pts = sorted((r["token_ratio"], r["speedup_vs_chains"]) for r in report["results"]
+                         if r["model"] == name and r["checkpointing"] == ckpt and r["speedup_vs_chains"])
+            if pts:
+                ax.plot(*zip(*pts), marker="o", color=f"C{i}", linestyle="--" if ckpt else "-",
+                        label=f"{name}{' (checkpointing)' if ckpt else ''}")
+    ax.set_xlabel("token ratio (sample tokens / unique tokens)")
+    ax.set_ylabel("speed-up of the tree row over chains (fwd+bwd)")
+    shape = report["shape"]
+    ax.set_title(f"{report['device']}, {report['dtype']}: {shape['groups']} prompts x {shape['rollouts']} "
+                 f"completions of {shape['completion']}", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tree_recurrence bench", description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
