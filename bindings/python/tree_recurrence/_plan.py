@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple
 
 import torch
 
@@ -34,6 +34,30 @@ def _as_index_vector(name: str, value: Any, device: torch.device | None) -> torc
     if device is not None and value.device != device:
         raise ValueError(f"{name}: is on {value.device} but {CU_SEQLENS_Q} is on {device}; all tree tensors must share a device")
     return value
+
+
+class ChunkTables(NamedTuple):
+    """Segment-aligned chunks of a plan (``TreePlan.chunk_tables``): a chunk never crosses a segment
+    boundary; a segment of L tokens has ceil(L / C) chunks, in token order. Tensors are int64 on
+    the requested device; ``level_offsets`` is a host list."""
+
+    gather: torch.Tensor             # (NC, C) token index of each chunk row, -1 for padding
+    scatter: torch.Tensor            # (N) position of each token in the flattened NC*C grid
+    seg_chunk_offsets: torch.Tensor  # (S+1) chunks of segment s: [off[s], off[s+1])
+    parents: torch.Tensor            # (S) parent segment, -1 for roots
+    root_index: torch.Tensor         # (S) index of a root among the roots (segment order), -1 else
+    level_segments: torch.Tensor     # (S) segments grouped by trie level
+    level_offsets: list              # (L+1) host ints: level l is level_segments[lo:hi]
+    child_offsets: torch.Tensor      # (S+1) children CSR
+    children: torch.Tensor           # (S - roots)
+    num_chunks: int
+
+    def state_args(self) -> tuple:
+        """The tables in chunk_state_pass's order: ``op(w, u, kd, decay, h0, *tables.state_args())``."""
+        return (self.seg_chunk_offsets, self.parents, self.root_index, self.level_segments, self.level_offsets,
+                self.child_offsets, self.children)
+
+    op_args = state_args
 
 
 class TreePlan:
@@ -139,6 +163,40 @@ class TreePlan:
             source = (torch.arange(len(segments))[:, None] * width + position)[valid]
             self._on_device[key] = (segments, gather.to(device), tokens.to(device), source.to(device))
         return self._on_device[key]
+
+    def chunk_tables(self, chunk_size: int, device: torch.device | str | None = None) -> ChunkTables:
+        """Segment-aligned chunk tables for chunked recurrent kernels (``ChunkTables``), built with
+        vectorised ops on the host arrays (no loop over segments), copied to ``device`` once and
+        cached per chunk size and device (rebuilt if one of them was written in place)."""
+        chunk_size = int(chunk_size)
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size: must be >= 1, got {chunk_size}")
+        device = torch.device(device) if device is not None else self.device
+        key = ("chunks", chunk_size, device)
+        entry = self._tables.get(key)
+        if entry is None or not self._unchanged(entry):
+            seg_offsets = self.array("seg_offsets")[: self.num_segments + 1]
+            lengths = self.array("seg_lengths")
+            parents = self.array("parents")
+            chunks = (lengths + chunk_size - 1) // chunk_size
+            seg_chunk_offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(chunks, 0)])
+            num_chunks = int(seg_chunk_offsets[-1])
+            chunk_segment = torch.repeat_interleave(torch.arange(self.num_segments), chunks)
+            local = torch.arange(num_chunks) - seg_chunk_offsets[chunk_segment]
+            start = seg_offsets[chunk_segment] + local * chunk_size
+            position = start[:, None] + torch.arange(chunk_size)
+            valid = position < (seg_offsets[chunk_segment] + lengths[chunk_segment])[:, None]
+            gather = torch.where(valid, position, torch.full_like(position, -1))
+            scatter = valid.reshape(-1).nonzero().reshape(-1)  # tokens appear in order in the grid
+            is_root = parents < 0
+            root_index = torch.where(is_root, torch.cumsum(is_root, 0) - 1, torch.full_like(parents, -1))
+            moved = [t.to(device, copy=True) for t in (gather, scatter, seg_chunk_offsets, parents, root_index,
+                                                      self.array("level_segments"))]
+            csr = [self.array(name).to(device, copy=True) for name in ("child_offsets", "children")]
+            levels = [int(v) for v in self.array("level_offsets").tolist()]
+            value = ChunkTables(*moved, levels, *csr, num_chunks)
+            entry = self._tables[key] = self._entry(value, *moved, *csr)
+        return entry[0]
 
     def __repr__(self) -> str:
         return (
