@@ -86,7 +86,7 @@ ROWS = {"tiny": (2, 12, 4, (1, 9)), "mid": (2, 768, 8, (64, 320))}
 FAMILY_OF = {"qwen3_5_text": "gated_delta_net", "nemotron_h": "mamba2"}
 
 
-def build_model(model_type: str, size: str, seed: int) -> torch.nn.Module:
+def build_model(model_type: str, size: str, seed: int, attention: str = "tree_sdpa") -> torch.nn.Module:
     """The same random fp32 CausalLM on every rank (the seed fixes it), dropout off, train mode,
     tree attention. A_log and dt_bias are re-drawn in [-1, 1] so heads decay at clearly different
     rates and the state carried across a segment boundary matters."""
@@ -100,7 +100,7 @@ def build_model(model_type: str, size: str, seed: int) -> torch.nn.Module:
             setattr(config, attr, 0.0)
     config.use_cache = False
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation=register_tree_attention()).float()
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=register_tree_attention(attention)).float()
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -130,11 +130,11 @@ class Rollout:
     advantage: float
 
 
-def make_rollouts(size: str, rank: int, vocab: int, seed: int) -> list[list[Rollout]]:
+def make_rollouts(shape: tuple, rank: int, vocab: int, seed: int) -> list[list[Rollout]]:
     """Rank ``rank``'s GRPO-shaped rollouts: groups of one prompt and several completions, the
     advantages normalised within each group. Completions of a prompt start with distinct tokens
     and prompts with distinct tokens, so the samples really diverge where a trainer's would."""
-    groups, prompt_length, completions, (lo, hi) = ROWS[size]
+    groups, prompt_length, completions, (lo, hi) = shape
     gen = torch.Generator().manual_seed(10_000 * (seed + 1) + rank)
     prompt_firsts = torch.randperm(vocab - 2, generator=gen)[:groups] + 2
     out = []
@@ -345,7 +345,7 @@ def run_model(model_type: str, args, rank: int, world: int, device, dtype) -> tu
     errors: list[str] = []
     result: dict = {"model_type": model_type, "family": FAMILY_OF[model_type]}
     vocab = MODEL_CONFIGS[args.size][model_type]["vocab_size"]
-    rollouts = [make_rollouts(args.size, r, vocab, args.seed) for r in range(world)]  # every rank's samples
+    rollouts = [make_rollouts(args.row_shape, r, vocab, args.seed) for r in range(world)]  # every rank's samples
     total_completion = sum(len(s.tokens) - s.prompt_length for groups in rollouts for g in groups for s in g)
     tree_row = pack_row(rollouts[rank], chains=False)
     chain_row = pack_row(rollouts[rank], chains=True)
@@ -361,7 +361,7 @@ def run_model(model_type: str, args, rank: int, world: int, device, dtype) -> tu
         result["packing_checked_against_trl"] = True
 
     t0 = time.perf_counter()
-    model = build_model(model_type, args.size, args.seed).to(device)
+    model = build_model(model_type, args.size, args.seed, args.attention).to(device)
     with torch.no_grad():
         checksum = torch.stack([p.double().sum() for p in model.parameters()]).sum().reshape(1)
     sums = [torch.zeros_like(checksum) for _ in range(world)]
@@ -464,9 +464,11 @@ def run_model(model_type: str, args, rank: int, world: int, device, dtype) -> tu
         ref_loss = reference["fp32"][0]
         gap = abs(control - ref_loss) / max(abs(ref_loss), 1e-12)
         result["control_uninstalled_loss_rel_err"] = gap
-        if gap <= 10 * loss_tolerance(dtype):
-            errors.append(f"{model_type}: without install the tree row's loss is within {gap:.2e} of the reference: "
-                          "the comparison cannot tell a wrong recurrence from a right one")
+        # far outside both the fp32 bar and what the installed step missed by
+        threshold = max(10 * loss_tolerance(torch.float32), 3 * result["checks"]["tree"]["loss_rel_err"])
+        if gap <= threshold:
+            errors.append(f"{model_type}: without install the tree row's loss is within {gap:.2e} of the reference "
+                          f"(<= {threshold:.2e}): the comparison cannot tell a wrong recurrence from a right one")
     del model, optimizer
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -483,8 +485,14 @@ def compare(model_type, kind, loss, grads, reference, dtype, result) -> list[str
     ref_loss, ref_grads = reference["fp32"]
     loss_err = abs(loss - ref_loss) / max(abs(ref_loss), 1e-12)
     check = {"loss": loss, "reference_loss": ref_loss, "loss_rel_err": loss_err}
-    if loss_err > loss_tolerance(dtype):
-        errors.append(f"{model_type} {kind}: loss {loss:.8g} vs reference {ref_loss:.8g} (rel. err {loss_err:.2e})")
+    loss_tol = loss_tolerance(dtype)
+    if dtype != torch.float32:  # or within 4x of the low-precision model's own error on the samples alone
+        noise_loss = reference["alone_" + str(dtype).split(".")[-1]][0]
+        check["alone_loss_rel_err"] = abs(noise_loss - ref_loss) / max(abs(ref_loss), 1e-12)
+        loss_tol = max(loss_tol, 4 * check["alone_loss_rel_err"])
+    if loss_err > loss_tol:
+        errors.append(f"{model_type} {kind}: loss {loss:.8g} vs reference {ref_loss:.8g} (rel. err {loss_err:.2e} > "
+                      f"{loss_tol:.2e})")
     if set(grads) != set(ref_grads):
         errors.append(f"{model_type} {kind}: gradient names differ: {sorted(set(grads) ^ set(ref_grads))[:5]}")
         return errors
@@ -510,7 +518,6 @@ def compare(model_type, kind, loss, grads, reference, dtype, result) -> list[str
                 errors.append(f"{model_type} {kind}: grad {name}: rel. RMS {err:.3e} > {tol:.3e} "
                               f"(the bf16 model alone: {band:.3e})")
         check["worst_grad_rel_rms"] = worst
-        check["bf16_alone_loss_rel_err"] = abs(reference["alone_bfloat16"][0] - ref_loss) / max(abs(ref_loss), 1e-12)
     result["checks"][kind] = check
     return errors
 
@@ -528,8 +535,25 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds any collective may wait")
     parser.add_argument("--check-trl", action="store_true", help="compare the packer with TRL's TreeRow.pack()")
+    parser.add_argument("--rows", default=None, metavar="G,P,K,LO,HI",
+                        help="rollouts per rank: G prompts of P tokens, K completions of LO..HI tokens each "
+                             "(default: the size's)")
+    parser.add_argument("--attention", choices=["tree_sdpa", "tree_flex"], default="tree_sdpa",
+                        help="tree attention implementation (tree_recurrence.attention)")
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                        help="model dtype (auto: bfloat16 on a GPU, float32 on the CPU)")
     parser.add_argument("--out", default=None, help="JSON file (rank 0)")
     args = parser.parse_args(argv)
+    if args.rows:
+        try:
+            g, p, k, lo, hi = (int(v) for v in args.rows.split(","))
+        except ValueError:
+            parser.error(f"--rows: expected five integers G,P,K,LO,HI, got {args.rows!r}")
+        if min(g, k, lo) < 1 or p < 2 or hi < lo:
+            parser.error(f"--rows: need G, K, LO >= 1, P >= 2 and HI >= LO, got {args.rows!r}")
+        args.row_shape = (g, p, k, (lo, hi))
+    else:
+        args.row_shape = ROWS[args.size]
 
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -544,13 +568,15 @@ def main(argv=None) -> int:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
         dtype = torch.float32
+    if args.dtype != "auto":
+        dtype = getattr(torch, args.dtype)
 
     import tree_recurrence
 
     doc = {"size": args.size, "world_size": world, "device": str(device.type), "dtype": str(dtype).split(".")[-1],
            "backend": dist.get_backend(), "torch": torch.__version__, "tree_recurrence": tree_recurrence.__version__,
-           "multicast_env": {k: os.environ.get(k) for k in MULTICAST_OFF}, "rows": dict(zip(
-               ("prompt_groups", "prompt_length", "completions_per_prompt", "completion_lengths"), ROWS[args.size])),
+           "multicast_env": {k: os.environ.get(k) for k in MULTICAST_OFF}, "attention": args.attention, "rows": dict(zip(
+               ("prompt_groups", "prompt_length", "completions_per_prompt", "completion_lengths"), args.row_shape)),
            "models": []}
     if use_cuda:
         doc["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
