@@ -315,15 +315,26 @@ def full_grads(model) -> dict:
 
 
 def module_snapshot(model) -> dict:
-    """The attributes of every modeling module the model's classes live in (what install patches)."""
+    """What install may patch: the attributes of every modeling module the model's classes live
+    in, and the attributes of the classes defined there (a carrier's forward, say)."""
     names = {type(m).__module__ for m in model.modules() if type(m).__module__.startswith("transformers.models.")}
-    return {name: dict(vars(sys.modules[name])) for name in sorted(names)}
+    snap = {}
+    for name in sorted(names):
+        attrs = dict(vars(sys.modules[name]))
+        snap[name] = attrs
+        for key, obj in attrs.items():
+            if isinstance(obj, type) and obj.__module__ == name:
+                snap[f"{name}.{key}"] = dict(vars(obj))
+    return snap
 
 
 def snapshot_changes(before: dict) -> list[str]:
     changes = []
     for name, attrs in before.items():
-        now = vars(sys.modules[name])
+        now = vars(sys.modules[name]) if name in sys.modules else None
+        if now is None:  # a class: "<module>.<Class>"
+            mod, _, cls_name = name.rpartition(".")
+            now = vars(getattr(sys.modules[mod], cls_name))
         changes += [f"{name}.{k} is not the object it was before install" for k, v in attrs.items() if now.get(k) is not v]
         changes += [f"{name}.{k} was added" for k in now if k not in attrs]
     return changes
