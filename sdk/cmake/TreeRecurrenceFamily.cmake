@@ -1,11 +1,13 @@
 # tree_recurrence_add_family(<name> SOURCES ... [CUDA_SOURCES ...] MANIFEST <family.yaml>
-#                            [LINK ...] [OUTPUT_DIR <dir>] [INSTALL_DIR <dir>])
+#                            [PYTHON <folder>] [LINK ...] [OUTPUT_DIR <dir>] [INSTALL_DIR <dir>])
 #
 # Builds the family plugin library `tree_recurrence_<name>` (a MODULE library loaded at run time)
 # against LibTorch, stamps it with the build fingerprint the registry checks (torch version,
 # _GLIBCXX_USE_CXX11_ABI from torch's flags, CUDA version and archs), and places its manifest next
 # to it. The op namespace is `tree_recurrence_<name>`, passed as TREE_RECURRENCE_OP_NAMESPACE so it
-# is never typed twice.
+# is never typed twice. PYTHON names the family's Python folder (reference kernels, component adapters:
+# the manifest's `python:` modules); its *.py files go next to the manifest as the folder <name>/, where
+# the engine imports them from.
 function(tree_recurrence_fingerprint_definitions target)
   set(cuda_version "")
   set(cuda_archs "")
@@ -25,7 +27,7 @@ function(tree_recurrence_fingerprint_definitions target)
 endfunction()
 
 function(tree_recurrence_add_family name)
-  cmake_parse_arguments(ARG "" "MANIFEST;OUTPUT_DIR;INSTALL_DIR" "SOURCES;CUDA_SOURCES;LINK" ${ARGN})
+  cmake_parse_arguments(ARG "" "MANIFEST;PYTHON;OUTPUT_DIR;INSTALL_DIR" "SOURCES;CUDA_SOURCES;LINK" ${ARGN})
   set(target tree_recurrence_${name})
   set(sources ${ARG_SOURCES})
   if(CMAKE_CUDA_COMPILER AND ARG_CUDA_SOURCES)
@@ -49,10 +51,21 @@ function(tree_recurrence_add_family name)
   if(ARG_MANIFEST)
     configure_file("${ARG_MANIFEST}" "${ARG_OUTPUT_DIR}/${name}.yaml" COPYONLY)
   endif()
+  if(ARG_PYTHON)
+    get_filename_component(python_dir "${ARG_PYTHON}" ABSOLUTE BASE_DIR "${CMAKE_CURRENT_SOURCE_DIR}")
+    file(GLOB python_files CONFIGURE_DEPENDS "${python_dir}/*.py")
+    foreach(file IN LISTS python_files)
+      get_filename_component(file_name "${file}" NAME)
+      configure_file("${file}" "${ARG_OUTPUT_DIR}/${name}/${file_name}" COPYONLY)
+    endforeach()
+  endif()
   if(ARG_INSTALL_DIR)
     install(TARGETS ${target} LIBRARY DESTINATION "${ARG_INSTALL_DIR}")
     if(ARG_MANIFEST)
       install(FILES "${ARG_MANIFEST}" DESTINATION "${ARG_INSTALL_DIR}" RENAME "${name}.yaml")
+    endif()
+    if(ARG_PYTHON)
+      install(FILES ${python_files} DESTINATION "${ARG_INSTALL_DIR}/${name}")
     endif()
   endif()
 endfunction()

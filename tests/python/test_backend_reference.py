@@ -63,14 +63,15 @@ def test_reference_backend_forks_through_the_varlen_reference(monkeypatch):
     import functools
 
     calls = []
-    real = reference.chunk_gated_delta_rule
+    family_reference = reference.family_reference("gated_delta_net")
+    real = family_reference.chunk_gated_delta_rule
 
     @functools.wraps(real)  # keeps the signature transformers filters keywords by
     def spy(*args, **kwargs):
         calls.append(kwargs.get("cu_seqlens") is not None)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(reference, "chunk_gated_delta_rule", spy)
+    monkeypatch.setattr(family_reference, "chunk_gated_delta_rule", spy)
     reference._wrapped_references.clear()
     torch.manual_seed(1)
     model = tiny_qwen()

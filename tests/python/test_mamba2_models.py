@@ -253,8 +253,8 @@ def test_fused_seam_declined_with_tree_original_without(model_type, env, decisio
     whose seams follow the tree); an ordinary batch calls it (and the split seams not at all)."""
     fused = _Spy(reference.mamba_split_conv1d_scan_combined)
     scan = _Spy(reference.mamba_chunk_scan_combined)
-    monkeypatch.setattr(reference, "mamba_split_conv1d_scan_combined", fused.fn)
-    monkeypatch.setattr(reference, "mamba_chunk_scan_combined", scan.fn)
+    monkeypatch.setattr(reference.family_reference(FAMILY), "mamba_split_conv1d_scan_combined", fused.fn)
+    monkeypatch.setattr(reference.family_reference(FAMILY), "mamba_chunk_scan_combined", scan.fn)
     env.bind(model_type, [CONV, SCAN, FUSED])
     _, params, is_library = driver.bound_implementation(getattr(_module(model_type), FUSED))
     assert is_library and "seq_idx" in params

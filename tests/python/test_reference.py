@@ -1,29 +1,22 @@
-"""Checks of the pure-PyTorch reference kernels (tree_recurrence/reference.py).
+"""Checks of the pure-PyTorch reference kernels (tree_recurrence.reference's generic causal conv and the
+gated_delta_net family's chunk_gated_delta_rule, plugins/gated_delta_net/python/reference.py).
 
 They must agree with transformers' own torch fallbacks (the code path every CPU run takes) and,
 for packed inputs (cu_seqlens / seq_idx), with running each sequence on its own, gradients
 included.
 """
 
-import importlib.util
-import pathlib
+import types
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-_REF_PATH = pathlib.Path(__file__).resolve().parents[2] / "bindings/python/tree_recurrence/reference.py"
+from tree_recurrence import reference as _generic
 
-
-def _load_reference():
-    # Load by path: the package's __init__ may need the compiled extension, the reference must not.
-    spec = importlib.util.spec_from_file_location("tree_recurrence_reference_under_test", _REF_PATH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-ref = _load_reference()
+# The generic conv and the family's reference, as the engine finds them (the family's manifest names it).
+ref = types.SimpleNamespace(causal_conv1d_fn=_generic.causal_conv1d_fn,
+                            chunk_gated_delta_rule=_generic.family_reference("gated_delta_net").chunk_gated_delta_rule)
 
 qwen = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
 # The module-level names are seam wrappers (functools.wraps keeps the torch function in

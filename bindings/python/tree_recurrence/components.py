@@ -1,20 +1,20 @@
 """The SDK for models that follow trees in their own code.
 
-A model whose mixers are written for tree-packed rows (an in-tree Kimi-Linear, say) needs no seam
+A model whose mixers are written for tree-packed rows needs no seam
 patching: it builds the plan from the forward's ``tree_*`` kwargs and runs the tree-aware pieces
 itself, then registers a family so that :func:`tree_recurrence.install` claims its mixers and
 answers ``"tree"`` instead of reporting them as recurrent layers nobody covers::
 
     from tree_recurrence import components as trc
 
-    class MyKDA(nn.Module):
+    class MyMixer(nn.Module):
         @trc.mark_tree_forward                      # plan context from the tree_* kwargs
         def forward(self, x, **kwargs):
             qkv = trc.short_convolution(self.qkv(x), self.conv.weight, activation="silu")
             q, k, v = ...
-            return trc.kda_scan(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
+            return trc.scan("<family>", "<its scan seam>", q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
 
-    trc.register_family("my_kda", model_types=["my_model"], mixer_classes=[MyKDA],
+    trc.register_family("my_mixer", model_types=["my_model"], mixer_classes=[MyMixer],
                         layer_types=["linear_attention"])
 
 Every component takes ``plan=None``: then the plan of the enclosing :func:`mark_tree_forward`
@@ -30,18 +30,18 @@ Where the pieces run (the same choices the seam adapters make, ``driver.py``):
   ``cu_seqlens``), over the trie: ``native`` (a family's tree op), ``fork`` or ``rescan``, chosen by
   the policy, from a seam spec (the manifest keys: args, sequence, returns, native, state_args,
   neutral, varlen; docs/plugins.md).
-* ``gdn_scan`` (gated_delta_net's ``gdn_tree_scan``), ``kda_scan`` (the ``kda_tree_scan`` of a
-  loaded Kimi-Linear plugin, sdk/examples/kimi_linear), ``ssd_scan`` (mamba2's ``ssd_tree_scan``):
-  the family's native op when loaded, else fork / rescan over ``kernel`` (default: the
-  ``tree_recurrence.reference`` version of the library kernel).
+* ``scan(family, seam, ...)``: a loaded family's scan seam, with the spec its manifest gives: the
+  family's native op, else fork / rescan over ``kernel`` (default: the reference the seam's
+  ``library:`` names). Families add friendlier fronts in their own Python (``python: {components:
+  ...}`` in the manifest, files in ``plugins/<family>/python/``); while the family is loaded they are
+  attributes of this module (``components.<name>``).
 """
 
 from __future__ import annotations
 
 import functools
-import math
 import re
-from typing import Any, Callable, Iterable
+from typing import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -50,8 +50,8 @@ from . import driver, plugins, seams
 from ._plan import TreePlan, tree_plan
 from .policy import Policy
 
-__all__ = ["gdn_scan", "kda_scan", "mark_tree_forward", "register_family", "short_convolution", "ssd_scan", "tree_conv",
-           "tree_scan", "unregister_family"]
+__all__ = ["mark_tree_forward", "register_family", "scan", "short_convolution", "tree_conv", "tree_scan",
+           "unregister_family"]
 
 
 def _plan(plan: TreePlan | None) -> TreePlan | None:
@@ -216,126 +216,66 @@ def tree_scan(kernel: Callable, *args, plan: TreePlan | None = None, spec: dict 
     return driver._finish(call, driver._scan_rescan(call, varlen))
 
 
-def _delta_rule_spec(op: str) -> dict:
-    # q, k, v, g, beta first (FLA's chunk_gated_delta_rule and chunk_kda order); state-neutral padding: no decay,
-    # no update (a zero key stays zero under l2norm).
-    return {
-        "args": ["q", "k", "v", "g", "beta"],
-        "sequence": ["q", "k", "v", "g", "beta"],
-        "returns": 1,
-        "native": {"op": op, "kwargs": {"scale": ["scale", 0.0], "use_qk_l2norm": ["use_qk_l2norm_in_kernel", False]}},
-        "state_args": {"initial_state": "initial_state", "output_final_state": "output_final_state"},
-        "neutral": {"k": 0.0, "g": 0.0, "beta": 0.0},
-        "varlen": {"cu_seqlens": "cu_seqlens"},
-    }
-
-
-_GDN_SPEC = _delta_rule_spec("gdn_tree_scan")
-_KDA_SPEC = _delta_rule_spec("kda_tree_scan")
-
-
 def _first_output(result):
     return result[0] if isinstance(result, (tuple, list)) else result
 
 
-def _delta_rule_scan(what, op, preferred, default_kernel, q, k, v, g, beta, plan, scale, initial_state,
-                     use_qk_l2norm_in_kernel, kernel, backend, policy):
-    kernel = kernel or default_kernel()
-    extra: dict[str, Any] = {"use_qk_l2norm_in_kernel": use_qk_l2norm_in_kernel}
-    if scale is not None:
-        extra["scale"] = float(scale)
-    if initial_state is not None:
-        extra["initial_state"] = initial_state
-    plan = _plan(plan)
-    if plan is None:  # an ordinary batch
-        return _first_output(kernel(q, k, v, g, beta, **extra))
-    family = None if backend == "kernel" else _family_with_kernel(op, None, preferred)
-    if initial_state is not None and int((plan.array("parents") < 0).sum()) > 1:
-        family = None  # the native ops take one state per root; fork / rescan expand one state to every sample
-    spec = _GDN_SPEC if op == "gdn_tree_scan" else _KDA_SPEC
-    if family is None and backend == "native":
-        raise ValueError(f"{what}: backend 'native' needs a loaded family with {op}"
-                         + (" and one initial state per root" if initial_state is not None else ""))
-    return tree_scan(kernel, q, k, v, g, beta, plan=plan, spec=spec, family=family, seam=what,
-                     backend="auto" if family is None else backend, policy=policy, **extra)
+def scan(family: str, seam: str, *args, plan: TreePlan | None = None, kernel: Callable | None = None,
+         backend: str = "auto", policy: Policy | None = None, **kwargs) -> torch.Tensor:
+    """A loaded family's ``scan`` seam over a tree-packed row: ``kernel(*args, **kwargs)`` (what the
+    model would call on a flat row) run over the trie of ``plan`` (or the enclosing
+    ``mark_tree_forward``'s) with the manifest's seam spec. Returns the output only (a tree-packed row
+    has one final state per sample, none per row).
 
+    Native: the seam's ``native`` op when the family registered one (``backend`` "auto" or "native", as
+    the policy chooses); else fork / rescan over ``kernel`` (default: the reference the seam's
+    ``library:`` names). ``backend="kernel"`` skips the native op. An initial state (the spec's
+    ``state_args``) is the state every root starts from; native ops take one per root, so with several
+    roots fork / rescan run. Without a plan, ``kernel`` runs on the ordinary batch.
 
-def gdn_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-             plan: TreePlan | None = None, *, scale: float | None = None, initial_state: torch.Tensor | None = None,
-             use_qk_l2norm_in_kernel: bool = False, kernel: Callable | None = None, backend: str = "auto",
-             policy: Policy | None = None) -> torch.Tensor:
-    """Gated delta rule over a tree-packed row. q, k (1, N, H, K); v (1, N, HV, V); g (1, N, HV) log
-    decay per head; beta (1, N, HV); initial_state (1, HV, K, V), the state every root starts from, or
-    None. Returns o (1, N, HV, V).
-
-    Native: the gated_delta_net family's ``gdn_tree_scan``; else fork / rescan over ``kernel``, a
-    function with FLA's ``chunk_gated_delta_rule`` API (default ``tree_recurrence.reference``'s).
-    ``backend="kernel"`` skips the native op. Without a plan, ``kernel`` runs on the ordinary batch."""
-    from . import reference
-
-    return _delta_rule_scan("gdn_scan", "gdn_tree_scan", "gated_delta_net", lambda: reference.chunk_gated_delta_rule,
-                            q, k, v, g, beta, plan, scale, initial_state, use_qk_l2norm_in_kernel, kernel, backend, policy)
-
-
-def kda_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-             plan: TreePlan | None = None, *, scale: float | None = None, initial_state: torch.Tensor | None = None,
-             use_qk_l2norm_in_kernel: bool = False, kernel: Callable | None = None, backend: str = "auto",
-             policy: Policy | None = None) -> torch.Tensor:
-    """Kimi Delta Attention over a tree-packed row. q, k (1, N, H, K); v (1, N, HV, V); g (1, N, HV, K)
-    the log decay of every key channel; beta (1, N, HV); initial_state (1, HV, K, V), the state every root
-    starts from, or None. Returns o (1, N, HV, V).
-
-    Native: ``kda_tree_scan`` of a loaded Kimi-Linear family plugin (sdk/examples/kimi_linear, built
-    with the installed SDK and put on TREE_RECURRENCE_PLUGIN_PATH); else fork / rescan over ``kernel``,
-    a function with FLA's ``chunk_kda`` API (default ``tree_recurrence.reference.chunk_kda``).
-    ``backend="kernel"`` skips the native op. Without a plan, ``kernel`` runs on the ordinary batch."""
-    from . import reference
-
-    return _delta_rule_scan("kda_scan", "kda_tree_scan", "kimi_linear", lambda: reference.chunk_kda,
-                            q, k, v, g, beta, plan, scale, initial_state, use_qk_l2norm_in_kernel, kernel, backend, policy)
-
-
-_SSD_SPEC = {
-    "args": ["x", "dt", "A", "B", "C"],
-    "sequence": ["x", "dt", "B", "C"],
-    "returns": 1,
-    "native": {"op": "ssd_tree_scan", "kwargs": {"A": ["A", None], "D": ["D", None], "dt_bias": ["dt_bias", None],
-                                                 "dt_softplus": ["dt_softplus", False],
-                                                 "dt_limit": ["dt_limit", [0.0, math.inf]], "z": ["z", None]}},
-    "state_args": {"initial_state": "initial_states", "output_final_state": "return_final_states"},
-}
-
-
-def ssd_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
-             plan: TreePlan | None = None, *, chunk_size: int = 256, D: torch.Tensor | None = None,
-             dt_bias: torch.Tensor | None = None, dt_softplus: bool = False,
-             dt_limit: tuple[float, float] = (0.0, math.inf), z: torch.Tensor | None = None,
-             initial_state: torch.Tensor | None = None, kernel: Callable | None = None, backend: str = "auto",
-             policy: Policy | None = None) -> torch.Tensor:
-    """Mamba2 SSD scan over a tree-packed row. x (1, N, H, P); dt (1, N, H) raw; A (H); B, C (1, N, G, S).
-    Returns y (1, N, H, P).
-
-    Native: the mamba2 family's ``ssd_tree_scan``; else rescan over ``kernel``, a function with
-    mamba-ssm's ``mamba_chunk_scan_combined`` API (default ``tree_recurrence.reference``'s, when it has
-    one). SSD padding cannot leave the state alone, so there is no fork over a kernel."""
-    extra: dict[str, Any] = {"chunk_size": chunk_size, "D": D, "dt_bias": dt_bias, "dt_softplus": dt_softplus,
-                             "dt_limit": tuple(dt_limit), "z": z}
-    if initial_state is not None:
-        extra["initial_states"] = initial_state
-    if kernel is None:
+    Families ship friendlier fronts (their manifest's ``python: {components: ...}`` module), reachable as
+    attributes of this module while the family is loaded."""
+    record = plugins.families().get(family)
+    if record is None:
+        raise ValueError(f"scan: no loaded family '{family}' (loaded: {sorted(plugins.families())})")
+    spec = ((record.get("manifest") or {}).get("seams") or {}).get(seam)
+    if not isinstance(spec, dict) or spec.get("adapter") != "scan":
+        raise ValueError(f"scan: family '{family}' has no scan seam '{seam}' "
+                         f"(its seams: {sorted((record.get('manifest') or {}).get('seams') or {})})")
+    if backend not in ("auto", "native", "kernel"):
+        raise ValueError(f"scan: unknown backend '{backend}', choose one of ['auto', 'native', 'kernel']")
+    if kernel is None and spec.get("library"):
         from . import reference
 
-        kernel = getattr(reference, "mamba_chunk_scan_combined", None)
+        kernel = reference._resolve(family, spec["library"]["reference"])
     plan = _plan(plan)
-    family = None if backend == "kernel" else _family_with_kernel("ssd_tree_scan", None, "mamba2")
-    if plan is None or (family is None and kernel is None):
+    op = (spec.get("native") or {}).get("op")
+    native = backend != "kernel" and op is not None and any(k == op and ok for k, _, ok in record["kernels"])
+    state_arg = (spec.get("state_args") or {}).get("initial_state")
+    several_roots = state_arg is not None and kwargs.get(state_arg) is not None and plan is not None \
+        and int((plan.array("parents") < 0).sum()) > 1
+    if several_roots:
+        native = False
+    if plan is None or (not native and kernel is None):
         if kernel is None:
-            raise ValueError("ssd_scan: no mamba2 family plugin with ssd_tree_scan is loaded and no kernel was given")
-        return _first_output(kernel(x, dt, A, B, C, **extra))
-    if family is None and backend == "native":
-        raise ValueError("ssd_scan: backend 'native' needs a loaded family with ssd_tree_scan (the mamba2 plugin)")
-    return tree_scan(kernel, x, dt, A, B, C, plan=plan, spec=_SSD_SPEC, family=family, seam="ssd_scan",
-                     backend="auto" if family is None else backend, policy=policy, **extra)
+            raise ValueError(f"scan: family '{family}' has no native {op or 'op'} for seam '{seam}' and no kernel was given")
+        return _first_output(kernel(*args, **kwargs))
+    if not native and backend == "native":
+        raise ValueError(f"scan: backend 'native' needs family '{family}''s {op or 'native op'} for seam '{seam}'"
+                         + (" and one initial state per root" if several_roots else ""))
+    return _first_output(tree_scan(kernel, *args, plan=plan, spec=spec, family=family if native else None, seam=seam,
+                                   backend=backend if native else "auto", policy=policy, **kwargs))
+
+
+def __getattr__(name: str):
+    """A loaded family's component adapter by name (its manifest's ``python: {components: ...}``)."""
+    if name.startswith("__"):
+        raise AttributeError(name)
+    for family in plugins.families():
+        module = plugins.family_python(family, "components")
+        if module is not None and name in getattr(module, "__all__", ()):
+            return getattr(module, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r} (no loaded family's components define it)")
 
 
 # ------------------------------------------------------------------------------------------------

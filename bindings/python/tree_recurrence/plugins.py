@@ -129,5 +129,54 @@ def ops(family: str):
     return getattr(torch.ops, record.get("op_namespace") or f"tree_recurrence_{family}")
 
 
+# --------------------------------------------------------------------------------------------
+# a family's Python (its manifest's ``python:`` modules, installed next to the manifest as <family>/)
+# --------------------------------------------------------------------------------------------
+
+_python_packages: dict[str, Any] = {}  # family -> the package its Python folder was imported as
+
+
+def family_python_folder(record: dict[str, Any]) -> Path | None:
+    """Where a loaded plugin's Python lies: the folder ``<family>/`` next to its manifest."""
+    if not record.get("manifest_path") or record.get("python"):
+        return None
+    folder = Path(record["manifest_path"]).parent / record["family"]
+    return folder if folder.is_dir() else None
+
+
+def family_python_module(family: str, module: str):
+    """Imports ``module`` from a loaded family's Python folder (once; the folder is a package of its own,
+    ``tree_recurrence_family_<family>``, so its modules import each other relatively)."""
+    import importlib
+    import importlib.util
+    import sys
+
+    package = _python_packages.get(family)
+    if package is None:
+        record = families().get(family)
+        if record is None:
+            raise KeyError(f"no loaded family plugin named '{family}'")
+        folder = family_python_folder(record)
+        if folder is None:
+            raise FileNotFoundError(f"family '{family}': its manifest names Python modules, but there is no folder "
+                                    f"{Path(record['manifest_path']).parent / family} (install the plugin with its "
+                                    "PYTHON folder: tree_recurrence_add_family(... PYTHON python)")
+        name = f"tree_recurrence_family_{family}"
+        spec = importlib.util.spec_from_loader(name, loader=None, is_package=True)
+        package = importlib.util.module_from_spec(spec)
+        package.__path__ = [str(folder)]
+        sys.modules[name] = package
+        _python_packages[family] = package
+    return importlib.import_module(f"{package.__name__}.{module}")
+
+
+def family_python(family: str, role: str):
+    """The module a loaded family's manifest names for ``role`` (``python: {reference: ..., components:
+    ...}``), or None when it names none."""
+    record = families().get(family)
+    module = ((record or {}).get("manifest") or {}).get("python", {}).get(role) if record else None
+    return family_python_module(family, module) if module else None
+
+
 def has_kernel(record: dict[str, Any], name: str, device: torch.device) -> bool:
     return any(k == name and d == device.type and ok for k, d, ok in record["kernels"])

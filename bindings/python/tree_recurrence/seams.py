@@ -23,11 +23,11 @@ Ownership (docs/architecture.md, "Who owns a seam"):
 * **Models that die without uninstall** release their claim when garbage-collected; the module is
   restored when the last one is gone.
 
-Seams that get no kwargs (LFM2's short conv) read the plan from a context set by the manifest's
+Seams that get no kwargs (a short conv called by a mixer that drops them) read the plan from a context set by the manifest's
 ``plan_carriers`` classes (the decoder layer, whose forward receives the kwargs, also under
 gradient-checkpoint replay). The context is a ContextVar set and reset in try/finally, so it is
 exact under nesting, re-entry, exceptions and threads. A carrier that is a model head over a base
-model that drops the kwargs (``Mamba2ForCausalLM``) also hands its ``tree_*`` kwargs to the base
+model that drops the kwargs (a ``...ForCausalLM`` calling its backbone without them) also hands its ``tree_*`` kwargs to the base
 model for the duration of its forward, so the layers get them (and checkpoint replays keep them).
 """
 
@@ -179,7 +179,7 @@ def _make_seam_wrapper(slot: _Slot, seam: str, spec: dict, original: Callable) -
         if owner.backend == "reference":  # this package's references in place of the bound library
             from .reference import reference_seam
 
-            kernel = reference_seam(seam, original) or original
+            kernel = reference_seam(owner.family, seam, original) or original
         call = driver.SeamCall.bind(owner.family, seam, spec, kernel, plan, args, kwargs)
         return adapter(call, owner.backend, owner.policy)
 
@@ -191,7 +191,7 @@ def _make_seam_wrapper(slot: _Slot, seam: str, spec: dict, original: Callable) -
 
 def _hand_tree_kwargs_to_base_model(carrier: Any, kwargs: dict):
     """For a carrier that wraps a base model (a ``PreTrainedModel`` head such as
-    ``Mamba2ForCausalLM``, whose forward calls its backbone without ``**kwargs``): makes every call
+    a ``...ForCausalLM`` whose forward calls its backbone without ``**kwargs``): makes every call
     of the base model during this forward receive the carrier's ``tree_*`` kwargs (those it was not
     given itself). A plan context alone would not do there: gradient checkpointing replays the
     layers in backward, outside the context, and the layers only keep the kwargs they received.

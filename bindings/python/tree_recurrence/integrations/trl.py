@@ -73,15 +73,25 @@ def _trainer_module():
 # the "trl" backend: TRL's own tree kernels (huggingface/trl#7686)
 # ------------------------------------------------------------------------------------------------
 
-# Family -> the function with which TRL patches a model's modeling modules with its own tree kernel.
-# #7686 adds ``patch_tree_gdn`` for Gated DeltaNet; trl 1.16 has none. TRL keeps the modeling modules
-# it patched in a module-level set (any set whose name says "patched"): a module in it is TRL's, and
-# one this package patches is recorded there so TRL does not wrap it again.
-TRL_TREE_KERNELS = {"gated_delta_net": "patch_tree_gdn"}
-# Where a TRL release may define them (searched in order).
-TRL_KERNEL_MODULES = ("trl.experimental.async_grpo.tree_gdn", "trl.experimental.async_grpo.gdn",
-                      "trl.experimental.async_grpo.packing", "trl.experimental.async_grpo.async_grpo_trainer",
-                      "trl.experimental.async_grpo")
+# A family names TRL's own tree kernel for it in its manifest (``integrations: {trl: {kernel: <patch
+# function>, modules: [where a TRL release may define it, searched in order]}}``; huggingface/trl#7686
+# adds one; trl 1.16 has none). TRL keeps the modeling modules it patched in a module-level set (any set
+# whose name says "patched"): a module in it is TRL's, and one this package patches is recorded there so
+# TRL does not wrap it again.
+
+
+def _trl_entry(family: str) -> dict | None:
+    from .. import plugins
+
+    record = plugins.families().get(family) or {}
+    entry = ((record.get("manifest") or {}).get("integrations") or {}).get("trl")
+    return entry if isinstance(entry, dict) and entry.get("kernel") else None
+
+
+def _trl_families() -> list[str]:
+    from .. import plugins
+
+    return sorted(name for name in plugins.families() if _trl_entry(name) is not None)
 
 
 def _trl_version() -> str:
@@ -92,10 +102,11 @@ def _trl_version() -> str:
 def _trl_kernel(family: str, load: bool = True) -> tuple[Any, Callable, set | None] | str:
     """(module, patch function, patched set) of TRL's tree kernel for ``family``, or why there is none.
     ``load=False`` looks only at modules already imported (never imports TRL)."""
-    name = TRL_TREE_KERNELS.get(family)
-    if name is None:
-        return f"TRL has no tree kernel for family '{family}' (its tree kernels: {sorted(TRL_TREE_KERNELS)})"
-    for module_name in TRL_KERNEL_MODULES:
+    entry = _trl_entry(family)
+    if entry is None:
+        return f"TRL has no tree kernel for family '{family}' (families whose manifest names one: {_trl_families()})"
+    name, modules = entry["kernel"], tuple(entry.get("modules") or ())
+    for module_name in modules:
         module = sys.modules.get(module_name)
         if module is None and load:
             try:
@@ -109,12 +120,12 @@ def _trl_kernel(family: str, load: bool = True) -> tuple[Any, Callable, set | No
                             if isinstance(value, set) and "patched" in key.lower()), None)
             return module, function, patched
     return (f"trl {_trl_version()} has no {name} (TRL's own tree kernel, huggingface/trl#7686; looked in "
-            f"{', '.join(TRL_KERNEL_MODULES)})")
+            f"{', '.join(modules)})")
 
 
 def trl_backend_unavailable(family: str) -> str | None:
     """Why backend ``"trl"`` cannot serve ``family`` (None when it can): the installed TRL must have
-    its own tree kernel for it (``patch_tree_gdn`` for Gated DeltaNet, huggingface/trl#7686)."""
+    its own tree kernel for it (the one the family's manifest names, huggingface/trl#7686)."""
     found = _trl_kernel(family)
     return found if isinstance(found, str) else None
 
@@ -572,9 +583,8 @@ def guarded_flops(config: Any, seq_len: int, model: torch.nn.Module | None = Non
     convention (non-causal attention score), for any causal LM config, MoE and hybrid included.
 
     trl 1.16's estimate raises ``AttributeError`` on most MoE configs (it reads ``num_local_experts``,
-    ``moe_intermediate_size`` and ``decoder_sparse_step``, which e.g. qwen3_5_moe, qwen3_next, lfm2_moe,
-    qwen2_moe, nemotron_h, granitemoehybrid, mixtral, deepseek_v3 lack, and ``num_attention_heads``,
-    which mamba2 lacks) and charges every layer softmax attention, linear-attention layers included.
+    ``moe_intermediate_size`` and ``decoder_sparse_step``, which many MoE configs lack, and
+    ``num_attention_heads``, which attention-free configs lack) and charges every layer softmax attention, linear-attention layers included.
 
     Here the matmul work is read off the model's modules: 2 FLOPs per active weight (linear layers,
     convs, routers, routed experts scaled by top-k / experts, the LM head; embeddings are lookups).

@@ -1,0 +1,33 @@
+"""Kimi Delta Attention's component adapter: ``kda_scan``, KDA over a tree-packed row for models that
+follow trees in their own code (``tree_recurrence.components.kda_scan`` while this family is loaded).
+A thin front over the generic ``components.scan`` with this family's seam."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from tree_recurrence import components
+
+__all__ = ["kda_scan"]
+
+
+def kda_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, plan=None, *,
+             scale: float | None = None, initial_state: torch.Tensor | None = None,
+             use_qk_l2norm_in_kernel: bool = False, kernel: Callable | None = None, backend: str = "auto",
+             policy=None) -> torch.Tensor:
+    """Kimi Delta Attention over a tree-packed row. q, k (1, N, H, K); v (1, N, HV, V); g (1, N, HV, K)
+    the log decay of every key channel; beta (1, N, HV); initial_state (1, HV, K, V), the state every root
+    starts from, or None. Returns o (1, N, HV, V).
+
+    Native: this family's ``kda_tree_scan``; else fork / rescan over ``kernel``, a function with FLA's
+    ``chunk_kda`` API (default: this family's reference). ``backend="kernel"`` skips the native op.
+    Without a plan, ``kernel`` runs on the ordinary batch."""
+    extra: dict[str, Any] = {"use_qk_l2norm_in_kernel": use_qk_l2norm_in_kernel}
+    if scale is not None:
+        extra["scale"] = float(scale)
+    if initial_state is not None:
+        extra["initial_state"] = initial_state
+    return components.scan("kimi_linear", "chunk_kimi_delta_attention", q, k, v, g, beta, plan=plan,
+                           kernel=kernel, backend=backend, policy=policy, **extra)
