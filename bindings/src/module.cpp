@@ -76,12 +76,14 @@ py::object yaml_to_python(const YAML::Node& node) {
 
 py::dict record_to_python(const PluginRecord& r) {
   py::dict out;
-  out["family"] = r.family;
-  out["version"] = r.version;
-  out["manifest_path"] = r.manifest_path;
-  out["library_path"] = r.library_path;
+  // Fields come from files anyone with write access to a plugin folder controls: bounded here
+  // (the registry already bounds the messages it writes), so doctor never prints megabytes.
+  out["family"] = clip(r.family, 100);
+  out["version"] = clip(r.version, 100);
+  out["manifest_path"] = clip(r.manifest_path, 1000);
+  out["library_path"] = clip(r.library_path, 1000);
   out["loaded"] = r.loaded;
-  out["error"] = r.error;
+  out["error"] = clip(r.error, 2000);
   out["fingerprint"] = r.fingerprint;
   out["manifest"] = r.loaded ? yaml_to_python(r.manifest_node) : py::object(py::none());
   py::list kernels;

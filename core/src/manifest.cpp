@@ -46,9 +46,13 @@ FamilyManifest parse_manifest(const YAML::Node& node, const std::string& origin)
   if (schema != "1") bad(origin, "schema " + schema + " is not supported, expected 1");
   FamilyManifest m;
   m.family = scalar(node, "family", origin);
-  if (!is_identifier(m.family)) bad(origin, "family '" + m.family + "' must be lower-case letters, digits and '_'");
+  if (m.family.size() > 64) bad(origin, "family name is " + std::to_string(m.family.size()) + " characters long, at most 64");
+  if (!is_identifier(m.family)) bad(origin, "family '" + clip(m.family) + "' must be lower-case letters, digits and '_'");
   m.version = scalar(node, "version", origin);
   m.library = scalar(node, "library", origin);
+  if (m.library.find('\0') != std::string::npos)
+    bad(origin, "field 'library' contains a NUL character (a file name cannot): '" + clip(m.library.substr(0, m.library.find('\0'))) + "\\0...'");
+  if (m.library.empty()) bad(origin, "field 'library' is empty");
   m.op_namespace = "tree_recurrence_" + m.family;
   const YAML::Node models = node["models"];
   if (!models) bad(origin, "missing field 'models'");

@@ -3,7 +3,10 @@
 
 #include <algorithm>
 #include <boost/dll/shared_library.hpp>
+#include <dlfcn.h>
+
 #include <filesystem>
+#include <fstream>
 
 namespace tree_recurrence {
 namespace fs = std::filesystem;
@@ -31,19 +34,82 @@ std::string fingerprint_mismatch(const TreeRecurrenceFingerprint& theirs) {
   return "";
 }
 
-std::vector<fs::path> manifests_in(const std::string& folder) {
-  std::vector<fs::path> found;
+// One entry of a plugin folder: a manifest to load, or the reason it cannot be read.
+struct FolderEntry {
+  fs::path path;
+  std::string error;
+};
+
+// *.yaml entries of a folder, sorted. Only non-throwing filesystem calls: a symlink loop, an
+// over-long name or an unreadable entry becomes one entry with its reason. A folder that does not
+// exist yields nothing; a folder that cannot be read (loop, over-long path, permissions) yields one
+// entry with the reason.
+std::vector<FolderEntry> manifests_in(const std::string& folder) {
+  std::vector<FolderEntry> found;
   std::error_code ec;
-  if (!fs::is_directory(folder, ec)) return found;
-  for (const auto& entry : fs::directory_iterator(folder, ec))
-    if (entry.is_regular_file() && entry.path().extension() == ".yaml") found.push_back(entry.path());
-  std::sort(found.begin(), found.end());
+  const fs::file_status status = fs::status(folder, ec);
+  if (status.type() == fs::file_type::not_found) return found;
+  if (ec || !fs::is_directory(status)) {
+    if (ec && ec != std::errc::no_such_file_or_directory)
+      found.push_back({fs::path(folder), "plugin folder " + clip(folder) + " cannot be read: " + ec.message()});
+    return found;
+  }
+  fs::directory_iterator it(folder, fs::directory_options::skip_permission_denied, ec);
+  if (ec) {
+    found.push_back({fs::path(folder), "plugin folder " + clip(folder) + " cannot be read: " + ec.message()});
+    return found;
+  }
+  for (; it != fs::directory_iterator(); it.increment(ec)) {
+    if (ec) {
+      found.push_back({fs::path(folder), "plugin folder " + clip(folder) + " cannot be listed: " + ec.message()});
+      break;
+    }
+    const fs::path& path = it->path();
+    if (path.extension() != ".yaml") continue;
+    std::error_code entry_ec;
+    const fs::file_status entry_status = fs::status(path, entry_ec);
+    if (entry_ec)
+      found.push_back({path, "manifest " + clip(path.string()) + " cannot be read: " + entry_ec.message()});
+    else if (!fs::is_regular_file(entry_status))
+      found.push_back({path, "manifest " + clip(path.string()) + " is not a regular file"});
+    else
+      found.push_back({path, ""});
+  }
+  std::sort(found.begin(), found.end(), [](const FolderEntry& a, const FolderEntry& b) { return a.path < b.path; });
   return found;
+}
+
+// Nodes of a YAML tree with aliases expanded, counted up to `budget` (a billion-laughs manifest
+// is a few hundred bytes that expand to billions of nodes for every reader walking it).
+bool within_budget(const YAML::Node& node, size_t& budget, size_t depth) {
+  if (budget == 0 || depth > kMaxManifestDepth) return false;
+  --budget;
+  if (node.IsMap()) {
+    for (const auto& item : node)
+      if (!within_budget(item.first, budget, depth + 1) || !within_budget(item.second, budget, depth + 1)) return false;
+  } else if (node.IsSequence()) {
+    for (const auto& item : node)
+      if (!within_budget(item, budget, depth + 1)) return false;
+  }
+  return true;
+}
+
+// Whether `inner` (canonical) lies inside `folder` (canonical).
+bool is_inside(const fs::path& inner, const fs::path& folder) {
+  auto f = folder.begin(), i = inner.begin();
+  for (; f != folder.end(); ++f, ++i)
+    if (i == inner.end() || *f != *i) return false;
+  return i != inner.end();
 }
 
 }  // namespace
 
 std::string core_fingerprint() { return describe(own_fingerprint()); }
+
+std::string clip(const std::string& text, size_t limit) {
+  if (text.size() <= limit) return text;
+  return text.substr(0, limit) + "... (" + std::to_string(text.size()) + " bytes)";
+}
 
 Registry& Registry::instance() {
   static Registry* registry = new Registry();  // leaked on purpose: plugins are never unloaded
@@ -54,16 +120,24 @@ std::vector<const PluginRecord*> Registry::discover(const std::vector<std::strin
   std::lock_guard<std::mutex> lock(mutex_);
   std::vector<const PluginRecord*> added;
   for (const auto& folder : folders) {
-    for (const auto& path : manifests_in(folder)) {
+    std::error_code folder_ec;
+    fs::path canonical_folder = fs::canonical(folder, folder_ec);
+    if (folder_ec) canonical_folder = fs::path(folder);
+    for (const auto& entry : manifests_in(folder)) {
       std::error_code ec;
-      const std::string canonical = fs::weakly_canonical(path, ec).string();
+      std::string canonical = fs::weakly_canonical(entry.path, ec).string();
+      if (ec || canonical.empty()) canonical = entry.path.string();
       const bool seen = std::any_of(records_.begin(), records_.end(),
                                     [&](const auto& r) { return r->manifest_path == canonical; });
       if (seen) continue;
       auto record = std::make_unique<PluginRecord>();
       record->manifest_path = canonical;
-      record->family = path.stem().string();
-      load(*record);
+      record->folder = canonical_folder.string();
+      record->family = clip(entry.path.stem().string(), 100);
+      if (entry.error.empty())
+        load(*record, entry.path);
+      else
+        record->error = entry.error;
       added.push_back(record.get());
       records_.push_back(std::move(record));
     }
@@ -71,35 +145,84 @@ std::vector<const PluginRecord*> Registry::discover(const std::vector<std::strin
   return added;
 }
 
-void Registry::load(PluginRecord& record) {
+void Registry::load(PluginRecord& record, const fs::path& manifest) {
+  const std::string shown = clip(record.manifest_path);
   try {
-    record.manifest_node = YAML::LoadFile(record.manifest_path);
-    record.manifest = parse_manifest(record.manifest_node, record.manifest_path);
+    std::error_code ec;
+    const auto size = fs::file_size(manifest, ec);
+    if (ec) {
+      record.error = "manifest " + shown + " cannot be read: " + ec.message();
+      return;
+    }
+    if (size > kMaxManifestBytes) {
+      record.error = "manifest " + shown + " is " + std::to_string(size) + " bytes, at most " + std::to_string(kMaxManifestBytes);
+      return;
+    }
+    std::ifstream in(manifest, std::ios::binary);
+    std::string text(static_cast<size_t>(size), '\0');
+    if (!in.read(text.data(), static_cast<std::streamsize>(size))) {
+      record.error = "manifest " + shown + " cannot be read";
+      return;
+    }
+    record.manifest_node = YAML::Load(text);
+    size_t budget = kMaxManifestNodes;
+    if (!within_budget(record.manifest_node, budget, 0)) {
+      record.error = "manifest " + shown + ": more than " + std::to_string(kMaxManifestNodes) + " YAML nodes or " +
+                     std::to_string(kMaxManifestDepth) + " levels once aliases are expanded (a manifest is a few hundred nodes)";
+      record.manifest_node = YAML::Node();
+      return;
+    }
+    record.manifest = parse_manifest(record.manifest_node, shown);
   } catch (const YAML::Exception& e) {
-    record.error = "manifest " + record.manifest_path + ": invalid YAML: " + e.what();
+    record.error = "manifest " + shown + ": invalid YAML: " + clip(e.what());
     return;
   } catch (const std::exception& e) {
-    record.error = e.what();
+    record.error = clip(e.what(), 1000);
     return;
   }
   record.family = record.manifest.family;
-  record.version = record.manifest.version;
+  record.version = clip(record.manifest.version, 100);
   for (const auto& other : records_)
     if (other->loaded && other->family == record.family) {
       record.error = "family '" + record.family + "' is already loaded from " + other->library_path;
       return;
     }
-  const fs::path library = fs::path(record.manifest_path).parent_path() / record.manifest.library;
-  record.library_path = library.string();
-  if (!fs::exists(library)) {
-    record.error = "library " + record.library_path + " named by the manifest does not exist";
+  // The library must resolve, symlinks followed, to a regular file inside the manifest's folder:
+  // nothing else is ever opened (opening runs the library's constructors).
+  const fs::path named = fs::path(record.folder) / record.manifest.library;
+  record.library_path = clip(named.lexically_normal().string());
+  std::error_code ec;
+  if (!fs::exists(named, ec)) {
+    record.error = ec && ec != std::errc::no_such_file_or_directory
+                       ? "library " + record.library_path + " named by the manifest cannot be resolved: " + ec.message()
+                       : "library " + record.library_path + " named by the manifest does not exist";
+    return;
+  }
+  const fs::path library = fs::canonical(named, ec);
+  if (ec) {
+    record.error = "library " + record.library_path + " named by the manifest cannot be resolved: " + ec.message();
+    return;
+  }
+  if (!is_inside(library, fs::path(record.folder))) {
+    record.error = "library '" + clip(record.manifest.library) + "' resolves to " + clip(library.string()) +
+                   ", outside the plugin folder " + clip(record.folder) + " that holds the manifest: refused, not opened";
+    return;
+  }
+  record.library_path = clip(library.string());
+  const fs::file_status status = fs::status(library, ec);
+  if (ec || !fs::is_regular_file(status)) {
+    record.error = "library " + record.library_path + " is not a regular file" +
+                   (fs::is_directory(status) ? " (a directory)" : "") + (ec ? ": " + ec.message() : "");
     return;
   }
   auto shared = std::make_unique<boost::dll::shared_library>();
-  boost::dll::fs::error_code ec;
+  ec.clear();
+  dlerror();  // clear any earlier loader message
   shared->load(library, boost::dll::load_mode::rtld_local | boost::dll::load_mode::rtld_now, ec);
   if (ec) {
-    record.error = "library " + record.library_path + " cannot be loaded: " + ec.message();
+    // Boost.DLL reports every dlopen failure as "Bad file descriptor"; the loader's own message says why.
+    const char* why = dlerror();
+    record.error = "library " + record.library_path + " cannot be loaded: " + clip(why ? why : ec.message(), 1000);
     return;
   }
   if (!shared->has(TREE_RECURRENCE_ENTRY_SYMBOL)) {

@@ -8,10 +8,17 @@
 // throws, a family name already loaded) refuses that plugin with a message naming the file and
 // what was expected, and the others still load. Libraries are opened RTLD_LOCAL and never closed:
 // they register torch ops, which must outlive every caller.
+//
+// Plugin folders are input too (docs/plugins.md, "Trust"): a manifest's library must resolve,
+// after symlinks, to a regular file inside the folder that holds the manifest, else it is refused
+// and never opened; manifests are regular files of at most kMaxManifestBytes whose YAML expands
+// (aliases included) to at most kMaxManifestNodes nodes; every filesystem error (symlink loops,
+// over-long names or paths, permissions) refuses that one entry with its reason, never throws.
 #pragma once
 
 #include <yaml-cpp/yaml.h>
 
+#include <filesystem>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -21,8 +28,16 @@
 
 namespace tree_recurrence {
 
+constexpr size_t kMaxManifestBytes = 1 << 20;
+constexpr size_t kMaxManifestNodes = 100000;
+constexpr size_t kMaxManifestDepth = 64;
+
+// `text` cut to at most `limit` bytes (with a note saying how long it was), for error messages.
+std::string clip(const std::string& text, size_t limit = 300);
+
 struct PluginRecord {
   std::string manifest_path;
+  std::string folder;  // the plugin folder the manifest was found in (canonical when it resolves)
   std::string library_path;
   std::string family;   // from the manifest (or the file name when the manifest is unreadable)
   std::string version;
@@ -51,7 +66,7 @@ class Registry {
 
  private:
   Registry() = default;
-  void load(PluginRecord& record);
+  void load(PluginRecord& record, const std::filesystem::path& manifest);
   mutable std::mutex mutex_;
   std::vector<std::unique_ptr<PluginRecord>> records_;
 };
