@@ -27,9 +27,11 @@ def _as_index_vector(name: str, value: Any, device: torch.device | None) -> torc
     if value.dim() == 2 and value.shape[0] == 1:
         value = value[0]
     if value.dim() != 1:
+        rows = f"a collated batch of {value.shape[0]} rows" if value.dim() == 2 else "not one packed row"
         raise ValueError(
-            f"{name}: expected a 1-D tensor (one packed row, batch size 1), got shape {tuple(value.shape)}; "
-            "a collated batch of several rows must be split into one forward per row first"
+            f"{name}: expected a 1-D tensor (one packed row, batch size 1), got shape {tuple(value.shape)} ({rows}); "
+            "forward one row at a time: tree_recurrence.integrations.trl.tree_kwargs_from_batch(batch, row=i) "
+            "gives row i's forward kwargs without the collator's padding"
         )
     if device is not None and value.device != device:
         raise ValueError(f"{name}: is on {value.device} but {CU_SEQLENS_Q} is on {device}; all tree tensors must share a device")
@@ -218,6 +220,68 @@ def row_length(kwargs: Mapping[str, Any]) -> int | None:
     return None
 
 
+def _version(value: Any) -> Any:
+    """A tensor's version counter for the plan cache key (inference tensors have none: they cannot be
+    written in place outside inference mode, so their identity is the key)."""
+    if not isinstance(value, torch.Tensor):
+        return None
+    if value.is_inference():
+        return "inference"
+    return value._version
+
+
+def is_meta_tree(kwargs: Mapping[str, Any]) -> bool:
+    """Whether the tree kwargs are meta tensors (a model traced on the meta device): no plan can be
+    built; the hooks let such a forward run untouched (shapes are all a meta trace computes)."""
+    cu_q = kwargs.get(CU_SEQLENS_Q)
+    return isinstance(cu_q, torch.Tensor) and cu_q.is_meta
+
+
+_PAD_VALUES = (-1, 0)  # what collators pad tree fields with (TRL 1.16: -1; huggingface/trl#7686: 0)
+
+
+def _strip_offsets_padding(offsets: torch.Tensor) -> torch.Tensor:
+    """Offsets (0, ends...) without a collator's padding: trailing -1 / 0 entries or repeats of the
+    final offset after the row's end (the first occurrence of the largest entry). Anything else is
+    left for the core to report."""
+    if offsets.numel() < 2:
+        return offsets
+    end = int(offsets.max())
+    last = int((offsets == end).nonzero()[0, 0])
+    tail = offsets[last + 1:]
+    if tail.numel() and bool(((tail == end) | (tail == -1) | (tail == 0)).all()):
+        return offsets[: last + 1]
+    return offsets
+
+
+def _strip_tail(values: torch.Tensor, length: int) -> torch.Tensor:
+    """``values`` cut to ``length`` entries when the rest is one pad value (-1 or 0) repeated."""
+    if values.numel() <= length:
+        return values
+    tail = values[length:]
+    if int(tail[0]) in _PAD_VALUES and bool((tail == tail[0]).all()):
+        return values[:length]
+    return values
+
+
+def _strip_padding(parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tree fields of one row of a collated batch without the collator's trailing padding."""
+    parts = dict(parts)
+    parts[CU_SEQLENS_Q] = _strip_offsets_padding(parts[CU_SEQLENS_Q])
+    if CU_SEQLENS_K in parts:
+        parts[CU_SEQLENS_K] = _strip_offsets_padding(parts[CU_SEQLENS_K])
+        if KV_INDEX in parts and parts[CU_SEQLENS_K].numel():
+            parts[KV_INDEX] = _strip_tail(parts[KV_INDEX], max(int(parts[CU_SEQLENS_K][-1]), 0))
+    elif KV_INDEX in parts:
+        tail = (parts[KV_INDEX] == -1).flip(0).cumprod(0).sum()  # kv entries are >= 0: trailing -1s are padding
+        parts[KV_INDEX] = parts[KV_INDEX][: parts[KV_INDEX].numel() - int(tail)]
+    segments = parts[CU_SEQLENS_Q].numel() - 1
+    for name in (SEGMENT_PARENTS, SEGMENT_DEPTHS):
+        if name in parts:
+            parts[name] = _strip_tail(parts[name], max(segments, 0))
+    return parts
+
+
 def has_tree(kwargs: Mapping[str, Any]) -> bool:
     return kwargs.get(CU_SEQLENS_Q) is not None
 
@@ -240,17 +304,19 @@ def tree_plan(kwargs: Mapping[str, Any], num_tokens: int | None = None) -> TreeP
         return None
     # The cache key: every tree field by identity and version (an in-place edit or a different
     # companion tensor rebuilds the plan).
-    key = tuple((name, id(kwargs[name]), getattr(kwargs[name], "_version", None))
-                for name in TREE_FIELDS if kwargs.get(name) is not None)
+    key = tuple((name, id(kwargs[name]), _version(kwargs[name])) for name in TREE_FIELDS if kwargs.get(name) is not None)
     if isinstance(cu_q, torch.Tensor):
         cached = getattr(cu_q, _CACHE_ATTR, None)
         if cached is not None and cached[1] == key and (num_tokens is None or cached[0].num_tokens == num_tokens):
             return cached[0]
     device = cu_q.device if isinstance(cu_q, torch.Tensor) else None
     present = {name: _as_index_vector(name, kwargs[name], device) for name in TREE_FIELDS if kwargs.get(name) is not None}
+    if device is not None and device.type == "meta":
+        raise ValueError(f"{CU_SEQLENS_Q}: is a meta tensor (no values); a tree plan is built from the tree's values: "
+                         "pass real tensors (a model traced on the meta device runs its recurrent layers untouched)")
     sizes = [t.numel() for t in present.values()]
     host = torch.cat([t.to(torch.int64) for t in present.values()]).cpu()  # the one device->host copy
-    parts = dict(zip(present, torch.split(host, sizes)))
+    parts = _strip_padding(dict(zip(present, torch.split(host, sizes))))  # a collated row's padding ignored
 
     def buffer(name):  # the core copies from buffer objects; it never takes an address
         t = parts.get(name)

@@ -35,7 +35,7 @@ from typing import Any, Callable
 import torch
 
 from . import driver, plugins, seams
-from ._plan import tree_plan
+from ._plan import is_meta_tree, tree_plan
 from .policy import Policy
 
 
@@ -206,6 +206,8 @@ def _chains_guard(path: str, family: str) -> Callable:
     """A forward pre-hook refusing rows that branch, for a layer whose family follows chains only."""
 
     def guard(module, args, kwargs):
+        if is_meta_tree(kwargs):
+            return None
         plan = tree_plan(kwargs)
         if plan is None:
             plan = seams.current_plan()
@@ -252,7 +254,7 @@ def _no_cache_for_tree_rows(module, args, kwargs):
     cache); says so once."""
     global _told_use_cache
     if kwargs.get("use_cache") is False or kwargs.get("past_key_values") is not None or \
-            kwargs.get("cache_params") is not None or tree_plan(kwargs) is None:
+            kwargs.get("cache_params") is not None or is_meta_tree(kwargs) or tree_plan(kwargs) is None:
         return None
     if not _told_use_cache:
         _told_use_cache = True

@@ -43,6 +43,7 @@ from typing import Any, Callable
 
 from . import driver
 from ._plan import TreePlan, row_length, tree_plan
+from ._plan import is_meta_tree
 from .policy import Policy
 
 _context_plan: contextvars.ContextVar[TreePlan | None] = contextvars.ContextVar("tree_recurrence_plan", default=None)
@@ -172,6 +173,8 @@ def _make_seam_wrapper(slot: _Slot, seam: str, spec: dict, original: Callable) -
         if owner is None or owners.get(owner.module.__name__) is not owner:
             # stepped aside (a foreign wrapper over this one outlived our hooks), or stale
             return original(*args, **kwargs)
+        if is_meta_tree(kwargs):  # traced on the meta device: no plan exists; shapes are all it computes
+            return original(*args, **{k: v for k, v in kwargs.items() if not k.startswith("tree_")})
         plan = tree_plan(kwargs) or _context_plan.get()
         if plan is None:
             return original(*args, **kwargs)
@@ -213,7 +216,7 @@ def _make_carrier_forward(slot: _Slot, original_forward: Callable) -> Callable:
     @functools.wraps(original_forward)
     def forward(self, *args, **kwargs):
         owner = slot.owner
-        active = owner is not None and owners.get(owner.module.__name__) is owner
+        active = owner is not None and owners.get(owner.module.__name__) is owner and not is_meta_tree(kwargs)
         plan = tree_plan(kwargs, row_length(kwargs)) if active else None
         if plan is None:
             return original_forward(self, *args, **kwargs)

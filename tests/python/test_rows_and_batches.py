@@ -1,0 +1,137 @@
+"""Rows as trainers really send them (issue 11): a collated row's padded tree fields (TRL 1.16 pads
+with -1, huggingface/trl#7686 with 0, offsets may repeat their final value), a batch of several rows
+(refused, saying how to split it), tree kwargs made under ``torch.inference_mode()``, and meta
+tensors (a clear ValueError for a plan; a model traced on the meta device runs)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import models as M
+import tree_recurrence as tr
+
+pytestmark = pytest.mark.usefixtures("gdn_modules_pristine")
+
+MODEL_TYPE = "qwen3_5_text"
+ARRAYS = ("seg_offsets", "parents", "level_offsets", "level_segments", "path_offsets", "path_tokens")
+
+
+def _pad(kwargs: dict, value: int, extra: int = 3, repeat_offsets: bool = False) -> dict:
+    """The kwargs as one row of a collated batch whose longest row has more of everything."""
+    out = dict(kwargs)
+    for name, t in kwargs.items():
+        if not isinstance(t, torch.Tensor):
+            continue
+        if repeat_offsets and name.startswith("tree_cu_seqlens"):
+            fill = t[-1].item()
+        else:
+            fill = value
+        out[name] = torch.cat([t, torch.full((extra + (2 if name == "tree_kv_index" else 0),), fill, dtype=t.dtype)])
+    return out
+
+
+def _same_plan(a, b):
+    assert (a.num_tokens, a.num_segments, a.num_leaves, a.num_levels) == (b.num_tokens, b.num_segments, b.num_leaves,
+                                                                          b.num_levels)
+    for name in ARRAYS:
+        assert torch.equal(a.array(name), b.array(name)), name
+
+
+@pytest.mark.parametrize("fmt", ["trl", "rich", "minimal"])
+@pytest.mark.parametrize("padding", ["-1", "0", "repeated offsets"])
+def test_padded_tree_fields_are_ignored(fmt, padding):
+    tree = M.pack_forest("mixed")
+    kwargs = getattr(tree, f"{fmt}_kwargs")()
+    padded = _pad(kwargs, -1 if padding == "-1" else 0, repeat_offsets=padding == "repeated offsets")
+    _same_plan(tr.tree_plan(padded), tr.tree_plan(kwargs))
+
+
+def test_padded_row_runs_like_the_unpadded_row():
+    model = M.make_model(MODEL_TYPE)
+    tr.install(model)
+    try:
+        tree = M.pack_forest("fan")
+        with torch.no_grad():
+            expected = model(input_ids=tree.input_ids, position_ids=tree.position_ids, use_cache=False,
+                             **tree.rich_kwargs()).logits
+            padded = model(input_ids=tree.input_ids, position_ids=tree.position_ids, use_cache=False,
+                           **_pad(tree.rich_kwargs(), 0)).logits
+        torch.testing.assert_close(padded, expected, rtol=0, atol=0)
+    finally:
+        tr.uninstall(model)
+
+
+def test_padding_that_is_not_padding_is_still_refused():
+    kwargs = M.pack_forest("fan").trl_kwargs()
+    cu = kwargs["tree_cu_seqlens_q"]
+    kwargs["tree_cu_seqlens_q"] = torch.cat([cu, torch.tensor([-1, 5], dtype=cu.dtype)])  # not a trailing run
+    with pytest.raises(ValueError, match="tree_cu_seqlens_q"):
+        tr.tree_plan(kwargs)
+
+
+def test_batch_of_several_rows_is_refused_saying_how_to_split_it():
+    a, b = M.pack_forest("fan").trl_kwargs(), _pad(M.pack_forest("fan").trl_kwargs(), -1)
+    batch = {name: torch.stack([torch.cat([a[name], torch.full((b[name].numel() - a[name].numel(),), -1,
+                                                              dtype=a[name].dtype)]), b[name]])
+             for name in ("tree_cu_seqlens_q", "tree_kv_index", "tree_cu_seqlens_k")}
+    ids = M.pack_forest("fan").input_ids[0]
+    batch["input_ids"] = torch.stack([ids, ids])
+    with pytest.raises(ValueError, match=r"tree_cu_seqlens_q: .*shape \(2, \d+\) \(a collated batch of 2 rows\); "
+                                         r"forward one row at a time: .*tree_kwargs_from_batch\(batch, row=i\)"):
+        tr.tree_plan(batch)
+    from tree_recurrence.integrations.trl import tree_kwargs_from_batch
+
+    for row in range(2):  # what the message says works
+        _same_plan(tr.tree_plan(tree_kwargs_from_batch(batch, row=row)), tr.tree_plan(a))
+
+
+# ------------------------------------------------------------------------------------------------
+# 15. inference tensors and meta tensors
+# ------------------------------------------------------------------------------------------------
+
+
+def test_tree_kwargs_made_under_inference_mode():
+    model = M.make_model(MODEL_TYPE)
+    tr.install(model)
+    try:
+        tree = M.pack_forest("fan")
+        with torch.no_grad():
+            expected = model(input_ids=tree.input_ids, position_ids=tree.position_ids, use_cache=False,
+                             **tree.trl_kwargs()).logits
+        with torch.inference_mode():
+            kwargs = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in tree.trl_kwargs().items()}
+            assert kwargs["tree_cu_seqlens_q"].is_inference()
+            plan = tr.tree_plan(kwargs)
+            assert tr.tree_plan(kwargs) is plan  # cached like any other
+            out = model(input_ids=tree.input_ids, position_ids=tree.position_ids, use_cache=False, **kwargs).logits
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    finally:
+        tr.uninstall(model)
+
+
+def test_meta_tree_kwargs_get_a_clear_error():
+    kwargs = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in M.pack_forest("fan").trl_kwargs().items()}
+    with pytest.raises(ValueError, match="tree_cu_seqlens_q: is a meta tensor"):
+        tr.tree_plan(kwargs)
+
+
+def test_model_traced_on_the_meta_device_with_tree_kwargs():
+    """A model on the meta device (shape tracing, FLOPs counting) forwards its recurrent layers with meta
+    tree kwargs: the hooks let them run untouched. (The whole model cannot run on meta in transformers
+    5.17: its packed-sequence detection reads position values; its layers can.)"""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(MODEL_TYPE, **M.GDN_CONFIGS[MODEL_TYPE])
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    assert tr.install(model).mode == "tree"
+    try:
+        tree = M.pack_forest("fan")
+        meta = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in tree.trl_kwargs().items()}
+        hidden = torch.empty(1, tree.num_tokens, config.hidden_size, device="meta")
+        with torch.no_grad():
+            out = model.model.layers[0].linear_attn(hidden, **meta)
+        assert out.is_meta and out.shape == hidden.shape
+    finally:
+        tr.uninstall(model)
