@@ -93,11 +93,11 @@ class TreePlan:
     @staticmethod
     def _unchanged(entry: tuple) -> bool:
         """Whether none of a cached entry's tensors was written in place since it was cached."""
-        return all(t._version == v for t, v in entry[1])
+        return all(_version(t) == v for t, v in entry[1])
 
     @staticmethod
     def _entry(value: Any, *tensors: torch.Tensor) -> tuple:
-        return (value, [(t, t._version) for t in tensors])
+        return (value, [(t, _version(t)) for t in tensors])
 
     def array(self, name: str) -> torch.Tensor:
         """A plan array as an int64 CPU tensor: a copy of the C++ plan's array, cached. Writing to
