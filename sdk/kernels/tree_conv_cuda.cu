@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
@@ -192,9 +193,241 @@ __global__ void reduce_chunks_kernel(const float* partial, int64_t chunks, int64
   else if (grad_bias) grad_bias[c] += s;
 }
 
+
+// ------------------------------------------------------------------------------------------------
+// Vectorised kernels (the fast path): each thread owns V = 16 / sizeof(T) consecutive channels and
+// moves them with one 16-byte load/store per row; a warp spans 32 V channels of one token (a
+// 512-byte contiguous run for bf16), 8 warps take 8 tokens. Needs C % V == 0 and 16-byte aligned
+// rows; otherwise the scalar kernels above run. Ancestors' rows are re-read from cache (they are
+// the neighbouring tokens other warps just read), so DRAM sees each row once.
+// ------------------------------------------------------------------------------------------------
+
+constexpr int kVecThreads = 32;  // vector lanes (channel groups) per block
+constexpr int kVecTokenLanes = 8;
+// Backward: token chunks per channel-block column, so the fused grad_x + weight-gradient kernel
+// fills the GPU (~8 blocks per SM on a 132-SM part); chunks stay >= kMinChunkTokens long.
+constexpr int64_t kVecTargetBlocks = 1056;
+
+template <typename T>
+struct VecOf {
+  static constexpr int V = 16 / int(sizeof(T));
+};
+
+// The backward keeps more per-channel state (W+1 sums, reader taps): 8-byte vectors for 16-bit
+// types there (V = 4), so it stays out of local memory and two blocks fit an SM.
+template <typename T>
+struct BwdVecOf {
+  static constexpr int V = 4;
+};
+
+template <int Bytes>
+struct RawVec;
+template <>
+struct RawVec<16> {
+  using type = uint4;
+};
+template <>
+struct RawVec<8> {
+  using type = uint2;
+};
+
+template <typename T, int V>
+__device__ __forceinline__ void load_vec(const T* ptr, float (&out)[V]) {
+  using Raw = typename RawVec<V * int(sizeof(T))>::type;
+  union {
+    Raw raw;
+    T e[V];
+  } u;
+  u.raw = __ldg(reinterpret_cast<const Raw*>(ptr));
+#pragma unroll
+  for (int i = 0; i < V; ++i) out[i] = to_float(u.e[i]);
+}
+
+template <typename T, int V>
+__device__ __forceinline__ void store_vec(T* ptr, const float (&in)[V]) {
+  using Raw = typename RawVec<V * int(sizeof(T))>::type;
+  union {
+    Raw raw;
+    T e[V];
+  } u;
+#pragma unroll
+  for (int i = 0; i < V; ++i) u.e[i] = from_float<T>(in[i]);
+  *reinterpret_cast<Raw*>(ptr) = u.raw;
+}
+
+template <typename T, int W, int V>
+__device__ __forceinline__ void load_weights_vec(const TreeConvParams& p, int64_t c0, float (&w)[W][V],
+                                                 float (&bias)[V]) {
+  const T* weight = static_cast<const T*>(p.weight);
+#pragma unroll
+  for (int i = 0; i < V; ++i) {
+#pragma unroll
+    for (int k = 0; k < W; ++k) w[k][i] = to_float(weight[(c0 + i) * W + k]);
+    bias[i] = p.bias ? to_float(static_cast<const T*>(p.bias)[c0 + i]) : 0.f;
+  }
+}
+
+// Taps of token t for channels c0..c0+V-1, oldest first; missing ancestors read as zero.
+template <typename T, int W, int V>
+__device__ __forceinline__ void load_taps_vec(const TreeConvParams& p, int64_t t, int64_t c0,
+                                              float (&taps)[W][V]) {
+  const T* x = static_cast<const T*>(p.x);
+  load_vec<T, V>(x + t * p.channels + c0, taps[W - 1]);
+#pragma unroll
+  for (int k = 0; k < W - 1; ++k) {
+    const int64_t src = __ldg(p.ancestors + t * (W - 1) + (W - 2 - k));
+    if (src >= 0) {
+      load_vec<T, V>(x + src * p.channels + c0, taps[k]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < V; ++i) taps[k][i] = 0.f;
+    }
+  }
+}
+
+template <int W, int V>
+__device__ __forceinline__ float dot_vec(const float (&bias)[V], const float (&w)[W][V],
+                                         const float (&taps)[W][V], int i) {
+  float acc = bias[i];
+#pragma unroll
+  for (int k = 0; k < W; ++k) acc += w[k][i] * taps[k][i];
+  return acc;
+}
+
+template <typename T, int W>
+__global__ void __launch_bounds__(kVecThreads* kVecTokenLanes) forward_vec_kernel(TreeConvParams p) {
+  constexpr int V = VecOf<T>::V;
+  const int64_t c0 = (int64_t(blockIdx.x) * kVecThreads + threadIdx.x) * V;
+  if (c0 >= p.channels) return;
+  float w[W][V], bias[V];
+  load_weights_vec<T, W, V>(p, c0, w, bias);
+  T* y = static_cast<T*>(p.y);
+  const int64_t stride = int64_t(gridDim.y) * kVecTokenLanes;
+  for (int64_t t = int64_t(blockIdx.y) * kVecTokenLanes + threadIdx.y; t < p.num_tokens; t += stride) {
+    float taps[W][V], out[V];
+    load_taps_vec<T, W, V>(p, t, c0, taps);
+#pragma unroll
+    for (int i = 0; i < V; ++i) {
+      const float v = dot_vec<W, V>(bias, w, taps, i);
+      out[i] = p.silu ? v / (1.f + __expf(-v)) : v;
+    }
+    store_vec<T, V>(y + t * p.channels + c0, out);
+  }
+}
+
+// dLoss/d(pre-activation) of token t (its taps loaded when SiLU needs them).
+template <typename T, int W, int V>
+__device__ __forceinline__ void grad_pre_vec(const TreeConvParams& p, int64_t t, int64_t c0,
+                                             const float (&bias)[V], const float (&w)[W][V],
+                                             float (&g)[V]) {
+  load_vec<T, V>(static_cast<const T*>(p.grad_y) + t * p.channels + c0, g);
+  if (!p.silu) return;
+  float taps[W][V];
+  load_taps_vec<T, W, V>(p, t, c0, taps);
+#pragma unroll
+  for (int i = 0; i < V; ++i) {
+    const float v = dot_vec<W, V>(bias, w, taps, i);
+    const float s = 1.f / (1.f + __expf(-v));
+    g[i] *= s * (1.f + v * (1.f - s));
+  }
+}
+
+// Fused backward over one token chunk: grad_x in gather form (token u sums what its readers send
+// back, fixed order, one writer) and the chunk's weight/bias sums (fixed-order reduction over the
+// token lanes through shared memory, then over chunks by reduce_chunks_kernel).
+template <typename T, int W>
+__global__ void __launch_bounds__(kVecThreads* kVecTokenLanes, 2)
+    backward_vec_kernel(TreeConvParams p, int64_t tokens_per_chunk, float* partial) {
+  constexpr int V = BwdVecOf<T>::V;
+  __shared__ float lane_sums[kVecTokenLanes][kVecThreads * V];
+  const int64_t c0 = (int64_t(blockIdx.x) * kVecThreads + threadIdx.x) * V;
+  const bool active = c0 < p.channels;
+  float acc_w[W + 1][V];
+#pragma unroll
+  for (int k = 0; k <= W; ++k)
+#pragma unroll
+    for (int i = 0; i < V; ++i) acc_w[k][i] = 0.f;
+  if (active) {
+    float w[W][V], bias[V];
+    load_weights_vec<T, W, V>(p, c0, w, bias);
+    T* grad_x = static_cast<T*>(p.grad_x);
+    const T* grad_y = static_cast<const T*>(p.grad_y);
+    const int64_t begin = int64_t(blockIdx.y) * tokens_per_chunk;
+    const int64_t end = min(p.num_tokens, begin + tokens_per_chunk);
+    for (int64_t u = begin + threadIdx.y; u < end; u += kVecTokenLanes) {
+      float taps[W][V], g[V], acc[V];
+      load_taps_vec<T, W, V>(p, u, c0, taps);
+      load_vec<T, V>(grad_y + u * p.channels + c0, g);
+#pragma unroll
+      for (int i = 0; i < V; ++i) {
+        if (p.silu) {
+          const float v = dot_vec<W, V>(bias, w, taps, i);
+          const float s = 1.f / (1.f + __expf(-v));
+          g[i] *= s * (1.f + v * (1.f - s));
+        }
+#pragma unroll
+        for (int k = 0; k < W; ++k) acc_w[k][i] += g[i] * taps[k][i];
+        acc_w[W][i] += g[i];
+        acc[i] = w[W - 1][i] * g[i];
+      }
+      if constexpr (W > 1) {
+        for (int64_t r_i = __ldg(p.reader_offsets + u); r_i < __ldg(p.reader_offsets + u + 1); ++r_i) {
+          const int64_t r = __ldg(p.readers + r_i);
+          const int64_t reader = r / (W - 1);
+          const int back = int(r - reader * (W - 1)) + 1;
+          float gr[V];
+          grad_pre_vec<T, W, V>(p, reader, c0, bias, w, gr);
+#pragma unroll
+          for (int k = 0; k < W - 1; ++k) {  // compile-time indices: w stays in registers
+            if (k == W - 1 - back) {
+#pragma unroll
+              for (int i = 0; i < V; ++i) acc[i] += w[k][i] * gr[i];
+            }
+          }
+        }
+      }
+      store_vec<T, V>(grad_x + u * p.channels + c0, acc);
+    }
+  }
+  // weight/bias sums: lanes (threadIdx.y) reduced in a fixed order, one tap at a time
+#pragma unroll
+  for (int k = 0; k <= W; ++k) {
+#pragma unroll
+    for (int i = 0; i < V; ++i) lane_sums[threadIdx.y][threadIdx.x * V + i] = acc_w[k][i];
+    __syncthreads();
+    if (threadIdx.y == 0 && active) {
+#pragma unroll
+      for (int i = 0; i < V; ++i) {
+        float s = 0.f;
+        for (int lane = 0; lane < kVecTokenLanes; ++lane) s += lane_sums[lane][threadIdx.x * V + i];
+        const int64_t c = c0 + i;
+        if (partial) partial[(int64_t(blockIdx.y) * p.channels + c) * (W + 1) + k] = s;
+        else if (k < W) p.grad_weight[c * W + k] += s;
+        else if (p.grad_bias) p.grad_bias[c] += s;
+      }
+    }
+    __syncthreads();
+  }
+}
+
+template <typename T>
+bool use_vec(const TreeConvParams& p, bool backward) {
+  constexpr int V = VecOf<T>::V;  // a multiple of BwdVecOf<T>::V
+  const auto aligned = [](const void* ptr) { return ptr == nullptr || (reinterpret_cast<uintptr_t>(ptr) % 16) == 0; };
+  if (p.channels % V != 0 || p.width < 1 || !aligned(p.x)) return false;
+  if (p.width > 1 && !p.ancestors) return false;
+  if (!backward) return aligned(p.y);
+  return aligned(p.grad_y) && aligned(p.grad_x) && (p.width == 1 || (p.reader_offsets && p.readers));
+}
+
+dim3 vec_grid_x(int64_t channels, int v) { return dim3(unsigned(ceil_div(ceil_div(channels, v), kVecThreads))); }
+
+const dim3 kVecBlock(kVecThreads, kVecTokenLanes);
+
 int64_t weight_grad_chunks(int64_t num_tokens, int64_t channels) {
   if (num_tokens == 0 || channels == 0) return 1;
-  const int64_t wanted = ceil_div(kTargetBlocks, ceil_div(channels, kChannelsPerBlock));
+  const int64_t wanted = std::max(ceil_div(kTargetBlocks, ceil_div(channels, kChannelsPerBlock)),
+                                  ceil_div(kVecTargetBlocks, ceil_div(channels, int64_t(kVecThreads) * 4)));
   const int64_t by_tokens = ceil_div(num_tokens, kMinChunkTokens);
   return std::max<int64_t>(1, std::min({wanted, by_tokens, kMaxGridY}));
 }
@@ -220,6 +453,20 @@ void launch_weight_grad(const TreeConvParams& p, cudaStream_t stream) {
   float* partial = used > 1 ? p.workspace : nullptr;
   const dim3 grid(unsigned(ceil_div(p.channels, kChannelsPerBlock)), unsigned(used));
   weight_grad_kernel<T, W><<<grid, kBlock, 0, stream>>>(p, tokens_per_chunk, partial);
+  if (!partial) return;
+  const int64_t per_chunk = p.channels * (W + 1);
+  reduce_chunks_kernel<<<unsigned(ceil_div(per_chunk, 256)), 256, 0, stream>>>(
+      partial, used, p.channels, W, p.grad_weight, p.grad_bias);
+}
+
+template <typename T, int W>
+void launch_backward_vec(const TreeConvParams& p, cudaStream_t stream) {
+  const int64_t chunks = p.workspace ? weight_grad_chunks(p.num_tokens, p.channels) : 1;
+  const int64_t tokens_per_chunk = ceil_div(p.num_tokens, chunks);
+  const int64_t used = ceil_div(p.num_tokens, tokens_per_chunk);
+  float* partial = used > 1 ? p.workspace : nullptr;
+  const dim3 grid(vec_grid_x(p.channels, BwdVecOf<T>::V).x, unsigned(used));
+  backward_vec_kernel<T, W><<<grid, kVecBlock, 0, stream>>>(p, tokens_per_chunk, partial);
   if (!partial) return;
   const int64_t per_chunk = p.channels * (W + 1);
   reduce_chunks_kernel<<<unsigned(ceil_div(per_chunk, 256)), 256, 0, stream>>>(
@@ -276,7 +523,14 @@ void tree_conv_forward_cuda(const TreeConvParams& params, DType dtype, void* str
   const auto s = static_cast<cudaStream_t>(stream);
   run_cuda(params, dtype, false, "tree_conv_forward", [&](auto type, auto width) {
     using T = typename decltype(type)::type;
-    forward_kernel<T, decltype(width)::value><<<token_grid(params), kBlock, 0, s>>>(params);
+    constexpr int W = decltype(width)::value;
+    if (use_vec<T>(params, false)) {
+      const dim3 grid(vec_grid_x(params.channels, VecOf<T>::V).x,
+                      unsigned(std::min(ceil_div(params.num_tokens, kVecTokenLanes), kMaxGridY)));
+      forward_vec_kernel<T, W><<<grid, kVecBlock, 0, s>>>(params);
+      return;
+    }
+    forward_kernel<T, W><<<token_grid(params), kBlock, 0, s>>>(params);
   });
 }
 
@@ -285,6 +539,10 @@ void tree_conv_backward_cuda(const TreeConvParams& params, DType dtype, void* st
   run_cuda(params, dtype, true, "tree_conv_backward", [&](auto type, auto width) {
     using T = typename decltype(type)::type;
     constexpr int W = decltype(width)::value;
+    if (use_vec<T>(params, true)) {
+      launch_backward_vec<T, W>(params, s);
+      return;
+    }
     grad_x_kernel<T, W><<<token_grid(params), kBlock, 0, s>>>(params);
     launch_weight_grad<T, W>(params, s);
   });
