@@ -276,19 +276,23 @@ def test_fused_seam_declined_with_tree_original_without(model_type, env, decisio
 
 
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
-def test_fused_kernel_bound_matches_when_its_norm_agrees(model_type, env, decisions):
-    """All three library seams bound (conv, scan, fused). Samples alone take the fused kernel, the
-    tree row declines it and takes the split path: equal whenever transformers' two paths agree,
-    which (see the next test) needs n_groups == 1 for mamba2, bamba and granitemoehybrid."""
-    groups = {} if model_type in ("nemotron_h", "falcon_h1", "zamba2") else {GROUPS_KEY[model_type]: 1}
+def test_fused_seam_follows_the_tree(model_type, env, decisions):
+    """All three library seams bound (conv, scan, fused: the mamba-ssm / causal-conv1d stand-ins).
+    Samples alone take the fused kernel; the tree row runs the same fused semantics over the trie
+    (plugins/mamba2/python/adapters.py: tree conv, chunked SSD tree scan, the fused path's own gated
+    RMSNorm per group, out_proj), logits and every gradient equal. n_groups is 2, where the split
+    path's norm (over all channels) differs from the fused one (next test): declining would fail."""
     tree = M.pack_forest("mixed")
     env.bind(model_type, [CONV, SCAN, FUSED])
-    model = make_model(model_type, **groups)
+    model = make_model(model_type)
+    assert model.config.to_dict()[GROUPS_KEY[model_type]] == 2
     alone = M.run_alone(model, tree.samples, M.loss_weights(tree.samples))  # fused, every sample
     env.install(model, policy=tr.Policy(strategy="native"))
+    decisions.clear()
     M.assert_matches(M.run_tree(model, tree, M.loss_weights(tree.samples), tree.trl_kwargs()), alone, model,
-                     what=f"{model_type} fused-bound")
-    assert (FUSED, "decline") in [(d[1], d[2]) for d in decisions]
+                     what=f"{model_type} fused on the tree")
+    got = [(d[1], d[2]) for d in decisions if d[0] == FAMILY]
+    assert got == [(FUSED, "native")] * len(mixer_paths(model, model_type)), got
 
 
 @pytest.mark.parametrize("model_type", ["mamba2", "bamba", "granitemoehybrid"])

@@ -324,4 +324,16 @@ def run_decline(call: SeamCall, backend: str, policy: Policy):
     return call.spec.get("declined")
 
 
-ADAPTERS = {"conv": run_conv, "scan": run_scan, "decline": run_decline}
+@torch.compiler.disable  # see run_conv
+def run_family(call: SeamCall, backend: str, policy: Policy):
+    """Seams a family runs in its own Python: the manifest's ``adapter: family`` with ``function:``,
+    a function ``(call, backend, policy)`` of the module its ``python: {adapters: ...}`` names."""
+    module = plugins.family_python(call.family, "adapters")
+    function = getattr(module, call.spec.get("function") or "", None) if module is not None else None
+    if function is None:
+        raise ValueError(f"{call.family}: seam '{call.seam}' uses adapter 'family', but the family's Python "
+                         f"'adapters' module has no function {call.spec.get('function')!r}")
+    return function(call, backend, policy)
+
+
+ADAPTERS = {"conv": run_conv, "scan": run_scan, "decline": run_decline, "family": run_family}

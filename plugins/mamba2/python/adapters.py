@@ -1,0 +1,112 @@
+"""Mamba2's own seam adapter: mamba-ssm's fused mixer core ``mamba_split_conv1d_scan_combined`` on a
+tree-packed row (manifest: ``adapter: family``, ``function: split_conv1d_scan``).
+
+The fused kernel runs conv -> SSD scan -> gated RMSNorm per group -> out projection in one call; none
+of its library versions can fork states at segment boundaries. Declining it makes the mixer take its
+split path, whose norm is over all channels, not per group: the tree row would then compute other
+numbers than the samples alone through the fused kernel. So, with the family's native kernels on
+the row's device, this adapter runs the same fused semantics over the trie: the tree conv, the
+chunked SSD tree scan, the fused path's own gated RMSNorm (per group of ``dim // ngroups``
+channels, ``norm_before_gate`` as mamba-ssm), the swiglu of the non-SSM part, the out projection.
+
+It declines (the mixer takes its split path) when the bound implementation is transformers' torch
+fallback (it answers None, so the samples alone take the split path too), or without native kernels
+for the device (backend other than auto/native).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tree_recurrence import driver, plugins
+
+__all__ = ["split_conv1d_scan", "rms_norm_gated"]
+
+
+def rms_norm_gated(x: torch.Tensor, weight: torch.Tensor, z: torch.Tensor | None, eps: float, group_size: int,
+                   norm_before_gate: bool) -> torch.Tensor:
+    """mamba-ssm's gated RMSNorm (layernorm_gated): RMS over groups of ``group_size`` channels, in
+    fp32 (float64 for float64), the gate silu(z) after the norm if ``norm_before_gate`` else before."""
+    f = torch.float64 if x.dtype == torch.float64 else torch.float32
+    xf = x.to(f)
+    if z is not None and not norm_before_gate:
+        xf = xf * F.silu(z.to(f))
+    shape = xf.shape
+    grouped = xf.reshape(*shape[:-1], shape[-1] // group_size, group_size)
+    y = (grouped * torch.rsqrt(grouped.square().mean(-1, keepdim=True) + eps)).reshape(shape) * weight.to(f)
+    if z is not None and norm_before_gate:
+        y = y * F.silu(z.to(f))
+    return y.to(x.dtype)
+
+
+def _decline(call, reason: str):
+    driver._record(call, "decline", reason)
+    return call.spec.get("declined")
+
+
+def split_conv1d_scan(call, backend: str, policy):
+    """The fused seam over the trie (see the module's docstring). Returns out (1, N, hidden)."""
+    named, rest = call.named, call.rest
+    zxbcdt = named["zxbcdt"]
+    if rest.get("return_final_states"):
+        raise ValueError(f"{call.seam}: a tree-packed row has one final state per sample, not one per row; "
+                         "call the model with use_cache=False")
+    if rest.get("initial_states") is not None:
+        raise ValueError(f"{call.seam}: initial_states on a tree-packed row are not supported by the fused seam")
+    _, _, is_library = driver.bound_implementation(call.original)
+    if not is_library:
+        return _decline(call, "fused seam bound to transformers' torch fallback (None): the mixer takes its split path")
+    record = plugins.families()[call.family]
+    native = all(plugins.has_kernel(record, k, zxbcdt.device) for k in ("tree_conv", "ssd_tree_scan"))
+    if backend == "native" and not native:
+        raise ValueError(f"{call.family}: backend 'native' has no tree_conv / ssd_tree_scan kernel for "
+                         f"{zxbcdt.device.type} in this build")
+    if backend not in ("auto", "native") or not native:
+        return _decline(call, f"backend {backend!r}: the mixer takes its split path, whose seams follow the tree")
+    driver._check_row(call, zxbcdt, 1, "zxbcdt")
+
+    weight, bias, dt_bias, A, D = (named.get(k) for k in ("conv1d_weight", "conv1d_bias", "dt_bias", "A", "D"))
+    activation = rest.get("activation", "silu")
+    if activation not in (None, "silu", "swish"):
+        raise ValueError(f"{call.seam}: activation must be None, 'silu' or 'swish', got {activation!r}")
+    ngroups = int(rest.get("ngroups", 1))
+    if D.dim() == 1:
+        headdim = rest.get("headdim")
+        if headdim is None:
+            raise ValueError(f"{call.seam}: headdim must be given when D is 1-D")
+        nheads, headdim = D.shape[0], int(headdim)
+    else:
+        nheads, headdim = D.shape
+    dim = nheads * headdim
+    dstate = (weight.shape[0] - dim) // ngroups // 2
+    d_nonssm = (zxbcdt.shape[-1] - 2 * dim - 2 * ngroups * dstate - nheads) // 2
+    if d_nonssm < 0 or zxbcdt.shape[-1] != 2 * d_nonssm + 2 * dim + 2 * ngroups * dstate + nheads:
+        raise ValueError(f"{call.seam}: zxbcdt's last dimension {zxbcdt.shape[-1]} does not split into "
+                         f"2*d_nonssm + 2*{dim} + 2*{ngroups}*{dstate} + {nheads}")
+    n = zxbcdt.shape[1]
+    zx0, z, xBC, dt = torch.split(zxbcdt[0], [2 * d_nonssm, dim, dim + 2 * ngroups * dstate, nheads], dim=-1)
+
+    # tree conv over the trie (each token reads its own path's previous inputs)
+    xBC = driver.tree_conv(call.family, xBC.t().unsqueeze(0), weight, bias, activation, call.plan)[0].t()
+    x, B, C = torch.split(xBC, [dim, ngroups * dstate, ngroups * dstate], dim=-1)
+    rmsnorm_weight = rest.get("rmsnorm_weight")
+    tables = call.plan.chunk_tables(int(call.spec.get("chunk", 64)), zxbcdt.device)
+    y = plugins.ops(call.family).ssd_tree_scan(
+        x.reshape(n, nheads, headdim), dt, B.reshape(n, ngroups, dstate), C.reshape(n, ngroups, dstate),
+        tables.gather, tables.scatter, *tables.state_args(), None, A=A, dt_limit=list(rest.get("dt_limit", (0.0, float("inf")))),
+        D=D, dt_bias=dt_bias, dt_softplus=True, z=z.reshape(n, nheads, headdim) if rmsnorm_weight is None else None)
+    out = y.to(x.dtype).reshape(n, dim)  # the scan's output in the conv output's dtype, as mamba-ssm's
+    if rmsnorm_weight is not None:
+        out = rms_norm_gated(out, rmsnorm_weight, z, float(rest.get("rmsnorm_eps", 1e-6)), dim // ngroups,
+                             bool(rest.get("norm_before_gate", True)))
+    if d_nonssm > 0:
+        gate, up = zx0.chunk(2, dim=-1)
+        out = torch.cat([F.silu(gate) * up, out], dim=-1)
+    outproj_weight, outproj_bias = rest.get("outproj_weight"), rest.get("outproj_bias")
+    if outproj_weight is not None:
+        out = F.linear(out, outproj_weight, outproj_bias)
+    elif outproj_bias is not None:
+        raise ValueError(f"{call.seam}: outproj_bias without outproj_weight")
+    driver._record(call, "native", "fused seam over the trie: tree conv, chunked SSD tree scan, gated norm, out_proj")
+    return out.unsqueeze(0)
