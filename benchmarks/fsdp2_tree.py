@@ -271,7 +271,7 @@ def run_alone(model, samples: list[Rollout], total_completion_tokens: int, devic
         logp = F.log_softmax(logits[:-1][keep].float(), dim=-1).gather(-1, tokens[1:][keep][:, None])[:, 0]
         loss = (logp * (-s.advantage / total_completion_tokens)).sum()
         loss.backward()
-        total += float(loss)
+        total += float(loss.detach())
     grads = {n: (p.grad.detach().float().clone() if p.grad is not None else torch.zeros_like(p, dtype=torch.float32))
              for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
@@ -423,7 +423,7 @@ def run_model(model_type: str, args, rank: int, world: int, device, dtype) -> tu
         if optimizer is not None:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        return float(loss)
+        return float(loss.detach())
 
     # correctness: one step of each packing against the reference
     result["checks"] = {}
@@ -622,10 +622,16 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     try:
-        sys.exit(main())
+        code = main()
     except SystemExit:
         raise
     except BaseException:  # one rank's error must not leave the others waiting in a collective
         traceback.print_exc()
         sys.stderr.flush()
         os._exit(2)
+    # Every check ran and the process group is gone: skip interpreter teardown, where a library's
+    # exit-time destructor once aborted one rank ("terminate called without an active exception")
+    # after a passing run and turned it into a failure.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
