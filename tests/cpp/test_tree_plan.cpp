@@ -222,4 +222,28 @@ TEST_SUITE("TreePlan validation") {
     auto plan = TreePlan::build(trl_input(base()));
     CHECK(error_of([&] { plan->conv_ancestors(0); }).find("conv width") == 0);
   }
+
+  TEST_CASE("sizes are checked before anything is allocated; per-token tables are built on first use") {
+    // issue 12 item 2: a 2-entry input naming a huge row was allocated (bad_alloc, gigabytes, or an
+    // unnamed vector::_M_default_append error) before being refused.
+    TreeInput in;
+    in.segment_parents = IndexVector{-1};
+    for (Index huge : {Index(1) << 40, Index(1) << 62, kMaxTokens + 1}) {
+      in.cu_seqlens_q = {0, huge};
+      CHECK(error_of([&] { TreePlan::build(in); }).find("tree_cu_seqlens_q: ends at " + std::to_string(huge) + ": a row holds at most") == 0);
+    }
+    in.cu_seqlens_q = {0, Index(1) << 28};
+    in.num_tokens = 5;  // the row the caller holds
+    CHECK(error_of([&] { TreePlan::build(in); }).find("tree_cu_seqlens_q: ends at 268435456 but the row has 5 tokens") == 0);
+    in.num_tokens = -1;  // unknown row: planned with O(segments) memory
+    auto plan = TreePlan::build(in);
+    CHECK(plan->num_tokens() == (Index(1) << 28));
+    CHECK(plan->path_token_total() == (Index(1) << 28));
+    CHECK(plan->segment_of(12345) == 0);
+    // The same through the TRL format: parents come from the key paths without per-token tables.
+    TreeInput kv = trl_input(base());
+    auto from_kv = TreePlan::build(kv);
+    CHECK(from_kv->token_segment().size() == static_cast<size_t>(from_kv->num_tokens()));
+    for (Index t = 0; t < from_kv->num_tokens(); ++t) CHECK(from_kv->segment_of(t) == from_kv->token_segment()[t]);
+  }
 }
