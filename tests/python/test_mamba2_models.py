@@ -585,3 +585,81 @@ def test_reference_split_conv1d_scan_matches_the_split_path_and_seq_idx():
     torch.testing.assert_close(packed[:, :6], out[:, :6])
     second = reference.mamba_split_conv1d_scan_combined(zxbcdt[:, 6:], conv_w, conv_b, dt_bias, A, D, 8, **kw)
     torch.testing.assert_close(packed[:, 6:], second, atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU: the native kernels on CUDA (tree conv, chunked SSD tree scan over the CUDA state pass)
+# ------------------------------------------------------------------------------------------------
+
+GPU_MODELS = ["mamba2", "nemotron_h", "bamba", "granitemoehybrid"]
+
+
+def _cuda_tree(tree):
+    import dataclasses
+
+    return dataclasses.replace(tree, input_ids=tree.input_ids.cuda(), position_ids=tree.position_ids.cuda(),
+                               sample_positions=[p.cuda() for p in tree.sample_positions],
+                               packed={k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in tree.packed.items()})
+
+
+def _rel_rms(a, b):
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).square().mean().sqrt() / b.square().mean().sqrt().clamp_min(1e-30))
+
+
+def _gpu_expected(seam):
+    return {(FUSED, "native")} if seam == "fused" else {(FUSED, "decline"), (CONV, "native"), (SCAN, "native")}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("seam", ["split", "fused"])
+@pytest.mark.parametrize("model_type", GPU_MODELS)
+def test_gpu_fp32_tree_equals_samples_alone(model_type, seam, env, decisions):
+    """fp32 on the GPU, native kernels: the tree row equals the samples alone (logits and every
+    gradient, 1e-4), through the split seams (conv + scan) or the fused seam (library stand-ins
+    bound: the samples alone take the fused reference, the tree row the family's fused adapter)."""
+    tree = M.pack_forest("mixed")
+    if seam == "fused":
+        env.bind(model_type, [CONV, SCAN, FUSED])
+    model = make_model(model_type).cuda()
+    weights = [w.cuda() for w in M.loss_weights(tree.samples)]
+    alone = M.run_alone(model, [s.cuda() for s in tree.samples], weights)
+    env.install(model, policy=tr.Policy(strategy="native"))
+    gpu = _cuda_tree(tree)
+    decisions.clear()
+    M.assert_matches(M.run_tree(model, gpu, weights, gpu.trl_kwargs()), alone, model, what=f"{model_type}/{seam}/cuda")
+    assert {(d[1], d[2]) for d in decisions if d[0] == FAMILY} == _gpu_expected(seam)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("seam", ["split", "fused"])
+@pytest.mark.parametrize("model_type", GPU_MODELS)
+def test_gpu_bf16_tree_matches_samples_alone(model_type, seam, env, decisions):
+    """bf16 on the GPU: the tree row and the bf16 samples alone, both judged against the fp32 model
+    alone (relative RMS): the tree within 5e-3 (logits) / 2e-2 (gradients; 5e-2 for A_log, dt_bias
+    and D) or within the model's own bf16 noise on the samples (1.5x logits, 4x gradients; test_gpu.py's band)."""
+    tree = M.pack_forest("mixed")
+    if seam == "fused":
+        env.bind(model_type, [CONV, SCAN, FUSED])
+    model = make_model(model_type).cuda()
+    weights = [w.cuda() for w in M.loss_weights(tree.samples)]
+    samples = [s.cuda() for s in tree.samples]
+    ref = M.run_alone(model, samples, weights)
+    model.to(torch.bfloat16)
+    bf16 = M.run_alone(model, samples, weights)
+    env.install(model, policy=tr.Policy(strategy="native"))
+    gpu = _cuda_tree(tree)
+    decisions.clear()
+    got = M.run_tree(model, gpu, weights, gpu.trl_kwargs())
+    assert {(d[1], d[2]) for d in decisions if d[0] == FAMILY} == _gpu_expected(seam)
+    tree_err = max(_rel_rms(t, r) for t, r in zip(got.logits, ref.logits))
+    alone_err = max(_rel_rms(b, r) for b, r in zip(bf16.logits, ref.logits))
+    assert tree_err <= max(5e-3, 1.5 * alone_err), (tree_err, alone_err)
+    for name in ref.grads:
+        if float(ref.grads[name].abs().max()) == 0:
+            continue
+        t, a = _rel_rms(got.grads[name], ref.grads[name]), _rel_rms(bf16.grads[name], ref.grads[name])
+        # A_log, dt_bias, D: per-head sums of cancelling terms over every token; in bf16 the samples
+        # alone already miss them by 0.5-5% (CPU runs of this test), the tree by up to 4%
+        floor = 5e-2 if name.endswith(("A_log", "dt_bias", ".D")) else 2e-2
+        assert t <= max(floor, 4 * a), (name, t, a)
