@@ -431,3 +431,25 @@ def test_importing_the_trl_integration_is_light():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "TRL_EXPERIMENTAL_SILENCE": "1"})
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+# ------------------------------------------------------------------------------------------------
+# 14. reference kernels accept and ignore extra keywords, as the libraries do
+# ------------------------------------------------------------------------------------------------
+
+
+def test_reference_kernels_ignore_extra_keywords():
+    """Granite-4 hybrid passes output_router_logits down to its mixer, whose seams pass it on."""
+    from tree_recurrence import reference as R
+
+    extra = {"output_router_logits": False}
+    x, w = torch.randn(1, 4, 6), torch.randn(4, 3)
+    torch.testing.assert_close(R.causal_conv1d_fn(x, w, activation="silu", **extra), R.causal_conv1d_fn(x, w, activation="silu"))
+    zxbcdt, cw, cb = torch.randn(1, 5, 14), torch.randn(8, 4), torch.randn(8)  # 2 heads x 2, 1 group, state 2
+    dt_bias, A, D = torch.randn(2), -torch.rand(2), torch.randn(2)
+    fused = R.mamba_split_conv1d_scan_combined
+    torch.testing.assert_close(fused(zxbcdt, cw, cb, dt_bias, A, D, 4, headdim=2, **extra),
+                               fused(zxbcdt, cw, cb, dt_bias, A, D, 4, headdim=2))
+    xs, dt, B, C = torch.randn(1, 5, 2, 2), torch.randn(1, 5, 2), torch.randn(1, 5, 1, 2), torch.randn(1, 5, 1, 2)
+    scan = R.mamba_chunk_scan_combined
+    torch.testing.assert_close(scan(xs, dt, A, B, C, 4, **extra), scan(xs, dt, A, B, C, 4))

@@ -47,6 +47,7 @@ def causal_conv1d_fn(
     return_final_states: bool = False,
     final_states_out: Optional[torch.Tensor] = None,
     activation: Optional[str] = None,
+    **kwargs,  # keywords a caller passes down (Granite-4's output_router_logits): ignored, as the libraries do
 ):
     """Causal depthwise conv1d with causal-conv1d's API.
 

@@ -56,6 +56,7 @@ def mamba_chunk_scan_combined(
     dt_limit: tuple = (0.0, float("inf")),
     return_final_states: bool = False,
     return_varlen_states: bool = False,
+    **kwargs,  # keywords a caller passes down: ignored, as the library does
 ):
     """Mamba2 SSD scan with mamba-ssm's ``mamba_chunk_scan_combined`` API (mamba-ssm 2.3.2), as an
     exact token recurrence (fp32; float64 when x is float64). ``chunk_size`` is validated only.
@@ -173,6 +174,7 @@ def mamba_split_conv1d_scan_combined(
     headdim: Optional[int] = None,
     ngroups: int = 1,
     norm_before_gate: bool = True,
+    **kwargs,  # keywords a caller passes down (Granite-4's output_router_logits): ignored, as the library does
 ):
     """mamba-ssm's fused Mamba2 mixer core (``mamba_split_conv1d_scan_combined``, 2.3.2): split
     ``zxbcdt`` (batch, seqlen, 2*d_nonssm + 2*dim + 2*ngroups*dstate + nheads) into
