@@ -586,7 +586,7 @@ def main(argv=None) -> int:
 
     doc = {"size": args.size, "world_size": world, "device": str(device.type), "dtype": str(dtype).split(".")[-1],
            "backend": dist.get_backend(), "torch": torch.__version__, "tree_recurrence": tree_recurrence.__version__,
-           "multicast_env": {k: os.environ.get(k) for k in MULTICAST_OFF}, "attention": args.attention, "rows": dict(zip(
+           "multicast_env": {k: os.environ.get(k) for k in MULTICAST_OFF}, "policy": repr(tree_recurrence.Policy()), "attention": args.attention, "rows": dict(zip(
                ("prompt_groups", "prompt_length", "completions_per_prompt", "completion_lengths"), args.row_shape)),
            "models": []}
     if use_cuda:
