@@ -1,5 +1,6 @@
 // Gated DeltaNet family: Qwen3.5, Qwen3.5-MoE, Qwen3-Next, OLMo-Hybrid (see family.yaml).
 #include "ops.h"
+#include "tree_recurrence/sdk/detectors.h"
 #include "tree_recurrence/sdk/family.h"
 
 namespace {
@@ -7,9 +8,22 @@ namespace {
 class GatedDeltaNetFamily final : public tree_recurrence::TreeFamily {
  public:
   GatedDeltaNetFamily() { tree_recurrence::gdn::register_ops(); }
+  // Covers the manifest's mixers; recognises (without covering) other modules with a state-space decay
+  // or a causal depthwise conv, so install names this detector when a model holds one nobody covers.
+  tree_recurrence::Claim detect(const tree_recurrence::ModuleDescription& module) const override {
+    tree_recurrence::Claim claim = TreeFamily::detect(module);
+    if (claim.claimed) return claim;
+    namespace d = tree_recurrence::detectors;
+    return d::recognise(module, manifest().family, {d::kStateSpaceDecay, d::kCausalDepthwiseConv});
+  }
   std::vector<tree_recurrence::KernelInfo> kernels() const override {
     auto kernels = tree_recurrence::tree_conv_kernels();
+    // gdn_tree_scan is a composite of ATen ops around the SDK's chunk_state_pass: it runs wherever
+    // that op has a kernel (CPU always, CUDA when built with CUDA).
     kernels.push_back({"gdn_tree_scan", "cpu", true});
+#ifdef TREE_RECURRENCE_WITH_CUDA
+    kernels.push_back({"gdn_tree_scan", "cuda", true});
+#endif
     return kernels;
   }
 };

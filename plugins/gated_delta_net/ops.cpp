@@ -2,7 +2,8 @@
 // when the family is created (sdk/op_library.h says why).
 #include "ops.h"
 
-#include "csrc/gdn_tree_scan.h"
+#include "csrc/gdn_chunked.h"
+#include "csrc/gdn_token_scan.h"
 #include "tree_recurrence/sdk/chunk_state_op.h"
 #include "tree_recurrence/sdk/tree_conv_op.h"
 
@@ -11,10 +12,18 @@ namespace tree_recurrence::gdn {
 void register_ops() {
   register_tree_conv_op();
   register_chunk_state_op();
+  // The seam's native op: chunked, over the plan's device chunk tables (csrc/gdn_chunked.h).
   op_library(torch::Library::FRAGMENT)
-      .def("gdn_tree_scan(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor seg_offsets, Tensor parents, "
+      .def("gdn_tree_scan(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor gather, Tensor scatter, "
+           "Tensor seg_chunk_offsets, Tensor parents, Tensor root_index, Tensor level_segments, int[] level_offsets, "
+           "Tensor child_offsets, Tensor children, Tensor? initial_state, float scale, bool use_qk_l2norm) -> Tensor");
+  // Its token-by-token oracle over the plan's host arrays (tests only; csrc/gdn_token_scan.h).
+  op_library(torch::Library::FRAGMENT)
+      .def("gdn_token_scan(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor seg_offsets, Tensor parents, "
            "Tensor? initial_state, float scale, bool use_qk_l2norm) -> Tensor");
-  op_library(torch::Library::IMPL, c10::DispatchKey::CompositeImplicitAutograd).impl("gdn_tree_scan", &tree_scan);
+  auto& composite = op_library(torch::Library::IMPL, c10::DispatchKey::CompositeImplicitAutograd);
+  composite.impl("gdn_tree_scan", &chunked_scan);
+  composite.impl("gdn_token_scan", &token_scan);
 }
 
 }  // namespace tree_recurrence::gdn

@@ -135,3 +135,72 @@ def test_model_traced_on_the_meta_device_with_tree_kwargs():
         assert out.is_meta and out.shape == hidden.shape
     finally:
         tr.uninstall(model)
+
+
+# ------------------------------------------------------------------------------------------------
+# 10. huggingface/trl#7686's format in full: parents, depths and level sizes
+# ------------------------------------------------------------------------------------------------
+
+
+def _level_sizes(tree) -> torch.Tensor:
+    """Segments per level, counted from the harness's own depths (derived from TRL's key paths)."""
+    return torch.bincount(tree.depths)
+
+
+@pytest.mark.parametrize("name", ["tree_level_sizes", "tree_sizes"])
+def test_level_sizes_are_read_and_checked_against_the_key_paths(name):
+    tree = M.pack_forest("mixed")
+    sizes = _level_sizes(tree)
+    kwargs = {**tree.rich_kwargs(), name: sizes.clone()}
+    plan = tr.tree_plan(kwargs)
+    offsets = plan.array("level_offsets")
+    assert (offsets[1:] - offsets[:-1]).tolist() == sizes.tolist()
+    padded = {**tree.rich_kwargs(), name: torch.cat([sizes, torch.zeros(4, dtype=sizes.dtype)])}
+    _same_plan(tr.tree_plan(padded), plan)
+    counted = {**tree.rich_kwargs(), name: torch.cat([sizes, torch.full((2,), 7)]), "tree_n_chunks": len(sizes)}
+    _same_plan(tr.tree_plan(counted), plan)
+
+    wrong = sizes.clone()
+    wrong[1] += 1
+    with pytest.raises(ValueError, match=rf"{name}: level 1: {int(wrong[1])} segments, but the key paths put "
+                                         rf"{int(sizes[1])} segments at level 1"):
+        tr.tree_plan({**tree.rich_kwargs(), name: wrong})
+    with pytest.raises(ValueError, match=rf"{name}: {len(sizes) - 1} levels"):
+        tr.tree_plan({**tree.trl_kwargs(), name: sizes[:-1].clone()})
+    with pytest.raises(ValueError, match="tree_n_chunks: 99, but"):
+        tr.tree_plan({**tree.rich_kwargs(), name: sizes.clone(), "tree_n_chunks": 99})
+
+
+def test_7686_format_runs_like_trls_format():
+    model = M.make_model(MODEL_TYPE)
+    tr.install(model)
+    try:
+        tree = M.pack_forest("multiturn")
+        full = {**tree.rich_kwargs(), "tree_level_sizes": _level_sizes(tree)}
+        with torch.no_grad():
+            expected = model(input_ids=tree.input_ids, position_ids=tree.position_ids, use_cache=False,
+                             **tree.trl_kwargs()).logits
+            out = model(input_ids=tree.input_ids, position_ids=tree.position_ids, use_cache=False, **full).logits
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    finally:
+        tr.uninstall(model)
+
+
+def test_tree_kwargs_from_batch_reads_the_level_sizes():
+    from tree_recurrence.integrations.trl import tree_kwargs_from_batch
+
+    trees = [M.pack_forest("fan"), M.pack_forest("mixed")]
+    rows = [{**t.rich_kwargs(), "tree_level_sizes": _level_sizes(t), "input_ids": t.input_ids[0]} for t in trees]
+    batch = {}
+    for key in ("tree_cu_seqlens_q", "tree_kv_index", "tree_cu_seqlens_k", "tree_segment_parents",
+                "tree_segment_depths", "tree_level_sizes", "input_ids"):
+        width = max(r[key].numel() for r in rows)
+        pad = -1 if key in ("tree_cu_seqlens_q", "tree_kv_index", "tree_cu_seqlens_k") else 0  # TRL 1.16 / #7686
+        batch[key] = torch.stack([torch.cat([r[key], torch.full((width - r[key].numel(),), pad, dtype=r[key].dtype)])
+                                  for r in rows])
+    for i, tree in enumerate(trees):
+        kwargs = tree_kwargs_from_batch(batch, row=i)
+        assert torch.equal(kwargs["tree_level_sizes"], _level_sizes(tree))
+        _same_plan(tr.tree_plan({k: v for k, v in kwargs.items() if k.startswith("tree_")}), tr.tree_plan(tree.rich_kwargs()))
+    batch["tree_n_chunks"] = torch.tensor([len(_level_sizes(t)) for t in trees])
+    assert tree_kwargs_from_batch(batch, row=0)["tree_n_chunks"] == len(_level_sizes(trees[0]))

@@ -15,6 +15,10 @@ CU_SEQLENS_K = "tree_cu_seqlens_k"
 SEGMENT_PARENTS = "tree_segment_parents"
 SEGMENT_DEPTHS = "tree_segment_depths"
 TREE_FIELDS = (CU_SEQLENS_Q, KV_INDEX, CU_SEQLENS_K, SEGMENT_PARENTS, SEGMENT_DEPTHS)
+# huggingface/trl#7686's level sizes: segments per trie level (root level first), under either name;
+# ``tree_n_chunks`` (an int) says how many of its entries are real (the rest is a collator's padding).
+LEVEL_SIZES, LEVEL_SIZES_ALIAS, LEVEL_COUNT = "tree_level_sizes", "tree_sizes", "tree_n_chunks"
+LEVEL_FIELDS = (LEVEL_SIZES, LEVEL_SIZES_ALIAS)
 
 _CACHE_ATTR = "_tree_recurrence_plan"
 
@@ -282,6 +286,51 @@ def _strip_padding(parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return parts
 
 
+def _level_count(kwargs: Mapping[str, Any]) -> int | None:
+    value = kwargs.get(LEVEL_COUNT)
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.is_floating_point() or value.is_meta:
+            raise ValueError(f"{LEVEL_COUNT}: expected one integer (how many entries of {LEVEL_SIZES} are real), "
+                             f"got a tensor of shape {tuple(value.shape)} and dtype {value.dtype}")
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{LEVEL_COUNT}: expected a positive integer (how many entries of {LEVEL_SIZES} are real), "
+                         f"got {value!r}")
+    return value
+
+
+def _check_level_sizes(plan: "TreePlan", parts: Mapping[str, torch.Tensor], count: int | None) -> None:
+    """huggingface/trl#7686's level sizes, checked against the levels the key paths (or parents) give."""
+    given = [name for name in LEVEL_FIELDS if name in parts]
+    if not given:
+        if count is not None:
+            raise ValueError(f"{LEVEL_COUNT}: given ({count}) without {LEVEL_SIZES} / {LEVEL_SIZES_ALIAS}")
+        return
+    if len(given) == 2 and not torch.equal(parts[LEVEL_SIZES], parts[LEVEL_SIZES_ALIAS]):
+        raise ValueError(f"{LEVEL_SIZES}: {parts[LEVEL_SIZES].tolist()[:8]} but {LEVEL_SIZES_ALIAS}: "
+                         f"{parts[LEVEL_SIZES_ALIAS].tolist()[:8]}; give one, or the same")
+    name = given[0]
+    sizes = parts[name]
+    if count is not None:
+        if count > sizes.numel():
+            raise ValueError(f"{LEVEL_COUNT}: {count}, but {name} has {sizes.numel()} entries")
+        sizes = sizes[:count]
+    else:
+        sizes = _strip_tail(sizes, plan.num_levels)  # a collator's padding (0 or -1)
+    offsets = plan.array("level_offsets")
+    expected = (offsets[1:] - offsets[:-1]).tolist()
+    got = sizes.tolist()
+    if len(got) != len(expected):
+        raise ValueError(f"{name}: {len(got)} levels {got[:8]}, but the key paths give the tree {len(expected)} "
+                         f"levels ({expected[:8]} segments per level)")
+    for level, (g, e) in enumerate(zip(got, expected)):
+        if g != e:
+            raise ValueError(f"{name}: level {level}: {g} segments, but the key paths put {e} segments at level "
+                             f"{level}")
+
+
 def has_tree(kwargs: Mapping[str, Any]) -> bool:
     return kwargs.get(CU_SEQLENS_Q) is not None
 
@@ -304,13 +353,15 @@ def tree_plan(kwargs: Mapping[str, Any], num_tokens: int | None = None) -> TreeP
         return None
     # The cache key: every tree field by identity and version (an in-place edit or a different
     # companion tensor rebuilds the plan).
-    key = tuple((name, id(kwargs[name]), _version(kwargs[name])) for name in TREE_FIELDS if kwargs.get(name) is not None)
+    fields = TREE_FIELDS + LEVEL_FIELDS
+    key = tuple((name, id(kwargs[name]), _version(kwargs[name])) for name in fields if kwargs.get(name) is not None)
+    key += ((LEVEL_COUNT, _level_count(kwargs)),)
     if isinstance(cu_q, torch.Tensor):
         cached = getattr(cu_q, _CACHE_ATTR, None)
         if cached is not None and cached[1] == key and (num_tokens is None or cached[0].num_tokens == num_tokens):
             return cached[0]
     device = cu_q.device if isinstance(cu_q, torch.Tensor) else None
-    present = {name: _as_index_vector(name, kwargs[name], device) for name in TREE_FIELDS if kwargs.get(name) is not None}
+    present = {name: _as_index_vector(name, kwargs[name], device) for name in fields if kwargs.get(name) is not None}
     if device is not None and device.type == "meta":
         raise ValueError(f"{CU_SEQLENS_Q}: is a meta tensor (no values); a tree plan is built from the tree's values: "
                          "pass real tensors (a model traced on the meta device runs its recurrent layers untouched)")
@@ -327,6 +378,7 @@ def tree_plan(kwargs: Mapping[str, Any], num_tokens: int | None = None) -> TreeP
         -1 if num_tokens is None else int(num_tokens),
     )
     plan = TreePlan(core, device)
+    _check_level_sizes(plan, parts, _level_count(kwargs))
     # The companions are kept alive with the entry so their ids cannot be reused while it is cached.
-    setattr(cu_q, _CACHE_ATTR, (plan, key, [kwargs[name] for name in TREE_FIELDS if kwargs.get(name) is not None]))
+    setattr(cu_q, _CACHE_ATTR, (plan, key, [kwargs[name] for name in fields if kwargs.get(name) is not None]))
     return plan

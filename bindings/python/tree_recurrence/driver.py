@@ -226,7 +226,12 @@ def _scan_native(call: SeamCall):
     initial = call.named.get(call.spec["state_args"]["initial_state"]) if "state_args" in call.spec else None
     if initial is None and "state_args" in call.spec:
         initial = call.rest.get(call.spec["state_args"]["initial_state"])
-    out = op(*inputs, call.plan.array("seg_offsets"), call.plan.array("parents"), initial, **kwargs)
+    if "chunk" in native:
+        # Chunked native ops (native-op convention): the plan's chunk tables on the inputs' device.
+        tables = call.plan.chunk_tables(native["chunk"], inputs[0].device)
+        out = op(*inputs, tables.gather, tables.scatter, *tables.state_args(), initial, **kwargs)
+    else:
+        out = op(*inputs, call.plan.array("seg_offsets"), call.plan.array("parents"), initial, **kwargs)
     return out.unsqueeze(0)
 
 

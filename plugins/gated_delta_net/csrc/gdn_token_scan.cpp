@@ -1,4 +1,4 @@
-#include "gdn_tree_scan.h"
+#include "gdn_token_scan.h"
 
 #include <ATen/ATen.h>
 
@@ -17,28 +17,28 @@ at::Tensor l2norm(const at::Tensor& x) {
 
 void check(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta,
            const at::Tensor& seg_offsets, const at::Tensor& parents) {
-  TORCH_CHECK_VALUE(q.dim() == 3 && k.sizes() == q.sizes(), "gdn_tree_scan: q and k must be (tokens, heads, key_dim) alike, got ",
+  TORCH_CHECK_VALUE(q.dim() == 3 && k.sizes() == q.sizes(), "gdn_token_scan: q and k must be (tokens, heads, key_dim) alike, got ",
                     q.sizes(), " and ", k.sizes());
-  TORCH_CHECK_VALUE(v.dim() == 3 && v.size(0) == q.size(0), "gdn_tree_scan: v must be (tokens, value_heads, value_dim), got ",
+  TORCH_CHECK_VALUE(v.dim() == 3 && v.size(0) == q.size(0), "gdn_token_scan: v must be (tokens, value_heads, value_dim), got ",
                     v.sizes());
-  TORCH_CHECK_VALUE(v.size(1) % q.size(1) == 0, "gdn_tree_scan: value heads ", v.size(1), " must be a multiple of key heads ",
+  TORCH_CHECK_VALUE(v.size(1) % q.size(1) == 0, "gdn_token_scan: value heads ", v.size(1), " must be a multiple of key heads ",
                     q.size(1));
   for (const at::Tensor* t : {&g, &beta})
     TORCH_CHECK_VALUE(t->dim() == 2 && t->size(0) == v.size(0) && t->size(1) == v.size(1),
-                      "gdn_tree_scan: g and beta must be (tokens, value_heads)=", v.size(0), "x", v.size(1), ", got ", t->sizes());
+                      "gdn_token_scan: g and beta must be (tokens, value_heads)=", v.size(0), "x", v.size(1), ", got ", t->sizes());
   TORCH_CHECK_VALUE(seg_offsets.is_cpu() && parents.is_cpu() && seg_offsets.scalar_type() == at::kLong &&
                         parents.scalar_type() == at::kLong,
-                    "gdn_tree_scan: seg_offsets and parents must be int64 CPU tensors (the plan's host arrays)");
-  TORCH_CHECK_VALUE(seg_offsets.numel() == parents.numel() + 1, "gdn_tree_scan: seg_offsets must have one more entry than parents");
+                    "gdn_token_scan: seg_offsets and parents must be int64 CPU tensors (the plan's host arrays)");
+  TORCH_CHECK_VALUE(seg_offsets.numel() == parents.numel() + 1, "gdn_token_scan: seg_offsets must have one more entry than parents");
   TORCH_CHECK_VALUE(seg_offsets.numel() >= 2 && seg_offsets.data_ptr<int64_t>()[seg_offsets.numel() - 1] == q.size(0),
-                    "gdn_tree_scan: seg_offsets must end at the number of tokens ", q.size(0));
+                    "gdn_token_scan: seg_offsets must end at the number of tokens ", q.size(0));
 }
 
 }  // namespace
 
-at::Tensor tree_scan(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& g_in,
-                     const at::Tensor& beta_in, const at::Tensor& seg_offsets, const at::Tensor& parents,
-                     const std::optional<at::Tensor>& initial_state, double scale, bool use_qk_l2norm) {
+at::Tensor token_scan(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& g_in,
+                      const at::Tensor& beta_in, const at::Tensor& seg_offsets, const at::Tensor& parents,
+                      const std::optional<at::Tensor>& initial_state, double scale, bool use_qk_l2norm) {
   check(q_in, k_in, v_in, g_in, beta_in, seg_offsets, parents);
   const int64_t groups = v_in.size(1) / q_in.size(1);
   // fp32 states, as the library kernels; float64 when the values are float64 (exact tests).
@@ -56,13 +56,17 @@ at::Tensor tree_scan(const at::Tensor& q_in, const at::Tensor& k_in, const at::T
   const at::Tensor v = v_in.to(compute), decay = g_in.to(compute).exp(), beta = beta_in.to(compute);
   const int64_t HV = v.size(1), K = q.size(2), V = v.size(2);
   std::vector<at::Tensor> outputs(q.size(0));
-  walk_segments("gdn_tree_scan", seg_offsets, parents, initial_state, {HV, K, V}, v.options(), [&](at::Tensor state, int64_t t) {
-    const at::Tensor kt = k[t].unsqueeze(-1);  // (HV, K, 1)
-    state = state * decay[t].view({HV, 1, 1});
+  // Per-token slices from one unbind each: its backward stacks every token's gradient at once
+  // (indexing q[t] in the loop would allocate a full-size gradient per token).
+  const std::vector<at::Tensor> qs = q.unbind(0), ks = k.unbind(0), vs = v.unbind(0), decays = decay.unbind(0),
+                                betas = beta.unbind(0);
+  walk_segments("gdn_token_scan", seg_offsets, parents, initial_state, {HV, K, V}, v.options(), [&](at::Tensor state, int64_t t) {
+    const at::Tensor kt = ks[t].unsqueeze(-1);  // (HV, K, 1)
+    state = state * decays[t].view({HV, 1, 1});
     const at::Tensor remembered = (state * kt).sum(1);  // (HV, V)
-    const at::Tensor delta = (v[t] - remembered) * beta[t].unsqueeze(-1);
+    const at::Tensor delta = (vs[t] - remembered) * betas[t].unsqueeze(-1);
     state = state + kt * delta.unsqueeze(1);
-    outputs[t] = (state * q[t].unsqueeze(-1)).sum(1);  // (HV, V)
+    outputs[t] = (state * qs[t].unsqueeze(-1)).sum(1);  // (HV, V)
     return state;
   });
   return at::stack(outputs).to(v_in.scalar_type());

@@ -321,7 +321,9 @@ def tree_kwargs_from_batch(batch: Mapping[str, Any], row: int | None = None) -> 
     tree fields padded with -1, an ``attention_mask``), or one unpadded row (``TreeRow.pack()``'s 1-D
     fields). Either tree format: TRL 1.16's ``tree_kv_index`` / ``tree_cu_seqlens_q`` /
     ``tree_cu_seqlens_k``, with or without ``tree_segment_parents`` / ``tree_segment_depths`` (also
-    the smallest form, ``tree_cu_seqlens_q`` + ``tree_segment_parents``). ``row``: which row to take;
+    the smallest form, ``tree_cu_seqlens_q`` + ``tree_segment_parents``), and huggingface/trl#7686's level
+    sizes ``tree_level_sizes`` / ``tree_sizes`` (cut at ``tree_n_chunks`` when given, else where their
+    0 / -1 padding starts; ``tree_plan`` checks them against the key paths). ``row``: which row to take;
     needed when the batch holds several (one per data-parallel rank).
 
     Returns ``input_ids`` and ``position_ids`` ``(1, N)`` (``position_ids`` is each token's depth; taken
@@ -380,6 +382,25 @@ def tree_kwargs_from_batch(batch: Mapping[str, Any], row: int | None = None) -> 
                              f"segments of tree_cu_seqlens_q come {tail.tolist()[:8]}, not a run of 0 or -1 (do the "
                              "fields describe the same tree?)")
         out[key] = vector[:segments]
+    # huggingface/trl#7686's level sizes (segments per level; either name), padded with 0 by its collator:
+    # cut at the row's tree_n_chunks when given, else where the padding starts (no level is empty)
+    counts = batch.get("tree_n_chunks")
+    if counts is not None:
+        counts = torch.as_tensor(counts).reshape(-1)
+        count = int(counts[row] if counts.numel() == rows else counts[0])
+        out["tree_n_chunks"] = count
+    for key in ("tree_level_sizes", "tree_sizes"):
+        if batch.get(key) is None:
+            continue
+        vector = _row_vector(batch, key, row, rows)
+        if counts is not None:
+            out[key] = vector[:count]
+            continue
+        real = int((vector > 0).sum())
+        if bool((vector[real:] > 0).any()) or not bool((vector[:real] > 0).all()):
+            raise ValueError(f"tree_kwargs_from_batch: {key}: row {row}: malformed padding: {vector.tolist()[:8]} is "
+                             "not the level sizes (all > 0) followed by 0 or -1")
+        out[key] = vector[:real]
 
     # the row's tokens: the attention_mask (1s then 0s) when there is one, else the segment bounds
     if batch.get("attention_mask") is not None:

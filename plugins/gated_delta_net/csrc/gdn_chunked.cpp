@@ -1,0 +1,134 @@
+#include "gdn_chunked.h"
+
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "tree_recurrence/sdk/op_library.h"
+
+namespace tree_recurrence::gdn {
+namespace {
+
+void check(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta,
+           const at::Tensor& gather, const at::Tensor& scatter) {
+  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"q", &q}, {"k", &k}, {"v", &v}, {"g", &g}, {"beta", &beta}})
+    TORCH_CHECK_TYPE(at::isFloatingType(t->scalar_type()), "gdn_tree_scan: ", name, " has dtype ", t->scalar_type(),
+                     ", expected float32, float64, bfloat16 or float16");
+  TORCH_CHECK_VALUE(q.dim() == 3 && k.sizes() == q.sizes(), "gdn_tree_scan: q and k must be (tokens, heads, key_dim) alike, got ",
+                    q.sizes(), " and ", k.sizes());
+  const int64_t T = q.size(0);
+  TORCH_CHECK_VALUE(v.dim() == 3 && v.size(0) == T, "gdn_tree_scan: v must be (tokens=", T, ", value_heads, value_dim), got ",
+                    v.sizes());
+  TORCH_CHECK_VALUE(q.size(1) > 0 && v.size(1) % q.size(1) == 0, "gdn_tree_scan: value heads ", v.size(1),
+                    " must be a multiple of key heads ", q.size(1));
+  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"g", &g}, {"beta", &beta}})
+    TORCH_CHECK_VALUE(t->dim() == 2 && t->size(0) == T && t->size(1) == v.size(1), "gdn_tree_scan: ", name,
+                      " must be (tokens, value_heads)=(", T, ", ", v.size(1), "), got ", t->sizes());
+  TORCH_CHECK_VALUE(gather.dim() == 2 && gather.size(1) > 0 && gather.scalar_type() == at::kLong,
+                    "gdn_tree_scan: gather must be an int64 (chunks, chunk_size) table (TreePlan.chunk_tables), got ",
+                    gather.scalar_type(), " ", gather.sizes());
+  TORCH_CHECK_VALUE(scatter.dim() == 1 && scatter.size(0) == T && scatter.scalar_type() == at::kLong,
+                    "gdn_tree_scan: scatter must be an int64 (tokens=", T, ") table (TreePlan.chunk_tables), got ",
+                    scatter.scalar_type(), " ", scatter.sizes());
+  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"k", &k}, {"v", &v}, {"g", &g}, {"beta", &beta},
+                                {"gather", &gather}, {"scatter", &scatter}})
+    TORCH_CHECK_VALUE(t->device() == q.device(), "gdn_tree_scan: ", name, " is on ", t->device(), " but q is on ", q.device(),
+                      " (the plan's tables: TreePlan.chunk_tables(chunk, device))");
+}
+
+at::Tensor l2norm(const at::Tensor& x) { return x * at::rsqrt((x * x).sum(-1, /*keepdim=*/true) + 1e-6); }
+
+using StatePass = std::tuple<at::Tensor, at::Tensor>(const std::optional<at::Tensor>&, const at::Tensor&, const at::Tensor&,
+                                                     const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&,
+                                                     const at::Tensor&, const at::Tensor&, const at::Tensor&, at::IntArrayRef,
+                                                     const at::Tensor&, const at::Tensor&);
+
+}  // namespace
+
+at::Tensor chunked_scan(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& g_in,
+                        const at::Tensor& beta_in, const at::Tensor& gather, const at::Tensor& scatter,
+                        const at::Tensor& seg_chunk_offsets, const at::Tensor& parents, const at::Tensor& root_index,
+                        const at::Tensor& level_segments, at::IntArrayRef level_offsets, const at::Tensor& child_offsets,
+                        const at::Tensor& children, const std::optional<at::Tensor>& initial_state, double scale,
+                        bool use_qk_l2norm) {
+  check(q_in, k_in, v_in, g_in, beta_in, gather, scatter);
+  const int64_t T = q_in.size(0), HK = q_in.size(1), K = q_in.size(2), HV = v_in.size(1), V = v_in.size(2);
+  const int64_t groups = HV / HK, NC = gather.size(0), C = gather.size(1);
+  const auto f = v_in.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+
+  at::Tensor q = q_in.to(f), k = k_in.to(f);
+  if (use_qk_l2norm) {
+    q = l2norm(q);
+    k = l2norm(k);
+  }
+  q = q * (scale > 0 ? scale : 1.0 / std::sqrt(static_cast<double>(K)));
+
+  // Chunk-major views (NC, heads, C, ...); padding reads an appended zero row (index T).
+  const at::Tensor index = at::where(gather < 0, at::full({}, T, gather.options()), gather).reshape({-1});
+  auto chunks = [&](const at::Tensor& t) {
+    at::Tensor padded = at::cat({t, at::zeros(t.narrow(0, 0, 1).sizes(), t.options())}, 0);
+    std::vector<int64_t> shape{NC, C};
+    for (int64_t d = 1; d < t.dim(); ++d) shape.push_back(t.size(d));
+    at::Tensor out = padded.index_select(0, index).view(shape);
+    return (t.dim() == 2 ? out.transpose(1, 2) : out.permute({0, 2, 1, 3})).contiguous();
+  };
+  const at::Tensor qc = chunks(q), kc = chunks(k);      // (NC, HK, C, K)
+  const at::Tensor vc = chunks(v_in.to(f));             // (NC, HV, C, V)
+  const at::Tensor gc = chunks(g_in.to(f));             // (NC, HV, C)
+  const at::Tensor bc = chunks(beta_in.to(f));          // (NC, HV, C)
+
+  // Decays. G (NC, HV, C) is <= 0 and non-increasing. The differences D_ij = G_i - G_j (j <= i) are
+  // summed directly, D_ij = sum_{j<m<=i} g_m (a cumsum of the masked g), not subtracted: with
+  // strong decays |G| reaches hundreds and G_i - G_j in fp32 would lose ~1e-4 of every factor.
+  // E_ij = exp(D_ij) for j <= i, 0 above (masked to -inf before the exp).
+  const at::Tensor G = at::cumsum(gc, -1);
+  const at::Tensor ones = at::ones({C, C}, gather.options().dtype(at::kBool));
+  const at::Tensor not_below = ones.triu(), above = ones.triu(1);
+  const at::Tensor D = at::cumsum(gc.unsqueeze(-1).expand({NC, HV, C, C}).masked_fill(not_below, 0.0), -2);
+  const at::Tensor E = at::exp(D.masked_fill(above, -std::numeric_limits<double>::infinity()));
+  const at::Tensor to_last = D.narrow(-2, C - 1, 1).squeeze(-2);  // (NC, HV, C): G_last - G_j
+  const at::Tensor E5 = E.reshape({NC, HK, groups, C, C});
+
+  // Key-head products, shared by the value heads of a group (no repeat of q or k).
+  const at::Tensor kk = at::matmul(kc, kc.transpose(-1, -2)).unsqueeze(2);  // (NC, HK, 1, C, C)
+  const at::Tensor qk = at::matmul(qc, kc.transpose(-1, -2)).unsqueeze(2);
+  const at::Tensor k5 = kc.unsqueeze(2);                                       // (NC, HK, 1, C, K)
+
+  // The UT transform: A strictly lower, (I + A) [w u] = [beta exp(G) k, beta v].
+  const at::Tensor A = (kk * E5).reshape({NC, HV, C, C}).tril(-1) * bc.unsqueeze(-1);
+  const at::Tensor bk = (k5 * (bc * at::exp(G)).reshape({NC, HK, groups, C, 1})).reshape({NC, HV, C, K});
+  const at::Tensor rhs = at::cat({bk, vc * bc.unsqueeze(-1)}, -1);  // (NC, HV, C, K + V)
+  const at::Tensor wu = at::linalg_solve_triangular(A, rhs, /*upper=*/false, /*left=*/true, /*unitriangular=*/true);
+  const at::Tensor w = wu.narrow(-1, 0, K).contiguous(), u = wu.narrow(-1, K, V).contiguous();
+  const at::Tensor kd = (k5 * at::exp(to_last).reshape({NC, HK, groups, C, 1})).reshape({NC, HV, C, K});
+  const at::Tensor decay = at::exp(G.narrow(-1, C - 1, 1).squeeze(-1)).contiguous();  // (NC, HV)
+
+  // The state pass over the trie: h (NC, HV, K, V), the state entering each chunk; v_new = u - w h.
+  std::optional<at::Tensor> h0;
+  if (initial_state) {
+    at::Tensor s = *initial_state;
+    if (s.dim() == 4 && s.size(0) == 1) s = s[0];
+    TORCH_CHECK_VALUE((s.dim() == 3 || s.dim() == 4) && s.size(-3) == HV && s.size(-2) == K && s.size(-1) == V,
+                      "gdn_tree_scan: initial_state must be (value_heads=", HV, ", key_dim=", K, ", value_dim=", V,
+                      ") or (roots, ", HV, ", ", K, ", ", V, "), got ", initial_state->sizes());
+    TORCH_CHECK_VALUE(s.device() == q_in.device(), "gdn_tree_scan: initial_state is on ", s.device(), " but q is on ",
+                      q_in.device());
+    h0 = s.to(f);
+  }
+  static const auto state_pass = c10::Dispatcher::singleton()
+                                     .findSchemaOrThrow(qualified_op("chunk_state_pass").c_str(), "")
+                                     .typed<StatePass>();
+  auto [h, v_new] = state_pass.call(w, u, kd.contiguous(), decay, h0, seg_chunk_offsets, parents, root_index, level_segments,
+                                    level_offsets, child_offsets, children);
+
+  // Outputs: the entering state seen through exp(G) q, plus the chunk's own corrected values.
+  const at::Tensor qg = (qc.unsqueeze(2) * at::exp(G).reshape({NC, HK, groups, C, 1})).reshape({NC, HV, C, K});
+  const at::Tensor scores = (qk * E5).reshape({NC, HV, C, C});
+  const at::Tensor o = at::matmul(qg, h.to(f)) + at::matmul(scores, v_new.to(f));  // (NC, HV, C, V)
+  return o.permute({0, 2, 1, 3}).reshape({NC * C, HV, V}).index_select(0, scatter).to(v_in.scalar_type());
+}
+
+}  // namespace tree_recurrence::gdn
