@@ -1,5 +1,6 @@
 // Mamba2 (SSD) family: Mamba2, Nemotron-H, Bamba, Granite-MoE-Hybrid, Falcon-H1, Zamba2.
 #include "ops.h"
+#include "tree_recurrence/sdk/detectors.h"
 #include "tree_recurrence/sdk/family.h"
 
 namespace {
@@ -7,6 +8,14 @@ namespace {
 class Mamba2Family final : public tree_recurrence::TreeFamily {
  public:
   Mamba2Family() { tree_recurrence::ssd::register_ops(); }
+  // Covers the manifest's mixers; recognises (without covering) other modules with a state-space decay
+  // or a causal depthwise conv, so install names this detector when a model holds one nobody covers.
+  tree_recurrence::Claim detect(const tree_recurrence::ModuleDescription& module) const override {
+    tree_recurrence::Claim claim = TreeFamily::detect(module);
+    if (claim.claimed) return claim;
+    namespace d = tree_recurrence::detectors;
+    return d::recognise(module, manifest().family, {d::kStateSpaceDecay, d::kCausalDepthwiseConv});
+  }
   std::vector<tree_recurrence::KernelInfo> kernels() const override {
     auto kernels = tree_recurrence::tree_conv_kernels();
     // ssd_tree_scan is a composite of ATen ops around the SDK's chunk_state_pass: it runs wherever

@@ -451,3 +451,29 @@ def test_manifest_family_following_chains(installed, gdn_follows_chains):
             _tree_forward(model, tree, tree.rich_kwargs())
     installed(model)  # install twice: one guard per layer, not two
     assert len(install_mod._guards[id(model)]) == len(support.layers)
+
+
+def test_leftovers_name_the_family_detector_that_found_them(installed):
+    """Families ship the detectors (sdk/detectors.h): a leftover is named with the detector and the first
+    family whose detector recognised it; the generic Python check is only the fallback."""
+    support = installed(_CustomModel(_HiddenDecay(16)))
+    assert "[detector state_space_decay of family " in support.reason, support.reason
+    support = installed(_CustomModel(torch.nn.Conv1d(16, 16, 3, groups=16, padding=2)))
+    assert "[detector causal_depthwise_conv of family " in support.reason, support.reason
+    from tree_recurrence import plugins
+
+    for family in ("gated_delta_net", "mamba2"):
+        claimed, role, why = plugins.detect(family, {"path": "x", "class_name": "Other", "model_type": "",
+                                                     "params": [("A_log", [4])], "conv": None})
+        assert (claimed, role) == (False, "recurrent") and why.endswith(f"of family {family}]"), why
+    claimed, role, why = plugins.detect("short_conv", {"path": "x", "class_name": "Other", "model_type": "",
+                                                       "params": [("A_log", [4])], "conv": None})
+    assert (claimed, role, why) == (False, "", "")  # short_conv knows convs, not decays
+
+
+def test_generic_fallback_detector_when_no_family_recognises(installed, monkeypatch):
+    from tree_recurrence import plugins
+
+    monkeypatch.setattr(plugins, "detect", lambda family, desc: (False, "", ""))
+    support = installed(_CustomModel(_HiddenDecay(16)))
+    assert support.mode == "none" and "generic fallback detector" in support.reason, support.reason

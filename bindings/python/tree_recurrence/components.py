@@ -300,7 +300,8 @@ def register_family(name: str, model_types: str | Iterable[str], mixer_classes: 
     ``model_types``: the config ``model_type`` values it covers (informational, as in a manifest).
     ``mixer_classes``: the mixer classes (or class names, with ``modules``) that follow the tree;
     ``install`` claims modules of these classes (``detect(description) -> (claimed, role, reason)``
-    replaces that test) and patches nothing inside them. ``layer_types``: the ``layer_types`` values
+    replaces that test; ``(False, "recurrent", why)`` recognises a module as recurrent without covering
+    it, and install answers "none" with ``why``) and patches nothing inside them. ``layer_types``: the ``layer_types`` values
     those mixers implement. ``seams``: module-level functions of the mixers' modeling modules to
     replace, spec by spec as in a manifest (docs/plugins.md; default none: a model that follows trees
     in its own code needs no seam). ``plan_carriers``: class names in those modules whose forward

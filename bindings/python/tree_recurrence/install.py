@@ -173,13 +173,16 @@ def _describe(path: str, module: torch.nn.Module, model_type: str) -> dict:
 
 
 def _is_recurrent_leftover(desc: dict) -> str | None:
-    """Why an unclaimed module mixes tokens like a recurrent layer, or None."""
+    """The fallback for modules no plugin's detector recognises (families ship the real detectors,
+    sdk/detectors.h): why an unclaimed module mixes tokens like a recurrent layer, or None. It keeps a
+    model with such a layer from answering "tree" when no family is loaded at all."""
     if any(name == "A_log" for name, _ in desc["params"]):
-        return "has a state-space decay (A_log)"
+        return "has a state-space decay (A_log) [generic fallback detector: no loaded family recognises it]"
     conv = desc["conv"]
     if conv and conv["groups"] == conv["in_channels"] == conv["out_channels"] and conv["kernel_size"] > 1 and \
             conv["padding"] == conv["kernel_size"] - 1:
-        return f"is a causal depthwise conv (width {conv['kernel_size']})"
+        return (f"is a causal depthwise conv (width {conv['kernel_size']}) [generic fallback detector: no loaded "
+                "family recognises it]")
     return None
 
 
@@ -304,18 +307,22 @@ def _install(model: torch.nn.Module, policy: Policy | None, backends: dict[str, 
         if any(path.startswith(p + ".") for p in claimed):
             continue  # inside a covered mixer
         desc = _describe(path, module, model_type)
-        owner = None
-        for family in families:
-            covered, role, _ = plugins.detect(family, desc)
+        owner, recognised = None, None
+        for family in families:  # every family's detector: one that covers it wins over those that recognise it
+            covered, role, why = plugins.detect(family, desc)
             if covered and role == "mixer":
                 owner = family
                 break
+            if not covered and role == "recurrent" and recognised is None:
+                recognised = why
         if owner:
             claimed[path] = (owner, module)
             continue
-        why = _is_recurrent_leftover(desc)
-        if why:
-            leftovers.append(f"{path or type(model).__name__} ({type(module).__name__}) {why} and no family plugin covers it")
+        if recognised is None:  # no plugin recognises it: the generic fallback
+            recognised = _is_recurrent_leftover(desc)
+        if recognised:
+            leftovers.append(f"{path or type(model).__name__} ({type(module).__name__}) {recognised} and no family "
+                             "plugin covers it")
 
     # layer_types this model's recurrent layers may carry: those of the manifest entries for its
     # model type and of the mixers found in it. Pooling every family's values would let another
