@@ -335,11 +335,17 @@ __device__ __forceinline__ void grad_pre_vec(const TreeConvParams& p, int64_t t,
 // Fused backward over one token chunk: grad_x in gather form (token u sums what its readers send
 // back, fixed order, one writer) and the chunk's weight/bias sums (fixed-order reduction over the
 // token lanes through shared memory, then over chunks by reduce_chunks_kernel).
+// The chunk is walked in tiles of 8 tokens; the dLoss/d(pre-activation) of the tile and of the
+// W-1 tokens after it is computed once into shared memory, so readers inside a segment (the
+// next W-1 tokens) are read from there; only readers elsewhere (first tokens of child segments at
+// a branch) are recomputed.
 template <typename T, int W>
 __global__ void __launch_bounds__(kVecThreads* kVecTokenLanes, 2)
     backward_vec_kernel(TreeConvParams p, int64_t tokens_per_chunk, float* partial) {
   constexpr int V = BwdVecOf<T>::V;
+  constexpr int kTile = kVecTokenLanes + W - 1;
   __shared__ float lane_sums[kVecTokenLanes][kVecThreads * V];
+  __shared__ float g_tile[kTile][kVecThreads * V];
   const int64_t c0 = (int64_t(blockIdx.x) * kVecThreads + threadIdx.x) * V;
   const bool active = c0 < p.channels;
   float acc_w[W + 1][V];
@@ -347,36 +353,67 @@ __global__ void __launch_bounds__(kVecThreads* kVecTokenLanes, 2)
   for (int k = 0; k <= W; ++k)
 #pragma unroll
     for (int i = 0; i < V; ++i) acc_w[k][i] = 0.f;
-  if (active) {
-    float w[W][V], bias[V];
-    load_weights_vec<T, W, V>(p, c0, w, bias);
-    T* grad_x = static_cast<T*>(p.grad_x);
-    const T* grad_y = static_cast<const T*>(p.grad_y);
-    const int64_t begin = int64_t(blockIdx.y) * tokens_per_chunk;
-    const int64_t end = min(p.num_tokens, begin + tokens_per_chunk);
-    for (int64_t u = begin + threadIdx.y; u < end; u += kVecTokenLanes) {
-      float taps[W][V], g[V], acc[V];
+  float w[W][V], bias[V];
+  if (active) load_weights_vec<T, W, V>(p, c0, w, bias);
+  T* grad_x = static_cast<T*>(p.grad_x);
+  const T* grad_y = static_cast<const T*>(p.grad_y);
+  float* my_g = &g_tile[0][threadIdx.x * V];
+  const int64_t begin = int64_t(blockIdx.y) * tokens_per_chunk;
+  const int64_t end = min(p.num_tokens, begin + tokens_per_chunk);
+  for (int64_t base = begin; base < end; base += kVecTokenLanes) {
+    const int64_t u = base + threadIdx.y;
+    // phase 1: g of the tile's tokens (and the weight sums of those inside the chunk)
+    if (active && u < p.num_tokens) {
+      float taps[W][V], g[V];
       load_taps_vec<T, W, V>(p, u, c0, taps);
       load_vec<T, V>(grad_y + u * p.channels + c0, g);
 #pragma unroll
       for (int i = 0; i < V; ++i) {
         if (p.silu) {
           const float v = dot_vec<W, V>(bias, w, taps, i);
-          const float s = 1.f / (1.f + __expf(-v));
-          g[i] *= s * (1.f + v * (1.f - s));
+          const float sg = 1.f / (1.f + __expf(-v));
+          g[i] *= sg * (1.f + v * (1.f - sg));
         }
-#pragma unroll
-        for (int k = 0; k < W; ++k) acc_w[k][i] += g[i] * taps[k][i];
-        acc_w[W][i] += g[i];
-        acc[i] = w[W - 1][i] * g[i];
+        my_g[threadIdx.y * kVecThreads * V + i] = g[i];
       }
+      if (u < end) {
+#pragma unroll
+        for (int i = 0; i < V; ++i) {
+#pragma unroll
+          for (int k = 0; k < W; ++k) acc_w[k][i] += g[i] * taps[k][i];
+          acc_w[W][i] += g[i];
+        }
+      }
+    }
+    // the W-1 tokens after the tile (halo): warps 0..W-2
+    if (W > 1 && active && threadIdx.y < W - 1) {
+      const int64_t h = base + kVecTokenLanes + threadIdx.y;
+      if (h < p.num_tokens) {
+        float g[V];
+        grad_pre_vec<T, W, V>(p, h, c0, bias, w, g);
+#pragma unroll
+        for (int i = 0; i < V; ++i) my_g[(kVecTokenLanes + threadIdx.y) * kVecThreads * V + i] = g[i];
+      }
+    }
+    __syncthreads();
+    // phase 2: grad_x of the tile's tokens
+    if (active && u < end) {
+      float acc[V];
+#pragma unroll
+      for (int i = 0; i < V; ++i) acc[i] = w[W - 1][i] * my_g[threadIdx.y * kVecThreads * V + i];
       if constexpr (W > 1) {
         for (int64_t r_i = __ldg(p.reader_offsets + u); r_i < __ldg(p.reader_offsets + u + 1); ++r_i) {
           const int64_t r = __ldg(p.readers + r_i);
           const int64_t reader = r / (W - 1);
           const int back = int(r - reader * (W - 1)) + 1;
           float gr[V];
-          grad_pre_vec<T, W, V>(p, reader, c0, bias, w, gr);
+          const int64_t slot = reader - base;
+          if (slot >= 0 && slot < kTile) {
+#pragma unroll
+            for (int i = 0; i < V; ++i) gr[i] = my_g[slot * kVecThreads * V + i];
+          } else {
+            grad_pre_vec<T, W, V>(p, reader, c0, bias, w, gr);
+          }
 #pragma unroll
           for (int k = 0; k < W - 1; ++k) {  // compile-time indices: w stays in registers
             if (k == W - 1 - back) {
@@ -388,6 +425,7 @@ __global__ void __launch_bounds__(kVecThreads* kVecTokenLanes, 2)
       }
       store_vec<T, V>(grad_x + u * p.channels + c0, acc);
     }
+    __syncthreads();
   }
   // weight/bias sums: lanes (threadIdx.y) reduced in a fixed order, one tap at a time
 #pragma unroll

@@ -106,21 +106,29 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def time_steps(model, row, counts, sample_tokens, device, warmup: int, repeat: int) -> dict:
-    losses = [train_step(model, row, counts, sample_tokens) for _ in range(warmup)]
-    _sync(device)
+def time_steps(model, row, counts, sample_tokens, device, warmup: int, repeat: int, slow_s: float = 30.0) -> dict:
+    """Median of ``repeat`` timed steps after ``warmup`` untimed ones; a step slower than
+    ``slow_s`` seconds ends the warm-up and is taken as the measurement (first call included)."""
+    losses, times = [], []
+    for _ in range(warmup):
+        _sync(device)
+        start = time.perf_counter()
+        losses.append(train_step(model, row, counts, sample_tokens))
+        _sync(device)
+        if time.perf_counter() - start > slow_s:
+            times.append(time.perf_counter() - start)
+            break
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    times = []
-    for _ in range(repeat):
+    for _ in range(repeat if not times else 0):
         _sync(device)
         start = time.perf_counter()
         losses.append(train_step(model, row, counts, sample_tokens))
         _sync(device)
         times.append(time.perf_counter() - start)
     ms = 1000 * statistics.median(times)
-    return {"ms": ms, "tokens_per_s": sample_tokens / (ms / 1000), "loss": losses[-1],
+    return {"ms": ms, "tokens_per_s": sample_tokens / (ms / 1000), "loss": losses[-1], "steps_timed": len(times),
             "peak_memory_gb": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None}
 
 
@@ -221,18 +229,25 @@ def run(args: argparse.Namespace) -> int:
         "shape": {"groups": groups, "rollouts": rollouts, "completion": completion, "prompts": prompts},
         "warmup": warmup, "repeat": repeat, "models": {}, "results": [],
     }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    def save():  # after every point: a run cut short still leaves what it measured
+        (out / "bench.json").write_text(json.dumps(report, indent=2))
+
     total = len(names) * len(prompts) * len(checkpointing) * len(MODES)
     bar = tqdm(total=total, desc="bench", unit="run", file=sys.stderr)
-    for name in names:
-        entry = table[name]
-        model = build_model(entry, tiny, dtype, device, args.attn)
-        support = tr.install(model)
-        info = {"model_type": entry["model_type"], "kind": entry.get("kind", ""), "support": support.mode,
+    # prompt lengths outer, models inner: a run cut short has every model at the first prompt length
+    for prompt in prompts:
+        for name in names:
+            entry = table[name]
+            model = build_model(entry, tiny, dtype, device, args.attn)
+            support = tr.install(model)
+            info = report["models"].setdefault(name, {
+                "model_type": entry["model_type"], "kind": entry.get("kind", ""), "support": support.mode,
                 "reason": support.reason, "families": dict(support.families),
-                "parameters": sum(p.numel() for p in model.parameters()), "kernels": {}}
-        report["models"][name] = info
-        try:
-            for prompt in prompts:
+                "parameters": sum(p.numel() for p in model.parameters()), "kernels": {}})
+            try:
                 rows = grpo_rows(groups, rollouts, prompt, completion, model.config.get_text_config().vocab_size, prompt, device)
                 unique = rows["tree"][0]["input_ids"].shape[1]
                 for ckpt in checkpointing:
@@ -259,16 +274,16 @@ def run(args: argparse.Namespace) -> int:
                     point["speedup_vs_chains"] = c / t if t and c else None
                     point["tree_over_flat"] = t / f if t and f else None
                     report["results"].append(point)
-        finally:
-            tr.uninstall(model)
-            del model
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+                    save()
+            finally:
+                tr.uninstall(model)
+                del model
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+        if not args.no_plot:
+            plot(report, out / "bench.png")
     bar.close()
-
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench.json").write_text(json.dumps(report, indent=2))
+    save()
     print_table(report)
     if not args.no_plot:
         plot(report, out / "bench.png")
