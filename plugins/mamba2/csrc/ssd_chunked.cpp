@@ -64,22 +64,25 @@ at::Tensor chunked_scan(const at::Tensor& x_in, const at::Tensor& dt_in, const a
   if (dt_softplus) dt = at::softplus(dt, /*beta=*/1, /*threshold=*/20);
   dt = at::clamp(dt, dt_limit[0], dt_limit[1]);  // (T, H)
 
-  // Chunk-major views; padding reads the appended zero row (index T): dt = 0 leaves the state alone.
-  const at::Tensor index = at::where(gather < 0, at::full({}, T, gather.options()), gather).reshape({-1});
-  auto chunks = [&](const at::Tensor& t) {
-    at::Tensor padded = at::cat({t, at::zeros(t.narrow(0, 0, 1).sizes(), t.options())}, 0);
+  // Chunk-major views. Padding positions (gather -1) get dt = 0 (an appended zero row), which leaves
+  // the state alone and zeroes u there; x, B and C are gathered at a clamped index (padding reads
+  // token 0, multiplied by dt = 0 or never read back), in their own dtype, widened after the gather.
+  const at::Tensor flat = gather.reshape({-1});
+  const at::Tensor index = at::where(flat < 0, at::full({}, T, flat.options()), flat);
+  const at::Tensor clamped = flat.clamp_min(0);
+  auto chunks = [&](const at::Tensor& t, const at::Tensor& idx) {
     std::vector<int64_t> shape{NC, L};
     for (int64_t d = 1; d < t.dim(); ++d) shape.push_back(t.size(d));
-    return padded.index_select(0, index).view(shape);
+    return t.index_select(0, idx).view(shape);
   };
-  const at::Tensor dtc = chunks(dt).permute({0, 2, 1});                  // (NC, H, L)
-  const at::Tensor xc = chunks(x_in.to(f)).permute({0, 2, 1, 3});        // (NC, H, L, P)
-  const at::Tensor Bc = chunks(B_in.to(f)).permute({0, 2, 1, 3});        // (NC, G, L, N)
-  const at::Tensor Cc = chunks(C_in.to(f)).permute({0, 2, 1, 3});        // (NC, G, L, N)
+  const at::Tensor dtc = chunks(at::cat({dt, at::zeros({1, H}, dt.options())}, 0), index).permute({0, 2, 1});  // (NC, H, L)
+  const at::Tensor xc = chunks(x_in, clamped).permute({0, 2, 1, 3});         // (NC, H, L, P), x's dtype
+  const at::Tensor Bc = chunks(B_in, clamped).to(f).permute({0, 2, 1, 3});   // (NC, G, L, N)
+  const at::Tensor Cc = chunks(C_in, clamped).to(f).permute({0, 2, 1, 3});   // (NC, G, L, N)
 
   const at::Tensor Gc = at::cumsum(dtc * A_in.to(f).view({1, H, 1}), -1);  // (NC, H, L), <= 0 and decreasing
   const at::Tensor G_last = Gc.narrow(-1, L - 1, 1);                        // (NC, H, 1)
-  const at::Tensor u = (dtc.unsqueeze(-1) * xc).contiguous();              // (NC, H, L, P)
+  const at::Tensor u = (dtc.unsqueeze(-1) * xc.to(f)).contiguous();        // (NC, H, L, P)
   const at::Tensor kd = (Bc.unsqueeze(2) * at::exp(G_last - Gc).view({NC, G, hpg, L, 1})).view({NC, H, L, N});
   const at::Tensor decay = at::exp(G_last.squeeze(-1)).contiguous();       // (NC, H)
 
@@ -107,14 +110,17 @@ at::Tensor chunked_scan(const at::Tensor& x_in, const at::Tensor& dt_in, const a
 
   // Outputs of the chunk's own tokens and of the entering state, grouped matmuls (B, C per group).
   const at::Tensor hg = h.view({NC, G, hpg, N, P}).permute({0, 1, 3, 2, 4}).reshape({NC, G, N, hpg * P});
-  const at::Tensor y_state = at::matmul(Cc, hg).view({NC, G, L, hpg, P}).permute({0, 1, 3, 2, 4}).reshape({NC, H, L, P}) *
+  at::Tensor y_state = at::matmul(Cc, hg).view({NC, G, L, hpg, P}).permute({0, 1, 3, 2, 4}).reshape({NC, H, L, P}) *
                              at::exp(Gc).unsqueeze(-1);
+  // exp(G_i - G_j) below the diagonal, 0 above: masked to -inf before exp (in place: one (NC, H, L, L)
+  // buffer instead of three), never exp of a positive number.
   const at::Tensor causal = at::ones({L, L}, gather.options().dtype(at::kBool)).tril();
-  const at::Tensor segsum = (Gc.unsqueeze(-1) - Gc.unsqueeze(-2)).masked_fill(causal.logical_not(),
-                                                                              -std::numeric_limits<double>::infinity());
-  const at::Tensor scores = (at::matmul(Cc, Bc.transpose(-1, -2)).unsqueeze(2) * at::exp(segsum).view({NC, G, hpg, L, L}))
+  const at::Tensor decays = (Gc.unsqueeze(-1) - Gc.unsqueeze(-2))
+                                .masked_fill_(causal.logical_not(), -std::numeric_limits<double>::infinity())
+                                .exp_();
+  const at::Tensor scores = (at::matmul(Cc, Bc.transpose(-1, -2)).unsqueeze(2) * decays.view({NC, G, hpg, L, L}))
                                 .view({NC, H, L, L});
-  at::Tensor y = (y_state + at::matmul(scores, u)).permute({0, 2, 1, 3}).reshape({NC * L, H, P}).index_select(0, scatter);
+  at::Tensor y = y_state.add_(at::matmul(scores, u)).permute({0, 2, 1, 3}).reshape({NC * L, H, P}).index_select(0, scatter);
 
   if (D) y = y + (D->dim() == 1 ? D->to(f).view({H, 1}) : D->to(f)) * x_in.to(f);
   if (z_in) {
