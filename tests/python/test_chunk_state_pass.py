@@ -63,9 +63,11 @@ def make_inputs(tables, heads, k_dim, v_dim, chunk, dtype, seed, with_w=True, h0
     def rand(*shape, scale=1.0):
         return torch.randn(*shape, generator=gen, dtype=torch.float64) * scale
 
-    w = rand(nc, heads, chunk, k_dim, scale=0.3) * valid if with_w else None
+    # Small enough that decay*I - kd^T w stays a contraction (no blow-up over long chains).
+    scale = 0.6 / (chunk**0.5 + k_dim**0.5)
+    w = rand(nc, heads, chunk, k_dim, scale=scale) * valid if with_w else None
     u = rand(nc, heads, chunk, v_dim) * valid
-    kd = rand(nc, heads, chunk, k_dim, scale=0.3) * valid
+    kd = rand(nc, heads, chunk, k_dim, scale=scale) * valid
     decay = 0.3 + 0.7 * torch.rand(nc, heads, generator=gen, dtype=torch.float64)
     init = None
     if h0 == "shared":

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# One device run for chunk_state_pass (the shared chunked tree state pass): build, its CUDA tests
+# (against the CPU op and the float64 oracle), compute-sanitizer memcheck + racecheck on a small
+# case, and the micro-benchmark at the GRPO shape. Logs and JSON to $OUT and benchmarks/results/.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-benchmarks/results}
+mkdir -p "$OUT" benchmarks/results
+export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONWARNINGS=ignore
+start=$(date +%s)
+stamp() { echo "[$(( $(date +%s) - start ))s] $*"; }
+stamp build
+bash scripts/gpu-build.sh >"$OUT/csp_build.log" 2>&1 || { tail -40 "$OUT/csp_build.log"; exit 1; }
+tail -1 "$OUT/csp_build.log"
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv,noheader
+stamp tests
+timeout 240 python3 -m pytest tests/python/test_chunk_state_pass.py -q -x -p no:cacheprovider -k "cuda" >"$OUT/csp_tests.log" 2>&1
+echo "pytest exit $?"; grep -E "passed|failed|Error|assert" "$OUT/csp_tests.log" | tail -15
+stamp sanitizer
+if command -v compute-sanitizer >/dev/null; then
+  for tool in memcheck racecheck; do
+    timeout 90 compute-sanitizer --tool $tool \
+      python3 benchmarks/chunk_state_pass_bench.py --small >"$OUT/csp_sanitizer_$tool.log" 2>&1
+    echo "$tool exit $?"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Error" "$OUT/csp_sanitizer_$tool.log" | head -5
+  done
+fi
+stamp bench
+timeout 200 python3 benchmarks/chunk_state_pass_bench.py --out benchmarks/results/chunk_state_pass_h200.json 2>&1 | tee "$OUT/csp_bench.txt"
+stamp done
