@@ -295,10 +295,12 @@ def test_tree_row_without_use_cache_false_builds_no_cache(installed, caplog):
     with caplog.at_level(logging.INFO, logger="tree_recurrence"):
         with torch.no_grad():
             out = model(input_ids=tree.input_ids, position_ids=tree.position_ids, **tree.trl_kwargs())
-            again = model(input_ids=tree.input_ids, position_ids=tree.position_ids, use_cache=True, **tree.trl_kwargs())
+            again = model(input_ids=tree.input_ids, position_ids=tree.position_ids, **tree.trl_kwargs())
     assert out.past_key_values is None and again.past_key_values is None
     torch.testing.assert_close(out.logits[0], expected, rtol=0, atol=0)
     torch.testing.assert_close(again.logits[0], expected, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="use_cache=False"):  # asked for explicitly: refused with the reason
+        model(input_ids=tree.input_ids, position_ids=tree.position_ids, use_cache=True, **tree.trl_kwargs())
     told = [r for r in caplog.records if "use_cache=False" in r.getMessage()]
     assert len(told) == 1, [r.getMessage() for r in caplog.records]
     with torch.no_grad():  # an ordinary row keeps its cache

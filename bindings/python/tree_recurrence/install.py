@@ -252,11 +252,11 @@ _told_use_cache = False
 
 
 def _no_cache_for_tree_rows(module, args, kwargs):
-    """A forward pre-hook of an installed model (and its base model): a tree-packed row without a cache
-    of its own runs with ``use_cache=False`` (a row of many samples has no one recurrent state to
-    cache); says so once."""
+    """A forward pre-hook of an installed model (and its base model): a tree-packed row that did not say
+    ``use_cache`` runs with ``use_cache=False`` (a row of many samples has no one recurrent state to
+    cache); says so once. An explicit ``use_cache=True`` is left to be refused with the reason."""
     global _told_use_cache
-    if kwargs.get("use_cache") is False or kwargs.get("past_key_values") is not None or \
+    if kwargs.get("use_cache") is not None or kwargs.get("past_key_values") is not None or \
             kwargs.get("cache_params") is not None or is_meta_tree(kwargs) or tree_plan(kwargs) is None:
         return None
     if not _told_use_cache:
