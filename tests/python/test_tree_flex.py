@@ -83,15 +83,19 @@ def test_flex_backward_matches_samples_alone(forest, window):
         torch.testing.assert_close(g, ref, rtol=1e-10, atol=1e-10, msg=lambda m: f"d{name}: {m}")
 
 
-def test_block_mask_matches_dense_mask_and_is_cached():
+@pytest.mark.parametrize("forest", ["mixed", "groups", "multiturn"])
+@pytest.mark.parametrize("block", [4, 8])
+@pytest.mark.parametrize("window", [None, 5])
+def test_block_mask_matches_dense_mask_and_is_cached(forest, block, window):
     """Block by block (small blocks so the row has many), the block mask's sparsity agrees with the
-    dense mask: every block with a visible pair is listed, full blocks only where all pairs are."""
-    tree = M.pack_forest("mixed")
+    dense mask: every block with a visible pair is listed, full blocks only where all pairs are
+    (without a window the blocks come from subtree intervals, with one from the mask itself)."""
+    tree = M.pack_forest(forest)
     plan = tr.tree_plan(tree.rich_kwargs())
-    n, block = plan.num_tokens, 8
-    bm = A.tree_block_mask(plan, "cpu", block=block)
-    assert A.tree_block_mask(plan, "cpu", block=block) is bm  # cached with the plan
-    dense = A.tree_attention_mask(plan, "cpu")
+    n = plan.num_tokens
+    bm = A.tree_block_mask(plan, "cpu", window, block=block)
+    assert A.tree_block_mask(plan, "cpu", window, block=block) is bm  # cached with the plan
+    dense = A.tree_attention_mask(plan, "cpu", window)
     blocks = -(-n // block)
     padded = torch.zeros(blocks * block, blocks * block, dtype=torch.bool)
     padded[:n, :n] = dense

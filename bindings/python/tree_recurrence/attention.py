@@ -121,6 +121,57 @@ def tree_mask_mod(plan, device, sliding_window: int | None = None):
     return mask_mod
 
 
+def _tree_blocks(ends: torch.Tensor, n: int, block: int):
+    """(partial, full) (Q blocks x KV blocks) of the tree mask u <= q < ends[u], from the keys'
+    intervals alone: O(N * N / block) work instead of O(N * N). Key u is visible to some query of
+    block [lo, hi] iff max(u, lo) <= min(ends[u] - 1, hi), to all of them iff u <= lo and
+    ends[u] > hi; blocks running past N are never full."""
+    device = ends.device
+    blocks = -(-n // block)
+    pad = blocks * block - n
+    u = torch.arange(blocks * block, device=device)
+    e = torch.cat([ends, torch.zeros(pad, dtype=ends.dtype, device=device)])  # padded keys: never visible
+    key_last = u.view(blocks, block).amax(dim=1)  # last key of each kv block
+    key_end_min = e.view(blocks, block).amin(dim=1)
+    kv_complete = torch.arange(blocks, device=device) < n // block
+    partial = torch.zeros(blocks, blocks, dtype=torch.bool, device=device)
+    full = torch.zeros(blocks, blocks, dtype=torch.bool, device=device)
+    rows_per_chunk = max(1, (1 << 27) // (blocks * block))
+    for first in range(0, blocks, rows_per_chunk):
+        last = min(blocks, first + rows_per_chunk)
+        lo = torch.arange(first, last, device=device) * block
+        hi = (lo + block).clamp(max=n) - 1
+        visible = torch.maximum(u[None, :], lo[:, None]) <= torch.minimum(e[None, :] - 1, hi[:, None])
+        any_ = visible.view(last - first, blocks, block).any(dim=2)
+        all_ = (key_last[None, :] <= lo[:, None]) & (key_end_min[None, :] > hi[:, None]) & kv_complete[None, :]
+        all_ &= (hi - lo + 1 == block)[:, None]
+        full[first:last] = all_
+        partial[first:last] = any_ & ~all_
+    return partial, full
+
+
+def _blocks_from_mask_mod(mask_mod, n: int, block: int, device):
+    """(partial, full) by evaluating ``mask_mod`` chunk by chunk (~256 M entries at a time) against
+    the keys up to each chunk's last query; padding past N counts as masked."""
+    blocks = -(-n // block)
+    partial = torch.zeros(blocks, blocks, dtype=torch.bool, device=device)
+    full = torch.zeros(blocks, blocks, dtype=torch.bool, device=device)
+    rows_per_chunk = max(1, (1 << 28) // (blocks * block * block))
+    padded_keys = torch.arange(blocks * block, device=device)
+    for first in range(0, blocks, rows_per_chunk):
+        last = min(blocks, first + rows_per_chunk)
+        q = torch.arange(first * block, last * block, device=device)
+        kv = padded_keys[: last * block]
+        m = mask_mod(0, 0, q.clamp(max=n - 1)[:, None], kv.clamp(max=n - 1)[None, :])
+        m &= (q[:, None] < n) & (kv[None, :] < n)
+        m = m.view(last - first, block, last, block)
+        any_ = m.any(dim=3).any(dim=1)
+        all_ = m.all(dim=3).all(dim=1)
+        full[first:last, :last] = all_
+        partial[first:last, :last] = any_ & ~all_
+    return partial, full
+
+
 FLEX_BLOCK = 128  # FlexAttention's sparse block size
 
 
@@ -128,10 +179,9 @@ def tree_block_mask(plan, device, sliding_window: int | None = None, block: int 
     """The plan's FlexAttention BlockMask on ``device``, built once and cached with the plan, so
     every layer and every gradient-checkpoint replay of a forward reuses it.
 
-    Built by query-block chunks (never the whole N x N mask at once: a forest of 64 chains of 2,560
-    tokens would need 27 GB): each chunk evaluates the mask against the keys up to its last query
-    and reduces it to (partial, full) blocks; padding past N counts as masked, so an edge block is
-    never full."""
+    Never the whole N x N mask at once (a forest of 64 chains of 2,560 tokens would need 27 GB):
+    without a window the blocks come from the keys' subtree intervals (:func:`_tree_blocks`), with
+    one the mask is evaluated chunk by chunk (:func:`_blocks_from_mask_mod`)."""
     from torch.nn.attention.flex_attention import BlockMask
 
     device = torch.device(device)
@@ -140,22 +190,10 @@ def tree_block_mask(plan, device, sliding_window: int | None = None, block: int 
     if key not in cache:
         n = plan.num_tokens
         mask_mod = tree_mask_mod(plan, device, sliding_window)
-        blocks = -(-n // block)
-        partial = torch.zeros(blocks, blocks, dtype=torch.bool, device=device)
-        full = torch.zeros(blocks, blocks, dtype=torch.bool, device=device)
-        rows_per_chunk = max(1, (1 << 28) // (blocks * block * block))  # ~256 M mask entries a chunk
-        padded_keys = torch.arange(blocks * block, device=device)
-        for first in range(0, blocks, rows_per_chunk):
-            last = min(blocks, first + rows_per_chunk)
-            q = torch.arange(first * block, last * block, device=device)
-            kv = padded_keys[: last * block]
-            m = mask_mod(0, 0, q.clamp(max=n - 1)[:, None], kv.clamp(max=n - 1)[None, :])
-            m &= (q[:, None] < n) & (kv[None, :] < n)
-            m = m.view(last - first, block, last, block)
-            any_ = m.any(dim=3).any(dim=1)
-            all_ = m.all(dim=3).all(dim=1)
-            full[first:last, :last] = all_
-            partial[first:last, :last] = any_ & ~all_
+        if sliding_window is None:
+            partial, full = _tree_blocks(tree_subtree_ends(plan, device), n, block)
+        else:
+            partial, full = _blocks_from_mask_mod(mask_mod, n, block, device)
 
         def ordered(flags):
             counts = flags.sum(dim=1, dtype=torch.int32)
@@ -184,12 +222,13 @@ _compiled_flex = None
 
 
 def _flex_kernel():
-    """flex_attention compiled once (its eager form materialises every score: only for CPU)."""
+    """flex_attention compiled once (its eager form materialises every score: only for CPU). Row
+    lengths change every step: after the first recompile torch compiles for dynamic shapes."""
     global _compiled_flex
     if _compiled_flex is None:
         from torch.nn.attention.flex_attention import flex_attention
 
-        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+        _compiled_flex = torch.compile(flex_attention)
     return _compiled_flex
 
 

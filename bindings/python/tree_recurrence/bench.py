@@ -265,6 +265,10 @@ def run(args: argparse.Namespace) -> int:
                             point[mode] = time_steps(model, row, counts, sample_tokens, device, warmup, repeat)
                         except torch.cuda.OutOfMemoryError as error:
                             point[mode] = {"error": f"out of memory: {str(error).splitlines()[0]}"}
+                        except Exception as error:  # noqa: BLE001 -- one failing layout must not lose the others
+                            if device.type == "cpu":
+                                raise
+                            point[mode] = {"error": f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"}
                         if mode == "tree":
                             info["kernels"] = kernels_ran(driver.decisions) or info["kernels"]
                         if device.type == "cuda":
@@ -302,7 +306,7 @@ def print_table(report: dict) -> None:
     print(header)
     for r in report["results"]:
         def ms(mode):
-            return f"{r[mode]['ms']:.1f}" if "ms" in r[mode] else "OOM"
+            return f"{r[mode]['ms']:.1f}" if "ms" in r[mode] else "error"
 
         def gb(mode):
             v = r[mode].get("peak_memory_gb")
