@@ -13,3 +13,5 @@ else
   fi
 fi
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore
+# The compiler cache stays inside the checkout too (unless the user chose one).
+export CCACHE_DIR="${CCACHE_DIR:-$PWD/build/ccache}"
