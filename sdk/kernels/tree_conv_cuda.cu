@@ -309,7 +309,7 @@ __global__ void __launch_bounds__(kVecThreads* kVecTokenLanes) forward_vec_kerne
 #pragma unroll
     for (int i = 0; i < V; ++i) {
       const float v = dot_vec<W, V>(bias, w, taps, i);
-      out[i] = p.silu ? v / (1.f + __expf(-v)) : v;
+      out[i] = p.silu ? v / (1.f + expf(-v)) : v;
     }
     store_vec<T, V>(y + t * p.channels + c0, out);
   }
@@ -327,7 +327,7 @@ __device__ __forceinline__ void grad_pre_vec(const TreeConvParams& p, int64_t t,
 #pragma unroll
   for (int i = 0; i < V; ++i) {
     const float v = dot_vec<W, V>(bias, w, taps, i);
-    const float s = 1.f / (1.f + __expf(-v));
+    const float s = 1.f / (1.f + expf(-v));
     g[i] *= s * (1.f + v * (1.f - s));
   }
 }
@@ -371,7 +371,7 @@ __global__ void __launch_bounds__(kVecThreads* kVecTokenLanes, 2)
       for (int i = 0; i < V; ++i) {
         if (p.silu) {
           const float v = dot_vec<W, V>(bias, w, taps, i);
-          const float sg = 1.f / (1.f + __expf(-v));
+          const float sg = 1.f / (1.f + expf(-v));
           g[i] *= sg * (1.f + v * (1.f - sg));
         }
         my_g[threadIdx.y * kVecThreads * V + i] = g[i];
