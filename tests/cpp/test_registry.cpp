@@ -91,7 +91,7 @@ TEST_SUITE("Registry") {
                          doctest::Contains("seam 's' must be a mapping with an 'adapter' field"), std::invalid_argument);
   }
 
-  TEST_CASE("hostile plugin folders: one refused entry each, nothing outside the folder opened, nothing thrown") {
+  TEST_CASE("hostile plugin folders give one refused entry each and nothing outside a folder is opened") {
     // issue 12 items 4-7: these threw filesystem_error out of discover() or loaded libraries from
     // anywhere.
     namespace fs = std::filesystem;

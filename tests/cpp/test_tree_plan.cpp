@@ -223,7 +223,7 @@ TEST_SUITE("TreePlan validation") {
     CHECK(error_of([&] { plan->conv_ancestors(0); }).find("conv width") == 0);
   }
 
-  TEST_CASE("sizes are checked before anything is allocated; per-token tables are built on first use") {
+  TEST_CASE("sizes are checked before anything is allocated and per-token tables are built on first use") {
     // issue 12 item 2: a 2-entry input naming a huge row was allocated (bad_alloc, gigabytes, or an
     // unnamed vector::_M_default_append error) before being refused.
     TreeInput in;
