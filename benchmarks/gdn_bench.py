@@ -177,6 +177,7 @@ def main():
                 torch.cuda.empty_cache()
             result["workloads"][name][case] = r
             print(name, case, json.dumps(r), flush=True)
+            save(result, args.out)  # after every case: a run cut short keeps what it measured
     grpo_flat = result["workloads"]["grpo"]["flat"]
     result["fla_forward_grpo_flat"] = bench_fla([grpo_flat["tokens"]] if "tokens" in grpo_flat else [0], dims, dtype,
                                                 device, args.repeats) if device.type == "cuda" else {"skipped": "no CUDA"}
@@ -195,8 +196,12 @@ def main():
         "fla_fwd_over_flat_fwd": ratio(fla, g["flat"], "fwd") if "fwd" in fla else None,  # target >= 0.8
     }
     print(json.dumps(result["summary"]))
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
+    save(result, args.out)
+
+
+def save(result, path):
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
         json.dump(result, f, indent=1)
 
 
