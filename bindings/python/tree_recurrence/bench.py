@@ -165,13 +165,18 @@ def build_model(entry: dict, tiny: bool, dtype, device, attn: str):
     return model.to(device=device, dtype=dtype).train()
 
 
-def kernels_ran(decisions) -> dict:
-    """family -> {seam: [strategies]} from the driver's decision log."""
+def kernels_ran(decisions, reasons: dict | None = None) -> dict:
+    """family -> {seam: [strategies]} from the driver's decision log; with ``reasons``, also
+    fills it with "family/seam" -> [the driver's reasons] (which kernel, and why)."""
     out: dict[str, dict[str, list[str]]] = {}
-    for family, seam, strategy, _reason in decisions:
+    for family, seam, strategy, reason in decisions:
         strategies = out.setdefault(family, {}).setdefault(seam, [])
         if strategy not in strategies:
             strategies.append(strategy)
+        if reasons is not None:
+            why = reasons.setdefault(f"{family}/{seam}", [])
+            if reason not in why:
+                why.append(reason)
     return out
 
 
@@ -246,7 +251,7 @@ def run(args: argparse.Namespace) -> int:
             info = report["models"].setdefault(name, {
                 "model_type": entry["model_type"], "kind": entry.get("kind", ""), "support": support.mode,
                 "reason": support.reason, "families": dict(support.families),
-                "parameters": sum(p.numel() for p in model.parameters()), "kernels": {}})
+                "parameters": sum(p.numel() for p in model.parameters()), "kernels": {}, "kernel_reasons": {}})
             try:
                 rows = grpo_rows(groups, rollouts, prompt, completion, model.config.get_text_config().vocab_size, prompt, device)
                 unique = rows["tree"][0]["input_ids"].shape[1]
@@ -270,7 +275,7 @@ def run(args: argparse.Namespace) -> int:
                                 raise
                             point[mode] = {"error": f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"}
                         if mode == "tree":
-                            info["kernels"] = kernels_ran(driver.decisions) or info["kernels"]
+                            info["kernels"] = kernels_ran(driver.decisions, info["kernel_reasons"]) or info["kernels"]
                         if device.type == "cuda":
                             torch.cuda.empty_cache()
                         bar.update()
