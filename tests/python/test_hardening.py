@@ -204,9 +204,8 @@ def test_requirements_cover_every_third_party_import_of_tests_examples_and_bench
 
 def test_ci_starts_from_an_empty_virtual_environment():
     text = (REPO / ".ci" / "run").read_text()
-    assert "rm -rf .ci/venv" in text and "python3 -m venv .ci/venv" in text
-    assert 'export PYTHON="$PWD/.ci/venv/bin/python"' in text
-    assert text.index("rm -rf .ci/venv") < text.index("python3 -m venv .ci/venv") < text.index("bash scripts/test.sh")
+    assert "rm -rf .ci/venv" in text and "export TREE_RECURRENCE_VENV=.ci/venv" in text and "unset PYTHON" in text
+    assert text.index("rm -rf .ci/venv") < text.index("bash scripts/test.sh")
 
 
 def _env_script(folder: Path) -> Path:
@@ -226,6 +225,10 @@ def test_python_env_makes_a_project_venv_unless_python_is_given(tmp_path):
     done = subprocess.run(["bash", "-c", "source scripts/python-env.sh && echo \"PY=$PY\""], cwd=clone,
                           env={**env, "PYTHON": sys.executable}, capture_output=True, text=True, timeout=60)
     assert f"PY={sys.executable}" in done.stdout
+    done = subprocess.run(["bash", "-c", "source scripts/python-env.sh && echo \"PY=$PY\""], cwd=clone,
+                          env={**env, "TREE_RECURRENCE_VENV": ".ci/venv"}, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert f"PY={clone}/.ci/venv/bin/python" in done.stdout
 
 
 def test_every_script_uses_the_chosen_interpreter():
