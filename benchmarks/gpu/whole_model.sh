@@ -23,7 +23,7 @@ stamp conv-bench
 python3 benchmarks/tree_conv_bench.py --out "$OUT" 2>&1 | tail -8
 if command -v ncu >/dev/null; then
   stamp ncu
-  timeout 60 ncu --clock-control none --kernel-name regex:"vec_kernel" --launch-count 4 \
+  timeout 45 ncu --clock-control none --kernel-name regex:"vec_kernel" --launch-count 2 \
     --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed \
     python3 benchmarks/tree_conv_bench.py --once >"$OUT/ncu.txt" 2>&1
   grep -E "vec_kernel|duration|dram__" "$OUT/ncu.txt" | head -24

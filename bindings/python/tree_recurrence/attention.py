@@ -222,13 +222,13 @@ _compiled_flex = None
 
 
 def _flex_kernel():
-    """flex_attention compiled once (its eager form materialises every score: only for CPU). Row
-    lengths change every step: after the first recompile torch compiles for dynamic shapes."""
+    """flex_attention compiled once (its eager form materialises every score: only for CPU), for
+    dynamic shapes: row lengths change every step, and a static compile would recompile for each."""
     global _compiled_flex
     if _compiled_flex is None:
         from torch.nn.attention.flex_attention import flex_attention
 
-        _compiled_flex = torch.compile(flex_attention)
+        _compiled_flex = torch.compile(flex_attention, dynamic=True)
     return _compiled_flex
 
 
