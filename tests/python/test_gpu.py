@@ -34,11 +34,12 @@ def random_tree_kwargs(generator: torch.Generator, segments: int, max_len: int, 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 @pytest.mark.parametrize("width", [2, 4])
-def test_cuda_tree_conv_matches_cpu(dtype, tol, width):
+@pytest.mark.parametrize("channels", [96, 98], ids=["vector", "scalar"])  # 98: not a multiple of the vector width
+def test_cuda_tree_conv_matches_cpu(dtype, tol, width, channels):
     g = torch.Generator().manual_seed(width)
     kwargs = random_tree_kwargs(g, 300, 9, "cuda")
     plan = tree_recurrence.tree_plan(kwargs)
-    n, c = plan.num_tokens, 96
+    n, c = plan.num_tokens, channels
     x = torch.randn(1, c, n, generator=g, dtype=torch.float64)
     w = torch.randn(c, width, generator=g, dtype=torch.float64)
     b = torch.randn(c, generator=g, dtype=torch.float64)
