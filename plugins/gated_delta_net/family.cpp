@@ -1,7 +1,6 @@
 // Gated DeltaNet family: Qwen3.5, Qwen3.5-MoE, Qwen3-Next, OLMo-Hybrid (see family.yaml).
 #include "ops.h"
 #include "tree_recurrence/sdk/detectors.h"
-#include "tree_recurrence/sdk/detectors.h"
 #include "tree_recurrence/sdk/family.h"
 
 namespace {
@@ -9,14 +8,6 @@ namespace {
 class GatedDeltaNetFamily final : public tree_recurrence::TreeFamily {
  public:
   GatedDeltaNetFamily() { tree_recurrence::gdn::register_ops(); }
-  // Covers the manifest's mixers; recognises (without covering) other modules with a state-space decay
-  // or a causal depthwise conv, so install names this detector when a model holds one nobody covers.
-  tree_recurrence::Claim detect(const tree_recurrence::ModuleDescription& module) const override {
-    tree_recurrence::Claim claim = TreeFamily::detect(module);
-    if (claim.claimed) return claim;
-    namespace d = tree_recurrence::detectors;
-    return d::recognise(module, manifest().family, {d::kStateSpaceDecay, d::kCausalDepthwiseConv});
-  }
   // Covers the manifest's mixers; recognises (without covering) other modules with a state-space decay
   // or a causal depthwise conv, so install names this detector when a model holds one nobody covers.
   tree_recurrence::Claim detect(const tree_recurrence::ModuleDescription& module) const override {
