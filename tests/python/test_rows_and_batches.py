@@ -204,3 +204,32 @@ def test_tree_kwargs_from_batch_reads_the_level_sizes():
         _same_plan(tr.tree_plan({k: v for k, v in kwargs.items() if k.startswith("tree_")}), tr.tree_plan(tree.rich_kwargs()))
     batch["tree_n_chunks"] = torch.tensor([len(_level_sizes(t)) for t in trees])
     assert tree_kwargs_from_batch(batch, row=0)["tree_n_chunks"] == len(_level_sizes(trees[0]))
+
+
+# ------------------------------------------------------------------------------------------------
+# 9. a row longer than the plan: padding tokens after the tree's tokens
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("strategy", ["native", "fork", "rescan"])
+def test_recurrent_layer_on_a_row_longer_than_the_plan(strategy):
+    """A collator pads input_ids past the tree's tokens: the recurrent layer runs its seams on the plan's
+    tokens; the real tokens' outputs equal the unpadded row's and get no gradient from the padding, and the
+    seams give the padding tokens zeros."""
+    model = M.make_model(MODEL_TYPE)
+    policy = tr.Policy(strategy="auto" if strategy == "native" else strategy)
+    tr.install(model, policy=policy, backends={"gated_delta_net": "auto" if strategy == "native" else "kernel"})
+    try:
+        mixer = model.model.layers[0].linear_attn
+        tree = M.pack_forest("fan")
+        n = tree.num_tokens
+        hidden = torch.randn(1, n, model.config.hidden_size)
+        padded = torch.cat([hidden, torch.randn(1, 5, model.config.hidden_size)], 1).requires_grad_()
+        expected = mixer(hidden, **tree.trl_kwargs())
+        out = mixer(padded, **tree.trl_kwargs())
+        assert out.shape == padded.shape
+        torch.testing.assert_close(out[:, :n], expected, rtol=1e-5, atol=1e-5)
+        out[:, :n].sum().backward()
+        assert torch.count_nonzero(padded.grad[:, n:]) == 0, "gradient leaked from the padding into real tokens"
+    finally:
+        tr.uninstall(model)

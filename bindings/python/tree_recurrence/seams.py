@@ -41,6 +41,8 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import torch
+
 from . import driver
 from ._plan import TreePlan, row_length, tree_plan
 from ._plan import is_meta_tree
@@ -184,12 +186,52 @@ def _make_seam_wrapper(slot: _Slot, seam: str, spec: dict, original: Callable) -
 
             kernel = reference_seam(owner.family, seam, original) or original
         call = driver.SeamCall.bind(owner.family, seam, spec, kernel, plan, args, kwargs)
-        return adapter(call, owner.backend, owner.policy)
+        row = _trim_row_padding(call, spec)
+        result = adapter(call, owner.backend, owner.policy)
+        return result if row is None else _pad_row(result, spec, row)
 
     functools.update_wrapper(seam_wrapper, original, assigned=("__module__", "__name__", "__qualname__", "__doc__"))
     setattr(seam_wrapper, WRAPPER_MARK, (slot.owner.family, seam))
     setattr(seam_wrapper, ORIGINAL_ATTR, original)
     return seam_wrapper
+
+
+# Where each adapter's sequence tensors keep their tokens: (names, time dimension).
+_ROW_AXES = {"conv": (lambda spec: spec["args"][:1], 2), "scan": (lambda spec: spec["sequence"], 1)}
+
+
+def _trim_row_padding(call: Any, spec: dict) -> int | None:
+    """A row longer than the plan (a collator padded ``input_ids`` past the tree's tokens): the seam
+    runs on the plan's tokens only, so padding tokens never reach real ones (values or gradients).
+    Returns the row's length when it trimmed, else None."""
+    axes = _ROW_AXES.get(spec["adapter"])
+    if axes is None:
+        return None
+    names, dim = axes[0](spec), axes[1]
+    n = call.plan.num_tokens
+    row = None
+    for name in names:
+        t = call.named.get(name)
+        if isinstance(t, torch.Tensor) and t.dim() > dim and t.shape[0] == 1 and t.shape[dim] > n:
+            row = t.shape[dim] if row is None else row
+            call.named[name] = t.narrow(dim, 0, n)
+    return row
+
+
+def _pad_row(result: Any, spec: dict, row: int) -> Any:
+    """The seam's output back to the row's length: zeros for the padding tokens."""
+    dim = _ROW_AXES[spec["adapter"]][1]
+
+    def pad(t):
+        if not isinstance(t, torch.Tensor) or t.dim() <= dim:
+            return t
+        shape = list(t.shape)
+        shape[dim] = row - t.shape[dim]
+        return torch.cat([t, t.new_zeros(shape)], dim)
+
+    if isinstance(result, tuple):
+        return (pad(result[0]),) + result[1:]
+    return pad(result)
 
 
 def _hand_tree_kwargs_to_base_model(carrier: Any, kwargs: dict):
