@@ -294,24 +294,59 @@ __device__ __forceinline__ float dot_vec(const float (&bias)[V], const float (&w
   return acc;
 }
 
+// Tokens per thread per step of the forward: their own rows (the only DRAM reads; ancestors' rows
+// are cache hits) are all loaded before any is used, so 4 x 16 bytes per thread are in flight.
+constexpr int kVecForwardTokens = 4;
+
 template <typename T, int W>
 __global__ void __launch_bounds__(kVecThreads* kVecTokenLanes) forward_vec_kernel(TreeConvParams p) {
   constexpr int V = VecOf<T>::V;
+  constexpr int U = kVecForwardTokens;
   const int64_t c0 = (int64_t(blockIdx.x) * kVecThreads + threadIdx.x) * V;
   if (c0 >= p.channels) return;
   float w[W][V], bias[V];
   load_weights_vec<T, W, V>(p, c0, w, bias);
+  const T* x = static_cast<const T*>(p.x);
   T* y = static_cast<T*>(p.y);
-  const int64_t stride = int64_t(gridDim.y) * kVecTokenLanes;
-  for (int64_t t = int64_t(blockIdx.y) * kVecTokenLanes + threadIdx.y; t < p.num_tokens; t += stride) {
-    float taps[W][V], out[V];
-    load_taps_vec<T, W, V>(p, t, c0, taps);
+  const int64_t step = int64_t(gridDim.y) * kVecTokenLanes * U;
+  for (int64_t first = int64_t(blockIdx.y) * kVecTokenLanes * U + threadIdx.y; first < p.num_tokens; first += step) {
+    uint4 own[U];
 #pragma unroll
-    for (int i = 0; i < V; ++i) {
-      const float v = dot_vec<W, V>(bias, w, taps, i);
-      out[i] = p.silu ? v / (1.f + expf(-v)) : v;
+    for (int j = 0; j < U; ++j) {
+      const int64_t t = first + int64_t(j) * kVecTokenLanes;
+      if (t < p.num_tokens) own[j] = __ldg(reinterpret_cast<const uint4*>(x + t * p.channels + c0));
     }
-    store_vec<T, V>(y + t * p.channels + c0, out);
+#pragma unroll
+    for (int j = 0; j < U; ++j) {
+      const int64_t t = first + int64_t(j) * kVecTokenLanes;
+      if (t >= p.num_tokens) break;
+      float taps[W][V], out[V];
+      {
+        union {
+          uint4 raw;
+          T e[V];
+        } u;
+        u.raw = own[j];
+#pragma unroll
+        for (int i = 0; i < V; ++i) taps[W - 1][i] = to_float(u.e[i]);
+      }
+#pragma unroll
+      for (int k = 0; k < W - 1; ++k) {
+        const int64_t src = __ldg(p.ancestors + t * (W - 1) + (W - 2 - k));
+        if (src >= 0) {
+          load_vec<T, V>(x + src * p.channels + c0, taps[k]);
+        } else {
+#pragma unroll
+          for (int i = 0; i < V; ++i) taps[k][i] = 0.f;
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < V; ++i) {
+        const float v = dot_vec<W, V>(bias, w, taps, i);
+        out[i] = p.silu ? v / (1.f + expf(-v)) : v;
+      }
+      store_vec<T, V>(y + t * p.channels + c0, out);
+    }
   }
 }
 
@@ -335,15 +370,19 @@ __device__ __forceinline__ void grad_pre_vec(const TreeConvParams& p, int64_t t,
 // Fused backward over one token chunk: grad_x in gather form (token u sums what its readers send
 // back, fixed order, one writer) and the chunk's weight/bias sums (fixed-order reduction over the
 // token lanes through shared memory, then over chunks by reduce_chunks_kernel).
-// The chunk is walked in tiles of 8 tokens; the dLoss/d(pre-activation) of the tile and of the
-// W-1 tokens after it is computed once into shared memory, so readers inside a segment (the
-// next W-1 tokens) are read from there; only readers elsewhere (first tokens of child segments at
-// a branch) are recomputed.
+// The chunk is walked in tiles of 16 tokens (each warp takes 2, their rows loaded before either is
+// used); the dLoss/d(pre-activation) of the tile and of the W-1 tokens after it is computed once
+// into shared memory, so readers inside a segment (the next W-1 tokens) are read from there; only
+// readers elsewhere (first tokens of child segments at a branch) are recomputed.
+constexpr int kBwdTokens = 2;
+
 template <typename T, int W>
 __global__ void __launch_bounds__(kVecThreads* kVecTokenLanes, 2)
     backward_vec_kernel(TreeConvParams p, int64_t tokens_per_chunk, float* partial) {
   constexpr int V = BwdVecOf<T>::V;
-  constexpr int kTile = kVecTokenLanes + W - 1;
+  using Raw = typename RawVec<V * int(sizeof(T))>::type;
+  constexpr int kTileTokens = kVecTokenLanes * kBwdTokens;
+  constexpr int kTile = kTileTokens + W - 1;
   __shared__ float lane_sums[kVecTokenLanes][kVecThreads * V];
   __shared__ float g_tile[kTile][kVecThreads * V];
   const int64_t c0 = (int64_t(blockIdx.x) * kVecThreads + threadIdx.x) * V;
@@ -355,75 +394,114 @@ __global__ void __launch_bounds__(kVecThreads* kVecTokenLanes, 2)
     for (int i = 0; i < V; ++i) acc_w[k][i] = 0.f;
   float w[W][V], bias[V];
   if (active) load_weights_vec<T, W, V>(p, c0, w, bias);
+  const T* x = static_cast<const T*>(p.x);
   T* grad_x = static_cast<T*>(p.grad_x);
   const T* grad_y = static_cast<const T*>(p.grad_y);
   float* my_g = &g_tile[0][threadIdx.x * V];
   const int64_t begin = int64_t(blockIdx.y) * tokens_per_chunk;
   const int64_t end = min(p.num_tokens, begin + tokens_per_chunk);
-  for (int64_t base = begin; base < end; base += kVecTokenLanes) {
-    const int64_t u = base + threadIdx.y;
+  for (int64_t base = begin; base < end; base += kTileTokens) {
     // phase 1: g of the tile's tokens (and the weight sums of those inside the chunk)
-    if (active && u < p.num_tokens) {
-      float taps[W][V], g[V];
-      load_taps_vec<T, W, V>(p, u, c0, taps);
-      load_vec<T, V>(grad_y + u * p.channels + c0, g);
+    if (active) {
+      Raw own_x[kBwdTokens], own_g[kBwdTokens];
 #pragma unroll
-      for (int i = 0; i < V; ++i) {
-        if (p.silu) {
-          const float v = dot_vec<W, V>(bias, w, taps, i);
-          const float sg = 1.f / (1.f + expf(-v));
-          g[i] *= sg * (1.f + v * (1.f - sg));
+      for (int j = 0; j < kBwdTokens; ++j) {
+        const int64_t u = base + j * kVecTokenLanes + threadIdx.y;
+        if (u < p.num_tokens) {
+          own_x[j] = __ldg(reinterpret_cast<const Raw*>(x + u * p.channels + c0));
+          own_g[j] = __ldg(reinterpret_cast<const Raw*>(grad_y + u * p.channels + c0));
         }
-        my_g[threadIdx.y * kVecThreads * V + i] = g[i];
       }
-      if (u < end) {
+#pragma unroll
+      for (int j = 0; j < kBwdTokens; ++j) {
+        const int64_t u = base + j * kVecTokenLanes + threadIdx.y;
+        if (u >= p.num_tokens) break;
+        float taps[W][V], g[V];
+        union {
+          Raw raw;
+          T e[V];
+        } ux, ug;
+        ux.raw = own_x[j];
+        ug.raw = own_g[j];
 #pragma unroll
         for (int i = 0; i < V; ++i) {
+          taps[W - 1][i] = to_float(ux.e[i]);
+          g[i] = to_float(ug.e[i]);
+        }
 #pragma unroll
-          for (int k = 0; k < W; ++k) acc_w[k][i] += g[i] * taps[k][i];
-          acc_w[W][i] += g[i];
+        for (int k = 0; k < W - 1; ++k) {
+          const int64_t src = __ldg(p.ancestors + u * (W - 1) + (W - 2 - k));
+          if (src >= 0) {
+            load_vec<T, V>(x + src * p.channels + c0, taps[k]);
+          } else {
+#pragma unroll
+            for (int i = 0; i < V; ++i) taps[k][i] = 0.f;
+          }
+        }
+        const int slot = j * kVecTokenLanes + threadIdx.y;
+#pragma unroll
+        for (int i = 0; i < V; ++i) {
+          if (p.silu) {
+            const float v = dot_vec<W, V>(bias, w, taps, i);
+            const float sg = 1.f / (1.f + expf(-v));
+            g[i] *= sg * (1.f + v * (1.f - sg));
+          }
+          my_g[slot * kVecThreads * V + i] = g[i];
+        }
+        if (u < end) {
+#pragma unroll
+          for (int i = 0; i < V; ++i) {
+#pragma unroll
+            for (int k = 0; k < W; ++k) acc_w[k][i] += g[i] * taps[k][i];
+            acc_w[W][i] += g[i];
+          }
         }
       }
     }
     // the W-1 tokens after the tile (halo): warps 0..W-2
     if (W > 1 && active && threadIdx.y < W - 1) {
-      const int64_t h = base + kVecTokenLanes + threadIdx.y;
+      const int64_t h = base + kTileTokens + threadIdx.y;
       if (h < p.num_tokens) {
         float g[V];
         grad_pre_vec<T, W, V>(p, h, c0, bias, w, g);
 #pragma unroll
-        for (int i = 0; i < V; ++i) my_g[(kVecTokenLanes + threadIdx.y) * kVecThreads * V + i] = g[i];
+        for (int i = 0; i < V; ++i) my_g[(kTileTokens + threadIdx.y) * kVecThreads * V + i] = g[i];
       }
     }
     __syncthreads();
     // phase 2: grad_x of the tile's tokens
-    if (active && u < end) {
-      float acc[V];
+    if (active) {
 #pragma unroll
-      for (int i = 0; i < V; ++i) acc[i] = w[W - 1][i] * my_g[threadIdx.y * kVecThreads * V + i];
-      if constexpr (W > 1) {
-        for (int64_t r_i = __ldg(p.reader_offsets + u); r_i < __ldg(p.reader_offsets + u + 1); ++r_i) {
-          const int64_t r = __ldg(p.readers + r_i);
-          const int64_t reader = r / (W - 1);
-          const int back = int(r - reader * (W - 1)) + 1;
-          float gr[V];
-          const int64_t slot = reader - base;
-          if (slot >= 0 && slot < kTile) {
+      for (int j = 0; j < kBwdTokens; ++j) {
+        const int64_t u = base + j * kVecTokenLanes + threadIdx.y;
+        if (u >= end) break;
+        float acc[V];
 #pragma unroll
-            for (int i = 0; i < V; ++i) gr[i] = my_g[slot * kVecThreads * V + i];
-          } else {
-            grad_pre_vec<T, W, V>(p, reader, c0, bias, w, gr);
-          }
+        for (int i = 0; i < V; ++i) acc[i] = w[W - 1][i] * my_g[(j * kVecTokenLanes + threadIdx.y) * kVecThreads * V + i];
+        if constexpr (W > 1) {
+          for (int64_t r_i = __ldg(p.reader_offsets + u); r_i < __ldg(p.reader_offsets + u + 1); ++r_i) {
+            const int64_t r = __ldg(p.readers + r_i);
+            const int64_t reader = r / (W - 1);
+            const int back = int(r - reader * (W - 1)) + 1;
+            float gr[V];
+            const int64_t slot = reader - base;
+            if (slot >= 0 && slot < kTile) {
 #pragma unroll
-          for (int k = 0; k < W - 1; ++k) {  // compile-time indices: w stays in registers
-            if (k == W - 1 - back) {
+              for (int i = 0; i < V; ++i) gr[i] = my_g[slot * kVecThreads * V + i];
+            } else {
+              grad_pre_vec<T, W, V>(p, reader, c0, bias, w, gr);
+            }
 #pragma unroll
-              for (int i = 0; i < V; ++i) acc[i] += w[k][i] * gr[i];
+            for (int k = 0; k < W - 1; ++k) {  // compile-time indices: w stays in registers
+              if (k == W - 1 - back) {
+#pragma unroll
+                for (int i = 0; i < V; ++i) acc[i] += w[k][i] * gr[i];
+              }
             }
           }
         }
+        store_vec<T, V>(grad_x + u * p.channels + c0, acc);
       }
-      store_vec<T, V>(grad_x + u * p.channels + c0, acc);
     }
     __syncthreads();
   }
@@ -564,7 +642,8 @@ void tree_conv_forward_cuda(const TreeConvParams& params, DType dtype, void* str
     constexpr int W = decltype(width)::value;
     if (use_vec<T>(params, false)) {
       const dim3 grid(vec_grid_x(params.channels, VecOf<T>::V).x,
-                      unsigned(std::min(ceil_div(params.num_tokens, kVecTokenLanes), kMaxGridY)));
+                      unsigned(std::min(ceil_div(params.num_tokens, int64_t(kVecTokenLanes) * kVecForwardTokens),
+                                        kMaxGridY)));
       forward_vec_kernel<T, W><<<grid, kVecBlock, 0, s>>>(params);
       return;
     }
