@@ -618,6 +618,7 @@ def test_gpu_fp32_tree_equals_samples_alone(model_type, seam, env, decisions):
     """fp32 on the GPU, native kernels: the tree row equals the samples alone (logits and every
     gradient, 1e-4), through the split seams (conv + scan) or the fused seam (library stand-ins
     bound: the samples alone take the fused reference, the tree row the family's fused adapter)."""
+    pytest.importorskip("trl")  # the forests are packed by TRL's TreeRow
     tree = M.pack_forest("mixed")
     if seam == "fused":
         env.bind(model_type, [CONV, SCAN, FUSED])
@@ -638,6 +639,7 @@ def test_gpu_bf16_tree_matches_samples_alone(model_type, seam, env, decisions):
     """bf16 on the GPU: the tree row and the bf16 samples alone, both judged against the fp32 model
     alone (relative RMS): the tree within 5e-3 (logits) / 2e-2 (gradients; 5e-2 for A_log, dt_bias
     and D) or within the model's own bf16 noise on the samples (1.5x logits, 4x gradients; test_gpu.py's band)."""
+    pytest.importorskip("trl")  # the forests are packed by TRL's TreeRow
     tree = M.pack_forest("mixed")
     if seam == "fused":
         env.bind(model_type, [CONV, SCAN, FUSED])
