@@ -9,7 +9,7 @@ OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT" benchmarks/results
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONWARNINGS=ignore TRL_EXPERIMENTAL_SILENCE=1
 start=$(date +%s)
-DEADLINE_S=${DEADLINE_S:-330}
+DEADLINE_S=${DEADLINE_S:-255}
 stamp() { echo "[$(( $(date +%s) - start ))s] $*"; }
 {
 stamp build
@@ -17,11 +17,11 @@ bash scripts/gpu-build.sh >/tmp/build.log 2>&1 || { tail -40 /tmp/build.log; exi
 tail -1 /tmp/build.log
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
 stamp tests
-timeout 90 python3 -m pytest tests/python/test_gpu.py tests/python/test_tree_conv_op.py -q -x -p no:cacheprovider \
-  -k "conv or flex" 2>&1 | tail -8
+timeout 60 python3 -m pytest tests/python/test_gpu.py tests/python/test_tree_conv_op.py -q -p no:cacheprovider \
+  -k "${TESTS:-conv}" 2>&1 | tail -8
 stamp conv-bench
 python3 benchmarks/tree_conv_bench.py --out "$OUT" 2>&1 | tail -8
-if command -v ncu >/dev/null; then
+if [ -n "${NCU:-}" ] && command -v ncu >/dev/null; then
   stamp ncu
   timeout 45 ncu --clock-control none --kernel-name regex:"vec_kernel" --launch-count 2 \
     --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed \
@@ -31,7 +31,7 @@ fi
 left=$(( DEADLINE_S - ($(date +%s) - start) ))
 stamp "whole-model (${left}s left)"
 timeout $left python3 -m tree_recurrence bench --out "$OUT" --prompts ${PROMPTS:-2048,0,4096} \
-  --checkpointing ${CKPT:-off} --warmup 1 --repeat 2 2>/tmp/bench.stderr | tee "$OUT/bench.txt"
+  --checkpointing ${CKPT:-off} --warmup 1 --repeat ${REPEAT:-2} 2>/tmp/bench.stderr | tee "$OUT/bench.txt"
 tail -c 1500 /tmp/bench.stderr
 cp -f "$OUT"/bench.json "$OUT"/bench.png "$OUT"/tree_conv_bench.json benchmarks/results/ 2>/dev/null
 stamp done
