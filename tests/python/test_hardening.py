@@ -103,8 +103,28 @@ def test_row_length_reads_the_row_a_carrier_received():
     assert row_length({}) is None
     cu = torch.tensor([0, 3, 5])
     with pytest.raises(ValueError, match="tree_cu_seqlens_q: ends at 5 but the row has 9 tokens"):
-        tree_plan({"tree_cu_seqlens_q": cu, "tree_segment_parents": torch.tensor([-1, 0])},
-                  row_length({"input_ids": torch.zeros(1, 9, dtype=torch.long)}))
+        tree_plan({"tree_cu_seqlens_q": cu, "tree_segment_parents": torch.tensor([-1, 0])}, num_tokens=9)
+
+
+def test_a_plan_carrier_refuses_tree_kwargs_longer_than_its_row():
+    """Mamba2ForCausalLM carries the plan (its backbone drops the kwargs): it sees input_ids, so a
+    tree longer than the row is refused there, naming both lengths; a longer (padded) row is not."""
+    import tree_recurrence as tr
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    import models as M
+
+    from test_mamba2_models import make_model as make_mamba
+
+    model = make_mamba("mamba2")
+    tr.install(model)
+    try:
+        tree = M.pack_forest("tiny")
+        short = tree.input_ids[:, : tree.num_tokens - 1]
+        with pytest.raises(ValueError, match=rf"ends at {tree.num_tokens} but the row .* has only {tree.num_tokens - 1} tokens"):
+            model(input_ids=short, use_cache=False, **tree.trl_kwargs())
+    finally:
+        tr.uninstall(model)
 
 
 def test_the_core_never_takes_an_address():

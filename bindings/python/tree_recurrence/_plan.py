@@ -213,8 +213,8 @@ class TreePlan:
 
 def row_length(kwargs: Mapping[str, Any]) -> int | None:
     """Tokens of the packed row a model forward received (``input_ids`` (1, N) or ``inputs_embeds``
-    (1, N, H)), or None when neither is there: ``tree_plan(kwargs, row_length(kwargs))`` refuses
-    tree kwargs describing another row before anything is allocated for it."""
+    (1, N, H)), or None when neither is there. Plan carriers refuse a plan with more tokens than
+    this (a longer row is a padded one); building that plan first costs O(segments) only."""
     ids = kwargs.get("input_ids")
     if isinstance(ids, torch.Tensor) and ids.dim() in (1, 2) and (ids.dim() == 1 or ids.shape[0] == 1):
         return int(ids.shape[-1])

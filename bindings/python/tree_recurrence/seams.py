@@ -259,9 +259,13 @@ def _make_carrier_forward(slot: _Slot, original_forward: Callable) -> Callable:
     def forward(self, *args, **kwargs):
         owner = slot.owner
         active = owner is not None and owners.get(owner.module.__name__) is owner and not is_meta_tree(kwargs)
-        plan = tree_plan(kwargs, row_length(kwargs)) if active else None
+        plan = tree_plan(kwargs) if active else None
         if plan is None:
             return original_forward(self, *args, **kwargs)
+        row = row_length(kwargs)
+        if row is not None and plan.num_tokens > row:  # longer rows are fine: padding after the tree's tokens
+            raise ValueError(f"tree_cu_seqlens_q: ends at {plan.num_tokens} but the row ({type(self).__name__}'s "
+                             f"input_ids / inputs_embeds) has only {row} tokens: the tree kwargs belong to another row")
         for key in ("past_key_values", "cache_params"):
             # Seams without kwargs cannot see a cache: refuse here what a scan seam refuses itself.
             if kwargs.get(key) is not None:
