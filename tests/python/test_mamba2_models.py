@@ -248,9 +248,9 @@ class _Spy:
 
 
 @pytest.mark.parametrize("model_type", ["mamba2", "zamba2"])
-def test_fused_seam_declined_with_tree_original_without(model_type, env, decisions, monkeypatch):
-    """With mamba-ssm's fused kernel bound: a tree row declines it (the mixer takes its split path,
-    whose seams follow the tree); an ordinary batch calls it (and the split seams not at all)."""
+def test_fused_seam_rescanned_with_tree_original_without(model_type, env, decisions, monkeypatch):
+    """With mamba-ssm's fused kernel bound and backend 'kernel': a tree row runs it over every path
+    (a padded batch; the split seams not at all); an ordinary batch calls it as it is."""
     fused = _Spy(reference.mamba_split_conv1d_scan_combined)
     scan = _Spy(reference.mamba_chunk_scan_combined)
     monkeypatch.setattr(reference.family_reference(FAMILY), "mamba_split_conv1d_scan_combined", fused.fn)
@@ -271,28 +271,30 @@ def test_fused_seam_declined_with_tree_original_without(model_type, env, decisio
     tree = M.pack_forest("fan")
     decisions.clear()
     model(input_ids=tree.input_ids, position_ids=tree.position_ids, use_cache=False, **tree.trl_kwargs())
-    assert fused.calls == layers and scan.calls == 2 * layers  # the split path ran, over the stand-in
-    assert [(d[1], d[2]) for d in decisions] == [(FUSED, "decline"), (CONV, "rescan"), (SCAN, "rescan")] * layers
+    assert fused.calls == 2 * layers and scan.calls == 2 * layers  # the fused stand-in once more per layer
+    assert [(d[1], d[2]) for d in decisions] == [(FUSED, "rescan")] * layers
 
 
+@pytest.mark.parametrize("backend,strategy", [("auto", "native"), ("kernel", "rescan")])
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
-def test_fused_seam_follows_the_tree(model_type, env, decisions):
+def test_fused_seam_follows_the_tree(model_type, backend, strategy, env, decisions):
     """All three library seams bound (conv, scan, fused: the mamba-ssm / causal-conv1d stand-ins).
     Samples alone take the fused kernel; the tree row runs the same fused semantics over the trie
     (plugins/mamba2/python/adapters.py: tree conv, chunked SSD tree scan, the fused path's own gated
-    RMSNorm per group, out_proj), logits and every gradient equal. n_groups is 2, where the split
-    path's norm (over all channels) differs from the fused one (next test): declining would fail."""
+    RMSNorm per group, out_proj), or with backend 'kernel' the bound fused kernel over every path;
+    logits and every gradient equal. n_groups is 2, where the split path's norm (over all channels)
+    differs from the fused one (next test): declining would fail."""
     tree = M.pack_forest("mixed")
     env.bind(model_type, [CONV, SCAN, FUSED])
     model = make_model(model_type)
     assert model.config.to_dict()[GROUPS_KEY[model_type]] == 2
     alone = M.run_alone(model, tree.samples, M.loss_weights(tree.samples))  # fused, every sample
-    env.install(model, policy=tr.Policy(strategy="native"))
+    env.install(model, policy=tr.Policy(strategy=strategy), backends={FAMILY: backend})
     decisions.clear()
     M.assert_matches(M.run_tree(model, tree, M.loss_weights(tree.samples), tree.trl_kwargs()), alone, model,
-                     what=f"{model_type} fused on the tree")
+                     what=f"{model_type} fused on the tree ({backend})")
     got = [(d[1], d[2]) for d in decisions if d[0] == FAMILY]
-    assert got == [(FUSED, "native")] * len(mixer_paths(model, model_type)), got
+    assert got == [(FUSED, strategy)] * len(mixer_paths(model, model_type)), got
 
 
 @pytest.mark.parametrize("model_type", ["mamba2", "bamba", "granitemoehybrid"])

@@ -9,9 +9,10 @@ the row's device, this adapter runs the same fused semantics over the trie: the 
 chunked SSD tree scan, the fused path's own gated RMSNorm (per group of ``dim // ngroups``
 channels, ``norm_before_gate`` as mamba-ssm), the swiglu of the non-SSM part, the out projection.
 
-It declines (the mixer takes its split path) when the bound implementation is transformers' torch
-fallback (it answers None, so the samples alone take the split path too), or without native kernels
-for the device (backend other than auto/native).
+Without native kernels for the device, or on another backend than auto/native, it rescans: the
+bound fused kernel over every root-to-leaf path as a right-padded batch (exact; prefixes computed
+once per path). It declines (the mixer takes its split path) only when the bound implementation is
+transformers' torch fallback (which answers None, so the samples alone take the split path too).
 """
 
 from __future__ import annotations
@@ -45,6 +46,18 @@ def _decline(call, reason: str):
     return call.spec.get("declined")
 
 
+def _rescan(call, zxbcdt: torch.Tensor) -> torch.Tensor:
+    """The bound fused kernel over every root-to-leaf path, as the rows of a right-padded batch: its
+    conv and scan are causal and the rest acts token by token, so the padding at a row's end never
+    reaches a real token (exact, but the shared prefixes are computed once per path)."""
+    gather, source = call.plan.padded_paths(zxbcdt.device)
+    rows = zxbcdt[0][gather.clamp(min=0)] * (gather >= 0).unsqueeze(-1).to(zxbcdt.dtype)  # (paths, Lmax, d)
+    out = call.call_original({"zxbcdt": rows})
+    out = out[0] if isinstance(out, (tuple, list)) else out
+    driver._record(call, "rescan", "fused seam: the bound kernel over every path as a padded batch")
+    return out.reshape(-1, out.shape[-1])[source].unsqueeze(0)
+
+
 def split_conv1d_scan(call, backend: str, policy):
     """The fused seam over the trie (see the module's docstring). Returns out (1, N, hidden)."""
     named, rest = call.named, call.rest
@@ -62,9 +75,9 @@ def split_conv1d_scan(call, backend: str, policy):
     if backend == "native" and not native:
         raise ValueError(f"{call.family}: backend 'native' has no tree_conv / ssd_tree_scan kernel for "
                          f"{zxbcdt.device.type} in this build")
-    if backend not in ("auto", "native") or not native:
-        return _decline(call, f"backend {backend!r}: the mixer takes its split path, whose seams follow the tree")
     driver._check_row(call, zxbcdt, 1, "zxbcdt")
+    if backend not in ("auto", "native") or not native:
+        return _rescan(call, zxbcdt)
 
     weight, bias, dt_bias, A, D = (named.get(k) for k in ("conv1d_weight", "conv1d_bias", "dt_bias", "A", "D"))
     activation = rest.get("activation", "silu")
