@@ -161,7 +161,8 @@ def build_model(entry: dict, tiny: bool, dtype, device, attn: str):
             setattr(config, attr, 0.0)
     config.use_cache = False
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation=register_tree_attention(attn))
+    with torch.device(device):  # initialised where it runs (a 300M-parameter init on the host takes seconds)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=register_tree_attention(attn))
     return model.to(device=device, dtype=dtype).train()
 
 
