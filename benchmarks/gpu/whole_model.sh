@@ -9,7 +9,7 @@ OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT" benchmarks/results
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONWARNINGS=ignore TRL_EXPERIMENTAL_SILENCE=1
 start=$(date +%s)
-DEADLINE_S=${DEADLINE_S:-255}
+DEADLINE_S=${DEADLINE_S:-265}
 stamp() { echo "[$(( $(date +%s) - start ))s] $*"; }
 {
 stamp build
@@ -17,8 +17,8 @@ bash scripts/gpu-build.sh >/tmp/build.log 2>&1 || { tail -40 /tmp/build.log; exi
 tail -1 /tmp/build.log
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
 stamp tests
-timeout 60 python3 -m pytest tests/python/test_gpu.py tests/python/test_tree_conv_op.py -q -p no:cacheprovider \
-  -k "${TESTS:-conv}" 2>&1 | tail -8
+timeout 100 python3 -m pytest tests/python/test_gpu.py tests/python/test_tree_conv_op.py -q -p no:cacheprovider \
+  -k "${TESTS:-conv or flex}" 2>&1 | tail -8
 stamp conv-bench
 python3 benchmarks/tree_conv_bench.py --out "$OUT" 2>&1 | tail -8
 if [ -n "${NCU:-}" ] && command -v ncu >/dev/null; then

@@ -188,8 +188,9 @@ def test_fla_forward_tree_matches_samples_alone():
 
 @pytest.mark.parametrize("window", [None, 40])
 def test_tree_flex_kernel_matches_tree_sdpa_on_gpu(window):
-    """tree_flex's compiled FlexAttention kernel (forward and backward, GQA, a row over several
-    128-token blocks) against the dense-mask reference tree_sdpa, fp32."""
+    """tree_flex's compiled FlexAttention kernel (forward and backward, bf16, 16 query heads on 4 KV
+    heads of 128 as in the benchmark models, a row over several 128-token blocks) against the
+    dense-mask reference tree_sdpa (fp32 compute): relative RMS error within the bf16 bar."""
     from tree_recurrence import attention as A
 
     g = torch.Generator().manual_seed(3)
@@ -198,13 +199,14 @@ def test_tree_flex_kernel_matches_tree_sdpa_on_gpu(window):
     n = plan.num_tokens
     if window is not None:
         kwargs["sliding_window"] = window
-    base = [torch.randn(1, h, n, 64, generator=g) for h in (8, 2, 2)]
-    gy = torch.randn(1, n, 8, 64, generator=g).cuda()
+    base = [torch.randn(1, h, n, 128, generator=g) for h in (16, 4, 4)]
+    gy = torch.randn(1, n, 16, 128, generator=g).cuda()
     results = {}
     for fn in (A.tree_flex_attention, A.tree_sdpa_attention):
-        q, k, v = (t.cuda().requires_grad_() for t in base)
+        q, k, v = (t.cuda().to(torch.bfloat16).requires_grad_() for t in base)
         out, _ = fn(torch.nn.Module().train(), q, k, v, None, **kwargs)
-        out.backward(gy)
+        out.backward(gy.to(torch.bfloat16))
         results[fn.__name__] = [out.detach(), q.grad, k.grad, v.grad]
-    for got, want, name in zip(results["tree_flex_attention"], results["tree_sdpa_attention"], ("out", "dq", "dk", "dv")):
-        assert rel_rms(got, want) <= 1e-3, name
+    for got, want, name, tol in zip(results["tree_flex_attention"], results["tree_sdpa_attention"], ("out", "dq", "dk", "dv"),
+                                    (1e-2, 2e-2, 2e-2, 2e-2)):
+        assert rel_rms(got, want) <= tol, name
