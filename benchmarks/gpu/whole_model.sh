@@ -17,8 +17,8 @@ bash scripts/gpu-build.sh >/tmp/build.log 2>&1 || { tail -40 /tmp/build.log; exi
 tail -1 /tmp/build.log
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
 stamp tests
-timeout 100 python3 -m pytest tests/python/test_gpu.py tests/python/test_tree_conv_op.py -q -p no:cacheprovider \
-  -k "${TESTS:-conv or flex}" 2>&1 | tail -8
+timeout 60 python3 -m pytest tests/python/test_gpu.py tests/python/test_tree_conv_op.py -q -p no:cacheprovider \
+  -k "conv" 2>&1 | tail -6
 stamp conv-bench
 python3 benchmarks/tree_conv_bench.py --out "$OUT" 2>&1 | tail -8
 if [ -n "${NCU:-}" ] && command -v ncu >/dev/null; then
@@ -28,11 +28,13 @@ if [ -n "${NCU:-}" ] && command -v ncu >/dev/null; then
     python3 benchmarks/tree_conv_bench.py --once >"$OUT/ncu.txt" 2>&1
   grep -E "vec_kernel|duration|dram__" "$OUT/ncu.txt" | head -24
 fi
-left=$(( DEADLINE_S - ($(date +%s) - start) ))
+left=$(( DEADLINE_S - 35 - ($(date +%s) - start) ))
 stamp "whole-model (${left}s left)"
 timeout $left python3 -m tree_recurrence bench --out "$OUT" --prompts ${PROMPTS:-2048,0,4096} \
   --checkpointing ${CKPT:-off} --warmup 1 --repeat ${REPEAT:-2} 2>/tmp/bench.stderr | tee "$OUT/bench.txt"
 tail -c 1500 /tmp/bench.stderr
+stamp "flex GPU test (compiled kernel warm from the benchmark)"
+timeout 35 python3 -m pytest tests/python/test_gpu.py -q -p no:cacheprovider -k flex 2>&1 | tail -4
 cp -f "$OUT"/bench.json "$OUT"/bench.png "$OUT"/tree_conv_bench.json benchmarks/results/ 2>/dev/null
 stamp done
 } 2>&1 | tee "$OUT/log.txt"
