@@ -80,8 +80,9 @@ py::dict record_to_python(const PluginRecord& r) {
   // (the registry already bounds the messages it writes), so doctor never prints megabytes.
   out["family"] = clip(r.family, 100);
   out["version"] = clip(r.version, 100);
-  out["manifest_path"] = clip(r.manifest_path, 1000);
-  out["library_path"] = clip(r.library_path, 1000);
+  // A loaded plugin's paths resolved (at most PATH_MAX) and are used as paths: kept whole.
+  out["manifest_path"] = r.loaded ? r.manifest_path : clip(r.manifest_path, 1000);
+  out["library_path"] = r.loaded ? r.library_path : clip(r.library_path, 1000);
   out["loaded"] = r.loaded;
   out["error"] = clip(r.error, 2000);
   out["fingerprint"] = r.fingerprint;

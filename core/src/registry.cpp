@@ -208,7 +208,7 @@ void Registry::load(PluginRecord& record, const fs::path& manifest) {
                    ", outside the plugin folder " + clip(record.folder) + " that holds the manifest: refused, not opened";
     return;
   }
-  record.library_path = clip(library.string());
+  record.library_path = library.string();  // resolved, so at most PATH_MAX: kept whole (plugins.py reads it)
   const fs::file_status status = fs::status(library, ec);
   if (ec || !fs::is_regular_file(status)) {
     record.error = "library " + record.library_path + " is not a regular file" +
