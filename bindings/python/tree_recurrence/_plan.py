@@ -75,6 +75,9 @@ class TreePlan:
         self._host: dict[str, tuple] = {}  # array(): (value, [(tensor, version)])
         self._on_device: dict[tuple, Any] = {}
         self._tables: dict[tuple, tuple] = {}  # tensor() and conv_tables(): (value, [(tensor, version)])
+        # The driver's per-plan decisions (a seam call's route per family, seam, device and backend)
+        # and its tables built from this plan's index tensors (fork levels): decided once per plan.
+        self.routes: dict[tuple, Any] = {}
 
     # counts
     num_tokens = property(lambda self: self._core.num_tokens)
