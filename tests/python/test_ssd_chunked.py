@@ -67,55 +67,6 @@ def chunk_tables(seg_offsets, parents, chunk=CHUNK, device="cpu"):
                 child_offsets=t(child_offsets), children=t([c for k in kids for c in k]))
 
 
-# Until the SDK's chunk_state_pass is registered in the family (engineer A's op), a Python loop of
-# the same contract stands in for it, so the composite can be checked on its own.
-_FALLBACK = None
-
-
-def _state_pass_loop(w, u, kd, decay, initial_state, seg_chunk_offsets, parents, root_index, level_segments,
-                     level_offsets, child_offsets, children):
-    NC, H, _, K = kd.shape
-    V = u.shape[-1]
-    f = torch.float64 if u.dtype == torch.float64 else torch.float32
-    sco, par, root = seg_chunk_offsets.tolist(), parents.tolist(), root_index.tolist()
-    finals, hs = {}, [None] * NC
-    for s in range(len(par)):
-        if par[s] >= 0:
-            state = finals[par[s]]
-        elif initial_state is None:
-            state = u.new_zeros(H, K, V, dtype=f)
-        else:
-            state = (initial_state if initial_state.dim() == 3 else initial_state[root[s]]).to(f)
-        for c in range(sco[s], sco[s + 1]):
-            hs[c] = state
-            state = decay[c].to(f)[:, None, None] * state + kd[c].to(f).transpose(-1, -2) @ u[c].to(f)
-        finals[s] = state
-    return torch.stack(hs), u.clone()
-
-
-def ensure_state_pass():
-    global _FALLBACK
-    namespace = getattr(torch.ops, f"tree_recurrence_{FAMILY}")
-    _ops()  # loads the plugin (registers its ops)
-    try:
-        namespace.chunk_state_pass.default
-        return
-    except (AttributeError, RuntimeError):
-        pass
-    if _FALLBACK is None:
-        lib = torch.library.Library(f"tree_recurrence_{FAMILY}", "FRAGMENT")
-        lib.define("chunk_state_pass(Tensor? w, Tensor u, Tensor kd, Tensor decay, Tensor? initial_state, "
-                   "Tensor seg_chunk_offsets, Tensor parents, Tensor root_index, Tensor level_segments, "
-                   "int[] level_offsets, Tensor child_offsets, Tensor children) -> (Tensor, Tensor)")
-        lib.impl("chunk_state_pass", _state_pass_loop, "CompositeImplicitAutograd")
-        _FALLBACK = lib
-
-
-@pytest.fixture(autouse=True)
-def _state_pass():
-    ensure_state_pass()
-
-
 # ------------------------------------------------------------------------------------------------
 # inputs, the oracle, the comparison
 # ------------------------------------------------------------------------------------------------
