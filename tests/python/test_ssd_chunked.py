@@ -251,3 +251,17 @@ class TestCuda:
 
     def test_bf16(self):
         check(*MIXED, device="cuda", dtype=torch.bfloat16, tol=2e-2)
+
+
+def test_these_tables_are_the_plans():
+    """The tables these tests build are TreePlan.chunk_tables' (what the seam passes), field by field."""
+    from tree_recurrence._plan import tree_plan
+
+    offsets, parents = MIXED
+    plan = tree_plan({"tree_cu_seqlens_q": torch.tensor(offsets, dtype=torch.int32),
+                      "tree_segment_parents": torch.tensor(parents, dtype=torch.int32)})
+    for chunk in (1, 7, CHUNK):
+        got, want = plan.chunk_tables(chunk, "cpu"), chunk_tables(offsets, parents, chunk)
+        for name, value in want.items():
+            assert (list(getattr(got, name)) if name == "level_offsets" else getattr(got, name).tolist()) == \
+                (value if name == "level_offsets" else value.tolist()), (chunk, name)
