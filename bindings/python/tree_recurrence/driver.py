@@ -1,6 +1,6 @@
 """The driver: runs a seam call over the trie, generically, from the family manifest's adapter spec.
 
-Two adapters cover every family so far (docs/plugins.md):
+The adapters (docs/plugins.md):
 
 * ``conv`` -- a causal depthwise conv over channels-first ``(1, C, N)``: the family's native
   ``tree_conv`` op (each token reads its own path's last inputs), or, through the bound kernel,
@@ -9,6 +9,8 @@ Two adapters cover every family so far (docs/plugins.md):
   scan op), ``fork`` (one call per trie level, initial states from the parents' final states,
   varlen when the bound kernel takes ``cu_seqlens``, else a padded batch whose padding is
   state-neutral), or ``rescan`` (every path once, varlen or padded).
+* ``decline`` -- a fused seam whose caller has an unfused path: answers None (the split path runs).
+* ``family`` -- a seam the family runs in its own Python (its manifest's ``python: {adapters: ...}``).
 
 No family appears here by name: the manifest says which arguments are which.
 """
