@@ -108,8 +108,9 @@ def main():
             # The backward's ATen part alone (grad_w, grad_kd, grad_decay from the kernel's fp32 outputs).
             gu32 = torch.randn(NC, H, C, V, device=dev)
             ds32 = torch.randn_like(h)
-            post = lambda: (torch.matmul(gu32, h.transpose(-1, -2)).neg_().to(dtype),  # noqa: E731
-                            torch.matmul(v_new.float(), ds32.transpose(-1, -2)).to(dtype), (h * ds32).sum((-2, -1)))
+            mm = torch.float32 if dtype == torch.float32 else dtype  # as chunk_state_op.h
+            post = lambda: (torch.matmul(gu32.to(mm), h.to(mm).transpose(-1, -2)).neg_().to(dtype),  # noqa: E731
+                            torch.matmul(v_new.to(mm), ds32.to(mm).transpose(-1, -2)).to(dtype), gu32.to(dtype))
             post_ms, _ = time_ms(post, repeat)
             del gu32, ds32
             bwd_peak = 0

@@ -14,16 +14,21 @@ bash scripts/gpu-build.sh >"$OUT/csp_build.log" 2>&1 || { tail -40 "$OUT/csp_bui
 tail -1 "$OUT/csp_build.log"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv,noheader
 stamp tests
-timeout 240 python3 -m pytest tests/python/test_chunk_state_pass.py -q -x -p no:cacheprovider -k "cuda" >"$OUT/csp_tests.log" 2>&1
-echo "pytest exit $?"; grep -E "passed|failed|Error|assert" "$OUT/csp_tests.log" | tail -15
+for pf in 1 0; do  # both kernel variants (TREE_RECURRENCE_CHUNK_STATE_PREFETCH)
+  TREE_RECURRENCE_CHUNK_STATE_PREFETCH=$pf timeout 120 python3 -m pytest tests/python/test_chunk_state_pass.py -q -x \
+    -p no:cacheprovider -k "cuda" >"$OUT/csp_tests_pf$pf.log" 2>&1
+  echo "pytest (prefetch=$pf) exit $?"; grep -E "passed|failed|Error|assert" "$OUT/csp_tests_pf$pf.log" | tail -8
+done
 stamp sanitizer
 if command -v compute-sanitizer >/dev/null; then
   for tool in memcheck racecheck; do
-    timeout 90 compute-sanitizer --tool $tool \
+    timeout 45 compute-sanitizer --tool $tool \
       python3 benchmarks/chunk_state_pass_bench.py --small >"$OUT/csp_sanitizer_$tool.log" 2>&1
     echo "$tool exit $?"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Error" "$OUT/csp_sanitizer_$tool.log" | head -5
   done
 fi
 stamp bench
-timeout 200 python3 benchmarks/chunk_state_pass_bench.py --out benchmarks/results/chunk_state_pass_h200.json 2>&1 | tee "$OUT/csp_bench.txt"
+timeout 60 python3 benchmarks/chunk_state_pass_bench.py --out benchmarks/results/chunk_state_pass_h200.json 2>&1
+TREE_RECURRENCE_CHUNK_STATE_PREFETCH=1 timeout 60 python3 benchmarks/chunk_state_pass_bench.py \
+  --out benchmarks/results/chunk_state_pass_h200_prefetch.json 2>&1
 stamp done

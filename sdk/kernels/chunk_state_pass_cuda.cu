@@ -15,6 +15,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <stdexcept>
 #include <string>
 
@@ -68,17 +69,56 @@ struct Shape {
   int64_t H, C, K, V;
 };
 
-// Stages a chunk's (C x K) operand, zero-padded to kMaxC x KMAX, either transposed
-// (dst[k * kTransposedStride + t]) or row-major (dst[t * KMAX + k]).
-template <typename T, typename A, int KMAX, bool kTransposed>
-__device__ __forceinline__ void stage(const T* __restrict__ src, const Shape& z, A* dst) {
-  for (int e = threadIdx.x; e < kMaxC * KMAX; e += kThreads) {
-    const int t = e / KMAX, k = e - t * KMAX;
-    const A v = (t < z.C && k < z.K) ? to_acc(src[int64_t(t) * z.K + k], A()) : A(0);
-    if (kTransposed) dst[k * kTransposedStride + t] = v;
-    else dst[t * KMAX + k] = v;
+// A chunk's (C x K) operand on its way to shared memory, zero-padded to kMaxC x KMAX.
+// When the chunk is full-size (C == kMaxC, K == KMAX: the 64 x 64 and 64 x 128 cases), load()
+// issues every global read of the thread at once, into registers at constant offsets, so their
+// latency overlaps the compute between load() and store(); store() widens and writes them either
+// transposed (dst[k * kTransposedStride + t]) or row-major (dst[t * KMAX + k]). Other shapes
+// read global memory inside store() (correct, slower). kEarly = false issues the reads inside
+// store() instead (fewer registers, more blocks per SM, latency not hidden by compute).
+template <typename T, typename A, int KMAX, bool kEarly>
+struct Stager {
+  static_assert(kThreads % KMAX == 0, "a thread stages one column k and every (kThreads/KMAX)-th row");
+  static constexpr int kPer = kMaxC * KMAX / kThreads;
+  static constexpr int kRowStep = kThreads / KMAX;
+  T v[kPer];
+  const T* src = nullptr;
+
+  __device__ __forceinline__ static bool full(const Shape& z) { return z.C == kMaxC && z.K == KMAX; }
+
+  __device__ __forceinline__ void load(const T* __restrict__ chunk, const Shape& z) {
+    src = chunk;
+    if (kEarly && full(z)) fetch();
   }
-}
+
+  __device__ __forceinline__ void fetch() {
+    const T* p = src + threadIdx.x;  // = (t0 = tid / KMAX) * KMAX + (k = tid % KMAX)
+#pragma unroll
+    for (int r = 0; r < kPer; ++r) v[r] = p[r * kThreads];
+  }
+
+  template <bool kTransposed>
+  __device__ __forceinline__ void store(A* dst, const Shape& z) {
+    const int k = threadIdx.x % KMAX, t0 = threadIdx.x / KMAX;
+    if (full(z)) {
+      if (!kEarly) fetch();  // all reads issued together, right before they are needed
+#pragma unroll
+      for (int r = 0; r < kPer; ++r) {
+        const int t = t0 + r * kRowStep;
+        const A x = to_acc(v[r], A());
+        if (kTransposed) dst[k * kTransposedStride + t] = x;
+        else dst[t * KMAX + k] = x;
+      }
+      return;
+    }
+    const bool k_ok = k < z.K;
+    for (int t = t0; t < kMaxC; t += kRowStep) {
+      const A x = (k_ok && t < z.C) ? to_acc(src[int64_t(t) * z.K + k], A()) : A(0);
+      if (kTransposed) dst[k * kTransposedStride + t] = x;
+      else dst[t * KMAX + k] = x;
+    }
+  }
+};
 
 // out[i] (rows t = warp*8 + i, column lane) = sum_k opT[k][t] * col[k][lane]
 template <typename A, int KMAX>
@@ -115,7 +155,7 @@ __device__ __forceinline__ void state_update(const A* op, const A* vals, int C, 
   }
 }
 
-template <typename T, typename A, int KMAX>
+template <typename T, typename A, int KMAX, bool kEarly>
 __global__ void __launch_bounds__(kThreads) forward_kernel(ChunkStatePassParams p, int64_t level_begin) {
   constexpr int RK = KMAX / kWarps;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -149,8 +189,11 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(ChunkStatePassParams 
   const A* decay = static_cast<const A*>(p.decay);
   A* h = static_cast<A*>(p.h);
   T* v_new = static_cast<T*>(p.v_new);
-  const int64_t c_end = p.seg_chunk_offsets[s + 1];
-  for (int64_t c = p.seg_chunk_offsets[s]; c < c_end; ++c) {
+  const int64_t c_begin = p.seg_chunk_offsets[s], c_end = p.seg_chunk_offsets[s + 1];
+  // Software pipeline: w(c) is loaded during step B of chunk c-1, kd(c) during step A of chunk c.
+  Stager<T, A, KMAX, kEarly> stager;
+  if (w) stager.load(w + (c_begin * z.H + head) * z.C * z.K, z);
+  for (int64_t c = c_begin; c < c_end; ++c) {
     const int64_t ch = c * z.H + head;
     if (col_ok) {
 #pragma unroll
@@ -159,11 +202,20 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(ChunkStatePassParams 
         if (k < z.K) h[ch * KV + int64_t(k) * z.V + col] = state[i];
       }
     }
+    if (w) {
+      stager.template store<true>(buf, z);
+      __syncthreads();  // w(c) staged; state_s complete
+    }
+    A u_val[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int t = warp * 8 + i;
+      u_val[i] = (t < z.C && col_ok) ? to_acc(u[(ch * z.C + t) * z.V + col], A()) : A(0);
+    }
+    stager.load(kd + ch * z.C * z.K, z);
     // v_new = u - w @ S for rows t = warp*8 + i.
     A vn[8];
     if (w) {
-      stage<T, A, KMAX, true>(w + ch * z.C * z.K, z, buf);
-      __syncthreads();
       rows_times_state<A, KMAX>(buf, state_s, lane, warp, vn);
     } else {
 #pragma unroll
@@ -174,15 +226,15 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(ChunkStatePassParams 
       const int t = warp * 8 + i;
       A v = A(0);
       if (t < z.C && col_ok) {
-        const int64_t at = (ch * z.C + t) * z.V + col;
-        v = to_acc(u[at], A()) - vn[i];
-        v_new[at] = from_acc<T>(v);
+        v = u_val[i] - vn[i];
+        v_new[(ch * z.C + t) * z.V + col] = from_acc<T>(v);
       }
       vn_s[t * kTile + lane] = v;
     }
     __syncthreads();  // v_new complete; buf free
-    stage<T, A, KMAX, false>(kd + ch * z.C * z.K, z, buf);
+    stager.template store<false>(buf, z);
     __syncthreads();
+    if (w && c + 1 < c_end) stager.load(w + ((c + 1) * z.H + head) * z.C * z.K, z);
     const A d = decay[ch];
 #pragma unroll
     for (int i = 0; i < RK; ++i) state[i] *= d;
@@ -201,7 +253,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(ChunkStatePassParams 
   }
 }
 
-template <typename T, typename A, int KMAX>
+template <typename T, typename A, int KMAX, bool kEarly>
 __global__ void __launch_bounds__(kThreads) backward_kernel(ChunkStatePassParams p, int64_t level_begin) {
   constexpr int RK = KMAX / kWarps;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -240,46 +292,72 @@ __global__ void __launch_bounds__(kThreads) backward_kernel(ChunkStatePassParams
   const T* grad_v_new = static_cast<const T*>(p.grad_v_new);
   A* grad_u = static_cast<A*>(p.grad_u);
   A* grad_state = static_cast<A*>(p.grad_state);
-  const int64_t c_begin = p.seg_chunk_offsets[s];
-  for (int64_t c = p.seg_chunk_offsets[s + 1] - 1; c >= c_begin; --c) {
+  const A* h = static_cast<const A*>(p.h);
+  A* decay_partial = static_cast<A*>(p.grad_decay_partial);
+  __shared__ A red_s[kWarps];
+  const int64_t c_begin = p.seg_chunk_offsets[s], c_last = p.seg_chunk_offsets[s + 1] - 1;
+  // Software pipeline: kd(c) is loaded during step B of chunk c+1, w(c) during step A of chunk c.
+  Stager<T, A, KMAX, kEarly> stager;
+  stager.load(kd + (c_last * z.H + head) * z.C * z.K, z);
+  for (int64_t c = c_last; c >= c_begin; --c) {
     const int64_t ch = c * z.H + head;
-    if (col_ok) {
+    // Reads issued early (their latency overlaps dv's product): h[c] for ddecay, grad_h[c].
+    A h_val[RK], gh_val[RK];
 #pragma unroll
-      for (int i = 0; i < RK; ++i) {
-        const int k = warp * RK + i;
-        if (k < z.K) grad_state[ch * KV + int64_t(k) * z.V + col] = state[i];
-      }
+    for (int i = 0; i < RK; ++i) {
+      const int k = warp * RK + i;
+      const bool ok = col_ok && k < z.K;
+      const int64_t at = ch * KV + int64_t(k) * z.V + col;
+      if (ok) grad_state[at] = state[i];
+      h_val[i] = (ok && decay_partial) ? h[at] : A(0);
+      gh_val[i] = (ok && grad_h) ? grad_h[at] : A(0);
     }
-    __syncthreads();  // state_s is complete (written at the end of the previous step)
+    stager.template store<true>(buf, z);  // kd(c); buf is free (trailing barrier of the last step)
+    __syncthreads();  // kd staged; state_s complete
+    A g_val[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int t = warp * 8 + i;
+      g_val[i] = (grad_v_new && t < z.C && col_ok) ? to_acc(grad_v_new[(ch * z.C + t) * z.V + col], A()) : A(0);
+    }
+    if (w) stager.load(w + ch * z.C * z.K, z);
     // dv = dv_new + kd @ dS for rows t = warp*8 + i.
-    stage<T, A, KMAX, true>(kd + ch * z.C * z.K, z, buf);
-    __syncthreads();
     A dv[8];
     rows_times_state<A, KMAX>(buf, state_s, lane, warp, dv);
+    if (decay_partial) {  // this thread's share of ddecay[c] = <h[c], dS>, then the warp's
+      A hd = A(0);
+#pragma unroll
+      for (int i = 0; i < RK; ++i) hd = fma(h_val[i], state[i], hd);
+#pragma unroll
+      for (int off = kTile / 2; off > 0; off /= 2) hd += __shfl_xor_sync(0xffffffffu, hd, off);
+      if (lane == 0) red_s[warp] = hd;  // read after the barrier below "dv complete"
+    }
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
       const int t = warp * 8 + i;
       A v = A(0);
       if (t < z.C && col_ok) {
-        const int64_t at = (ch * z.C + t) * z.V + col;
-        v = dv[i] + (grad_v_new ? to_acc(grad_v_new[at], A()) : A(0));
-        grad_u[at] = v;
+        v = dv[i] + g_val[i];
+        grad_u[(ch * z.C + t) * z.V + col] = v;
       }
       dv_s[t * kTile + lane] = v;
     }
     __syncthreads();  // dv complete; buf free
+    if (decay_partial && threadIdx.x == 0) {  // the 8 warp sums in a fixed order
+      A sum = A(0);
+#pragma unroll
+      for (int i = 0; i < kWarps; ++i) sum += red_s[i];
+      decay_partial[ch * gridDim.z + blockIdx.z] = sum;
+    }
     const A d = decay[ch];
 #pragma unroll
-    for (int i = 0; i < RK; ++i) {
-      const int k = warp * RK + i;
-      const A g = (grad_h && col_ok && k < z.K) ? grad_h[ch * KV + int64_t(k) * z.V + col] : A(0);
-      state[i] = fma(d, state[i], g);
-    }
+    for (int i = 0; i < RK; ++i) state[i] = fma(d, state[i], gh_val[i]);
     if (w) {
-      stage<T, A, KMAX, false>(w + ch * z.C * z.K, z, buf);
+      stager.template store<false>(buf, z);
       __syncthreads();
-      state_update<A, KMAX, true>(buf, dv_s, int(z.C), lane, warp, state);
     }
+    if (c > c_begin) stager.load(kd + ((c - 1) * z.H + head) * z.C * z.K, z);
+    if (w) state_update<A, KMAX, true>(buf, dv_s, int(z.C), lane, warp, state);
     __syncthreads();  // everyone is done reading state_s, buf and dv_s of this chunk
 #pragma unroll
     for (int i = 0; i < RK; ++i) state_s[(warp * RK + i) * kTile + lane] = state[i];
@@ -301,9 +379,23 @@ void check_launch(const char* op) {
   if (err != cudaSuccess) throw std::runtime_error(std::string(op) + ": CUDA launch failed: " + cudaGetErrorString(err));
 }
 
+// Prefetching the next operands while computing (kEarly) needs ~175 registers at K = 128 (one
+// block per SM); without it 128 (two blocks per SM), which was faster on the H200 for trees and
+// chains (GRPO bf16: fwd 5.6 vs 7.0 ms, bwd 10.8 vs 12.8 ms) and slower only for one long flat
+// row (fwd 7.6 vs 6.8 ms). Default off; TREE_RECURRENCE_CHUNK_STATE_PREFETCH=1 turns it on
+// (a tuning knob, read once; both variants pass the same tests).
+bool prefetch_enabled() {
+  static const bool enabled = [] {
+    const char* v = std::getenv("TREE_RECURRENCE_CHUNK_STATE_PREFETCH");
+    return v && v[0] == '1';
+  }();
+  return enabled;
+}
+
 template <typename T, typename A, int KMAX, bool kBackward>
 void launch_levels(const ChunkStatePassParams& p, cudaStream_t stream) {
-  auto kernel = kBackward ? backward_kernel<T, A, KMAX> : forward_kernel<T, A, KMAX>;
+  auto kernel = kBackward ? (prefetch_enabled() ? backward_kernel<T, A, KMAX, true> : backward_kernel<T, A, KMAX, false>)
+                          : (prefetch_enabled() ? forward_kernel<T, A, KMAX, true> : forward_kernel<T, A, KMAX, false>);
   constexpr size_t bytes = shared_bytes<A, KMAX>();
   if (bytes > 48 * 1024) {
     const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));

@@ -81,6 +81,9 @@ struct ChunkStatePassParams {
   void* grad_state = nullptr;         // NC x H x K x V (acc): dS, the gradient of S_out(c)
   void* grad_initial_roots = nullptr; // R x H x K x V (acc): state gradient entering each root
                                       // (row root_index[s]); may be null when not wanted
+  // CUDA only, optional: NC x H x ceil(V/32) (acc), per 32-column V tile the partial sums of
+  // ddecay[c] = <h[c], dS(c)> (sum them over the last axis in order). The CPU ignores it.
+  void* grad_decay_partial = nullptr;
 
   // Scratch, S x H x K x V (acc), required by both directions.
   void* workspace = nullptr;

@@ -299,10 +299,13 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> ba
   p.grad_state = grad_state.data_ptr();
   p.grad_initial_roots = h0 ? grad_roots.data_ptr() : nullptr;
   p.workspace = workspace.data_ptr();
+  at::Tensor decay_partial;  // CUDA: <h, dS> per V tile, summed here in a fixed order
   if (cpu) {
     run_cpu(p, true, [](const kernels::ChunkStatePassParams& q) { kernels::chunk_state_pass_backward_cpu(q); });
   } else {
 #ifdef TREE_RECURRENCE_WITH_CUDA
+    decay_partial = at::empty({z.NC, z.H, (z.V + 31) / 32}, opts);
+    p.grad_decay_partial = decay_partial.data_ptr();
     try {
       kernels::chunk_state_pass_backward_cuda(p, c10::cuda::getCurrentCUDAStream().stream());
     } catch (const std::invalid_argument& e) {
@@ -313,10 +316,16 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> ba
 #endif
   }
   // The parts that reduce over V (or K and V): batched matmuls over every chunk and head at once.
+  // Half-type inputs: these two products take bf16/fp16 operands (h and dS rounded, fp32
+  // accumulation, tensor cores on CUDA), as FLA keeps h and dh in the input type; float32 and
+  // float64 inputs stay exact in their own type.
   const at::ScalarType out = v_new_in.scalar_type();
-  at::Tensor grad_w = w_in ? at::matmul(grad_u, h.transpose(-1, -2)).neg_().to(out) : at::empty({0}, v_new_in.options());
-  at::Tensor grad_kd = at::matmul(v_new.to(acc), grad_state.transpose(-1, -2)).to(out);
-  at::Tensor grad_decay = h.mul(grad_state).sum({-2, -1}).to(decay_in.scalar_type());
+  const at::ScalarType mm = (out == at::kBFloat16 || out == at::kHalf) ? out : acc;
+  at::Tensor grad_w = w_in ? at::matmul(grad_u.to(mm), h.to(mm).transpose(-1, -2)).neg_().to(out)
+                           : at::empty({0}, v_new_in.options());
+  at::Tensor grad_kd = at::matmul(v_new.to(mm), grad_state.to(mm).transpose(-1, -2)).to(out);
+  at::Tensor grad_decay =
+      (decay_partial.defined() ? decay_partial.sum(-1) : h.mul(grad_state).sum({-2, -1})).to(decay_in.scalar_type());
   at::Tensor grad_h0 = at::empty({0}, v_new_in.options());
   if (h0) grad_h0 = (z.per_root ? grad_roots : grad_roots.sum(0)).to(h0->scalar_type());
   return {grad_w, grad_u.to(out), grad_kd, grad_decay, grad_h0};
