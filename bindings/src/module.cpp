@@ -80,6 +80,8 @@ py::dict record_to_python(const PluginRecord& r) {
   // (the registry already bounds the messages it writes), so doctor never prints megabytes.
   out["family"] = clip(r.family, 100);
   out["version"] = clip(r.version, 100);
+  out["library_version"] = r.library_version;
+  out["op_namespace"] = r.manifest.op_namespace;
   // A loaded plugin's paths resolved (at most PATH_MAX) and are used as paths: kept whole.
   out["manifest_path"] = r.loaded ? r.manifest_path : clip(r.manifest_path, 1000);
   out["library_path"] = r.loaded ? r.library_path : clip(r.library_path, 1000);

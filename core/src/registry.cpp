@@ -258,6 +258,16 @@ void Registry::load(PluginRecord& record, const fs::path& manifest) {
                    "' but its manifest names '" + record.family + "'";
     return;
   }
+  record.library_version = clip(info->family_version ? info->family_version : "", 100);
+  if (record.library_version != record.version) {
+    record.error = "library " + record.library_path + " is version '" + record.library_version + "' of family '" +
+                   record.family + "' but its manifest says version '" + record.version + "'";
+    return;
+  }
+  if (!info->create_family) {  // as LLVM refuses a plugin whose registration callback is empty
+    record.error = "library " + record.library_path + ": plugin info has no create_family (a null factory)";
+    return;
+  }
   char message[512] = {0};
   void* object = nullptr;
   if (info->create_family(&object, message, sizeof(message)) != 0 || !object) {

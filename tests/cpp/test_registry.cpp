@@ -46,6 +46,9 @@ TEST_SUITE("Registry") {
     refused("test_wrong_fingerprint.yaml", "build fingerprint mismatch: the plugin was built for torch 0.0.1-other-torch");
     refused("test_no_entry.yaml", "has no entry symbol 'tree_recurrence_plugin_info'");
     refused("test_factory_throws.yaml", "family factory failed: test factory refuses to build");
+    refused("test_null_factory.yaml", "plugin info has no create_family (a null factory)");
+    refused("test_wrong_version.yaml", "is version '2.0.0' of family 'test_wrong_version' but its manifest says version '1.0.0'");
+    CHECK(records.at("test_good.yaml")->library_version == "1.0.0");
     refused("test_zz_duplicate.yaml", "family 'test_good' is already loaded");
 #ifndef TREE_RECURRENCE_SANITIZER_BUILD  // the sanitizer build has no torch, so no torch-linked test plugin
     refused("test_bad_schema.yaml", "family factory failed:");

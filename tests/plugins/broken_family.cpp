@@ -36,4 +36,12 @@ extern "C" TREE_RECURRENCE_EXPORT const TreeRecurrencePluginInfo* tree_recurrenc
 }
 #elif BROKEN_MODE == 3  // no entry symbol at all
 extern "C" TREE_RECURRENCE_EXPORT int tree_recurrence_something_else() { return 0; }
+#elif BROKEN_MODE == 5  // a null factory
+extern "C" TREE_RECURRENCE_EXPORT const TreeRecurrencePluginInfo* tree_recurrence_plugin_info() {
+  static const TreeRecurrencePluginInfo info{TREE_RECURRENCE_ABI_VERSION, sizeof(TreeRecurrencePluginInfo), FAMILY_NAME,
+                                             "1.0.0", TREE_RECURRENCE_FINGERPRINT, nullptr};
+  return &info;
+}
+#elif BROKEN_MODE == 6  // a family version other than its manifest's
+TREE_RECURRENCE_FAMILY(TestFamily, FAMILY_NAME, "2.0.0")
 #endif

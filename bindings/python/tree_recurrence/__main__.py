@@ -47,7 +47,8 @@ def doctor_report() -> dict:
                    "layer_types": m["layer_types"], "installed": _module_present(m["module"])}
                   for m in r["manifest"]["models"]]
         report["plugins"].append({
-            "family": r["family"], "version": r["version"], "library": r["library_path"], "fingerprint": r["fingerprint"],
+            "family": r["family"], "version": r["version"], "library_version": r.get("library_version", ""),
+            "library": r["library_path"], "fingerprint": r["fingerprint"],
             "kernels": [{"name": k, "device": d, "available": ok} for k, d, ok in r["kernels"]],
             "seams": sorted(r["manifest"]["seams"]), "models": models,
         })
@@ -62,7 +63,7 @@ def print_doctor(report: dict) -> None:
     print("  plugin folders: " + ", ".join(report["plugin_folders"]))
     print(f"\nplugins loaded: {len(report['plugins'])}")
     for p in report["plugins"]:
-        print(f"  {p['family']} {p['version']}  [{p['fingerprint']}]")
+        print(f"  {p['family']} {p['version']} (manifest; library {p['library_version'] or '?'})  [{p['fingerprint']}]")
         print(f"    library: {p['library']}")
         kernels = ", ".join(f"{k['name']}:{k['device']}" + ("" if k["available"] else " (not built)") for k in p["kernels"])
         print(f"    kernels: {kernels}")

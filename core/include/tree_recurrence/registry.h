@@ -40,7 +40,8 @@ struct PluginRecord {
   std::string folder;  // the plugin folder the manifest was found in (canonical when it resolves)
   std::string library_path;
   std::string family;   // from the manifest (or the file name when the manifest is unreadable)
-  std::string version;
+  std::string version;          // the manifest's family version
+  std::string library_version;  // the family version the library declares (must equal the manifest's)
   bool loaded = false;
   std::string error;        // why the plugin was refused (empty when loaded)
   std::string fingerprint;  // the library's build fingerprint, as text
