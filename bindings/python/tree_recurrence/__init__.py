@@ -12,6 +12,7 @@ from .install import Support, install, set_backend, uninstall
 from . import components
 from .components import mark_tree_forward, register_family, tree_conv, tree_scan, unregister_family
 from .plugins import add_plugin_path
+from .integrations import trl as _trl_integration  # noqa: F401  -- registers backend "trl" (imports no TRL)
 from .policy import Policy
 
 __version__ = "0.1.0"

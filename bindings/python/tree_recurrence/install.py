@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import importlib
 import logging
-import sys
 import warnings
 import weakref
 from dataclasses import dataclass, field
@@ -39,71 +38,66 @@ from ._plan import is_meta_tree, tree_plan
 from .policy import Policy
 
 
-def _trl_backend(family: str) -> str | None:
-    try:
-        from .integrations import trl as trl_integration
-    except ImportError as error:
-        return f"TRL is not importable ({error})"
-    return trl_integration.trl_backend_unavailable(family)
-
-
 # Backend name -> availability check: check(family) is None when the backend can serve the family,
-# else the reason it cannot. register_backend() adds one.
+# else the reason it cannot. register_backend() adds one (integrations register theirs on import:
+# tree_recurrence.integrations.trl adds "trl").
 BACKENDS: dict[str, Callable[[str], str | None]] = {
     "auto": lambda family: None,
     "native": lambda family: None,  # checked per call: the family's native ops for the tensors' device
     "kernel": lambda family: None,
-    # fork / rescan over tree_recurrence.reference (library APIs: varlen, per-sequence states),
+    # fork / rescan over the families' reference kernels (library APIs: varlen, per-sequence states),
     # wrapped as transformers wraps a library; seams without a reference use the bound kernel
     "reference": lambda family: None,
-    "trl": _trl_backend,
 }
 # Backends that hand the family's modeling modules to another library (install patches nothing there).
-HANDOFF_BACKENDS: set[str] = {"trl"}
-
-
-def _trl_hand_off(model, family: str, module_names: list[str]) -> None:
-    from .integrations import trl as trl_integration
-
-    trl_integration.hand_off(model, family, module_names)
-
-
+HANDOFF_BACKENDS: set[str] = set()
 # Hand-off backend -> what install calls to give the library the model's modules of a family:
 # action(model, family, module names).
-HANDOFF_ACTIONS: dict[str, Callable[[Any, str, list[str]], None]] = {"trl": _trl_hand_off}
+HANDOFF_ACTIONS: dict[str, Callable[[Any, str, list[str]], None]] = {}
 # Backend -> the backend used instead (with a warning) when its check says it is unavailable: a script
-# written for a newer TRL keeps running on an older one, on this package's own hooks.
-FALLBACKS: dict[str, str] = {"trl": "auto"}
+# written for a newer library keeps running on an older one, on this package's own hooks.
+FALLBACKS: dict[str, str] = {}
+# Hand-off backend -> owns(module name, family): whether its library patched that module first (looking only
+# at libraries already imported), and -> note(module name, family, patched): tell the library that this
+# package hooks (or no longer hooks) the module, so it does not wrap it again.
+_OWNS: dict[str, Callable[[str, str], bool]] = {}
+_NOTES: dict[str, Callable[[str, str, bool], None]] = {}
 
 
 def _owned_elsewhere(module_name: str, family: str) -> str | None:
-    """The hand-off backend whose library patched ``module_name`` first (TRL's patch_tree_gdn), or None.
-    Looks only at libraries already imported."""
-    if "trl" not in sys.modules:
-        return None
-    from .integrations import trl as trl_integration
-
-    return "trl" if trl_integration.trl_owns(module_name, family) else None
+    """The hand-off backend whose library patched ``module_name`` first, or None."""
+    return next((name for name, owns in _OWNS.items() if owns(module_name, family)), None)
 
 
 def _tell_libraries(module_name: str, family: str, patched: bool) -> None:
-    """Records in TRL's patched set that this package hooks (or no longer hooks) ``module_name``."""
-    if "trl" not in sys.modules:
-        return
-    from .integrations import trl as trl_integration
-
-    trl_integration.note_patched_here(module_name, family, patched)
+    """Records in every hand-off library that this package hooks (or no longer hooks) ``module_name``."""
+    for note in _NOTES.values():
+        note(module_name, family, patched)
 
 
 seams.on_unpatch.append(lambda name, family: _tell_libraries(name, family, False))
 FOLLOWS = ("tree", "chains")  # what a family's manifest model entry may declare as "follows" (default "tree")
 
 
-def register_backend(name: str, check: Callable[[str], str | None], handoff: bool = False) -> None:
-    """Adds a backend name with its availability check (``check(family) -> None`` or why not)."""
+def register_backend(name: str, check: Callable[[str], str | None], handoff: bool = False, *,
+                     action: Callable[[Any, str, list[str]], None] | None = None, fallback: str | None = None,
+                     owns: Callable[[str, str], bool] | None = None,
+                     note_patched: Callable[[str, str, bool], None] | None = None) -> None:
+    """Adds a backend name with its availability check (``check(family) -> None`` or why not).
+    ``handoff``: install leaves the family's modules to another library, calling ``action(model, family,
+    module names)``; ``fallback``: the backend used (with a warning) when the check says no; ``owns`` /
+    ``note_patched``: how that library tells that it patched a module first / is told that this package did."""
     BACKENDS[name] = check
     if handoff:
         HANDOFF_BACKENDS.add(name)
+    if action is not None:
+        HANDOFF_ACTIONS[name] = action
+    if fallback is not None:
+        FALLBACKS[name] = fallback
+    if owns is not None:
+        _OWNS[name] = owns
+    if note_patched is not None:
+        _NOTES[name] = note_patched
 
 
 ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention", "attention", "qwen_sparse_attention", "mlp", "moe"}

@@ -52,7 +52,7 @@ import torch
 
 from .. import plugins
 from .._plan import tree_plan
-from ..install import Support, _check_backends, install, uninstall
+from ..install import Support, _check_backends, install, register_backend, uninstall
 from ..policy import Policy
 
 logger = logging.getLogger("tree_recurrence")
@@ -788,3 +788,18 @@ def tree_recurrent_models(policy: Policy | None = None, backends: dict[str, str]
     finally:
         hider.restore_all()
         patches.restore()
+
+
+def _owns_if_imported(module_name: str, family: str) -> bool:
+    return "trl" in sys.modules and trl_owns(module_name, family)
+
+
+def _note_if_imported(module_name: str, family: str, patched: bool) -> None:
+    if "trl" in sys.modules:
+        note_patched_here(module_name, family, patched)
+
+
+# Backend "trl" (install.register_backend: install.py does not know this module): TRL's own tree kernel
+# takes the family's modeling modules; without it, this package's hooks with a warning.
+register_backend("trl", trl_backend_unavailable, handoff=True, action=hand_off, fallback="auto",
+                 owns=_owns_if_imported, note_patched=_note_if_imported)
