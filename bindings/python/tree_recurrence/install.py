@@ -246,7 +246,7 @@ _told_use_cache = False
 
 
 def _no_cache_for_tree_rows(module, args, kwargs):
-    """A forward pre-hook of an installed model (and its base model): a tree-packed row that did not say
+    """A forward pre-hook of an installed model: a tree-packed row that did not say
     ``use_cache`` runs with ``use_cache=False`` (a row of many samples has no one recurrent state to
     cache); says so once. An explicit ``use_cache=True`` is left to be refused with the reason."""
     global _told_use_cache
@@ -423,9 +423,8 @@ def _install(model: torch.nn.Module, policy: Policy | None, backends: dict[str, 
             seams.release_model(name, id(model))
         raise
     if claimed:
-        _cache_hooks[id(model)] = [m.register_forward_pre_hook(_no_cache_for_tree_rows, with_kwargs=True)
-                                   for m in dict.fromkeys([model, getattr(model, "base_model", model)])
-                                   if isinstance(m, torch.nn.Module)]
+        # on the model install was given (a head hands use_cache down to its backbone)
+        _cache_hooks[id(model)] = [model.register_forward_pre_hook(_no_cache_for_tree_rows, with_kwargs=True)]
     _installed[id(model)] = support
     if _installed_refs.get(id(model)) is None or _installed_refs[id(model)]() is not model:
         _installed_refs[id(model)] = weakref.ref(model, lambda _, model_id=id(model): seams._on_collected(model_id))
