@@ -455,3 +455,39 @@ def test_reference_kernels_ignore_extra_keywords():
     xs, dt, B, C = torch.randn(1, 5, 2, 2), torch.randn(1, 5, 2), torch.randn(1, 5, 1, 2), torch.randn(1, 5, 1, 2)
     scan = R.mamba_chunk_scan_combined
     torch.testing.assert_close(scan(xs, dt, A, B, C, 4, **extra), scan(xs, dt, A, B, C, 4))
+
+
+# ------------------------------------------------------------------------------------------------
+# 1. (carriers) a foreign wrapper over a plan carrier's forward survives too
+# ------------------------------------------------------------------------------------------------
+
+
+def test_foreign_wrapper_over_a_carrier_forward_survives_uninstall():
+    from test_short_conv_models import make_model as make_short_conv_model
+
+    module = importlib.import_module("transformers.models.lfm2.modeling_lfm2")
+    carrier = module.Lfm2DecoderLayer
+    own = carrier.__dict__["forward"]
+    model = make_short_conv_model("lfm2")
+    tr.install(model)
+    ours = carrier.__dict__["forward"]
+    assert getattr(ours, seams.WRAPPER_MARK) == "carrier"
+
+    @functools.wraps(ours)
+    def profiled(self, *args, **kwargs):
+        return ours(self, *args, **kwargs)
+
+    carrier.forward = profiled
+    try:
+        tr.uninstall(model)
+        assert carrier.__dict__["forward"] is profiled, "uninstall wrote the class's own forward over a foreign wrapper"
+        tr.install(model)
+        assert carrier.__dict__["forward"] is profiled and seams.owners[module.__name__].carriers[carrier] is own
+        tree = M.pack_forest("fan")
+        driver.decisions.clear()
+        with torch.no_grad():
+            model(input_ids=tree.input_ids, position_ids=tree.position_ids, use_cache=False, **tree.trl_kwargs())
+        assert driver.decisions, "our carrier under the foreign wrapper did not set the plan context"
+        tr.uninstall(model)
+    finally:
+        carrier.forward = own
