@@ -16,10 +16,19 @@ Backends per family (``BACKENDS``: name -> availability check): ``"auto"`` (poli
 native / fork / rescan), ``"native"`` (the family's own tree kernels only), ``"kernel"`` (fork /
 rescan over whatever transformers bound: a kernel library or its PyTorch reference),
 ``"reference"`` (fork / rescan over this package's reference kernels, bound as libraries), ``"trl"``
-(hand the family's modeling modules to TRL's own tree kernels; TRL 1.16 has none, so asking for
-it is an error that lists the available backends). A backend whose check says it is unusable is
-refused with the check's reason; a hand-off backend (``HANDOFF_BACKENDS``) leaves the modeling
-module unpatched for the library that owns it.
+(hand the family's modeling modules to TRL's own tree kernel, huggingface/trl#7686's
+``patch_tree_gdn``; TRL 1.16 has none: then a warning names what is missing and ``"auto"`` serves
+the family, ``FALLBACKS``). A backend whose check says it is unusable is refused with the check's
+reason (or replaced by its fallback); a hand-off backend (``HANDOFF_BACKENDS``) leaves the modeling
+module unpatched for the library that owns it. A module TRL patched first stays TRL's; one hooked
+here is recorded in TRL's patched set.
+
+Ownership (docs/architecture.md, "Who owns a seam"): install and uninstall are serialized by
+``seams.locked()``; installed models are held weakly (a collected model releases its modules);
+uninstall restores only attributes that still hold our wrappers. Also refused (``"none"``): a
+modeling module lacking a seam its family needs, a mixer whose instance ``forward`` bypasses the
+seams, an unmarked mixer of a Python-registered family without seams, and ``layer_types`` whose
+family's mixer classes the model lacks. A tree row that does not say ``use_cache`` runs without one.
 """
 
 from __future__ import annotations
