@@ -145,3 +145,28 @@ def test_tree_flex_without_tree_kwargs_is_plain_causal_attention():
     out = model(input_ids=ids, use_cache=False).logits
     model.set_attn_implementation("sdpa")
     torch.testing.assert_close(out, model(input_ids=ids, use_cache=False).logits)
+
+
+def test_tree_flex_mask_skips_huge_packed_masks_and_refuses_them_without_tree_kwargs():
+    n = 1 << 15  # 2^30 entries: over the limit, never allocated
+    skipped = A.tree_flex_mask(batch_size=1, q_length=n, kv_length=n, allow_is_causal_skip=False, device="cpu")
+    assert skipped.numel() == 0 and skipped._tree_recurrence_skipped
+    # plain causal rows still get SDPA's answer (None: is_causal), small packed rows their mask
+    assert A.tree_flex_mask(batch_size=1, q_length=n, kv_length=n, attention_mask=None, device="cpu") is None
+    small = A.tree_flex_mask(batch_size=1, q_length=8, kv_length=8, allow_is_causal_skip=False, device="cpu")
+    assert small.shape[-2:] == (8, 8)
+    q = torch.zeros(1, 2, 4, 8)
+    with pytest.raises(ValueError, match="packed row of 4 tokens without tree kwargs"):
+        A.tree_flex_attention(_Module(), q, q, q, skipped)
+
+
+def test_tree_rows_run_with_the_dense_mask_skipped(monkeypatch, tree_install, alone_reference):
+    """With the limit below the row's size transformers' packed mask is never built; the tree row
+    still matches its samples alone (tree_flex reads only the plan)."""
+    monkeypatch.setattr(A, "DENSE_MASK_LIMIT", 16)
+    tree = M.pack_forest("mixed")
+    alone = alone_reference("qwen3_5_text", "mixed", tree)
+    model = _flex_model()
+    assert tree_install(model).mode == "tree"
+    result = M.run_tree(model, tree, M.loss_weights(tree.samples), tree.trl_kwargs())
+    M.assert_matches(result, alone, model, what="qwen3_5_text/tree_flex/mask skipped")

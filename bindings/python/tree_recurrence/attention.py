@@ -232,10 +232,40 @@ def _flex_kernel():
     return _compiled_flex
 
 
+# Packed rows (position ids restarting) make transformers build a dense (N, N) mask before any
+# layer runs; tree_flex ignores it on tree rows, and for a 164k-token row it would take 27 GB.
+# Above this many entries tree_flex's mask function returns SKIPPED_MASK instead.
+DENSE_MASK_LIMIT = 1 << 28
+
+
+def _skipped_mask(device) -> torch.Tensor:
+    mask = torch.empty(0, dtype=torch.bool, device=device)
+    mask._tree_recurrence_skipped = True
+    return mask
+
+
+def tree_flex_mask(*args, **kwargs):
+    """transformers mask function of ``"tree_flex"``: SDPA's, except that a packed row's dense mask
+    larger than DENSE_MASK_LIMIT is not built (a marker stands in; tree rows never read it, and an
+    ordinary packed row that large is refused by the attention with the reason)."""
+    from transformers.masking_utils import sdpa_mask
+
+    b, q, kv = kwargs.get("batch_size"), kwargs.get("q_length"), kwargs.get("kv_length")
+    if (not args and b == 1 and isinstance(q, int) and isinstance(kv, int) and q * kv > DENSE_MASK_LIMIT
+            and not kwargs.get("allow_is_causal_skip", True)):
+        return _skipped_mask(kwargs.get("device", "cpu"))
+    return sdpa_mask(*args, **kwargs)
+
+
 def tree_flex_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     plan = tree_plan(kwargs)
     if plan is None:  # an ordinary batch: plain causal SDPA with the mask transformers built
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        if getattr(attention_mask, "_tree_recurrence_skipped", False):
+            raise ValueError(
+                f"attention '{TREE_FLEX}': a packed row of {query.shape[2]} tokens without tree kwargs; its dense mask "
+                f"(over {DENSE_MASK_LIMIT} entries) was not built: pass the tree kwargs (one chain per sample) or use 'sdpa'")
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     if query.shape[0] != 1 or query.shape[2] != plan.num_tokens:
@@ -274,6 +304,7 @@ def tree_flex_attention(module, query, key, value, attention_mask, scaling=None,
 
 
 _IMPLEMENTATIONS = {TREE_ATTENTION: tree_sdpa_attention, TREE_FLEX: tree_flex_attention}
+_MASKS = {TREE_ATTENTION: None, TREE_FLEX: tree_flex_mask}  # None: SDPA's own
 
 
 def register_tree_attention(name: str = TREE_ATTENTION) -> str:
@@ -286,5 +317,5 @@ def register_tree_attention(name: str = TREE_ATTENTION) -> str:
 
     AttentionInterface.register(name, _IMPLEMENTATIONS[name])
     # Ordinary batches get SDPA's own mask; tree-packed rows ignore it (the plan gives the mask).
-    AttentionMaskInterface.register(name, sdpa_mask)
+    AttentionMaskInterface.register(name, _MASKS[name] or sdpa_mask)
     return name
