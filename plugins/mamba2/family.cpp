@@ -2,6 +2,7 @@
 #include "ops.h"
 #include "tree_recurrence/sdk/detectors.h"
 #include "tree_recurrence/sdk/family.h"
+#include "tree_recurrence/sdk/kernel_list.h"
 
 namespace {
 
@@ -16,15 +17,10 @@ class Mamba2Family final : public tree_recurrence::TreeFamily {
     namespace d = tree_recurrence::detectors;
     return d::recognise(module, manifest().family, {d::kStateSpaceDecay, d::kCausalDepthwiseConv});
   }
+  // From what register_ops() registered: ssd_tree_scan is a composite of ATen ops around the SDK's
+  // chunk_state_pass, so it runs wherever that op has a kernel.
   std::vector<tree_recurrence::KernelInfo> kernels() const override {
-    auto kernels = tree_recurrence::tree_conv_kernels();
-    // ssd_tree_scan is a composite of ATen ops around the SDK's chunk_state_pass: it runs wherever
-    // that op has a kernel (CPU always, CUDA when built with CUDA).
-    kernels.push_back({"ssd_tree_scan", "cpu", true});
-#ifdef TREE_RECURRENCE_WITH_CUDA
-    kernels.push_back({"ssd_tree_scan", "cuda", true});
-#endif
-    return kernels;
+    return tree_recurrence::registered_kernels({{"tree_conv", {}}, {"ssd_tree_scan", {"chunk_state_pass"}}});
   }
 };
 

@@ -2,6 +2,7 @@
 #include "ops.h"
 #include "tree_recurrence/sdk/detectors.h"
 #include "tree_recurrence/sdk/family.h"
+#include "tree_recurrence/sdk/kernel_list.h"
 
 namespace {
 
@@ -17,7 +18,7 @@ class ShortConvFamily final : public tree_recurrence::TreeFamily {
     return d::recognise(module, manifest().family, {d::kCausalDepthwiseConv});
   }
   std::vector<tree_recurrence::KernelInfo> kernels() const override {
-    return tree_recurrence::tree_conv_kernels();
+    return tree_recurrence::registered_kernels({{"tree_conv", {}}});
   }
 };
 

@@ -70,3 +70,21 @@ def test_native_scan_op_passes_opcheck(family, monkeypatch):
             t.requires_grad_()
     op, op_args, op_kwargs = _captured_native_call(family, seam, args, scan_kwargs, plan, monkeypatch)
     torch.library.opcheck(op, op_args, op_kwargs)
+
+
+@pytest.mark.parametrize("family", ["gated_delta_net", "mamba2", "short_conv"])
+def test_kernel_list_is_what_the_family_registered(family):
+    """kernels() is derived from the family's registrations (sdk/kernel_list.h): every op it lists as
+    available on the CPU has a CPU or composite kernel in the family's op namespace."""
+    if family not in plugins.families():
+        pytest.skip(f"family {family} is not loaded")
+    record = plugins.families()[family]
+    namespace = record.get("op_namespace") or f"tree_recurrence_{family}"
+    listed = {(name, device) for name, device, ok in record["kernels"] if ok}
+    assert ("tree_conv", "cpu") in listed
+    for name, device in listed:
+        if device != "cpu":
+            continue
+        qualified = f"{namespace}::{name}"
+        assert any(torch._C._dispatch_has_kernel_for_dispatch_key(qualified, key)
+                   for key in ("CPU", "CompositeImplicitAutograd", "CompositeExplicitAutograd")), qualified
