@@ -236,7 +236,7 @@ def _env_script(folder: Path) -> Path:
 
 def test_python_env_makes_a_project_venv_unless_python_is_given(tmp_path):
     clone = _env_script(tmp_path / "clone")
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHON", "VIRTUAL_ENV")}
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHON", "VIRTUAL_ENV", "TREE_RECURRENCE_VENV")}
     done = subprocess.run(["bash", "-c", "source scripts/python-env.sh && echo \"PY=$PY\""], cwd=clone, env=env,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
