@@ -1,6 +1,7 @@
 #include <doctest/doctest.h>
 
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 
 #include "forest.h"
@@ -63,13 +64,13 @@ TEST_SUITE("Policy") {
                          std::invalid_argument);
     CHECK_THROWS_WITH_AS(Policy::from_yaml_text("[1, 2"), doctest::Contains("invalid YAML"), std::invalid_argument);
     CHECK_THROWS_WITH_AS(Policy::from_yaml_file("/nonexistent/policy.yaml"), doctest::Contains("cannot read"), std::invalid_argument);
-    const std::string path = "policy_test.yaml";
+    const std::string path = (std::filesystem::temp_directory_path() / "tree_recurrence_policy_test.yaml").string();
     std::ofstream(path) << "fork_min_saved_tokens: 7\n";
     CHECK(Policy::from_yaml_file(path).fork_min_saved_tokens == 7);
   }
 
   TEST_CASE("environment overrides the file, and the file overrides defaults") {
-    const std::string path = "policy_env_test.yaml";
+    const std::string path = (std::filesystem::temp_directory_path() / "tree_recurrence_policy_env_test.yaml").string();
     std::ofstream(path) << "fork_min_saved_tokens: 11\nstrategy: fork\n";
     setenv("TREE_RECURRENCE_POLICY_FILE", path.c_str(), 1);
     setenv("TREE_RECURRENCE_STRATEGY", "rescan", 1);
