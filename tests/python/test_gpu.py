@@ -212,3 +212,77 @@ def test_tree_flex_kernel_matches_tree_sdpa_on_gpu(window):
         results[fn.__name__] = [out.detach(), q.grad, k.grad, v.grad]
     for got, want, name in zip(results["tree_flex_attention"], results["tree_sdpa_attention"], ("out", "dq", "dk", "dv")):
         assert rel_rms(got, want) <= 1e-3, f"{name}: relative RMS error {rel_rms(got, want):.2e}"
+
+
+def _capture(fn):
+    """Warms ``fn`` up on a side stream (plans, routes and device tables are built there), captures one
+    call in a CUDA graph and returns (graph, its static output). A host sync or a device-to-host copy
+    inside a seam call makes the capture raise."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
+@torch.no_grad()
+def test_native_seam_calls_capture_in_a_cuda_graph():
+    """The native-op convention: with a fixed plan, the tree conv and the GDN native scan take the plan's
+    device tensors and do no host work on the device: a CUDA graph captures them, and its replay on new
+    inputs equals an eager call."""
+    from tree_recurrence import components
+
+    if not plugins.has_kernel(plugins.families()[CONV], "gdn_tree_scan", torch.device("cuda")):
+        pytest.skip("this build has no CUDA gdn_tree_scan")
+    g = torch.Generator().manual_seed(3)
+    kwargs = random_tree_kwargs(g, 40, 20, "cuda")
+    plan = tree_recurrence.tree_plan(kwargs)
+    n = plan.num_tokens
+    x = torch.randn(1, 64, n, generator=g).cuda()
+    w = torch.randn(64, 4, generator=g).cuda()
+    q, k = (torch.randn(1, n, 2, 32, generator=g).cuda() for _ in range(2))
+    v = torch.randn(1, n, 4, 32, generator=g).cuda()
+    decay, beta = (-torch.rand(1, n, 4, generator=g)).cuda(), torch.rand(1, n, 4, generator=g).cuda()
+
+    def step():
+        y = components.tree_conv(x, w, None, "silu", plan=plan)
+        o = components.scan(CONV, "torch_chunk_gated_delta_rule", q, k, v, decay, beta, plan=plan,
+                            use_qk_l2norm_in_kernel=True, backend="native")
+        return y, o
+
+    graph, (y_graph, o_graph) = _capture(step)
+    for t in (x, q, k, v, decay, beta):  # new inputs, same plan
+        t.copy_(torch.randn_like(t) if t is not decay else -torch.rand_like(t))
+    graph.replay()
+    torch.cuda.synchronize()
+    y_eager, o_eager = step()
+    assert rel_rms(y_graph, y_eager) <= 1e-6 and rel_rms(o_graph, o_eager) <= 1e-6
+
+
+@torch.no_grad()
+def test_tree_forward_with_a_fixed_plan_captures_in_a_cuda_graph():
+    """A whole tiny Qwen3.5 forward on a tree-packed row (native seams), captured in a CUDA graph once its
+    plan exists: the replay on new token ids equals the eager forward."""
+    if not plugins.has_kernel(plugins.families()[CONV], "gdn_tree_scan", torch.device("cuda")):
+        pytest.skip("this build has no CUDA gdn_tree_scan")
+    torch.manual_seed(0)
+    model = tiny_qwen(torch.float32).eval()
+    gen = torch.Generator().manual_seed(4)
+    kwargs = random_tree_kwargs(gen, 12, 16, "cuda")
+    n = int(kwargs["tree_cu_seqlens_q"][-1])
+    ids = torch.randint(0, 256, (1, n), generator=gen).cuda()
+    tree_recurrence.install(model, policy=tree_recurrence.Policy(strategy="native"))
+    try:
+        forward = lambda: model(input_ids=ids, use_cache=False, **kwargs).logits  # noqa: E731
+        graph, logits_graph = _capture(forward)
+        ids.copy_(torch.randint(0, 256, (1, n), generator=gen).cuda())
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_rms(logits_graph, forward()) <= 1e-5
+    finally:
+        tree_recurrence.uninstall(model)
