@@ -106,8 +106,36 @@ def tree_subtree_ends(plan, device) -> torch.Tensor:
     return cache[key]
 
 
+def segments_in_preorder(plan) -> bool:
+    """Whether every segment's subtree is the contiguous run of segments after it (DFS pre-order,
+    as TRL lays rows out). The richer format only promises parents before children; then subtree
+    ranges do not describe the tree and tree_flex uses the path mask instead. Cached."""
+    cache = plan._on_device
+    if "preorder" not in cache:
+        parents = plan.array("parents")
+        size = torch.ones(plan.num_segments, dtype=torch.int64)
+        end_segment = torch.arange(1, plan.num_segments + 1, dtype=torch.int64)
+        level_offsets = plan.array("level_offsets")
+        level_segments = plan.array("level_segments")
+        for level in range(plan.num_levels - 1, 0, -1):
+            segments = level_segments[level_offsets[level]:level_offsets[level + 1]]
+            size.index_add_(0, parents[segments], size[segments])
+            end_segment.scatter_reduce_(0, parents[segments], end_segment[segments], "amax")
+        # Descendants come after their ancestor, so [a, end) holds the whole subtree; it holds
+        # nothing else iff it is exactly as long as the subtree.
+        cache["preorder"] = bool((end_segment - torch.arange(plan.num_segments) == size).all())
+    return cache["preorder"]
+
+
 def tree_mask_mod(plan, device, sliding_window: int | None = None):
-    """The FlexAttention ``mask_mod`` of the plan's tree (see :func:`tree_subtree_ends`)."""
+    """The FlexAttention ``mask_mod`` of the plan's tree (see :func:`tree_subtree_ends`); for rows not
+    in DFS pre-order, a lookup into the path mask of :func:`tree_attention_mask` (N x N, as tree_sdpa)."""
+    if not segments_in_preorder(plan):
+        allowed = tree_attention_mask(plan, device, sliding_window)
+
+        def mask_mod(b, h, q, kv):
+            return allowed[q, kv]
+        return mask_mod
     ends = tree_subtree_ends(plan, device)
     if sliding_window is None:
         def mask_mod(b, h, q, kv):
@@ -190,7 +218,7 @@ def tree_block_mask(plan, device, sliding_window: int | None = None, block: int 
     if key not in cache:
         n = plan.num_tokens
         mask_mod = tree_mask_mod(plan, device, sliding_window)
-        if sliding_window is None:
+        if sliding_window is None and segments_in_preorder(plan):
             partial, full = _tree_blocks(tree_subtree_ends(plan, device), n, block)
         else:
             partial, full = _blocks_from_mask_mod(mask_mod, n, block, device)
