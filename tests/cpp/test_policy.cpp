@@ -17,7 +17,7 @@ std::shared_ptr<TreePlan> fork_plan() {  // prompt of 100 tokens, 3 completions 
 }  // namespace
 
 TEST_SUITE("Policy") {
-  TEST_CASE("auto prefers native, then fork when it saves enough, else rescan") {
+  TEST_CASE("auto prefers native then fork when it saves enough else rescan") {
     auto plan = fork_plan();
     Policy p;
     p.fork_min_saved_tokens = 200;
@@ -51,7 +51,7 @@ TEST_SUITE("Policy") {
     CHECK_THROWS_WITH_AS(p.choose(*plan, false, true), doctest::Contains("native was forced"), std::invalid_argument);
   }
 
-  TEST_CASE("YAML text, files and errors") {
+  TEST_CASE("YAML text and files and errors") {
     Policy p = Policy::from_yaml_text("fork_min_saved_tokens: 64\nstrategy: rescan\nprefer_native: false\n");
     CHECK(p.fork_min_saved_tokens == 64);
     CHECK(p.strategy == Strategy::Rescan);
@@ -69,7 +69,7 @@ TEST_SUITE("Policy") {
     CHECK(Policy::from_yaml_file(path).fork_min_saved_tokens == 7);
   }
 
-  TEST_CASE("environment overrides the file, and the file overrides defaults") {
+  TEST_CASE("environment overrides the file and the file overrides defaults") {
     const std::string path = (std::filesystem::temp_directory_path() / "tree_recurrence_policy_env_test.yaml").string();
     std::ofstream(path) << "fork_min_saved_tokens: 11\nstrategy: fork\n";
     setenv("TREE_RECURRENCE_POLICY_FILE", path.c_str(), 1);
