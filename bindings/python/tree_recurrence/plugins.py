@@ -40,7 +40,7 @@ def add_plugin_path(folder: str | os.PathLike) -> list[dict[str, Any]]:
     folder = os.fspath(folder)
     if folder not in _extra_folders:
         _extra_folders.append(folder)
-    added = _core.discover_plugins([folder])
+    added = _confined_records(_core.discover_plugins([folder]))
     _scan = None
     return added
 
@@ -90,11 +90,20 @@ def discover(rescan: bool = False) -> list[dict[str, Any]]:
     folders = tuple(plugin_folders())
     if rescan or _scan is None or _scan[0] != folders:
         _core.discover_plugins(list(folders))
-        _scan = (folders, _core.plugin_records())
+        _scan = (folders, _confined_records(_core.plugin_records()))
     disabled = disabled_families()
     if disabled:
         return [_disabled_record(r) if r["family"] in disabled and r["loaded"] else r for r in _scan[1]]
     return _scan[1]
+
+
+def _confined_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The records with each loaded plugin whose Python escapes its folder turned into a refusal."""
+    out = []
+    for record in records:
+        reason = python_escape(record) if record.get("loaded") else None
+        out.append({**record, "loaded": False, "error": reason} if reason else record)
+    return out
 
 
 def families() -> dict[str, dict[str, Any]]:
@@ -136,10 +145,55 @@ def ops(family: str):
 _python_packages: dict[str, Any] = {}  # family -> the package its Python folder was imported as
 
 
-def family_python_folder(record: dict[str, Any]) -> Path | None:
-    """Where a loaded plugin's Python lies: the folder ``<family>/`` next to its manifest."""
+def _inside(path: Path, root: Path) -> bool:
+    return path == root or root in path.parents
+
+
+def python_escape(record: dict[str, Any]) -> str | None:
+    """Why a plugin's Python would be imported from outside the folder that holds its manifest, or None.
+
+    Like its library (core/src/registry.cpp), a plugin's Python folder ``<family>/`` and each module its
+    manifest's ``python:`` names must resolve, after symlinks, inside the manifest's folder: a symlinked
+    folder or module, or a ``python:`` entry with ``..``, a path or an absolute name, is refused."""
     if not record.get("manifest_path") or record.get("python"):
         return None
+    family = record.get("family", "?")
+    modules = ((record.get("manifest") or {}).get("python") or {})
+    if not isinstance(modules, dict):
+        return f"plugin '{family}': its manifest's python: must map roles to module names"
+    try:
+        root = Path(record["manifest_path"]).parent.resolve(strict=True)
+        folder = Path(record["manifest_path"]).parent / family
+        if not folder.exists() and not folder.is_symlink():
+            return None  # no Python installed: family_python_module says so when one is needed
+        resolved = folder.resolve(strict=True)
+        if not _inside(resolved, root):
+            return f"plugin '{family}': its Python folder {folder} resolves to {resolved}, outside the plugin folder {root}"
+        for role, module in modules.items():
+            parts = str(module).split(".")
+            if not all(part.isidentifier() for part in parts):
+                return (f"plugin '{family}': python: {role}: '{str(module)[:200]}' is not a dotted module name "
+                        f"inside the plugin folder {root}")
+            base = folder.joinpath(*parts)
+            for candidate in (base.with_name(base.name + ".py"), base):
+                if candidate.exists() or candidate.is_symlink():
+                    target = candidate.resolve(strict=True)
+                    if not _inside(target, root):
+                        return (f"plugin '{family}': python: {role}: {candidate} resolves to {target}, "
+                                f"outside the plugin folder {root}")
+    except (OSError, RuntimeError) as error:
+        return f"plugin '{family}': its Python folder cannot be resolved: {error}"[:2000]
+    return None
+
+
+def family_python_folder(record: dict[str, Any]) -> Path | None:
+    """Where a loaded plugin's Python lies: the folder ``<family>/`` next to its manifest (refused with
+    PermissionError when it, or a module the manifest names, resolves outside the manifest's folder)."""
+    if not record.get("manifest_path") or record.get("python"):
+        return None
+    reason = python_escape(record)
+    if reason:
+        raise PermissionError(reason)
     folder = Path(record["manifest_path"]).parent / record["family"]
     return folder if folder.is_dir() else None
 
