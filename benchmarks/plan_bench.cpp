@@ -71,5 +71,40 @@ int main() {
               median_ms([&] { TreePlan::build(parents_only)->conv_ancestors(4); }) - median_ms([&] { TreePlan::build(parents_only); }));
   std::printf("extra, path tokens for rescans (first use):        %.3f ms\n",
               median_ms([&] { TreePlan::build(parents_only)->path_tokens(); }) - median_ms([&] { TreePlan::build(parents_only); }));
+
+  // GRPO shape of issue 15: 8 prompts of 2,048 tokens, each with 8 completions of 512, TRL 1.16
+  // format. "forward tables" = plan + token tables + conv ancestors and readers (width 4).
+  {
+    TreeInput grpo;
+    IndexVector q{0}, k{0}, key;
+    for (Index g = 0; g < 8; ++g) {
+      const Index root_start = q.back();
+      q.push_back(root_start + 2048);
+      for (Index t = root_start; t < root_start + 2048; ++t) key.push_back(t);
+      k.push_back(static_cast<Index>(key.size()));
+      for (Index c = 0; c < 8; ++c) {
+        const Index start = q.back();
+        q.push_back(start + 512);
+        for (Index t = root_start; t < root_start + 2048; ++t) key.push_back(t);
+        for (Index t = start; t < start + 512; ++t) key.push_back(t);
+        k.push_back(static_cast<Index>(key.size()));
+      }
+    }
+    grpo.cu_seqlens_q = q;
+    grpo.kv_index = key;
+    grpo.cu_seqlens_k = k;
+    std::printf("GRPO shape: %lld tokens, %lld segments, %zu key-index entries\n", static_cast<long long>(q.back()),
+                static_cast<long long>(q.size() - 1), key.size());
+    const double plan_ms = median_ms([&] { TreePlan::build(grpo); });
+    std::printf("GRPO build, TRL 1.16 format:                       %.3f ms\n", plan_ms);
+    const double all_ms = median_ms([&] {
+      auto p = TreePlan::build(grpo);
+      p->token_position();
+      p->conv_ancestors(4);
+      p->conv_readers(4);
+    });
+    std::printf("GRPO tables (token tables + conv 4 fwd/bwd):       %.3f ms\n", all_ms - plan_ms);
+    std::printf("GRPO plan + forward tables:                        %.3f ms\n", all_ms);
+  }
   return 0;
 }

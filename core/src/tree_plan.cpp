@@ -230,7 +230,13 @@ const IndexVector& TreePlan::conv_ancestors(Index width) const {
   const Index taps = width - 1;
   auto table = std::make_unique<IndexVector>(num_tokens_ * taps, -1);
   for (Index s = 0; s < num_segments(); ++s) {
-    for (Index i = 0; i < seg_lengths_[s]; ++i) {
+    const Index base = seg_offsets_[s], length = seg_lengths_[s];
+    // Tokens at least `taps` into their segment read only their own segment: a tight loop.
+    for (Index i = std::min(taps, length); i < length; ++i) {
+      Index* row = table->data() + (base + i) * taps;
+      for (Index j = 0; j < taps; ++j) row[j] = base + i - 1 - j;
+    }
+    for (Index i = 0; i < std::min(taps, length); ++i) {
       Index* row = table->data() + (seg_offsets_[s] + i) * taps;
       // Step back through this segment, then through ancestors (which may be shorter than W).
       Index segment = s, local = i;
