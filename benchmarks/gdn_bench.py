@@ -23,25 +23,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import statistics
-import time
 
 import torch
+from timing import device_name, plan_of, save, time_it
 
 from tree_recurrence import plugins
-from tree_recurrence._plan import tree_plan
 
 FAMILY = "gated_delta_net"
 CHUNK = 64
-
-
-def plan_of(lengths, parents, device):
-    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
-    cu[1:] = torch.cumsum(torch.tensor(lengths), 0)
-    return tree_plan({"tree_cu_seqlens_q": cu.to(device),
-                      "tree_segment_parents": torch.tensor(parents, dtype=torch.int32, device=device)})
 
 
 def workloads(small: bool):
@@ -74,32 +63,6 @@ def inputs(T, HK, HV, K, V, dtype, device, seed=0):
 def run_op(ins, tables):
     return plugins.ops(FAMILY).gdn_tree_scan(ins["q"], ins["k"], ins["v"], ins["g"], ins["beta"], tables.gather,
                                              tables.scatter, *tables.state_args(), None, 0.0, True)
-
-
-def time_it(fn, repeats, device, warmup=3):
-    cuda = device.type == "cuda"
-    for _ in range(warmup):
-        fn()
-    if cuda:
-        torch.cuda.synchronize()
-    times, peaks = [], []
-    for _ in range(repeats):
-        if cuda:
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-            peaks.append((torch.cuda.max_memory_allocated() - base) / 2**30)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return {"median_ms": statistics.median(times), "min_ms": min(times), "runs": len(times),
-            "peak_gib": max(peaks) if peaks else None}
 
 
 def bench_case(lengths, parents, dims, dtype, device, repeats):
@@ -164,7 +127,7 @@ def main():
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dims = (2, 4, 16, 16) if args.small else (16, 32, 128, 128)
     dtype = getattr(torch, args.dtype)
-    result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
+    result = {"device": device_name(device),
               "torch": torch.__version__, "dims": dict(zip(("HK", "HV", "dk", "dv"), dims)), "dtype": args.dtype,
               "chunk": CHUNK, "small": args.small, "repeats": args.repeats, "workloads": {}}
     for name, cases in workloads(args.small).items():
@@ -197,12 +160,6 @@ def main():
     }
     print(json.dumps(result["summary"]))
     save(result, args.out)
-
-
-def save(result, path):
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -18,25 +18,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import statistics
-import time
 
 import torch
+from timing import device_name, plan_of, save, time_it
 
 from tree_recurrence import plugins
-from tree_recurrence._plan import tree_plan
 
 FAMILY = "mamba2"
 CHUNK = 64
-
-
-def plan_of(lengths, parents, device):
-    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
-    cu[1:] = torch.cumsum(torch.tensor(lengths), 0)
-    kwargs = {"tree_cu_seqlens_q": cu.to(device), "tree_segment_parents": torch.tensor(parents, dtype=torch.int32, device=device)}
-    return tree_plan(kwargs)
 
 
 def workloads(small: bool):
@@ -72,32 +61,6 @@ def run_op(ins, tables):
         dt_limit=[0.0, float("inf")], D=ins["D"], dt_bias=ins["dt_bias"], dt_softplus=True, z=ins["z"])
 
 
-def time_it(fn, repeats, device):
-    cuda = device.type == "cuda"
-    for _ in range(2):
-        fn()
-    if cuda:
-        torch.cuda.synchronize()
-    times, peaks = [], []
-    for _ in range(repeats):
-        if cuda:
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-            peaks.append((torch.cuda.max_memory_allocated() - base) / 2**30)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return {"median_ms": statistics.median(times), "min_ms": min(times), "runs": len(times),
-            "peak_gib": max(peaks) if peaks else None}
-
-
 def bench_case(lengths, parents, dims, dtype, device, repeats):
     H, P, G, N = dims
     T = sum(lengths)
@@ -117,8 +80,8 @@ def bench_case(lengths, parents, dims, dtype, device, repeats):
         torch.autograd.grad((y * w).sum(), grads)
 
     out = {"tokens": T, "segments": len(lengths), "chunks": int(tables.num_chunks)}
-    out["fwd"] = time_it(fwd, repeats, device)
-    out["fwd_bwd"] = time_it(fwd_bwd, repeats, device)
+    out["fwd"] = time_it(fwd, repeats, device, warmup=2)
+    out["fwd_bwd"] = time_it(fwd_bwd, repeats, device, warmup=2)
     out["fwd_bwd_tokens_per_s"] = T / (out["fwd_bwd"]["median_ms"] / 1e3)
     return out
 
@@ -133,7 +96,7 @@ def main():
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dims = (8, 16, 2, 16) if args.small else (128, 64, 8, 128)
     dtype = getattr(torch, args.dtype)
-    result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
+    result = {"device": device_name(device),
               "torch": torch.__version__, "dims": dict(zip(("H", "P", "G", "N"), dims)), "dtype": args.dtype,
               "chunk": CHUNK, "small": args.small, "repeats": args.repeats, "workloads": {}}
     for name, cases in workloads(args.small).items():
@@ -155,9 +118,7 @@ def main():
         "nosharing_tree_over_chains_fwd_bwd": ratio(n["tree"], n["chains"]),  # target <= 1.03
     }
     print(json.dumps(result["summary"]))
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    save(result, args.out)
 
 
 if __name__ == "__main__":

@@ -2,16 +2,9 @@
 # One device run for chunk_state_pass (the shared chunked tree state pass): build, its CUDA tests
 # (against the CPU op and the float64 oracle), compute-sanitizer memcheck + racecheck on a small
 # case, and the micro-benchmark at the GRPO shape. Logs and JSON to $OUT and benchmarks/results/.
-set -uo pipefail
-cd "$(dirname "$0")/../.."
-OUT=${OUT:-benchmarks/results}
-mkdir -p "$OUT" benchmarks/results
-export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONWARNINGS=ignore
-start=$(date +%s)
-stamp() { echo "[$(( $(date +%s) - start ))s] $*"; }
+source "$(dirname "$0")/common.sh"
 stamp build
-bash scripts/gpu-build.sh >"$OUT/csp_build.log" 2>&1 || { tail -40 "$OUT/csp_build.log"; exit 1; }
-tail -1 "$OUT/csp_build.log"
+build_step "$OUT/csp_build.log"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv,noheader
 stamp tests
 for pf in 1 0; do  # both kernel variants (TREE_RECURRENCE_CHUNK_STATE_PREFETCH)

@@ -1,17 +1,10 @@
 #!/usr/bin/env bash
 # One device run (issue 9): build, the chunked GDN GPU tests against the float64 oracle, and the GDN
 # tree scan benchmark (benchmarks/gdn_bench.py). Logs and JSON into $OUT (and benchmarks/results/).
-set -uo pipefail
-cd "$(dirname "$0")/../.."
-OUT=${OUT:-benchmarks/results}
-mkdir -p "$OUT" benchmarks/results
-export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONWARNINGS=ignore
-start=$(date +%s)
-stamp() { echo "[$(( $(date +%s) - start ))s] $*"; }
+source "$(dirname "$0")/common.sh"
 {
 stamp build
-bash scripts/gpu-build.sh >"$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
-tail -1 "$OUT/build.log"
+build_step "$OUT/build.log"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
 stamp bench
 timeout ${BENCH_S:-110} python3 benchmarks/gdn_bench.py --out "$OUT/gdn_bench.json" 2>&1 | tail -12

@@ -2,16 +2,9 @@
 # One device run for the Mamba2 SSD tree scan (issue 10): build, its CUDA tests (chunked op vs the
 # float64 oracle, tiny models tree vs samples alone through the split and fused seams), and
 # benchmarks/ssd_bench.py. Logs and JSON to $OUT and benchmarks/results/. Stays under ~290 s.
-set -uo pipefail
-cd "$(dirname "$0")/../.."
-OUT=${OUT:-benchmarks/results}
-mkdir -p "$OUT" benchmarks/results
-export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONWARNINGS=ignore
-start=$(date +%s)
-stamp() { echo "[$(( $(date +%s) - start ))s] $*"; }
+source "$(dirname "$0")/common.sh"
 stamp build
-bash scripts/gpu-build.sh >"$OUT/ssd_build.log" 2>&1 || { tail -40 "$OUT/ssd_build.log"; exit 1; }
-tail -1 "$OUT/ssd_build.log"
+build_step "$OUT/ssd_build.log"
 stamp op-tests
 timeout 60 python3 -m pytest tests/python/test_ssd_chunked.py -q -p no:cacheprovider -k Cuda >"$OUT/ssd_op_tests.log" 2>&1
 echo "pytest exit $?"; grep -E "passed|failed|Error|assert" "$OUT/ssd_op_tests.log" | tail -12
