@@ -1,0 +1,71 @@
+// The fused bf16 / fp16 tensor-core path of gdn_tree_scan on CUDA (issue 19). gdn_chunked.cpp's
+// chunked_scan calls fused::scan when fused::supported(...) holds; everything else (CPU, fp32,
+// fp64, shapes outside the kernels' range) stays on the ATen composite, which is also the exact
+// twin these kernels are tested against.
+//
+// Math (chunk C = 64, chunks never cross a segment; tokens i, j of one chunk; HV value heads, HK key
+// heads, head hv reads key head hv / (HV / HK)):
+//   q^ = l2norm(q) * scale, k^ = l2norm(k) (l2norm(x) = x * rsqrt(sum x^2 + 1e-6); identity when
+//   use_qk_l2norm is false; scale = 1/sqrt(K) when 0)
+//   G_i = sum_{m <= i} g_m (chunk-local, fp32, natural log), pad rows: g = 0, beta = 0, k = v = 0
+//   A_ij = beta_i exp(G_i - G_j) <k^_i, k^_j> (j < i), Ainv = (I + A)^-1 (unit lower)
+//   w = Ainv (beta exp(G) k^), u = Ainv (beta v), kd_j = exp(G_last - G_j) k^_j, decay = exp(G_last)
+//   state pass (sdk/include/tree_recurrence/kernels/chunk_state_pass_tc.h): h[c], v_new[c]
+//   o_i = exp(G_i) q^_i h[c] + sum_{j <= i} exp(G_i - G_j) <q^_i, k^_j> v_new_j
+//
+// Buffers (chunk-major; NC chunks of the plan's gather table (NC, 64)):
+//   written by the forward, saved for the backward:
+//     G      float32 (NC, HV, C)       chunk-local cumsum of g
+//     Ainv   in-type (NC, HV, C, C)    (I + A)^-1
+//     w      in-type (NC, HV, C, K)
+//     kd     in-type (NC, HV, C, K)
+//     h      in-type (NC, HV, K, V)    state entering each chunk
+//     v_new  in-type (NC, HV, C, V)
+//     rq, rk float32 (T, HK)           rsqrt(sum x^2 + 1e-6) of q and k (1 without l2norm)
+//   forward-only: u in-type (NC, HV, C, V), final_state float32 (S, HV, K, V)
+// "in-type" is v's dtype (bf16 or fp16); q, k, v share it; g and beta may be fp32 or the in-type.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+
+namespace tree_recurrence::gdn::fused {
+
+// The plan's tables as the op receives them (TreePlan.chunk_tables(64, device)).
+struct Tables {
+  at::Tensor gather, scatter, seg_chunk_offsets, parents, root_index, level_segments;
+  std::vector<int64_t> level_offsets;
+  at::Tensor child_offsets, children;
+};
+
+struct Saved {
+  at::Tensor G, Ainv, w, kd, h, v_new, rq, rk;
+};
+
+// Whether the fused kernels take this call: CUDA, q/k/v bf16 or fp16 alike, chunk 64, K and V
+// multiples of 8 up to 128, and TREE_RECURRENCE_GDN_FUSED not "0".
+bool supported(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+               const at::Tensor& beta, const at::Tensor& gather);
+
+// The op with autograd (a torch::autograd::Function whose forward is forward() and whose backward
+// is backward() below). Arguments as gdn_tree_scan's, already checked by the caller.
+at::Tensor scan(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta,
+                const Tables& tables, const std::optional<at::Tensor>& initial_state, double scale, bool use_qk_l2norm);
+
+// Forward kernels (gdn_fused_fwd.cpp): o (T, HV, V) in v's dtype, and the saved buffers.
+std::pair<at::Tensor, Saved> forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                                     const at::Tensor& beta, const Tables& tables,
+                                     const std::optional<at::Tensor>& initial_state, double scale, bool use_qk_l2norm);
+
+struct Grads {
+  at::Tensor dq, dk, dv, dg, dbeta;  // like q, k, v, g, beta (dtype and shape)
+  at::Tensor d_initial_state;        // like initial_state (float32), undefined when it is None
+};
+
+// Backward kernels (gdn_fused_bwd.cpp) from the saved buffers and grad_o (T, HV, V).
+Grads backward(const at::Tensor& grad_o, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+               const at::Tensor& g, const at::Tensor& beta, const Tables& tables,
+               const std::optional<at::Tensor>& initial_state, double scale, bool use_qk_l2norm, const Saved& saved);
+
+}  // namespace tree_recurrence::gdn::fused
