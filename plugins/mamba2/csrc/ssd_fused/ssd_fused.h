@@ -1,0 +1,70 @@
+// The fused bf16 / fp16 tensor-core path of ssd_tree_scan on CUDA (issue 20). ssd_chunked.cpp's
+// chunked_scan calls fused::scan when fused::supported(...) holds; everything else (CPU, fp32,
+// fp64, shapes outside the kernels' range) stays on the ATen composite, the exact twin these
+// kernels are tested against.
+//
+// Math (chunk L = the gather table's width, 64, 128 or 256; chunks never cross a segment; tokens i, j
+// of one chunk; H heads, G groups, head h reads group h / (H / G); state (P, N) per head):
+//   dt_i  = clamp(softplus?(dt_raw_i + dt_bias), dt_limit)   (fp32; softplus threshold 20; pad rows 0)
+//   Lam_i = sum_{m <= i} dt_m A                                (chunk-local, fp32, <= 0)
+//   S_c   = sum_j exp(Lam_last - Lam_j) dt_j x_j^T B_j        (P x N, the chunk's own state, from 0)
+//   state pass over the trie (elementwise, fp32): s[c] = state entering chunk c; a segment's first
+//   chunk starts from its parent's leaving state, a root from initial_state ((H, P, N) shared or
+//   (R, H, P, N) per root) or 0; leaving state = exp(Lam_last) s[c] + S_c
+//   y_i   = exp(Lam_i) C_i s[c]^T + sum_{j <= i} <C_i, B_j> exp(Lam_i - Lam_j) dt_j x_j + D x_i
+//   out_i = y_i * silu(z_i) when z is given, else y_i
+//
+// Buffers written by the forward and saved for the backward (NC chunks, chunk-major):
+//   dt     float32 (NC, H, L)        dt_i after bias / softplus / clamp (0 on pad rows)
+//   Lam    float32 (NC, H, L)        chunk-local cumsum of dt A
+//   states in-type (NC, H, P, N)     s[c], the state entering each chunk (rounded like mamba-ssm)
+//   y      in-type (T, H, P)         y before the z gate (only when z is given)
+// "in-type" is x's dtype (bf16 or fp16); B, C share it; dt, z, D, dt_bias, A may be fp32 or in-type.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+#include <vector>
+
+namespace tree_recurrence::ssd::fused {
+
+// The plan's tables as the op receives them (TreePlan.chunk_tables(L, device)).
+struct Tables {
+  at::Tensor gather, scatter, seg_chunk_offsets, parents, root_index, level_segments;
+  std::vector<int64_t> level_offsets;
+  at::Tensor child_offsets, children;
+};
+
+struct Args {
+  at::Tensor x, dt, B, C, A;                 // (T, H, P), (T, H), (T, G, N) x2, (H)
+  std::optional<at::Tensor> D, dt_bias, z;   // (H) or (H, P); (H); like x
+  std::optional<at::Tensor> initial_state;   // (H, P, N) or (R, H, P, N)
+  double dt_min = 0.0, dt_max = 0.0;
+  bool dt_softplus = false;
+};
+
+struct Saved {
+  at::Tensor dt, Lam, states, y;  // y undefined without z
+};
+
+// Whether the fused kernels take this call: CUDA, x/B/C bf16 or fp16 alike, L in {64, 128, 256},
+// P and N multiples of 8 with P <= 128 and N <= 256, and TREE_RECURRENCE_SSD_FUSED not "0".
+bool supported(const Args& a, const Tables& t);
+
+// The op with autograd (a torch::autograd::Function around forward() and backward()).
+at::Tensor scan(const Args& a, const Tables& t);
+
+// Forward kernels (ssd_fused_fwd.cpp): out (T, H, P) in x's dtype, and the saved buffers.
+std::pair<at::Tensor, Saved> forward(const Args& a, const Tables& t);
+
+struct Grads {
+  at::Tensor dx, ddt, dB, dC, dA;           // like x, dt, B, C, A
+  at::Tensor dD, ddt_bias, dz;              // like D, dt_bias, z (undefined when absent)
+  at::Tensor d_initial_state;               // like initial_state, float32 (undefined when absent)
+};
+
+// Backward kernels (ssd_fused_bwd.cpp) from the saved buffers and grad_out (T, H, P).
+Grads backward(const at::Tensor& grad_out, const Args& a, const Tables& t, const Saved& saved);
+
+}  // namespace tree_recurrence::ssd::fused
