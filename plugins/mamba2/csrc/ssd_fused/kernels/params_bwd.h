@@ -1,0 +1,101 @@
+// POD parameters and launchers of the fused SSD (Mamba2) backward kernels (ssd_bwd.cu; the math is
+// in ssd_fused.h and, stage by stage, in tests/python/ssd_bwd_reference.py). No ATen, no CUDA headers:
+// the launchers take the stream as void* (a cudaStream_t) and return the cudaError_t of their launch
+// as an int (0 = success).
+//
+// Layouts (contiguous, row-major). Tensors tagged with a BwdType may be fp32, bf16 or fp16 (the
+// kernels widen on load; fp32 lets the stage test compare against float64 at fp32 precision):
+//   x, dout, y, z (T, H, P); B, C (T, G, N); states (NC, H, P, N) entering each chunk.
+// fp32: dt_raw (T, H); A, dt_bias (H); D (H * P) (per-head values repeated over P) or null;
+//   saved dt, Lam (NC, H, L); gather (NC, L) int64 (-1 = pad row); tables as TreePlan.chunk_tables.
+// Outputs and workspaces are fp32:
+//   dy, dz (T, H, P)                  dy = dout silu(z) (= dout without z), dz = dout y silu'(z)
+//   cb (NC, G, L, L)                  <C_i, B_j> for j <= i, else 0
+//   dyx (NC, H, L, L)                 <dy_i, x_j> for j <= i, else 0; the d(dt A) kernel turns it
+//                                     in place into the row-exclusive prefix sums of W (below)
+//   ds (NC, H, P, N)                  first the local entering-state gradient, then (in place, by the
+//                                     state pass) ds_leave: the gradient of each chunk's leaving state
+//   ws (S, H, P, N)                   entering-state gradient of each segment's first chunk
+//   droots (R, H, P, N) or null       the same, per root (row root_index[s])
+//   ddecay (NC, H)                    <s[c], ds_leave[c]> (the gradient of exp(Lam_last))
+//   q, v, ddt_direct, d_dtA (NC, H, L)
+//   dx (T, H, P), ddt (T, H) (wrt the prepared dt), ddt_raw (T, H), dB, dC (T, G, N), dA_part (NC, H)
+// 64-bit indexing throughout. Deterministic: every sum has a fixed order, no atomics.
+#pragma once
+
+#include <cstdint>
+
+namespace tree_recurrence::ssd::fused::kernels {
+
+enum class BwdType { Float32, BFloat16, Float16 };
+
+struct BwdParams {
+  int64_t tokens = 0, heads = 0, groups = 0, head_dim = 0, state_dim = 0;  // T, H, G, P, N
+  int64_t num_chunks = 0, chunk = 0;                                        // NC, L (<= 256)
+  int64_t num_segments = 0;                                                 // S
+
+  BwdType x_type = BwdType::BFloat16, bc_type = BwdType::BFloat16, dout_type = BwdType::BFloat16;
+  BwdType y_type = BwdType::BFloat16, z_type = BwdType::BFloat16, states_type = BwdType::BFloat16;
+
+  // inputs
+  const void* x = nullptr;
+  const void* B = nullptr;
+  const void* C = nullptr;
+  const void* dout = nullptr;
+  const void* y = nullptr;        // with z only
+  const void* z = nullptr;        // or null
+  const void* states = nullptr;
+  const float* dt_raw = nullptr;
+  const float* A = nullptr;
+  const float* dt_bias = nullptr;  // or null
+  const float* D = nullptr;        // (H * P) or null
+  bool dt_softplus = false;
+  float dt_min = 0.f, dt_max = 0.f;  // dt_max may be +inf
+  const float* dt = nullptr;         // saved (NC, H, L)
+  const float* Lam = nullptr;        // saved (NC, H, L)
+
+  // tables (device), int64
+  const int64_t* gather = nullptr;             // NC x L
+  const int64_t* seg_chunk_offsets = nullptr;  // S + 1
+  const int64_t* root_index = nullptr;         // S
+  const int64_t* level_segments = nullptr;     // S
+  const int64_t* child_offsets = nullptr;      // S + 1
+  const int64_t* children = nullptr;
+
+  // outputs / workspaces (fp32)
+  float* dy = nullptr;
+  float* dz = nullptr;  // or null (no z)
+  float* cb = nullptr;
+  float* dyx = nullptr;
+  float* ds = nullptr;
+  float* ws = nullptr;
+  float* droots = nullptr;  // or null
+  float* ddecay = nullptr;
+  float* q = nullptr;
+  float* v = nullptr;
+  float* ddt_direct = nullptr;
+  float* d_dtA = nullptr;
+  float* dx = nullptr;
+  float* ddt = nullptr;
+  float* ddt_raw = nullptr;
+  float* dB = nullptr;
+  float* dC = nullptr;
+  float* dA_part = nullptr;
+};
+
+constexpr int64_t kBwdMaxChunk = 256;
+
+// In launch order (ssd_fused_bwd.cpp):
+int ssd_bwd_gate(const BwdParams& p, void* stream);        // dy, dz
+int ssd_bwd_cb(const BwdParams& p, void* stream);          // cb
+int ssd_bwd_dyx(const BwdParams& p, void* stream);         // dyx (needs dy)
+int ssd_bwd_local(const BwdParams& p, void* stream);       // ds = local (needs dy)
+// One launch per level, deepest first: the level's segments are level_segments[begin, begin + count).
+int ssd_bwd_state_pass(const BwdParams& p, int64_t begin, int64_t count, void* stream);  // ds, ws, droots
+int ssd_bwd_ddecay(const BwdParams& p, void* stream);      // ddecay (needs ds_leave)
+int ssd_bwd_rows(const BwdParams& p, void* stream);        // dx, ddt_direct, q, v
+int ssd_bwd_dbdc(const BwdParams& p, void* stream);        // dB, dC (needs dyx untouched)
+int ssd_bwd_dtA(const BwdParams& p, void* stream);         // d_dtA, ddt, ddt_raw, dA_part (overwrites dyx)
+const char* ssd_bwd_error_string(int error);
+
+}  // namespace tree_recurrence::ssd::fused::kernels

@@ -1,0 +1,359 @@
+// Fused SSD (Mamba2) backward, first version (params_bwd.h has the layouts, ssd_fused.h the math,
+// tests/python/ssd_bwd_reference.py the same stages in float64). Plain fp32 CUDA cores, one thread
+// per output element or row, inputs widened on load from fp32 / bf16 / fp16: the correctness
+// baseline the tensor-core version is checked against stage by stage. Every sum runs in a fixed
+// order (no atomics), so two runs give identical bits. 64-bit indexing throughout.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "params_bwd.h"
+
+namespace tree_recurrence::ssd::fused::kernels {
+namespace {
+
+__device__ __forceinline__ float ld(const void* p, BwdType t, int64_t i) {
+  switch (t) {
+    case BwdType::BFloat16: return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
+    case BwdType::Float16: return __half2float(static_cast<const __half*>(p)[i]);
+    default: return static_cast<const float*>(p)[i];
+  }
+}
+__device__ __forceinline__ float exp_le0(float v) { return expf(fminf(v, 0.f)); }
+
+inline unsigned blocks_for(int64_t n, int threads) { return static_cast<unsigned>((n + threads - 1) / threads); }
+
+constexpr int kThreads = 256;
+
+// ---- stage 1: the gate ---------------------------------------------------------------------
+__global__ void gate_kernel(BwdParams p) {
+  const int64_t n = p.tokens * p.heads * p.head_dim;
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  const float g = ld(p.dout, p.dout_type, i);
+  if (p.z == nullptr) {
+    p.dy[i] = g;
+    return;
+  }
+  const float z = ld(p.z, p.z_type, i);
+  const float sg = 1.f / (1.f + expf(-z));
+  p.dy[i] = g * z * sg;
+  p.dz[i] = g * ld(p.y, p.y_type, i) * sg * (1.f + z * (1.f - sg));
+}
+
+// ---- C B^T per chunk and group (lower triangle) ------------------------------------------------
+__global__ void cb_kernel(BwdParams p) {
+  const int64_t L = p.chunk, G = p.groups, N = p.state_dim;
+  const int64_t n_all = p.num_chunks * G * L * L;
+  const int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (e >= n_all) return;
+  const int64_t j = e % L, i = (e / L) % L, g = (e / (L * L)) % G, c = e / (L * L * G);
+  float acc = 0.f;
+  const int64_t ti = p.gather[c * L + i], tj = p.gather[c * L + j];
+  if (j <= i && ti >= 0 && tj >= 0) {
+    const int64_t ci = (ti * G + g) * N, bj = (tj * G + g) * N;
+    for (int64_t k = 0; k < N; ++k) acc += ld(p.C, p.bc_type, ci + k) * ld(p.B, p.bc_type, bj + k);
+  }
+  p.cb[e] = acc;
+}
+
+// ---- <dy_i, x_j> per chunk and head (lower triangle) -------------------------------------------
+__global__ void dyx_kernel(BwdParams p) {
+  const int64_t L = p.chunk, H = p.heads, P = p.head_dim;
+  const int64_t n_all = p.num_chunks * H * L * L;
+  const int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (e >= n_all) return;
+  const int64_t j = e % L, i = (e / L) % L, h = (e / (L * L)) % H, c = e / (L * L * H);
+  float acc = 0.f;
+  const int64_t ti = p.gather[c * L + i], tj = p.gather[c * L + j];
+  if (j <= i && ti >= 0 && tj >= 0) {
+    const int64_t yi = (ti * H + h) * P, xj = (tj * H + h) * P;
+    for (int64_t k = 0; k < P; ++k) acc += p.dy[yi + k] * ld(p.x, p.x_type, xj + k);
+  }
+  p.dyx[e] = acc;
+}
+
+// ---- local entering-state gradient: sum_i exp(Lam_i) dy_i^T C_i (P x N) -------------------------
+__global__ void local_kernel(BwdParams p) {
+  const int64_t L = p.chunk, H = p.heads, P = p.head_dim, N = p.state_dim, G = p.groups;
+  const int64_t n_all = p.num_chunks * H * P * N;
+  const int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (e >= n_all) return;
+  const int64_t n = e % N, pp = (e / N) % P, h = (e / (N * P)) % H, c = e / (N * P * H);
+  const int64_t g = h / (H / G);
+  const float* lam = p.Lam + (c * H + h) * L;
+  float acc = 0.f;
+  for (int64_t i = 0; i < L; ++i) {
+    const int64_t t = p.gather[c * L + i];
+    if (t < 0) continue;
+    acc += expf(lam[i]) * p.dy[(t * H + h) * P + pp] * ld(p.C, p.bc_type, (t * G + g) * N + n);
+  }
+  p.ds[e] = acc;
+}
+
+// ---- reverse tree state pass (one level) ------------------------------------------------------
+// Thread per (segment of the level, head, state element). ds holds local[c] on entry and ds_leave[c]
+// on exit; a segment's last chunk starts from the sum of its children's entering gradients (ws, in
+// children order), a leaf from zero.
+__global__ void state_pass_kernel(BwdParams p, int64_t begin, int64_t count) {
+  const int64_t H = p.heads, PN = p.head_dim * p.state_dim, L = p.chunk;
+  const int64_t e_all = count * H * PN;
+  const int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (e >= e_all) return;
+  const int64_t el = e % PN, h = (e / PN) % H, k = e / (PN * H);
+  const int64_t s = p.level_segments[begin + k];
+  float carry = 0.f;
+  for (int64_t q = p.child_offsets[s]; q < p.child_offsets[s + 1]; ++q) carry += p.ws[(p.children[q] * H + h) * PN + el];
+  for (int64_t c = p.seg_chunk_offsets[s + 1] - 1; c >= p.seg_chunk_offsets[s]; --c) {
+    const int64_t idx = (c * H + h) * PN + el;
+    const float loc = p.ds[idx];
+    p.ds[idx] = carry;
+    carry = expf(p.Lam[(c * H + h) * L + L - 1]) * carry + loc;
+  }
+  p.ws[(s * H + h) * PN + el] = carry;
+  const int64_t r = p.root_index[s];
+  if (r >= 0 && p.droots != nullptr) p.droots[(r * H + h) * PN + el] = carry;
+}
+
+// ---- ddecay[c, h] = <s[c], ds_leave[c]>: block per (c, h), fixed-order tree reduction -----------
+__global__ void ddecay_kernel(BwdParams p) {
+  __shared__ float red[kThreads];
+  const int64_t PN = p.head_dim * p.state_dim;
+  const int64_t ch = blockIdx.x;
+  float acc = 0.f;
+  for (int64_t el = threadIdx.x; el < PN; el += kThreads)
+    acc += ld(p.states, p.states_type, ch * PN + el) * p.ds[ch * PN + el];
+  red[threadIdx.x] = acc;
+  __syncthreads();
+  for (int w = kThreads / 2; w > 0; w >>= 1) {
+    if (threadIdx.x < w) red[threadIdx.x] += red[threadIdx.x + w];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) p.ddecay[ch] = red[0];
+}
+
+// ---- rows: per (c, h, j) the P-vector g_j, dx_j, ddt_direct_j, Q_j, V_j -----------------------
+//   g_jp = sum_{i>=j} cb_ij exp(Lam_i - Lam_j) dy_ip + exp(Lam_last - Lam_j) (dS B_j)_p
+//   dx_j = dt_j g_j + D dy_j, ddt_direct_j = <x_j, g_j>, Q_j = exp(Lam_j) <dy_j, C_j s^T>,
+//   V_j = dt_j exp(Lam_last - Lam_j) <x_j, dS B_j>
+__global__ void rows_kernel(BwdParams p) {
+  const int64_t L = p.chunk, H = p.heads, P = p.head_dim, N = p.state_dim, G = p.groups;
+  const int64_t n_all = p.num_chunks * H * L;
+  const int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (e >= n_all) return;
+  const int64_t j = e % L, h = (e / L) % H, c = e / (L * H);
+  const int64_t g = h / (H / G);
+  const int64_t tj = p.gather[c * L + j];
+  const int64_t chl = (c * H + h) * L;
+  if (tj < 0) {
+    p.ddt_direct[e] = 0.f;
+    p.q[e] = 0.f;
+    p.v[e] = 0.f;
+    return;
+  }
+  const float* lam = p.Lam + chl;
+  const float lam_j = lam[j], dt_j = p.dt[chl + j];
+  const float wlast = exp_le0(lam[L - 1] - lam_j);
+  const float* cb = p.cb + ((c * G + g) * L) * L;
+  const float* dS = p.ds + (c * H + h) * P * N;
+  const int64_t sbase = (c * H + h) * P * N;
+  const int64_t bj = (tj * G + g) * N;
+  float ddt_direct = 0.f, q = 0.f, v = 0.f;
+  for (int64_t pp = 0; pp < P; ++pp) {
+    float intra = 0.f;
+    for (int64_t i = j; i < L; ++i) {
+      const int64_t ti = p.gather[c * L + i];
+      if (ti < 0) continue;
+      intra += cb[i * L + j] * exp_le0(lam[i] - lam_j) * p.dy[(ti * H + h) * P + pp];
+    }
+    float dsb = 0.f, cs = 0.f;
+    for (int64_t n = 0; n < N; ++n) {
+      dsb += dS[pp * N + n] * ld(p.B, p.bc_type, bj + n);
+      cs += ld(p.C, p.bc_type, bj + n) * ld(p.states, p.states_type, sbase + pp * N + n);
+    }
+    const int64_t tok = (tj * H + h) * P + pp;
+    const float x = ld(p.x, p.x_type, tok), dy = p.dy[tok];
+    const float gv = intra + wlast * dsb;
+    p.dx[tok] = dt_j * gv + (p.D != nullptr ? p.D[h * P + pp] * dy : 0.f);
+    ddt_direct += x * gv;
+    q += dy * cs;
+    v += x * dsb;
+  }
+  p.ddt_direct[e] = ddt_direct;
+  p.q[e] = expf(lam_j) * q;
+  p.v[e] = dt_j * wlast * v;
+}
+
+// ---- dB, dC per (c, g, r, n), the group's heads summed in order -------------------------------
+//   dC_r += exp(Lam_r) (dy_r s)_n + sum_{j<=r} dCB_rj B_jn
+//   dB_r += sum_{i>=r} dCB_ir C_in + exp(Lam_last - Lam_r) dt_r (x_r dS)_n
+//   dCB_ij = exp(Lam_i - Lam_j) dt_j dyx_ij
+__global__ void dbdc_kernel(BwdParams p) {
+  const int64_t L = p.chunk, H = p.heads, P = p.head_dim, N = p.state_dim, G = p.groups, hpg = H / G;
+  const int64_t n_all = p.num_chunks * G * L * N;
+  const int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (e >= n_all) return;
+  const int64_t n = e % N, r = (e / N) % L, g = (e / (N * L)) % G, c = e / (N * L * G);
+  const int64_t tr = p.gather[c * L + r];
+  if (tr < 0) return;
+  float dC = 0.f, dB = 0.f;
+  for (int64_t hh = 0; hh < hpg; ++hh) {
+    const int64_t h = g * hpg + hh;
+    const int64_t chl = (c * H + h) * L;
+    const float* lam = p.Lam + chl;
+    const float* dt = p.dt + chl;
+    const float* dyx = p.dyx + chl * L;
+    const int64_t sbase = (c * H + h) * P * N;
+    float a = 0.f, b = 0.f;
+    for (int64_t pp = 0; pp < P; ++pp) {
+      const int64_t tok = (tr * H + h) * P + pp;
+      a += p.dy[tok] * ld(p.states, p.states_type, sbase + pp * N + n);
+      b += ld(p.x, p.x_type, tok) * p.ds[sbase + pp * N + n];
+    }
+    float cpart = expf(lam[r]) * a, bpart = exp_le0(lam[L - 1] - lam[r]) * dt[r] * b;
+    for (int64_t j = 0; j <= r; ++j) {
+      const int64_t tj = p.gather[c * L + j];
+      if (tj < 0) continue;
+      cpart += exp_le0(lam[r] - lam[j]) * dt[j] * dyx[r * L + j] * ld(p.B, p.bc_type, (tj * G + g) * N + n);
+    }
+    for (int64_t i = r; i < L; ++i) {
+      const int64_t ti = p.gather[c * L + i];
+      if (ti < 0) continue;
+      bpart += exp_le0(lam[i] - lam[r]) * dt[r] * dyx[i * L + r] * ld(p.C, p.bc_type, (ti * G + g) * N + n);
+    }
+    dC += cpart;
+    dB += bpart;
+  }
+  p.dC[(tr * G + g) * N + n] = dC;
+  p.dB[(tr * G + g) * N + n] = dB;
+}
+
+// ---- d(dt A), ddt, ddt_raw, dA partials: block per (c, h), thread per row (L <= 256) --------------
+//   W_ij = cb_ij exp(Lam_i - Lam_j) dt_j dyx_ij (j <= i); row-exclusive prefixes in place in dyx:
+//   Wex_ik = sum_{j<k} W_ij; d_dtA_k = sum_{i>=k} Wex_ik + sum_{m>=k} Q_m + sum_{j<k} V_j + exp(Lam_last) ddecay
+__global__ void dtA_kernel(BwdParams p) {
+  __shared__ float qs[kBwdMaxChunk], vs[kBwdMaxChunk], red[kBwdMaxChunk];
+  const int64_t L = p.chunk, H = p.heads, G = p.groups;
+  const int64_t ch = blockIdx.x, c = ch / H, h = ch % H, g = h / (H / G);
+  const int64_t chl = ch * L;
+  const int k = threadIdx.x;
+  const float* lam = p.Lam + chl;
+  const float* dt = p.dt + chl;
+  const float* cb = p.cb + ((c * G + g) * L) * L;
+  float* row = p.dyx + chl * L;
+  if (k < L) {
+    // row k of W, prefix in place
+    float run = 0.f;
+    const float lk = lam[k];
+    for (int64_t j = 0; j < L; ++j) {
+      const float w = j <= k ? cb[k * L + j] * exp_le0(lk - lam[j]) * dt[j] * row[k * L + j] : 0.f;
+      row[k * L + j] = run;
+      run += w;
+    }
+    qs[k] = p.q[chl + k];
+    vs[k] = p.v[chl + k];
+  }
+  __syncthreads();
+  float d = 0.f;
+  if (k < L) {
+    for (int64_t i = k; i < L; ++i) d += row[i * L + k];
+    float qsum = 0.f, vsum = 0.f;
+    for (int64_t m = L - 1; m >= k; --m) qsum += qs[m];
+    for (int64_t j = 0; j < k; ++j) vsum += vs[j];
+    d += qsum + vsum + expf(lam[L - 1]) * p.ddecay[ch];
+    p.d_dtA[chl + k] = d;
+    const float dtk = dt[k];
+    red[k] = dtk * d;
+    const int64_t t = p.gather[c * L + k];
+    if (t >= 0) {
+      const float ddt = p.ddt_direct[chl + k] + p.A[h] * d;
+      p.ddt[t * H + h] = ddt;
+      float v = p.dt_raw[t * H + h] + (p.dt_bias != nullptr ? p.dt_bias[h] : 0.f);
+      float deriv = 1.f, pre = v;
+      if (p.dt_softplus) {
+        if (v <= 20.f) {
+          pre = fmaxf(v, 0.f) + log1pf(expf(-fabsf(v)));
+          deriv = 1.f / (1.f + expf(-v));
+        }
+      }
+      const bool pass = pre >= p.dt_min && pre <= p.dt_max;
+      p.ddt_raw[t * H + h] = pass ? ddt * deriv : 0.f;
+    }
+  } else {
+    red[k] = 0.f;
+  }
+  __syncthreads();
+  // fixed-order reduction over blockDim.x (a power of two >= L)
+  for (int w = blockDim.x / 2; w > 0; w >>= 1) {
+    if (k < w) red[k] += red[k + w];
+    __syncthreads();
+  }
+  if (k == 0) p.dA_part[ch] = red[0];
+}
+
+int launched() { return static_cast<int>(cudaGetLastError()); }
+
+}  // namespace
+
+int ssd_bwd_gate(const BwdParams& p, void* stream) {
+  const int64_t n = p.tokens * p.heads * p.head_dim;
+  if (n == 0) return 0;
+  gate_kernel<<<blocks_for(n, kThreads), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(p);
+  return launched();
+}
+int ssd_bwd_cb(const BwdParams& p, void* stream) {
+  const int64_t n = p.num_chunks * p.groups * p.chunk * p.chunk;
+  if (n == 0) return 0;
+  cb_kernel<<<blocks_for(n, kThreads), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(p);
+  return launched();
+}
+int ssd_bwd_dyx(const BwdParams& p, void* stream) {
+  const int64_t n = p.num_chunks * p.heads * p.chunk * p.chunk;
+  if (n == 0) return 0;
+  dyx_kernel<<<blocks_for(n, kThreads), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(p);
+  return launched();
+}
+int ssd_bwd_local(const BwdParams& p, void* stream) {
+  const int64_t n = p.num_chunks * p.heads * p.head_dim * p.state_dim;
+  if (n == 0) return 0;
+  local_kernel<<<blocks_for(n, kThreads), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(p);
+  return launched();
+}
+int ssd_bwd_state_pass(const BwdParams& p, int64_t begin, int64_t count, void* stream) {
+  const int64_t n = count * p.heads * p.head_dim * p.state_dim;
+  if (n == 0) return 0;
+  state_pass_kernel<<<blocks_for(n, kThreads), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(p, begin, count);
+  return launched();
+}
+int ssd_bwd_ddecay(const BwdParams& p, void* stream) {
+  const int64_t n = p.num_chunks * p.heads;
+  if (n == 0) return 0;
+  ddecay_kernel<<<static_cast<unsigned>(n), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(p);
+  return launched();
+}
+int ssd_bwd_rows(const BwdParams& p, void* stream) {
+  const int64_t n = p.num_chunks * p.heads * p.chunk;
+  if (n == 0) return 0;
+  rows_kernel<<<blocks_for(n, 128), 128, 0, static_cast<cudaStream_t>(stream)>>>(p);
+  return launched();
+}
+int ssd_bwd_dbdc(const BwdParams& p, void* stream) {
+  const int64_t n = p.num_chunks * p.groups * p.chunk * p.state_dim;
+  if (n == 0) return 0;
+  dbdc_kernel<<<blocks_for(n, 128), 128, 0, static_cast<cudaStream_t>(stream)>>>(p);
+  return launched();
+}
+int ssd_bwd_dtA(const BwdParams& p, void* stream) {
+  const int64_t n = p.num_chunks * p.heads;
+  if (n == 0) return 0;
+  if (p.chunk > kBwdMaxChunk) return static_cast<int>(cudaErrorInvalidValue);
+  int threads = 32;
+  while (threads < p.chunk) threads <<= 1;
+  dtA_kernel<<<static_cast<unsigned>(n), threads, 0, static_cast<cudaStream_t>(stream)>>>(p);
+  return launched();
+}
+const char* ssd_bwd_error_string(int error) { return cudaGetErrorString(static_cast<cudaError_t>(error)); }
+
+}  // namespace tree_recurrence::ssd::fused::kernels
