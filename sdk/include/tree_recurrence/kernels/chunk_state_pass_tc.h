@@ -79,9 +79,14 @@ struct ChunkStatePassTcParams {
   void* dv_total = nullptr;        // (NC, H, C, V) in
   float* grad_initial = nullptr;   // (R, H, K, V): per-root initial-state gradient
   float* workspace = nullptr;      // (S, H, K, V): non-roots' initial-state gradients
+
+  // V columns per CTA: 0 picks per level (64 when the level gives every SM two CTAs at that width,
+  // else 32); 32 or 64 force it (tests, tuning).
+  int v_tile = 0;
 };
 
-// Both return an empty string on success, else the launch error (no host sync).
+// Both return an empty string on success, else what is wrong (bad parameters, or the launch error;
+// no host sync). The string stays valid until the calling thread's next call.
 const char* chunk_state_pass_tc_forward(const ChunkStatePassTcParams& p, void* cuda_stream);
 const char* chunk_state_pass_tc_backward(const ChunkStatePassTcParams& p, void* cuda_stream);
 
