@@ -1,0 +1,74 @@
+// POD parameters and launchers of the fused SSD (Mamba2) forward kernels (ssd_fused.h has the math).
+// No ATen, no CUDA headers: the launchers take the stream as void* (a cudaStream_t) and return the
+// cudaError_t of their launches as an int (0 = success); ssd_fwd_error_string names it.
+//
+// Layouts (contiguous, row-major; "in" = bf16 or fp16, x / B / C / states / y / out alike):
+//   x (T, H, P) in; B, C (T, G, N) in; dt_raw (T, H) fp32; A, dt_bias (H) fp32; D (H * P) fp32
+//   (per head values repeated over P) or null; z (T, H, P) in or fp32 (z_fp32) or null;
+//   gather (NC, L) int64 (-1 = pad row); tables as TreePlan.chunk_tables gives them.
+//   dt, Lam (NC, H, L) fp32; chunk_states (NC, H, P, N) fp32; states (NC, H, P, N) in;
+//   workspace (S, H, P, N) fp32 (final states of segments with children);
+//   initial_state null, (H, P, N) fp32 shared, or (R, H, P, N) fp32 by root_index (initial_per_root).
+// Every exponent is clamped to <= 0 (A <= 0 in every model: A = -exp(A_log)).
+#pragma once
+
+#include <cstdint>
+
+namespace tree_recurrence::ssd::fused::kernels {
+
+enum class InType { BFloat16, Float16 };
+
+struct FwdParams {
+  InType in = InType::BFloat16;
+  int64_t tokens = 0, heads = 0, groups = 0, head_dim = 0, state_dim = 0;  // T, H, G, P, N
+  int64_t num_chunks = 0, chunk = 0;                                        // NC, L (64, 128 or 256)
+  int64_t num_segments = 0;
+
+  // inputs
+  const void* x = nullptr;
+  const void* B = nullptr;
+  const void* C = nullptr;
+  const float* dt_raw = nullptr;
+  const float* A = nullptr;
+  const float* dt_bias = nullptr;   // or null
+  const float* D = nullptr;         // (H * P) or null
+  const void* z = nullptr;          // or null
+  bool z_fp32 = false;
+  bool dt_softplus = false;
+  float dt_min = 0.f, dt_max = 0.f;  // dt_max may be +inf
+  const float* initial_state = nullptr;
+  bool initial_per_root = false;
+
+  // tables (device), int64
+  const int64_t* gather = nullptr;             // NC x L
+  const int64_t* seg_chunk_offsets = nullptr;  // S + 1
+  const int64_t* parents = nullptr;            // S
+  const int64_t* root_index = nullptr;         // S
+  const int64_t* level_segments = nullptr;     // S
+  const int64_t* level_offsets = nullptr;      // HOST, num_levels + 1
+  int64_t num_levels = 0;
+  const int64_t* child_offsets = nullptr;      // S + 1
+
+  // outputs / transients
+  float* dt = nullptr;            // NC x H x L
+  float* Lam = nullptr;           // NC x H x L
+  float* chunk_states = nullptr;  // NC x H x P x N
+  void* states = nullptr;         // NC x H x P x N (in)
+  float* workspace = nullptr;     // S x H x P x N
+  void* y = nullptr;              // T x H x P (in), pre-gate; null unless z
+  void* out = nullptr;            // T x H x P (in)
+};
+
+// The shapes the kernels take (P, N multiples of 8, P <= 128, N <= 256, L in {64, 128, 256}).
+bool fwd_shape_supported(int64_t chunk, int64_t head_dim, int64_t state_dim);
+
+// a+b: dt prepare, chunk-local cumsum Lam, chunk states S_c (tensor cores).
+int ssd_chunk_state_fwd(const FwdParams& p, void* stream);
+// c: the tree state pass, one launch per level (host loop over level_offsets).
+int ssd_state_pass_fwd(const FwdParams& p, void* stream);
+// d: the chunk scan (C s^T, C B^T masked and decayed times dt x, D x, z gate), tensor cores.
+int ssd_chunk_scan_fwd(const FwdParams& p, void* stream);
+
+const char* ssd_fwd_error_string(int error);
+
+}  // namespace tree_recurrence::ssd::fused::kernels
