@@ -1,6 +1,6 @@
 // GPU test of the tensor-core tree state pass (sdk/kernels/chunk_state_pass_tc.cu, math in
 // sdk/include/tree_recurrence/kernels/chunk_state_pass_tc.h). No torch. Build and run on the GPU:
-//   nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -Isdk/include \
+//   nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -Isdk/include
 //     tests/cuda/test_chunk_state_pass_tc.cu sdk/kernels/chunk_state_pass_tc.cu -o /tmp/t && /tmp/t
 //   /tmp/t --bench     (GRPO shape: 8 roots x 32 chunks, 8 children x 8 chunks each, H 32, K = V = 128)
 // Every case builds a trie on the host, runs forward and backward with V tiles 32 and 64, and
