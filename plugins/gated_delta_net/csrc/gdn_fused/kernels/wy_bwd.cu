@@ -1,0 +1,211 @@
+// (c) of the fused GDN backward, per (chunk, value head): the WY backward and the gate gradient.
+// With du = dv_total, dw = -dv_total h^T, kb = beta exp(G) k^, vb = beta v, u = Ainv vb:
+//   dkb = Ainv^T dw, dvb = Ainv^T du, dA = -(dkb w^T + dvb u^T) strictly lower
+//   dAE = dA * exp(G_i - G_j), W2 = dAE * (k^ k^T), dKK = beta_i dAE
+//   dk^ += beta exp(G) dkb + dKK k^ + dKK^T k^        (onto (b)'s dk_hv)
+//   dv   = beta dvb                                   (at the tokens)
+//   dbeta = <dvb, v> + exp(G) <dkb, k^> + rowsum(W2)
+//   dG  += beta exp(G) <dkb, k^> + beta rowsum(W2) - colsum(beta W2);  dg = reverse cumsum of dG
+#include "common_bwd.cuh"
+
+namespace tree_recurrence::gdn::fused::kernels {
+namespace bwd {
+namespace {
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) wy_kernel(GdnBwdParams p) {
+  extern __shared__ __align__(16) char smem_raw[];
+  const int64_t c = blockIdx.x, hv = blockIdx.y;
+  const int64_t HV = p.hv, HK = p.hk, hk = hv / (HV / HK);
+  const int K = static_cast<int>(p.k_dim), V = static_cast<int>(p.v_dim);
+  const int Kp = round16(K), Vp = round16(V), ldk = pitch_of(Kp), ldv = pitch_of(Vp);
+  Smem sm{smem_raw};
+  T* Ai = sm.take<T>(C * kPitchC);
+  T* dvt = sm.take<T>(C * ldv);
+  T* h = sm.take<T>(Kp * ldv);
+  T* kh = sm.take<T>(C * ldk);
+  T* w = sm.take<T>(C * ldk);
+  T* dw = sm.take<T>(C * ldk);
+  T* vb = sm.take<T>(C * ldv);
+  T* dvb = sm.take<T>(C * ldv);
+  T* dkb = sm.take<T>(C * ldk);
+  T* u = sm.take<T>(C * ldv);
+  T* dKK = sm.take<T>(C * kPitchC);
+  float* W2 = sm.take<float>(C * (C + 1));
+  float* G = sm.take<float>(C);
+  float* beta = sm.take<float>(C);
+  float* dGs = sm.take<float>(C);
+  float* partV = sm.take<float>(C * 8);
+  float* partKB = sm.take<float>(C * 8);
+  int64_t* tok = sm.take<int64_t>(C);
+
+  const int64_t ch = c * HV + hv;
+  const T* v = static_cast<const T*>(p.v);
+  for (int i = threadIdx.x; i < C; i += blockDim.x) {
+    G[i] = p.G[ch * C + i];
+    const int64_t t = p.gather[c * C + i];
+    tok[i] = t;
+    beta[i] = t >= 0 ? p.beta[t * HV + hv] : 0.f;
+  }
+  __syncthreads();
+  load_matrix<T>(Ai, kPitchC, static_cast<const T*>(p.Ainv) + ch * C * C, C, C, C, C);
+  load_matrix<T>(dvt, ldv, static_cast<const T*>(p.dv_total) + ch * C * V, C, C, V, Vp);
+  load_matrix<T>(h, ldv, static_cast<const T*>(p.h) + ch * static_cast<int64_t>(K) * V, K, Kp, V, Vp);
+  load_token_rows<T, true>(kh, ldk, static_cast<const T*>(p.k), tok, HK, hk, K, Kp, p.rk, HK, hk, 1.f);
+  load_matrix<T>(w, ldk, static_cast<const T*>(p.w) + ch * C * K, C, C, K, Kp);
+  load_token_rows<T, false>(vb, ldv, v, tok, HV, hv, V, Vp, nullptr, 0, 0, 1.f);
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < C * Vp; idx += blockDim.x) {  // vb = beta v (in place)
+    const int i = idx / Vp, col = idx % Vp;
+    vb[i * ldv + col] = mma::Elem<T>::from_float(mma::Elem<T>::to_float(vb[i * ldv + col]) * beta[i]);
+  }
+  __syncthreads();
+
+  const int warp = threadIdx.x / 32;
+  float* dv_out = p.dv;
+  // Phase 1: dw = -dv_total h^T (C x K); dvb = Ainv^T dv_total and u = Ainv vb (C x V).
+  for (int t = warp; t < (C / 16) * (Kp / 16); t += kWarps) {
+    const int r0 = (t / (Kp / 16)) * 16, c0 = (t % (Kp / 16)) * 16;
+    FragC acc[1][2];
+    zero(acc);
+    tile_mma<T, true, false>(acc, dvt, ldv, h, ldv, r0, c0, Vp / 16);
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        dw[el_row(r0, e) * ldk + el_col(c0, nt, e)] = mma::Elem<T>::from_float(-acc[0][nt].x[e]);
+  }
+  for (int t = warp; t < (C / 16) * (Vp / 16); t += kWarps) {
+    const int r0 = (t / (Vp / 16)) * 16, c0 = (t % (Vp / 16)) * 16;
+    FragC acc[1][2];
+    zero(acc);
+    tile_mma<T, false, true>(acc, Ai, kPitchC, dvt, ldv, r0, c0, C / 16);
+    float s[2] = {0.f, 0.f};
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int j = el_row(r0, e), col = el_col(c0, nt, e);
+        const float x = acc[0][nt].x[e];
+        dvb[j * ldv + col] = mma::Elem<T>::from_float(x);
+        const int64_t tj = tok[j];
+        if (tj >= 0 && col < V) {
+          const int64_t off = (tj * HV + hv) * V + col;
+          dv_out[off] = beta[j] * x;
+          s[e >> 1] += x * mma::Elem<T>::to_float(v[off]);
+        }
+      }
+    tile_rowdot_store(s[0], s[1], partV, r0, c0);
+    zero(acc);
+    tile_mma<T, true, true>(acc, Ai, kPitchC, vb, ldv, r0, c0, C / 16);
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        u[el_row(r0, e) * ldv + el_col(c0, nt, e)] = mma::Elem<T>::from_float(acc[0][nt].x[e]);
+  }
+  __syncthreads();
+
+  // Phase 2: dkb = Ainv^T dw; dk^ += beta exp(G) dkb.
+  float* dk_io = p.dk_hv + ch * C * K;
+  for (int t = warp; t < (C / 16) * (Kp / 16); t += kWarps) {
+    const int r0 = (t / (Kp / 16)) * 16, c0 = (t % (Kp / 16)) * 16;
+    FragC acc[1][2];
+    zero(acc);
+    tile_mma<T, false, true>(acc, Ai, kPitchC, dw, ldk, r0, c0, C / 16);
+    float s[2] = {0.f, 0.f};
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int j = el_row(r0, e), col = el_col(c0, nt, e);
+        const float x = acc[0][nt].x[e];
+        dkb[j * ldk + col] = mma::Elem<T>::from_float(x);
+        s[e >> 1] += x * mma::Elem<T>::to_float(kh[j * ldk + col]);
+        if (col < K) dk_io[j * K + col] += beta[j] * expf(G[j]) * x;
+      }
+    tile_rowdot_store(s[0], s[1], partKB, r0, c0);
+  }
+  __syncthreads();
+
+  // Phase 3: dA = -(dkb w^T + dvb u^T), KK = k^ k^T, strictly lower: W2 and dKK.
+  for (int t = warp; t < (C / 16) * (C / 16); t += kWarps) {
+    const int r0 = (t / (C / 16)) * 16, c0 = (t % (C / 16)) * 16;
+    FragC acc[1][2], kk[1][2];
+    zero(acc);
+    zero(kk);
+    if (r0 + 15 > c0) {
+      tile_mma<T, true, false>(acc, dkb, ldk, w, ldk, r0, c0, Kp / 16);
+      tile_mma<T, true, false>(acc, dvb, ldv, u, ldv, r0, c0, Vp / 16);
+      tile_mma<T, true, false>(kk, kh, ldk, kh, ldk, r0, c0, Kp / 16);
+    }
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = el_row(r0, e), j = el_col(c0, nt, e);
+        const float dae = j < i ? -acc[0][nt].x[e] * expf(G[i] - G[j]) : 0.f;
+        W2[i * (C + 1) + j] = dae * kk[0][nt].x[e];
+        dKK[i * kPitchC + j] = mma::Elem<T>::from_float(beta[i] * dae);
+      }
+  }
+  __syncthreads();
+
+  // Phase 4: dk^ += dKK k^ + dKK^T k^; dbeta, dG, dg.
+  for (int t = warp; t < (C / 16) * (Kp / 16); t += kWarps) {
+    const int r0 = (t / (Kp / 16)) * 16, c0 = (t % (Kp / 16)) * 16;
+    FragC acc[1][2];
+    zero(acc);
+    tile_mma<T, true, true>(acc, dKK, kPitchC, kh, ldk, r0, c0, C / 16);
+    tile_mma<T, false, true>(acc, dKK, kPitchC, kh, ldk, r0, c0, C / 16);
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int j = el_row(r0, e), col = el_col(c0, nt, e);
+        if (col < K) dk_io[j * K + col] += acc[0][nt].x[e];
+      }
+  }
+  for (int i = threadIdx.x; i < C; i += blockDim.x) {
+    float row = 0.f, colsum = 0.f;
+    for (int j = 0; j < C; ++j) row += W2[i * (C + 1) + j];
+    for (int m = 0; m < C; ++m) colsum += beta[m] * W2[m * (C + 1) + i];
+    const float eg = expf(G[i]), kb = row_parts(partKB, i, Kp / 16);
+    const float db = row_parts(partV, i, Vp / 16) + eg * kb + row;
+    dGs[i] = p.dG[ch * C + i] + beta[i] * eg * kb + beta[i] * row - colsum;
+    if (tok[i] >= 0) p.dbeta[tok[i] * HV + hv] = db;
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < C; i += blockDim.x) {
+    float s = 0.f;
+    for (int m = C - 1; m >= i; --m) s += dGs[m];
+    if (tok[i] >= 0) p.dg[tok[i] * HV + hv] = s;
+  }
+}
+
+size_t wy_smem(const GdnBwdParams& p) {
+  const int Kp = round16(static_cast<int>(p.k_dim)), ldk = pitch_of(Kp), ldv = pitch_of(round16(static_cast<int>(p.v_dim)));
+  return 2 * smem_bytes<uint16_t>(C * kPitchC) + 4 * smem_bytes<uint16_t>(C * ldv) + smem_bytes<uint16_t>(Kp * ldv) +
+         4 * smem_bytes<uint16_t>(C * ldk) + smem_bytes<float>(C * (C + 1)) + 3 * smem_bytes<float>(C) +
+         2 * smem_bytes<float>(C * 8) + smem_bytes<int64_t>(C);
+}
+
+template <typename T>
+const char* launch(const GdnBwdParams& p, void* stream) {
+  if (p.num_chunks == 0) return "";
+  const size_t bytes = wy_smem(p);
+  cudaError_t e = cudaFuncSetAttribute(wy_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+  if (e != cudaSuccess) return cudaGetErrorString(e);
+  wy_kernel<T><<<dim3(static_cast<unsigned>(p.num_chunks), static_cast<unsigned>(p.hv)), kThreads, bytes,
+                 static_cast<cudaStream_t>(stream)>>>(p);
+  return launch_error();
+}
+
+}  // namespace
+}  // namespace bwd
+
+const char* gdn_bwd_wy(const GdnBwdParams& p, void* stream) {
+  return p.in == BwdDType::BFloat16 ? bwd::launch<__nv_bfloat16>(p, stream) : bwd::launch<__half>(p, stream);
+}
+
+}  // namespace tree_recurrence::gdn::fused::kernels
