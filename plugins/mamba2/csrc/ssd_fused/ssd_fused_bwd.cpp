@@ -1,13 +1,273 @@
-// fused::backward (ssd_fused.h): the fused SSD backward from the forward's saved buffers.
+// fused::backward (ssd_fused.h): the fused SSD backward from the forward's saved buffers, and the
+// test-only op ssd_fused_backward_stages (ssd_fused_bwd.h) that runs it from given buffers and
+// returns every stage's output. Kernels: kernels/ssd_bwd.cu (params_bwd.h), launched in this order:
+//   gate (dy, dz) -> C B^T -> dy x^T -> local entering-state gradient -> reverse tree state pass
+//   (one launch per level, deepest first) -> ddecay -> rows (dx, ddt direct, q, v) -> dB / dC per
+//   group -> d(dt A), ddt, ddt_raw, dA partials; then fixed-order ATen sums (dA, dD, ddt_bias, the
+//   shared initial state's gradient). No host synchronisation (level_offsets is the host list).
+// Saved states are used as the forward stored them (in-type, rounded), as mamba-ssm's backward
+// does with its bf16 states: recomputing them in fp32 would cost another state pass, and their
+// rounding enters only dC (through C s) and ddecay, at the in-type's precision.
 #include "ssd_fused.h"
+#include "ssd_fused_bwd.h"
 
+#include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include <string>
+
+#include "kernels/params_bwd.h"
+#include "tree_recurrence/sdk/op_library.h"
+
+#ifdef TREE_RECURRENCE_WITH_CUDA
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
+
 namespace tree_recurrence::ssd::fused {
+namespace {
+
+namespace k = kernels;
+
+k::BwdType bwd_type(const at::Tensor& t, const char* name) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return k::BwdType::Float32;
+    case at::kBFloat16: return k::BwdType::BFloat16;
+    case at::kHalf: return k::BwdType::Float16;
+    default:
+      TORCH_CHECK_TYPE(false, "fused SSD backward: ", name, " has dtype ", t.scalar_type(),
+                       ", expected float32, bfloat16 or float16");
+  }
+  return k::BwdType::Float32;
+}
+
+struct Stages {
+  at::Tensor dy, dz, cb, local, ds_leave, ddecay, d_roots, q, v, ddt_direct, d_dtA, ddt, ddt_raw, dA_part;
+  Grads grads;
+};
+
+void check_launch(int err, const char* what) {
+  TORCH_CHECK(err == 0, "fused SSD backward: the ", what, " kernel failed to launch: ", k::ssd_bwd_error_string(err));
+}
+
+Stages run(const at::Tensor& grad_out, const Args& a, const Tables& t, const Saved& saved, bool keep_stages) {
+#ifndef TREE_RECURRENCE_WITH_CUDA
+  (void)grad_out; (void)a; (void)t; (void)saved; (void)keep_stages;
+  TORCH_CHECK(false, "fused SSD backward: this build has no CUDA kernels");
+#else
+  TORCH_CHECK_VALUE(a.x.is_cuda(), "fused SSD backward: x must be a CUDA tensor, got one on ", a.x.device());
+  TORCH_CHECK_VALUE(a.x.dim() == 3, "fused SSD backward: x must be (tokens, heads, head_dim), got ", a.x.sizes());
+  const int64_t T = a.x.size(0), H = a.x.size(1), P = a.x.size(2);
+  TORCH_CHECK_VALUE(a.B.dim() == 3 && a.B.size(0) == T && a.C.sizes() == a.B.sizes(),
+                    "fused SSD backward: B and C must be (tokens, groups, state) alike, got ", a.B.sizes(), " and ",
+                    a.C.sizes());
+  const int64_t G = a.B.size(1), N = a.B.size(2);
+  TORCH_CHECK_VALUE(G > 0 && H % G == 0, "fused SSD backward: heads ", H, " must be a multiple of groups ", G);
+  TORCH_CHECK_VALUE(a.dt.dim() == 2 && a.dt.size(0) == T && a.dt.size(1) == H, "fused SSD backward: dt must be (", T, ", ",
+                    H, "), got ", a.dt.sizes());
+  TORCH_CHECK_VALUE(a.A.dim() == 1 && a.A.size(0) == H, "fused SSD backward: A must be (", H, "), got ", a.A.sizes());
+  TORCH_CHECK_VALUE(grad_out.sizes() == a.x.sizes(), "fused SSD backward: grad_out must be shaped like x ", a.x.sizes(),
+                    ", got ", grad_out.sizes());
+  TORCH_CHECK_VALUE(t.gather.dim() == 2 && t.gather.scalar_type() == at::kLong, "fused SSD backward: gather must be an int64 (chunks, chunk) table, got ",
+                    t.gather.scalar_type(), " ", t.gather.sizes());
+  const int64_t NC = t.gather.size(0), L = t.gather.size(1), S = t.parents.size(0);
+  TORCH_CHECK_VALUE(L >= 1 && L <= k::kBwdMaxChunk, "fused SSD backward: chunk ", L, " must be in 1..", k::kBwdMaxChunk);
+  TORCH_CHECK_VALUE(t.level_offsets.size() >= 1, "fused SSD backward: level_offsets must not be empty");
+  TORCH_CHECK_VALUE(saved.dt.scalar_type() == at::kFloat && saved.Lam.scalar_type() == at::kFloat &&
+                        saved.dt.sizes() == at::IntArrayRef({NC, H, L}) && saved.Lam.sizes() == saved.dt.sizes(),
+                    "fused SSD backward: saved dt and Lam must be float32 (chunks, heads, chunk) = (", NC, ", ", H, ", ", L,
+                    "), got ", saved.dt.scalar_type(), " ", saved.dt.sizes(), " and ", saved.Lam.scalar_type(), " ",
+                    saved.Lam.sizes());
+  TORCH_CHECK_VALUE(saved.states.sizes() == at::IntArrayRef({NC, H, P, N}), "fused SSD backward: saved states must be (", NC,
+                    ", ", H, ", ", P, ", ", N, "), got ", saved.states.sizes());
+  if (a.z) {
+    TORCH_CHECK_VALUE(a.z->sizes() == a.x.sizes(), "fused SSD backward: z must be shaped like x ", a.x.sizes(), ", got ",
+                      a.z->sizes());
+    TORCH_CHECK_VALUE(saved.y.defined() && saved.y.sizes() == a.x.sizes(),
+                      "fused SSD backward: with z the saved y (tokens, heads, head_dim) is required");
+  }
+  if (a.D)
+    TORCH_CHECK_VALUE((a.D->dim() == 1 && a.D->size(0) == H) || (a.D->dim() == 2 && a.D->size(0) == H && a.D->size(1) == P),
+                      "fused SSD backward: D must be (", H, ") or (", H, ", ", P, "), got ", a.D->sizes());
+  if (a.dt_bias)
+    TORCH_CHECK_VALUE(a.dt_bias->dim() == 1 && a.dt_bias->size(0) == H, "fused SSD backward: dt_bias must be (", H,
+                      "), got ", a.dt_bias->sizes());
+  bool shared_h0 = false;
+  int64_t R = t.level_offsets.size() >= 2 ? t.level_offsets[1] - t.level_offsets[0] : 0;  // roots = level 0
+  if (a.initial_state) {
+    const at::Tensor& s = *a.initial_state;
+    TORCH_CHECK_VALUE((s.dim() == 3 || s.dim() == 4) && s.size(-3) == H && s.size(-2) == P && s.size(-1) == N,
+                      "fused SSD backward: initial_state must be (", H, ", ", P, ", ", N, ") or (roots, ", H, ", ", P, ", ",
+                      N, "), got ", s.sizes());
+    shared_h0 = s.dim() == 3 || s.size(0) == 1;
+    if (!shared_h0) R = s.size(0);
+  }
+
+  c10::cuda::CUDAGuard guard(a.x.device());
+  void* stream = c10::cuda::getCurrentCUDAStream().stream();
+  const auto f32 = a.x.options().dtype(at::kFloat);
+  const auto in = [](const at::Tensor& x) { return x.contiguous(); };
+  const at::Tensor x = in(a.x), B = in(a.B), C = in(a.C), dout = in(grad_out), states = in(saved.states);
+  const at::Tensor dt_raw = a.dt.to(at::kFloat).contiguous(), A = a.A.to(at::kFloat).contiguous();
+  const at::Tensor dt_s = saved.dt.contiguous(), Lam = saved.Lam.contiguous();
+  const at::Tensor dt_bias = a.dt_bias ? a.dt_bias->to(at::kFloat).contiguous() : at::Tensor();
+  const at::Tensor D = a.D ? (a.D->dim() == 1 ? a.D->to(at::kFloat).view({H, 1}).expand({H, P}) : a.D->to(at::kFloat))
+                                 .contiguous()
+                           : at::Tensor();
+  const at::Tensor z = a.z ? in(*a.z) : at::Tensor();
+  const at::Tensor y = a.z ? in(saved.y) : at::Tensor();
+  const at::Tensor gather = t.gather.contiguous();
+
+  Stages st;
+  st.dy = at::empty({T, H, P}, f32);
+  if (a.z) st.dz = at::empty({T, H, P}, f32);
+  st.cb = at::empty({NC, G, L, L}, f32);
+  at::Tensor dyx = at::empty({NC, H, L, L}, f32);
+  st.ds_leave = at::empty({NC, H, P, N}, f32);
+  at::Tensor ws = at::empty({std::max<int64_t>(S, 1), H, P, N}, f32);
+  if (a.initial_state) st.d_roots = at::zeros({std::max<int64_t>(R, 1), H, P, N}, f32);
+  st.ddecay = at::empty({NC, H}, f32);
+  st.q = at::empty({NC, H, L}, f32);
+  st.v = at::empty({NC, H, L}, f32);
+  st.ddt_direct = at::empty({NC, H, L}, f32);
+  st.d_dtA = at::empty({NC, H, L}, f32);
+  at::Tensor dx = at::empty({T, H, P}, f32);
+  st.ddt = at::empty({T, H}, f32);
+  st.ddt_raw = at::empty({T, H}, f32);
+  at::Tensor dB = at::empty({T, G, N}, f32), dC = at::empty({T, G, N}, f32);
+  st.dA_part = at::empty({NC, H}, f32);
+
+  k::BwdParams p;
+  p.tokens = T; p.heads = H; p.groups = G; p.head_dim = P; p.state_dim = N;
+  p.num_chunks = NC; p.chunk = L; p.num_segments = S;
+  p.x_type = bwd_type(x, "x");
+  p.bc_type = bwd_type(B, "B");
+  TORCH_CHECK_TYPE(C.scalar_type() == B.scalar_type(), "fused SSD backward: B and C must share a dtype, got ",
+                   B.scalar_type(), " and ", C.scalar_type());
+  p.dout_type = bwd_type(dout, "grad_out");
+  p.states_type = bwd_type(states, "saved states");
+  p.x = x.data_ptr(); p.B = B.data_ptr(); p.C = C.data_ptr(); p.dout = dout.data_ptr(); p.states = states.data_ptr();
+  if (a.z) {
+    p.z_type = bwd_type(z, "z");
+    p.y_type = bwd_type(y, "saved y");
+    p.z = z.data_ptr();
+    p.y = y.data_ptr();
+    p.dz = st.dz.data_ptr<float>();
+  }
+  p.dt_raw = dt_raw.data_ptr<float>();
+  p.A = A.data_ptr<float>();
+  p.dt_bias = a.dt_bias ? dt_bias.data_ptr<float>() : nullptr;
+  p.D = a.D ? D.data_ptr<float>() : nullptr;
+  p.dt_softplus = a.dt_softplus;
+  p.dt_min = static_cast<float>(a.dt_min);
+  p.dt_max = static_cast<float>(a.dt_max);
+  p.dt = dt_s.data_ptr<float>();
+  p.Lam = Lam.data_ptr<float>();
+  p.gather = gather.data_ptr<int64_t>();
+  const at::Tensor sco = t.seg_chunk_offsets.contiguous(), ridx = t.root_index.contiguous(),
+                   lsegs = t.level_segments.contiguous(), coff = t.child_offsets.contiguous(),
+                   kids = t.children.numel() > 0 ? t.children.contiguous() : at::zeros({1}, t.parents.options());
+  p.seg_chunk_offsets = sco.data_ptr<int64_t>();
+  p.root_index = ridx.data_ptr<int64_t>();
+  p.level_segments = lsegs.data_ptr<int64_t>();
+  p.child_offsets = coff.data_ptr<int64_t>();
+  p.children = kids.data_ptr<int64_t>();
+  p.dy = st.dy.data_ptr<float>();
+  p.cb = st.cb.data_ptr<float>();
+  p.dyx = dyx.data_ptr<float>();
+  p.ds = st.ds_leave.data_ptr<float>();
+  p.ws = ws.data_ptr<float>();
+  p.droots = a.initial_state ? st.d_roots.data_ptr<float>() : nullptr;
+  p.ddecay = st.ddecay.data_ptr<float>();
+  p.q = st.q.data_ptr<float>();
+  p.v = st.v.data_ptr<float>();
+  p.ddt_direct = st.ddt_direct.data_ptr<float>();
+  p.d_dtA = st.d_dtA.data_ptr<float>();
+  p.dx = dx.data_ptr<float>();
+  p.ddt = st.ddt.data_ptr<float>();
+  p.ddt_raw = st.ddt_raw.data_ptr<float>();
+  p.dB = dB.data_ptr<float>();
+  p.dC = dC.data_ptr<float>();
+  p.dA_part = st.dA_part.data_ptr<float>();
+
+  check_launch(k::ssd_bwd_gate(p, stream), "gate (dy, dz)");
+  check_launch(k::ssd_bwd_cb(p, stream), "C B^T");
+  check_launch(k::ssd_bwd_dyx(p, stream), "dy x^T");
+  check_launch(k::ssd_bwd_local(p, stream), "local state gradient");
+  if (keep_stages) st.local = st.ds_leave.clone();
+  for (int64_t lv = static_cast<int64_t>(t.level_offsets.size()) - 2; lv >= 0; --lv) {
+    const int64_t begin = t.level_offsets[lv], count = t.level_offsets[lv + 1] - begin;
+    TORCH_CHECK_VALUE(count >= 0 && begin >= 0 && begin + count <= S, "fused SSD backward: level_offsets ", lv, " is out of range");
+    check_launch(k::ssd_bwd_state_pass(p, begin, count, stream), "reverse state pass");
+  }
+  check_launch(k::ssd_bwd_ddecay(p, stream), "ddecay");
+  check_launch(k::ssd_bwd_rows(p, stream), "rows (dx, ddt)");
+  check_launch(k::ssd_bwd_dbdc(p, stream), "dB / dC");
+  check_launch(k::ssd_bwd_dtA(p, stream), "d(dt A)");
+
+  Grads& g = st.grads;
+  g.dx = dx.to(a.x.scalar_type());
+  g.ddt = st.ddt_raw.to(a.dt.scalar_type());
+  g.dB = dB.to(a.B.scalar_type());
+  g.dC = dC.to(a.C.scalar_type());
+  g.dA = st.dA_part.sum(0).to(a.A.scalar_type());
+  if (a.D) {
+    const at::Tensor xy = st.dy * x.to(at::kFloat);
+    g.dD = (a.D->dim() == 1 ? xy.sum(at::IntArrayRef{0, 2}) : xy.sum(0)).to(a.D->scalar_type());
+  }
+  if (a.dt_bias) g.ddt_bias = st.ddt_raw.sum(0).to(a.dt_bias->scalar_type());
+  if (a.z) g.dz = st.dz.to(a.z->scalar_type());
+  if (a.initial_state) {
+    g.d_initial_state = shared_h0 ? st.d_roots.narrow(0, 0, std::max<int64_t>(R, 1)).sum(0).reshape(a.initial_state->sizes())
+                                  : st.d_roots;
+    if (shared_h0 && R == 0) g.d_initial_state.zero_();
+  }
+  return st;
+#endif
+}
+
+[[maybe_unused]] std::vector<at::Tensor> backward_stages(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& dt,
+                                        const at::Tensor& B, const at::Tensor& C, const at::Tensor& A,
+                                        const std::optional<at::Tensor>& D, const std::optional<at::Tensor>& dt_bias,
+                                        const std::optional<at::Tensor>& z, const std::optional<at::Tensor>& initial_state,
+                                        at::ArrayRef<double> dt_limit, bool dt_softplus, const at::Tensor& gather,
+                                        const at::Tensor& scatter, const at::Tensor& seg_chunk_offsets,
+                                        const at::Tensor& parents, const at::Tensor& root_index,
+                                        const at::Tensor& level_segments, at::IntArrayRef level_offsets,
+                                        const at::Tensor& child_offsets, const at::Tensor& children,
+                                        const at::Tensor& saved_dt, const at::Tensor& saved_Lam,
+                                        const at::Tensor& saved_states, const std::optional<at::Tensor>& saved_y) {
+  TORCH_CHECK_VALUE(dt_limit.size() == 2, "ssd_fused_backward_stages: dt_limit must be (low, high)");
+  Args a;
+  a.x = x; a.dt = dt; a.B = B; a.C = C; a.A = A; a.D = D; a.dt_bias = dt_bias; a.z = z; a.initial_state = initial_state;
+  a.dt_min = dt_limit[0]; a.dt_max = dt_limit[1]; a.dt_softplus = dt_softplus;
+  Tables t{gather, scatter, seg_chunk_offsets, parents, root_index, level_segments,
+           std::vector<int64_t>(level_offsets.begin(), level_offsets.end()), child_offsets, children};
+  Saved s{saved_dt, saved_Lam, saved_states, saved_y ? *saved_y : at::Tensor()};
+  Stages st = run(grad_out, a, t, s, true);
+  const auto e = [&](const at::Tensor& v) { return v.defined() ? v : at::empty({0}, x.options().dtype(at::kFloat)); };
+  const Grads& g = st.grads;
+  return {e(st.dy), e(st.dz), e(st.cb), e(st.local), e(st.ds_leave), e(st.ddecay), e(st.d_roots), e(st.q), e(st.v),
+          e(st.ddt_direct), e(st.d_dtA), e(st.ddt), e(st.ddt_raw), e(st.dA_part), e(g.dx), e(g.ddt), e(g.dB), e(g.dC),
+          e(g.dA), e(g.dD), e(g.ddt_bias), e(g.dz), e(g.d_initial_state)};
+}
+
+}  // namespace
 
 Grads backward(const at::Tensor& grad_out, const Args& a, const Tables& t, const Saved& saved) {
-  (void)grad_out; (void)a; (void)t; (void)saved;
-  TORCH_CHECK(false, "fused SSD backward: not implemented yet");
+  return run(grad_out, a, t, saved, false).grads;
+}
+
+void register_backward_stages_op() {
+  op_library(torch::Library::FRAGMENT)
+      .def("ssd_fused_backward_stages(Tensor grad_out, Tensor x, Tensor dt, Tensor B, Tensor C, Tensor A, Tensor? D, "
+           "Tensor? dt_bias, Tensor? z, Tensor? initial_state, float[] dt_limit, bool dt_softplus, Tensor gather, "
+           "Tensor scatter, Tensor seg_chunk_offsets, Tensor parents, Tensor root_index, Tensor level_segments, "
+           "int[] level_offsets, Tensor child_offsets, Tensor children, Tensor saved_dt, Tensor saved_Lam, "
+           "Tensor saved_states, Tensor? saved_y) -> Tensor[]");
+#ifdef TREE_RECURRENCE_WITH_CUDA
+  op_library(torch::Library::IMPL, c10::DispatchKey::CUDA).impl("ssd_fused_backward_stages", &backward_stages);
+#endif
 }
 
 }  // namespace tree_recurrence::ssd::fused
