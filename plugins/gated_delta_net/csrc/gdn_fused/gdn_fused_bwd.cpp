@@ -1,16 +1,279 @@
-// The fused GDN backward (issue 19): host side of the chunk-local backward kernels
-// (kernels/*_bwd.cu, parameters in kernels/params_bwd.h) and the reverse tree state pass
-// (sdk chunk_state_pass_tc_backward).
-#include "gdn_fused.h"
+// The fused GDN backward (issue 19), host side: checks, allocation and the launches in order:
+//   (a) kernels/dv_local_bwd.cu   dv_local, q_g, dO chunk-major
+//   the SDK's reverse tree state pass (chunk_state_pass_tc_backward): dS per chunk, dv_total,
+//       the roots' initial-state gradients
+//   (b) kernels/dqk_bwd.cu        dq^, dk^ per value head (fp32), dG
+//   (c) kernels/wy_bwd.cu         the WY backward: dv, dbeta, dk^ +=, dG (total), dg
+//   (d) kernels/finalize_bwd.cu   dq, dk at the tokens (group sum, scale, l2norm backward)
+// No host sync: the only host table is level_offsets. Math: tests/python/gdn_bwd_reference.py.
+#include "gdn_fused_bwd.h"
 
-#include <c10/util/Exception.h>
+#include <ATen/ATen.h>
+
+#include <cmath>
+#include <string>
+
+#include "gdn_fused.h"
+#include "tree_recurrence/sdk/op_library.h"
+
+#ifdef TREE_RECURRENCE_WITH_CUDA
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "kernels/params_bwd.h"
+#include "tree_recurrence/kernels/chunk_state_pass_tc.h"
+#endif
 
 namespace tree_recurrence::gdn::fused {
+namespace {
+
+// Every intermediate and final gradient, in the order the stages op returns them.
+struct Stages {
+  at::Tensor dv_local, q_g, do_c, grad_state_out, dv_total, d_root, dq_hv, dk_b, dG_b, dk_hv, dG, dv, dbeta, dg, dq, dk;
+  at::Tensor d_initial_state;
+};
+
+#ifndef TREE_RECURRENCE_WITH_CUDA
+Stages run(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+           const Tables&, const std::optional<at::Tensor>&, double, bool, const Saved&, bool) {
+  TORCH_CHECK(false, "fused GDN backward: this build has no CUDA kernels");
+}
+#else
+at::Tensor aligned(const at::Tensor& t) {
+  at::Tensor c = t.contiguous();
+  if (reinterpret_cast<uintptr_t>(c.data_ptr()) % 16 != 0) c = c.clone(at::MemoryFormat::Contiguous);
+  return c;
+}
+
+void check_launch(const char* err, const char* stage) {
+  TORCH_CHECK(err == nullptr || err[0] == '\0', "fused GDN backward (", stage, "): ", err);
+}
+
+void check_buffer(const at::Tensor& t, const char* name, at::IntArrayRef shape, at::ScalarType dtype, const at::Device& dev) {
+  TORCH_CHECK_VALUE(t.defined(), "fused GDN backward: saved buffer ", name, " is missing");
+  TORCH_CHECK_VALUE(t.sizes() == shape, "fused GDN backward: saved buffer ", name, " must be ", shape, ", got ", t.sizes());
+  TORCH_CHECK_TYPE(t.scalar_type() == dtype, "fused GDN backward: saved buffer ", name, " must be ", dtype, ", got ",
+                   t.scalar_type());
+  TORCH_CHECK_VALUE(t.device() == dev, "fused GDN backward: saved buffer ", name, " is on ", t.device(), ", expected ", dev);
+}
+
+// keep_stages: clone (b)'s dk^ and dG before (c) adds to them (the stages op only).
+Stages run(const at::Tensor& grad_o, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+           const at::Tensor& g_in, const at::Tensor& beta_in, const Tables& tables,
+           const std::optional<at::Tensor>& initial_state, double scale, bool use_qk_l2norm, const Saved& saved,
+           bool keep_stages) {
+  TORCH_CHECK_VALUE(q_in.is_cuda(), "fused GDN backward: inputs must be on CUDA, got ", q_in.device());
+  const auto dt = v_in.scalar_type();
+  TORCH_CHECK_TYPE((dt == at::kBFloat16 || dt == at::kHalf) && q_in.scalar_type() == dt && k_in.scalar_type() == dt,
+                   "fused GDN backward: q, k, v must be bf16 or fp16 alike, got ", q_in.scalar_type(), ", ",
+                   k_in.scalar_type(), ", ", dt);
+  TORCH_CHECK_VALUE(q_in.dim() == 3 && k_in.sizes() == q_in.sizes() && v_in.dim() == 3 && v_in.size(0) == q_in.size(0),
+                    "fused GDN backward: q, k must be (T, HK, K) alike and v (T, HV, V), got ", q_in.sizes(), ", ",
+                    k_in.sizes(), ", ", v_in.sizes());
+  const int64_t T = q_in.size(0), HK = q_in.size(1), K = q_in.size(2), HV = v_in.size(1), V = v_in.size(2);
+  const int64_t NC = tables.gather.size(0), C = tables.gather.size(1), S = tables.parents.size(0);
+  TORCH_CHECK_VALUE(C == kernels::kBwdChunk, "fused GDN backward: chunk must be 64, got ", C);
+  TORCH_CHECK_VALUE(K % 8 == 0 && K >= 8 && K <= 128 && V % 8 == 0 && V >= 8 && V <= 128,
+                    "fused GDN backward: key and value dims must be multiples of 8 in [8, 128], got ", K, " and ", V);
+  TORCH_CHECK_VALUE(HK > 0 && HV % HK == 0 && HV <= 65535, "fused GDN backward: value heads ", HV,
+                    " must be a multiple of key heads ", HK, " (at most 65535)");
+  TORCH_CHECK_VALUE(NC < (int64_t{1} << 31), "fused GDN backward: ", NC, " chunks (at most 2^31 - 1)");
+  TORCH_CHECK_VALUE(grad_o.dim() == 3 && grad_o.size(0) == T && grad_o.size(1) == HV && grad_o.size(2) == V,
+                    "fused GDN backward: grad_o must be (", T, ", ", HV, ", ", V, "), got ", grad_o.sizes());
+  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"g", &g_in}, {"beta", &beta_in}})
+    TORCH_CHECK_VALUE(t->dim() == 2 && t->size(0) == T && t->size(1) == HV, "fused GDN backward: ", name, " must be (", T,
+                      ", ", HV, "), got ", t->sizes());
+  const int64_t L = static_cast<int64_t>(tables.level_offsets.size()) - 1;
+  TORCH_CHECK_VALUE(L >= 1 || S == 0, "fused GDN backward: level_offsets must have num_levels + 1 entries");
+  const int64_t R = L >= 1 ? tables.level_offsets[1] - tables.level_offsets[0] : 0;
+  const auto dev = q_in.device();
+  check_buffer(saved.G, "G", {NC, HV, C}, at::kFloat, dev);
+  check_buffer(saved.Ainv, "Ainv", {NC, HV, C, C}, dt, dev);
+  check_buffer(saved.w, "w", {NC, HV, C, K}, dt, dev);
+  check_buffer(saved.kd, "kd", {NC, HV, C, K}, dt, dev);
+  check_buffer(saved.h, "h", {NC, HV, K, V}, dt, dev);
+  check_buffer(saved.v_new, "v_new", {NC, HV, C, V}, dt, dev);
+  check_buffer(saved.rq, "rq", {T, HK}, at::kFloat, dev);
+  check_buffer(saved.rk, "rk", {T, HK}, at::kFloat, dev);
+
+  c10::cuda::CUDAGuard guard(dev);
+  const auto stream = c10::cuda::getCurrentCUDAStream().stream();
+  const at::Tensor q = aligned(q_in), k = aligned(k_in), v = aligned(v_in), go = aligned(grad_o.to(dt));
+  const at::Tensor beta = beta_in.to(at::kFloat).contiguous();
+  const at::Tensor G = saved.G.contiguous(), Ainv = aligned(saved.Ainv), w = aligned(saved.w), kd = aligned(saved.kd),
+                   h = aligned(saved.h), v_new = aligned(saved.v_new), rq = saved.rq.contiguous(),
+                   rk = saved.rk.contiguous();
+  const at::Tensor gather = tables.gather.contiguous(), scatter = tables.scatter.contiguous();
+  const auto in_opt = q.options(), f32 = q.options().dtype(at::kFloat);
+
+  Stages st;
+  st.dv_local = at::empty({NC, HV, C, V}, in_opt);
+  st.q_g = at::empty({NC, HV, C, K}, in_opt);
+  st.do_c = at::empty({NC, HV, C, V}, in_opt);
+  st.grad_state_out = at::empty({NC, HV, K, V}, in_opt);
+  st.dv_total = at::empty({NC, HV, C, V}, in_opt);
+  st.d_root = at::zeros({R, HV, K, V}, f32);
+  st.dq_hv = at::empty({NC, HV, C, K}, f32);
+  st.dk_hv = at::empty({NC, HV, C, K}, f32);
+  st.dG = at::empty({NC, HV, C}, f32);
+  st.dv = at::empty({T, HV, V}, f32);
+  st.dbeta = at::empty({T, HV}, f32);
+  st.dg = at::empty({T, HV}, f32);
+  st.dq = at::empty({T, HK, K}, f32);
+  st.dk = at::empty({T, HK, K}, f32);
+  const at::Tensor workspace = at::empty({S, HV, K, V}, f32);
+  const at::Tensor decay = G.select(2, C - 1).exp().contiguous();
+
+  kernels::GdnBwdParams p;
+  p.num_chunks = NC;
+  p.tokens = T;
+  p.hk = HK;
+  p.hv = HV;
+  p.k_dim = K;
+  p.v_dim = V;
+  p.scale = static_cast<float>(scale > 0 ? scale : 1.0 / std::sqrt(static_cast<double>(K)));
+  p.use_qk_l2norm = use_qk_l2norm;
+  p.in = dt == at::kBFloat16 ? kernels::BwdDType::BFloat16 : kernels::BwdDType::Float16;
+  p.gather = gather.data_ptr<int64_t>();
+  p.scatter = scatter.data_ptr<int64_t>();
+  p.q = q.data_ptr();
+  p.k = k.data_ptr();
+  p.v = v.data_ptr();
+  p.grad_o = go.data_ptr();
+  p.beta = beta.data_ptr<float>();
+  p.rq = rq.data_ptr<float>();
+  p.rk = rk.data_ptr<float>();
+  p.G = G.data_ptr<float>();
+  p.Ainv = Ainv.data_ptr();
+  p.w = w.data_ptr();
+  p.h = h.data_ptr();
+  p.v_new = v_new.data_ptr();
+  p.dv_local = st.dv_local.data_ptr();
+  p.q_g = st.q_g.data_ptr();
+  p.do_c = st.do_c.data_ptr();
+  p.grad_state_out = st.grad_state_out.data_ptr();
+  p.dv_total = st.dv_total.data_ptr();
+  p.dq_hv = st.dq_hv.data_ptr<float>();
+  p.dk_hv = st.dk_hv.data_ptr<float>();
+  p.dG = st.dG.data_ptr<float>();
+  p.dv = st.dv.data_ptr<float>();
+  p.dbeta = st.dbeta.data_ptr<float>();
+  p.dg = st.dg.data_ptr<float>();
+  p.dq = st.dq.data_ptr<float>();
+  p.dk = st.dk.data_ptr<float>();
+
+  // (a)
+  check_launch(kernels::gdn_bwd_dv_local(p, stream), "dv_local");
+
+  // the reverse tree state pass
+  const at::Tensor sco = tables.seg_chunk_offsets.contiguous(), parents = tables.parents.contiguous(),
+                   root_index = tables.root_index.contiguous(), level_segments = tables.level_segments.contiguous(),
+                   child_offsets = tables.child_offsets.contiguous(), children = tables.children.contiguous();
+  tree_recurrence::kernels::ChunkStatePassTcParams sp;
+  sp.num_chunks = NC;
+  sp.heads = HV;
+  sp.k_dim = K;
+  sp.v_dim = V;
+  sp.num_segments = S;
+  sp.num_roots = R;
+  sp.in = dt == at::kBFloat16 ? tree_recurrence::kernels::ChunkDType::BFloat16 : tree_recurrence::kernels::ChunkDType::Float16;
+  sp.seg_chunk_offsets = sco.data_ptr<int64_t>();
+  sp.parents = parents.data_ptr<int64_t>();
+  sp.root_index = root_index.data_ptr<int64_t>();
+  sp.level_segments = level_segments.data_ptr<int64_t>();
+  sp.level_offsets = tables.level_offsets.data();
+  sp.num_levels = L < 0 ? 0 : L;
+  sp.child_offsets = child_offsets.data_ptr<int64_t>();
+  sp.children = children.numel() > 0 ? children.data_ptr<int64_t>() : nullptr;
+  sp.w = w.data_ptr();
+  sp.kd = kd.data_ptr();
+  sp.decay = decay.data_ptr<float>();
+  sp.dv_local = st.dv_local.data_ptr();
+  sp.q_g = st.q_g.data_ptr();
+  sp.grad_out = st.do_c.data_ptr();
+  sp.grad_state_out = st.grad_state_out.data_ptr();
+  sp.dv_total = st.dv_total.data_ptr();
+  sp.grad_initial = st.d_root.data_ptr<float>();
+  sp.workspace = workspace.data_ptr<float>();
+  if (S > 0) check_launch(tree_recurrence::kernels::chunk_state_pass_tc_backward(sp, stream), "state pass");
+
+  // (b), (c), (d)
+  check_launch(kernels::gdn_bwd_dqk(p, stream), "dq/dk");
+  if (keep_stages) {
+    st.dk_b = st.dk_hv.clone();
+    st.dG_b = st.dG.clone();
+  }
+  check_launch(kernels::gdn_bwd_wy(p, stream), "WY backward");
+  check_launch(kernels::gdn_bwd_finalize(p, stream), "finalize");
+
+  if (initial_state && initial_state->defined()) {
+    const at::Tensor& s0 = *initial_state;
+    if (s0.dim() == 3)
+      st.d_initial_state = st.d_root.sum(0);
+    else if (s0.dim() == 4 && s0.size(0) == 1)
+      st.d_initial_state = st.d_root.sum(0, /*keepdim=*/true);
+    else
+      st.d_initial_state = st.d_root;
+    st.d_initial_state = st.d_initial_state.to(s0.scalar_type());
+  }
+  return st;
+}
+#endif
+
+}  // namespace
 
 Grads backward(const at::Tensor& grad_o, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
                const at::Tensor& beta, const Tables& tables, const std::optional<at::Tensor>& initial_state, double scale,
                bool use_qk_l2norm, const Saved& saved) {
-  TORCH_CHECK(false, "fused GDN backward: not implemented yet");
+  at::NoGradGuard no_grad;
+  Stages st = run(grad_o, q, k, v, g, beta, tables, initial_state, scale, use_qk_l2norm, saved, /*keep_stages=*/false);
+  Grads gr;
+  gr.dq = st.dq.to(q.scalar_type());
+  gr.dk = st.dk.to(k.scalar_type());
+  gr.dv = st.dv.to(v.scalar_type());
+  gr.dg = st.dg.to(g.scalar_type());
+  gr.dbeta = st.dbeta.to(beta.scalar_type());
+  gr.d_initial_state = st.d_initial_state;
+  return gr;
+}
+
+std::vector<at::Tensor> backward_stages(const at::Tensor& grad_o, const at::Tensor& q, const at::Tensor& k,
+                                        const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta,
+                                        const at::Tensor& gather, const at::Tensor& scatter,
+                                        const at::Tensor& seg_chunk_offsets, const at::Tensor& parents,
+                                        const at::Tensor& root_index, const at::Tensor& level_segments,
+                                        at::IntArrayRef level_offsets, const at::Tensor& child_offsets,
+                                        const at::Tensor& children, const std::optional<at::Tensor>& initial_state,
+                                        double scale, bool use_qk_l2norm, const at::Tensor& G, const at::Tensor& Ainv,
+                                        const at::Tensor& w, const at::Tensor& kd, const at::Tensor& h,
+                                        const at::Tensor& v_new, const at::Tensor& rq, const at::Tensor& rk) {
+  Tables t{gather, scatter, seg_chunk_offsets, parents, root_index, level_segments,
+           std::vector<int64_t>(level_offsets.begin(), level_offsets.end()), child_offsets, children};
+  Saved sv;
+  sv.G = G;
+  sv.Ainv = Ainv;
+  sv.w = w;
+  sv.kd = kd;
+  sv.h = h;
+  sv.v_new = v_new;
+  sv.rq = rq;
+  sv.rk = rk;
+  at::NoGradGuard no_grad;
+  Stages st = run(grad_o, q, k, v, g, beta, t, initial_state, scale, use_qk_l2norm, sv, /*keep_stages=*/true);
+  return {st.dv_local, st.q_g,   st.do_c, st.grad_state_out, st.dv_total, st.d_root, st.dq_hv, st.dk_b, st.dG_b,
+          st.dk_hv,    st.dG,    st.dv,   st.dbeta,          st.dg,       st.dq,     st.dk,
+          st.d_initial_state.defined() ? st.d_initial_state : at::empty({0}, st.dq.options())};
+}
+
+void register_backward_stages_op() {
+  op_library(torch::Library::FRAGMENT)
+      .def("gdn_fused_backward_stages(Tensor grad_o, Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor gather, "
+           "Tensor scatter, Tensor seg_chunk_offsets, Tensor parents, Tensor root_index, Tensor level_segments, "
+           "int[] level_offsets, Tensor child_offsets, Tensor children, Tensor? initial_state, float scale, "
+           "bool use_qk_l2norm, Tensor G, Tensor Ainv, Tensor w, Tensor kd, Tensor h, Tensor v_new, Tensor rq, "
+           "Tensor rk) -> Tensor[]");
+  op_library(torch::Library::IMPL, c10::DispatchKey::CompositeImplicitAutograd)
+      .impl("gdn_fused_backward_stages", &backward_stages);
 }
 
 }  // namespace tree_recurrence::gdn::fused

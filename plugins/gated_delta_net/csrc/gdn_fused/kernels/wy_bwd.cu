@@ -5,7 +5,8 @@
 //   dk^ += beta exp(G) dkb + dKK k^ + dKK^T k^        (onto (b)'s dk_hv)
 //   dv   = beta dvb                                   (at the tokens)
 //   dbeta = <dvb, v> + exp(G) <dkb, k^> + rowsum(W2)
-//   dG  += beta exp(G) <dkb, k^> + beta rowsum(W2) - colsum(beta W2);  dg = reverse cumsum of dG
+//   dG  += beta exp(G) <dkb, k^> + beta rowsum(W2) - colsum(beta W2) (written back: the total);
+//   dg = reverse cumsum of dG
 #include "common_bwd.cuh"
 
 namespace tree_recurrence::gdn::fused::kernels {
@@ -173,6 +174,7 @@ __global__ void __launch_bounds__(kThreads) wy_kernel(GdnBwdParams p) {
     const float eg = expf(G[i]), kb = row_parts(partKB, i, Kp / 16);
     const float db = row_parts(partV, i, Vp / 16) + eg * kb + row;
     dGs[i] = p.dG[ch * C + i] + beta[i] * eg * kb + beta[i] * row - colsum;
+    p.dG[ch * C + i] = dGs[i];  // the total (read above by this thread only)
     if (tok[i] >= 0) p.dbeta[tok[i] * HV + hv] = db;
   }
   __syncthreads();
