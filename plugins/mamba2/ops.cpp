@@ -5,6 +5,8 @@
 #include "ops.h"
 
 #include "csrc/ssd_chunked.h"
+#include "csrc/ssd_fused/ssd_fused.h"
+#include "csrc/ssd_fused/ssd_fused_bwd.h"
 #include "csrc/ssd_token_scan.h"
 #include "tree_recurrence/sdk/chunk_state_op.h"
 #include "tree_recurrence/sdk/tree_conv_op.h"
@@ -22,6 +24,16 @@ void register_ops() {
   op_library(torch::Library::FRAGMENT)
       .def("ssd_token_scan(Tensor x, Tensor dt, Tensor B, Tensor C, Tensor seg_offsets, Tensor parents, Tensor? initial_state, "
            "Tensor A, float[] dt_limit, Tensor? D=None, Tensor? dt_bias=None, bool dt_softplus=False, Tensor? z=None) -> Tensor");
+  // test-only: the fused CUDA forward's stages {out, dt, Lam, chunk_states, states, y} (ssd_fused.h)
+  op_library(torch::Library::FRAGMENT)
+      .def("ssd_fused_stages(Tensor x, Tensor dt, Tensor B, Tensor C, Tensor gather, Tensor scatter, Tensor seg_chunk_offsets, "
+           "Tensor parents, Tensor root_index, Tensor level_segments, int[] level_offsets, Tensor child_offsets, "
+           "Tensor children, Tensor? initial_state, Tensor A, float[] dt_limit, Tensor? D=None, Tensor? dt_bias=None, "
+           "bool dt_softplus=False, Tensor? z=None) -> Tensor[]");
+#ifdef TREE_RECURRENCE_WITH_CUDA
+  op_library(torch::Library::IMPL, c10::DispatchKey::CUDA).impl("ssd_fused_stages", &fused::stages_op);
+#endif
+  fused::register_backward_stages_op();  // test-only: the fused backward's stages (ssd_fused_bwd.h)
   auto& composite = op_library(torch::Library::IMPL, c10::DispatchKey::CompositeImplicitAutograd);
   composite.impl("ssd_tree_scan", &chunked_scan);
   composite.impl("ssd_token_scan", &token_scan);

@@ -5,6 +5,7 @@
 
 #include <limits>
 
+#include "ssd_fused/ssd_fused.h"
 #include "tree_recurrence/sdk/op_library.h"
 
 namespace tree_recurrence::ssd {
@@ -45,7 +46,7 @@ void check(const at::Tensor& x, const at::Tensor& dt, const at::Tensor& B, const
 
 }  // namespace
 
-at::Tensor chunked_scan(const at::Tensor& x_in, const at::Tensor& dt_in, const at::Tensor& B_in, const at::Tensor& C_in,
+at::Tensor composite_scan(const at::Tensor& x_in, const at::Tensor& dt_in, const at::Tensor& B_in, const at::Tensor& C_in,
                         const at::Tensor& gather, const at::Tensor& scatter, const at::Tensor& seg_chunk_offsets,
                         const at::Tensor& parents, const at::Tensor& root_index, const at::Tensor& level_segments,
                         at::IntArrayRef level_offsets, const at::Tensor& child_offsets, const at::Tensor& children,
@@ -133,6 +134,27 @@ at::Tensor chunked_scan(const at::Tensor& x_in, const at::Tensor& dt_in, const a
     y = y * at::silu(z.to(f));
   }
   return y;
+}
+
+at::Tensor chunked_scan(const at::Tensor& x, const at::Tensor& dt, const at::Tensor& B, const at::Tensor& C,
+                        const at::Tensor& gather, const at::Tensor& scatter, const at::Tensor& seg_chunk_offsets,
+                        const at::Tensor& parents, const at::Tensor& root_index, const at::Tensor& level_segments,
+                        at::IntArrayRef level_offsets, const at::Tensor& child_offsets, const at::Tensor& children,
+                        const std::optional<at::Tensor>& initial_state, const at::Tensor& A, at::ArrayRef<double> dt_limit,
+                        const std::optional<at::Tensor>& D, const std::optional<at::Tensor>& dt_bias, bool dt_softplus,
+                        const std::optional<at::Tensor>& z) {
+#ifdef TREE_RECURRENCE_WITH_CUDA
+  // bf16 / fp16 on CUDA: the fused tensor-core kernels (ssd_fused/ssd_fused.h) when they take the call.
+  if (x.is_cuda()) {
+    check(x, dt, B, C, gather, scatter, A, D, dt_bias, dt_limit);
+    auto [args, tables] = fused::bind(x, dt, B, C, gather, scatter, seg_chunk_offsets, parents, root_index, level_segments,
+                                      level_offsets, child_offsets, children, initial_state, A, dt_limit, D, dt_bias,
+                                      dt_softplus, z);
+    if (fused::supported(args, tables)) return fused::scan(args, tables);
+  }
+#endif
+  return composite_scan(x, dt, B, C, gather, scatter, seg_chunk_offsets, parents, root_index, level_segments, level_offsets,
+                        child_offsets, children, initial_state, A, dt_limit, D, dt_bias, dt_softplus, z);
 }
 
 }  // namespace tree_recurrence::ssd

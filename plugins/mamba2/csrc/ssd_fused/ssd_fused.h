@@ -67,4 +67,26 @@ struct Grads {
 // Backward kernels (ssd_fused_bwd.cpp) from the saved buffers and grad_out (T, H, P).
 Grads backward(const at::Tensor& grad_out, const Args& a, const Tables& t, const Saved& saved);
 
+// (ssd_fused_fwd.cpp) The forward's stages for tests: {out, dt, Lam, chunk_states (fp32
+// (NC, H, P, N), the transient S_c), states, y (undefined without z)}.
+std::vector<at::Tensor> forward_stages(const Args& a, const Tables& t);
+
+// (ssd_fused.cpp) Args / Tables from ssd_tree_scan's arguments (z (1, T, H, P) and initial_state
+// (1, H, P, N) squeezed), and the test-only op ssd_fused_stages (same arguments as ssd_tree_scan;
+// returns forward_stages; throws naming the reason when fused::supported does not hold).
+std::pair<Args, Tables> bind(const at::Tensor& x, const at::Tensor& dt, const at::Tensor& B, const at::Tensor& C,
+                             const at::Tensor& gather, const at::Tensor& scatter, const at::Tensor& seg_chunk_offsets,
+                             const at::Tensor& parents, const at::Tensor& root_index, const at::Tensor& level_segments,
+                             at::IntArrayRef level_offsets, const at::Tensor& child_offsets, const at::Tensor& children,
+                             const std::optional<at::Tensor>& initial_state, const at::Tensor& A,
+                             at::ArrayRef<double> dt_limit, const std::optional<at::Tensor>& D,
+                             const std::optional<at::Tensor>& dt_bias, bool dt_softplus, const std::optional<at::Tensor>& z);
+std::vector<at::Tensor> stages_op(const at::Tensor& x, const at::Tensor& dt, const at::Tensor& B, const at::Tensor& C,
+                                  const at::Tensor& gather, const at::Tensor& scatter, const at::Tensor& seg_chunk_offsets,
+                                  const at::Tensor& parents, const at::Tensor& root_index, const at::Tensor& level_segments,
+                                  at::IntArrayRef level_offsets, const at::Tensor& child_offsets, const at::Tensor& children,
+                                  const std::optional<at::Tensor>& initial_state, const at::Tensor& A,
+                                  at::ArrayRef<double> dt_limit, const std::optional<at::Tensor>& D,
+                                  const std::optional<at::Tensor>& dt_bias, bool dt_softplus, const std::optional<at::Tensor>& z);
+
 }  // namespace tree_recurrence::ssd::fused

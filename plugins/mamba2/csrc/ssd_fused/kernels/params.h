@@ -60,7 +60,10 @@ struct FwdParams {
 };
 
 // The shapes the kernels take (P, N multiples of 8, P <= 128, N <= 256, L in {64, 128, 256}).
-bool fwd_shape_supported(int64_t chunk, int64_t head_dim, int64_t state_dim);
+inline bool fwd_shape_supported(int64_t chunk, int64_t head_dim, int64_t state_dim) {
+  return (chunk == 64 || chunk == 128 || chunk == 256) && head_dim > 0 && head_dim % 8 == 0 && head_dim <= 128 &&
+         state_dim > 0 && state_dim % 8 == 0 && state_dim <= 256;
+}
 
 // a+b: dt prepare, chunk-local cumsum Lam, chunk states S_c (tensor cores).
 int ssd_chunk_state_fwd(const FwdParams& p, void* stream);

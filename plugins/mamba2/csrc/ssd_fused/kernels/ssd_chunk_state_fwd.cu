@@ -182,11 +182,6 @@ int by_l(const FwdParams& p, cudaStream_t s) {
 
 }  // namespace
 
-bool fwd_shape_supported(int64_t chunk, int64_t head_dim, int64_t state_dim) {
-  return (chunk == 64 || chunk == 128 || chunk == 256) && head_dim > 0 && head_dim % 8 == 0 && head_dim <= 128 &&
-         state_dim > 0 && state_dim % 8 == 0 && state_dim <= 256;
-}
-
 const char* ssd_fwd_error_string(int error) { return cudaGetErrorString(static_cast<cudaError_t>(error)); }
 
 int ssd_chunk_state_fwd(const FwdParams& p, void* stream) {

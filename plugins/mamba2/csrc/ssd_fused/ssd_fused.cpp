@@ -1,0 +1,201 @@
+// fused::supported, fused::scan (the autograd Function around fused::forward / fused::backward) and
+// the binding of ssd_tree_scan's arguments (ssd_fused.h).
+//
+// Backward: fused::backward, unless TREE_RECURRENCE_SSD_FUSED_BWD is "0": then the interim fallback
+// recomputes the ATen composite (ssd_chunked.h, composite_scan) under autograd from the saved inputs
+// and backpropagates through it, so every gradient (x, dt, B, C, A, D, dt_bias, z, initial_state) is
+// exactly the composite's.
+//
+// The op keeps ssd_tree_scan's contract: the output is fp32 (T, H, P) (the kernels write the
+// in-type, which is widened exactly), so a grad_out arrives in fp32 (handed to fused::backward in
+// the in-type, to the fallback as it is).
+#include "ssd_fused.h"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <array>
+#include <cstdlib>
+#include <string>
+
+#include "../ssd_chunked.h"
+#include "kernels/params.h"
+
+namespace tree_recurrence::ssd::fused {
+namespace {
+
+bool env_is_zero(const char* name) {
+  const char* v = std::getenv(name);
+  return v && std::string(v) == "0";
+}
+
+// Why the fused kernels do not take this call, or "" when they do.
+std::string unsupported(const Args& a, const Tables& t) {
+  if (env_is_zero("TREE_RECURRENCE_SSD_FUSED")) return "TREE_RECURRENCE_SSD_FUSED=0";
+#ifndef TREE_RECURRENCE_WITH_CUDA
+  (void)a;
+  (void)t;
+  return "built without CUDA";
+#else
+  const at::Tensor& x = a.x;
+  if (!x.is_cuda()) return "x is not on a CUDA device";
+  if (x.key_set().has(c10::DispatchKey::Python) || x.key_set().has(c10::DispatchKey::Functionalize) ||
+      x.key_set().has(c10::DispatchKey::Meta))
+    return "x is a traced (fake / functional / meta) tensor";
+  const auto in = x.scalar_type();
+  if (in != at::kBFloat16 && in != at::kHalf) return "x is neither bfloat16 nor float16";
+  if (a.B.scalar_type() != in || a.C.scalar_type() != in) return "B and C do not have x's dtype";
+  if (x.dim() != 3 || a.B.dim() != 3 || t.gather.dim() != 2) return "bad ranks";
+  if (!kernels::fwd_shape_supported(t.gather.size(1), x.size(2), a.B.size(2)))
+    return "chunk not 64/128/256, or head_dim / state not multiples of 8 up to 128 / 256";
+  for (const at::Tensor* v : {&a.dt, &a.A})
+    if (!at::isFloatingType(v->scalar_type()) || !v->is_cuda()) return "dt or A is not a floating CUDA tensor";
+  for (const auto* o : {&a.D, &a.dt_bias, &a.z, &a.initial_state})
+    if (*o && (!at::isFloatingType((*o)->scalar_type()) || (*o)->device() != x.device()))
+      return "an optional input is not a floating tensor on x's device";
+  if (a.z) {
+    const at::Tensor z = a.z->dim() == 4 && a.z->size(0) == 1 ? (*a.z)[0] : *a.z;
+    if (z.sizes() != x.sizes()) return "z is not shaped like x";
+  }
+  if (a.initial_state) {
+    const at::Tensor& s = *a.initial_state;
+    if (!((s.dim() == 3 || s.dim() == 4) && s.size(-3) == x.size(1) && s.size(-2) == x.size(2) && s.size(-1) == a.B.size(2)))
+      return "initial_state is not (H, P, N) or (R, H, P, N)";
+  }
+  for (const at::Tensor* v : {&t.gather, &t.seg_chunk_offsets, &t.parents, &t.root_index, &t.level_segments, &t.child_offsets})
+    if (v->scalar_type() != at::kLong || v->device() != x.device()) return "a chunk table is not int64 on x's device";
+  if (t.level_offsets.empty()) return "level_offsets is empty";
+  return "";
+#endif
+}
+
+at::Tensor opt(const std::optional<at::Tensor>& v) { return v ? *v : at::Tensor(); }
+std::optional<at::Tensor> some(const at::Tensor& v) { return v.defined() ? std::optional<at::Tensor>(v) : std::nullopt; }
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+struct ScanFn : public torch::autograd::Function<ScanFn> {
+  // Inputs 0..8 are tensors (undefined when absent); 9, 10 the Args (scalars) and Tables.
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& dt, const at::Tensor& B,
+                            const at::Tensor& C, const at::Tensor& A, const at::Tensor& D, const at::Tensor& dt_bias,
+                            const at::Tensor& z, const at::Tensor& h0, const Args* args, const Tables* tables) {
+    auto [out, saved] = fused::forward(*args, *tables);
+    ctx->save_for_backward({x, dt, B, C, A, D, dt_bias, z, h0, saved.dt, saved.Lam, saved.states, saved.y});
+    ctx->saved_data["dt_min"] = args->dt_min;
+    ctx->saved_data["dt_max"] = args->dt_max;
+    ctx->saved_data["dt_softplus"] = args->dt_softplus;
+    const Tables& t = *tables;
+    ctx->saved_data["gather"] = t.gather;
+    ctx->saved_data["scatter"] = t.scatter;
+    ctx->saved_data["seg_chunk_offsets"] = t.seg_chunk_offsets;
+    ctx->saved_data["parents"] = t.parents;
+    ctx->saved_data["root_index"] = t.root_index;
+    ctx->saved_data["level_segments"] = t.level_segments;
+    ctx->saved_data["level_offsets"] = t.level_offsets;
+    ctx->saved_data["child_offsets"] = t.child_offsets;
+    ctx->saved_data["children"] = t.children;
+    return out.to(at::kFloat);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list sv = ctx->get_saved_variables();
+    Args a;
+    a.x = sv[0], a.dt = sv[1], a.B = sv[2], a.C = sv[3], a.A = sv[4];
+    a.D = some(sv[5]), a.dt_bias = some(sv[6]), a.z = some(sv[7]), a.initial_state = some(sv[8]);
+    a.dt_min = ctx->saved_data["dt_min"].toDouble();
+    a.dt_max = ctx->saved_data["dt_max"].toDouble();
+    a.dt_softplus = ctx->saved_data["dt_softplus"].toBool();
+    Tables t;
+    t.gather = ctx->saved_data["gather"].toTensor();
+    t.scatter = ctx->saved_data["scatter"].toTensor();
+    t.seg_chunk_offsets = ctx->saved_data["seg_chunk_offsets"].toTensor();
+    t.parents = ctx->saved_data["parents"].toTensor();
+    t.root_index = ctx->saved_data["root_index"].toTensor();
+    t.level_segments = ctx->saved_data["level_segments"].toTensor();
+    t.level_offsets = ctx->saved_data["level_offsets"].toIntVector();
+    t.child_offsets = ctx->saved_data["child_offsets"].toTensor();
+    t.children = ctx->saved_data["children"].toTensor();
+    at::Tensor g = grads[0];
+    if (!g.defined()) g = at::zeros(a.x.sizes(), a.x.options().dtype(at::kFloat));
+
+    variable_list out(11);
+    if (!env_is_zero("TREE_RECURRENCE_SSD_FUSED_BWD")) {
+      const Saved saved{sv[9], sv[10], sv[11], sv[12]};
+      const Grads gr = fused::backward(g.to(a.x.scalar_type()), a, t, saved);
+      out[0] = gr.dx, out[1] = gr.ddt, out[2] = gr.dB, out[3] = gr.dC, out[4] = gr.dA;
+      out[5] = gr.dD, out[6] = gr.ddt_bias, out[7] = gr.dz, out[8] = gr.d_initial_state;
+      return out;
+    }
+
+    // Interim fallback: the composite recomputed under autograd.
+    at::AutoGradMode enable(true);
+    variable_list leaves(9);
+    std::vector<at::Tensor> wanted;
+    std::vector<size_t> where;
+    for (size_t i = 0; i < 9; ++i) {
+      if (!sv[i].defined()) continue;
+      leaves[i] = sv[i].detach().requires_grad_(ctx->needs_input_grad(i));
+      if (ctx->needs_input_grad(i)) wanted.push_back(leaves[i]), where.push_back(i);
+    }
+    if (wanted.empty()) return out;
+    const std::array<double, 2> limit{a.dt_min, a.dt_max};
+    const at::Tensor y = composite_scan(leaves[0], leaves[1], leaves[2], leaves[3], t.gather, t.scatter, t.seg_chunk_offsets,
+                                        t.parents, t.root_index, t.level_segments, t.level_offsets, t.child_offsets,
+                                        t.children, some(leaves[8]), leaves[4], limit, some(leaves[5]), some(leaves[6]),
+                                        a.dt_softplus, some(leaves[7]));
+    const variable_list got = torch::autograd::grad({y}, wanted, {g.to(y.scalar_type())}, /*retain_graph=*/false,
+                                                    /*create_graph=*/false, /*allow_unused=*/true);
+    for (size_t k = 0; k < where.size(); ++k) out[where[k]] = got[k];
+    return out;
+  }
+};
+
+}  // namespace
+
+bool supported(const Args& a, const Tables& t) { return unsupported(a, t).empty(); }
+
+at::Tensor scan(const Args& a, const Tables& t) {
+  return ScanFn::apply(a.x, a.dt, a.B, a.C, a.A, opt(a.D), opt(a.dt_bias), opt(a.z), opt(a.initial_state), &a, &t);
+}
+
+std::pair<Args, Tables> bind(const at::Tensor& x, const at::Tensor& dt, const at::Tensor& B, const at::Tensor& C,
+                             const at::Tensor& gather, const at::Tensor& scatter, const at::Tensor& seg_chunk_offsets,
+                             const at::Tensor& parents, const at::Tensor& root_index, const at::Tensor& level_segments,
+                             at::IntArrayRef level_offsets, const at::Tensor& child_offsets, const at::Tensor& children,
+                             const std::optional<at::Tensor>& initial_state, const at::Tensor& A,
+                             at::ArrayRef<double> dt_limit, const std::optional<at::Tensor>& D,
+                             const std::optional<at::Tensor>& dt_bias, bool dt_softplus, const std::optional<at::Tensor>& z) {
+  Args a;
+  a.x = x, a.dt = dt, a.B = B, a.C = C, a.A = A;
+  a.D = D, a.dt_bias = dt_bias, a.z = z, a.initial_state = initial_state;
+  TORCH_CHECK_VALUE(dt_limit.size() == 2, "ssd_tree_scan: dt_limit must be (low, high)");
+  a.dt_min = dt_limit[0], a.dt_max = dt_limit[1];
+  a.dt_softplus = dt_softplus;
+  Tables t;
+  t.gather = gather, t.scatter = scatter, t.seg_chunk_offsets = seg_chunk_offsets, t.parents = parents;
+  t.root_index = root_index, t.level_segments = level_segments;
+  t.level_offsets.assign(level_offsets.begin(), level_offsets.end());
+  t.child_offsets = child_offsets, t.children = children;
+  return {a, t};
+}
+
+std::vector<at::Tensor> stages_op(const at::Tensor& x, const at::Tensor& dt, const at::Tensor& B, const at::Tensor& C,
+                                  const at::Tensor& gather, const at::Tensor& scatter, const at::Tensor& seg_chunk_offsets,
+                                  const at::Tensor& parents, const at::Tensor& root_index, const at::Tensor& level_segments,
+                                  at::IntArrayRef level_offsets, const at::Tensor& child_offsets, const at::Tensor& children,
+                                  const std::optional<at::Tensor>& initial_state, const at::Tensor& A,
+                                  at::ArrayRef<double> dt_limit, const std::optional<at::Tensor>& D,
+                                  const std::optional<at::Tensor>& dt_bias, bool dt_softplus, const std::optional<at::Tensor>& z) {
+  auto [a, t] = bind(x, dt, B, C, gather, scatter, seg_chunk_offsets, parents, root_index, level_segments, level_offsets,
+                     child_offsets, children, initial_state, A, dt_limit, D, dt_bias, dt_softplus, z);
+  const std::string why = unsupported(a, t);
+  TORCH_CHECK_VALUE(why.empty(), "ssd_fused_stages: the fused kernels do not take this call: ", why);
+  at::NoGradGuard no_grad;
+  std::vector<at::Tensor> out = forward_stages(a, t);
+  if (!out[5].defined()) out[5] = at::empty({0}, x.options());
+  return out;
+}
+
+}  // namespace tree_recurrence::ssd::fused

@@ -1,0 +1,139 @@
+// fused::forward (ssd_fused.h): the fused SSD forward's three launches (kernels/params.h) on the
+// current stream, no host sync (the host level_offsets drive the state pass's per-level loop).
+#include "ssd_fused.h"
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#ifdef TREE_RECURRENCE_WITH_CUDA
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
+
+#include "kernels/params.h"
+
+namespace tree_recurrence::ssd::fused {
+namespace {
+
+struct Stages {
+  at::Tensor out, dt, Lam, chunk_states, states, y;
+};
+
+#ifdef TREE_RECURRENCE_WITH_CUDA
+// Contiguous and 16-byte aligned (the kernels load 8 halves at a time).
+at::Tensor dense(const at::Tensor& t) {
+  at::Tensor c = t.contiguous();
+  if (reinterpret_cast<uintptr_t>(c.data_ptr()) % 16 != 0) c = c.clone();
+  return c;
+}
+
+void check_launch(int err, const char* stage) {
+  TORCH_CHECK(err == 0, "fused SSD forward: the ", stage, " kernel failed to launch: ", kernels::ssd_fwd_error_string(err));
+}
+
+const int64_t* table(const at::Tensor& t, const at::Tensor& x, const char* name) {
+  TORCH_CHECK_VALUE(t.scalar_type() == at::kLong && t.device() == x.device() && t.is_contiguous(), "fused SSD forward: table ",
+                    name, " must be a contiguous int64 tensor on ", x.device(), ", got ", t.scalar_type(), " on ",
+                    t.device());
+  return t.data_ptr<int64_t>();
+}
+#endif
+
+Stages run(const Args& a, const Tables& t) {
+#ifndef TREE_RECURRENCE_WITH_CUDA
+  (void)a;
+  (void)t;
+  TORCH_CHECK(false, "fused SSD forward: this build has no CUDA kernels");
+#else
+  const c10::cuda::CUDAGuard guard(a.x.device());
+  const at::ScalarType in = a.x.scalar_type();
+  TORCH_CHECK_TYPE(in == at::kBFloat16 || in == at::kHalf, "fused SSD forward: x must be bfloat16 or float16, got ", in);
+  TORCH_CHECK_TYPE(a.B.scalar_type() == in && a.C.scalar_type() == in, "fused SSD forward: B and C must have x's dtype ", in,
+                   ", got ", a.B.scalar_type(), " and ", a.C.scalar_type());
+  const at::Tensor x = dense(a.x), B = dense(a.B), C = dense(a.C);
+  const int64_t T = x.size(0), H = x.size(1), P = x.size(2), G = B.size(1), N = B.size(2);
+  const int64_t NC = t.gather.size(0), L = t.gather.size(1), S = t.parents.size(0);
+  TORCH_CHECK_VALUE(kernels::fwd_shape_supported(L, P, N), "fused SSD forward: chunk ", L, ", head_dim ", P, ", state ", N,
+                    " outside the kernels' range (chunk 64/128/256; head_dim, state multiples of 8, <= 128, <= 256)");
+  const auto f32 = x.options().dtype(at::kFloat);
+  const at::Tensor dt_raw = a.dt.to(at::kFloat).contiguous();
+  const at::Tensor A = a.A.to(at::kFloat).contiguous();
+  at::Tensor dt_bias, D, z, h0;
+  if (a.dt_bias) dt_bias = a.dt_bias->to(at::kFloat).contiguous();
+  if (a.D) D = (a.D->dim() == 1 ? a.D->to(at::kFloat).view({H, 1}).expand({H, P}) : a.D->to(at::kFloat)).contiguous();
+  bool z_fp32 = false;
+  if (a.z) {
+    z = a.z->dim() == 4 ? (*a.z)[0] : *a.z;
+    z_fp32 = z.scalar_type() != in;
+    z = dense(z_fp32 ? z.to(at::kFloat) : z);
+  }
+  bool per_root = false;
+  if (a.initial_state) {
+    h0 = *a.initial_state;
+    if (h0.dim() == 4 && h0.size(0) == 1) h0 = h0[0];
+    per_root = h0.dim() == 4;
+    h0 = h0.to(at::kFloat).contiguous();
+  }
+
+  Stages o;
+  o.out = at::empty({T, H, P}, x.options());
+  o.dt = at::empty({NC, H, L}, f32);
+  o.Lam = at::empty({NC, H, L}, f32);
+  o.chunk_states = at::empty({NC, H, P, N}, f32);
+  o.states = at::empty({NC, H, P, N}, x.options());
+  if (a.z) o.y = at::empty({T, H, P}, x.options());
+  const at::Tensor workspace = at::empty({std::max<int64_t>(S, 1), H, P, N}, f32);
+
+  kernels::FwdParams p;
+  p.in = in == at::kBFloat16 ? kernels::InType::BFloat16 : kernels::InType::Float16;
+  p.tokens = T, p.heads = H, p.groups = G, p.head_dim = P, p.state_dim = N;
+  p.num_chunks = NC, p.chunk = L, p.num_segments = S;
+  p.x = x.data_ptr(), p.B = B.data_ptr(), p.C = C.data_ptr();
+  p.dt_raw = dt_raw.data_ptr<float>(), p.A = A.data_ptr<float>();
+  p.dt_bias = a.dt_bias ? dt_bias.data_ptr<float>() : nullptr;
+  p.D = a.D ? D.data_ptr<float>() : nullptr;
+  p.z = a.z ? z.data_ptr() : nullptr;
+  p.z_fp32 = z_fp32;
+  p.dt_softplus = a.dt_softplus;
+  p.dt_min = static_cast<float>(a.dt_min), p.dt_max = static_cast<float>(a.dt_max);
+  p.initial_state = a.initial_state ? h0.data_ptr<float>() : nullptr;
+  p.initial_per_root = per_root;
+  p.gather = table(t.gather, x, "gather");
+  p.seg_chunk_offsets = table(t.seg_chunk_offsets, x, "seg_chunk_offsets");
+  p.parents = table(t.parents, x, "parents");
+  p.root_index = table(t.root_index, x, "root_index");
+  p.level_segments = table(t.level_segments, x, "level_segments");
+  p.child_offsets = table(t.child_offsets, x, "child_offsets");
+  TORCH_CHECK_VALUE(!t.level_offsets.empty(), "fused SSD forward: level_offsets is empty");
+  p.level_offsets = t.level_offsets.data();
+  p.num_levels = static_cast<int64_t>(t.level_offsets.size()) - 1;
+  p.dt = o.dt.data_ptr<float>(), p.Lam = o.Lam.data_ptr<float>();
+  p.chunk_states = o.chunk_states.data_ptr<float>();
+  p.states = o.states.data_ptr();
+  p.workspace = workspace.data_ptr<float>();
+  p.y = a.z ? o.y.data_ptr() : nullptr;
+  p.out = o.out.data_ptr();
+
+  void* stream = c10::cuda::getCurrentCUDAStream().stream();
+  check_launch(kernels::ssd_chunk_state_fwd(p, stream), "chunk state");
+  check_launch(kernels::ssd_state_pass_fwd(p, stream), "state pass");
+  check_launch(kernels::ssd_chunk_scan_fwd(p, stream), "chunk scan");
+  return o;
+#endif
+}
+
+}  // namespace
+
+std::pair<at::Tensor, Saved> forward(const Args& a, const Tables& t) {
+  Stages o = run(a, t);
+  return {o.out, Saved{o.dt, o.Lam, o.states, o.y}};
+}
+
+std::vector<at::Tensor> forward_stages(const Args& a, const Tables& t) {
+  Stages o = run(a, t);
+  return {o.out, o.dt, o.Lam, o.chunk_states, o.states, o.y};
+}
+
+}  // namespace tree_recurrence::ssd::fused
