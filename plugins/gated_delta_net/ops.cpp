@@ -3,6 +3,8 @@
 #include "ops.h"
 
 #include "csrc/gdn_chunked.h"
+#include "csrc/gdn_fused/gdn_fused.h"
+#include "csrc/gdn_fused/gdn_fused_bwd.h"
 #include "csrc/gdn_token_scan.h"
 #include "tree_recurrence/sdk/chunk_state_op.h"
 #include "tree_recurrence/sdk/tree_conv_op.h"
@@ -21,9 +23,17 @@ void register_ops() {
   op_library(torch::Library::FRAGMENT)
       .def("gdn_token_scan(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor seg_offsets, Tensor parents, "
            "Tensor? initial_state, float scale, bool use_qk_l2norm) -> Tensor");
+  // The fused CUDA forward's stages (tests only; csrc/gdn_fused/gdn_fused.h: fused::stages).
+  op_library(torch::Library::FRAGMENT)
+      .def("gdn_fused_stages(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor gather, Tensor scatter, "
+           "Tensor seg_chunk_offsets, Tensor parents, Tensor root_index, Tensor level_segments, int[] level_offsets, "
+           "Tensor child_offsets, Tensor children, Tensor? initial_state, float scale, bool use_qk_l2norm) -> Tensor[]");
+  // The fused CUDA backward's stages from given saved buffers (tests only; csrc/gdn_fused/gdn_fused_bwd.h).
+  fused::register_backward_stages_op();
   auto& composite = op_library(torch::Library::IMPL, c10::DispatchKey::CompositeImplicitAutograd);
   composite.impl("gdn_tree_scan", &chunked_scan);
   composite.impl("gdn_token_scan", &token_scan);
+  composite.impl("gdn_fused_stages", &fused::stages);
 }
 
 }  // namespace tree_recurrence::gdn

@@ -28,6 +28,8 @@
 //   one per root in root order; scale <= 0 means K^-0.5; use_qk_l2norm normalises q and k first
 //   (x * rsqrt(sum x^2 + 1e-6), transformers' l2norm).
 // Computes in fp32 (float64 for float64 v; bf16 and fp16 inputs are widened); the state is fp32.
+// On CUDA, bf16 / fp16 calls the fused kernels take (gdn_fused/gdn_fused.h: fused::supported) run
+// there instead (TREE_RECURRENCE_GDN_FUSED=0 keeps them on the composite).
 // Returns o (T, HV, V) in v's dtype.
 #pragma once
 
@@ -43,5 +45,14 @@ at::Tensor chunked_scan(const at::Tensor& q, const at::Tensor& k, const at::Tens
                         const at::Tensor& level_segments, at::IntArrayRef level_offsets, const at::Tensor& child_offsets,
                         const at::Tensor& children, const std::optional<at::Tensor>& initial_state, double scale,
                         bool use_qk_l2norm);
+
+// The ATen composite itself (what chunked_scan runs when the fused CUDA kernels do not take the
+// call; the fused path's interim backward differentiates it). Same arguments and result.
+at::Tensor composite_scan(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                          const at::Tensor& beta, const at::Tensor& gather, const at::Tensor& scatter,
+                          const at::Tensor& seg_chunk_offsets, const at::Tensor& parents, const at::Tensor& root_index,
+                          const at::Tensor& level_segments, at::IntArrayRef level_offsets, const at::Tensor& child_offsets,
+                          const at::Tensor& children, const std::optional<at::Tensor>& initial_state, double scale,
+                          bool use_qk_l2norm);
 
 }  // namespace tree_recurrence::gdn

@@ -29,6 +29,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <optional>
+#include <vector>
 
 namespace tree_recurrence::gdn::fused {
 
@@ -41,6 +42,8 @@ struct Tables {
 
 struct Saved {
   at::Tensor G, Ainv, w, kd, h, v_new, rq, rk;
+  // Forward-only (returned by forward() for the stage test; scan() does not keep them):
+  at::Tensor u, decay, final_state;  // u in-type (NC, HV, C, V), decay f32 (NC, HV), final f32 (S, HV, K, V)
 };
 
 // Whether the fused kernels take this call: CUDA, q/k/v bf16 or fp16 alike, chunk 64, K and V
@@ -57,6 +60,15 @@ at::Tensor scan(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
 std::pair<at::Tensor, Saved> forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
                                      const at::Tensor& beta, const Tables& tables,
                                      const std::optional<at::Tensor>& initial_state, double scale, bool use_qk_l2norm);
+
+// Test-only (op gdn_fused_stages, arguments as gdn_tree_scan's): the forward's stages, no autograd:
+// [o, G, Ainv, w, u, kd, decay, h, v_new, final_state, rq, rk].
+std::vector<at::Tensor> stages(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                               const at::Tensor& beta, const at::Tensor& gather, const at::Tensor& scatter,
+                               const at::Tensor& seg_chunk_offsets, const at::Tensor& parents, const at::Tensor& root_index,
+                               const at::Tensor& level_segments, at::IntArrayRef level_offsets,
+                               const at::Tensor& child_offsets, const at::Tensor& children,
+                               const std::optional<at::Tensor>& initial_state, double scale, bool use_qk_l2norm);
 
 struct Grads {
   at::Tensor dq, dk, dv, dg, dbeta;  // like q, k, v, g, beta (dtype and shape)

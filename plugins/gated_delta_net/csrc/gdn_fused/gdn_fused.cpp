@@ -1,0 +1,143 @@
+// The fused GDN path's dispatch test and its autograd function (issue 19; gdn_fused.h).
+#include "gdn_fused.h"
+
+#include <ATen/ATen.h>
+#include <torch/autograd.h>
+
+#include <cstdlib>
+#include <cstring>
+
+#include "../gdn_chunked.h"
+
+namespace tree_recurrence::gdn::fused {
+namespace {
+
+bool env_off(const char* name) {
+  const char* v = std::getenv(name);
+  return v != nullptr && std::strcmp(v, "0") == 0;
+}
+
+bool half_type(at::ScalarType t) { return t == at::kBFloat16 || t == at::kHalf; }
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+struct ScanFunction : public torch::autograd::Function<ScanFunction> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const at::Tensor& g, const at::Tensor& beta, const Tables& tables,
+                            const std::optional<at::Tensor>& initial_state, double scale, bool use_qk_l2norm) {
+    auto [o, sv] = fused::forward(q, k, v, g, beta, tables, initial_state, scale, use_qk_l2norm);
+    const bool has_init = initial_state.has_value() && initial_state->defined();
+    ctx->save_for_backward({q, k, v, g, beta, has_init ? *initial_state : at::Tensor(), sv.G, sv.Ainv, sv.w, sv.kd, sv.h,
+                            sv.v_new, sv.rq, sv.rk});
+    ctx->saved_data["gather"] = tables.gather;
+    ctx->saved_data["scatter"] = tables.scatter;
+    ctx->saved_data["seg_chunk_offsets"] = tables.seg_chunk_offsets;
+    ctx->saved_data["parents"] = tables.parents;
+    ctx->saved_data["root_index"] = tables.root_index;
+    ctx->saved_data["level_segments"] = tables.level_segments;
+    ctx->saved_data["level_offsets"] = c10::IValue(c10::List<int64_t>(tables.level_offsets));
+    ctx->saved_data["child_offsets"] = tables.child_offsets;
+    ctx->saved_data["children"] = tables.children;
+    ctx->saved_data["has_init"] = has_init;
+    ctx->saved_data["scale"] = scale;
+    ctx->saved_data["use_qk_l2norm"] = use_qk_l2norm;
+    return o;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &q = saved[0], &k = saved[1], &v = saved[2], &g = saved[3], &beta = saved[4];
+    const bool has_init = ctx->saved_data["has_init"].toBool();
+    const std::optional<at::Tensor> init = has_init ? std::optional<at::Tensor>(saved[5]) : std::nullopt;
+    Tables t;
+    t.gather = ctx->saved_data["gather"].toTensor();
+    t.scatter = ctx->saved_data["scatter"].toTensor();
+    t.seg_chunk_offsets = ctx->saved_data["seg_chunk_offsets"].toTensor();
+    t.parents = ctx->saved_data["parents"].toTensor();
+    t.root_index = ctx->saved_data["root_index"].toTensor();
+    t.level_segments = ctx->saved_data["level_segments"].toTensor();
+    t.level_offsets = ctx->saved_data["level_offsets"].toIntVector();
+    t.child_offsets = ctx->saved_data["child_offsets"].toTensor();
+    t.children = ctx->saved_data["children"].toTensor();
+    const double scale = ctx->saved_data["scale"].toDouble();
+    const bool l2 = ctx->saved_data["use_qk_l2norm"].toBool();
+    const at::Tensor grad_o = grads[0].defined() ? grads[0] : at::zeros_like(v);
+
+    // edges: q, k, v, g, beta, initial_state (when given)
+    bool need[6];
+    for (int i = 0; i < 5; ++i) need[i] = ctx->needs_input_grad(i);
+    need[5] = has_init && ctx->needs_input_grad(5);
+
+    Grads gr;
+    if (!env_off("TREE_RECURRENCE_GDN_FUSED_BWD")) {
+      Saved sv;
+      sv.G = saved[6];
+      sv.Ainv = saved[7];
+      sv.w = saved[8];
+      sv.kd = saved[9];
+      sv.h = saved[10];
+      sv.v_new = saved[11];
+      sv.rq = saved[12];
+      sv.rk = saved[13];
+      gr = fused::backward(grad_o, q, k, v, g, beta, t, init, scale, l2, sv);
+    } else {
+      // Interim fallback: the composite recomputed on fp32 copies, differentiated by autograd (the
+      // composite's own gradients: it widens bf16 / fp16 inputs to fp32 the same way).
+      at::AutoGradMode enable(true);
+      auto leaf = [](const at::Tensor& x, bool req) { return x.detach().to(at::kFloat).requires_grad_(req); };
+      const at::Tensor q32 = leaf(q, need[0]), k32 = leaf(k, need[1]), v32 = leaf(v, need[2]), g32 = leaf(g, need[3]),
+                       b32 = leaf(beta, need[4]);
+      std::optional<at::Tensor> i32;
+      if (has_init) i32 = leaf(*init, need[5]);
+      const at::Tensor o = composite_scan(q32, k32, v32, g32, b32, t.gather, t.scatter, t.seg_chunk_offsets, t.parents,
+                                          t.root_index, t.level_segments, t.level_offsets, t.child_offsets, t.children,
+                                          i32, scale, l2);
+      std::vector<at::Tensor> inputs;
+      const at::Tensor* all[6] = {&q32, &k32, &v32, &g32, &b32, has_init ? &*i32 : nullptr};
+      for (int i = 0; i < 6; ++i)
+        if (need[i]) inputs.push_back(*all[i]);
+      std::vector<at::Tensor> got;
+      if (!inputs.empty())
+        got = torch::autograd::grad({o}, inputs, {grad_o.to(at::kFloat)}, /*retain_graph=*/false,
+                                    /*create_graph=*/false, /*allow_unused=*/true);
+      at::Tensor* out[6] = {&gr.dq, &gr.dk, &gr.dv, &gr.dg, &gr.dbeta, &gr.d_initial_state};
+      const at::Tensor* like[6] = {&q, &k, &v, &g, &beta, has_init ? &*init : nullptr};
+      size_t n = 0;
+      for (int i = 0; i < 6; ++i)
+        if (need[i]) {
+          at::Tensor d = got[n++];
+          if (!d.defined()) d = at::zeros_like(*all[i]);
+          *out[i] = d.to(like[i]->scalar_type());
+        }
+    }
+    auto keep = [&](const at::Tensor& d, int i) { return need[i] ? d : at::Tensor(); };
+    // one entry per forward argument: q, k, v, g, beta, tables, initial_state, scale, use_qk_l2norm
+    return {keep(gr.dq, 0), keep(gr.dk, 1), keep(gr.dv, 2), keep(gr.dg, 3), keep(gr.dbeta, 4), at::Tensor(),
+            has_init ? keep(gr.d_initial_state, 5) : at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+bool supported(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta,
+               const at::Tensor& gather) {
+  if (env_off("TREE_RECURRENCE_GDN_FUSED")) return false;
+  if (!q.is_cuda() || !k.is_cuda() || !v.is_cuda()) return false;
+  const auto dt = v.scalar_type();
+  if (!half_type(dt) || q.scalar_type() != dt || k.scalar_type() != dt) return false;
+  for (const at::Tensor* t : {&g, &beta})
+    if (t->scalar_type() != at::kFloat && t->scalar_type() != dt) return false;
+  if (gather.dim() != 2 || gather.size(1) != 64) return false;
+  const int64_t K = q.size(2), V = v.size(2);
+  if (K % 8 != 0 || K < 8 || K > 128 || V % 8 != 0 || V < 8 || V > 128) return false;
+  if (v.size(1) > 65535 || gather.size(0) >= (int64_t{1} << 31)) return false;
+  return true;
+}
+
+at::Tensor scan(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta,
+                const Tables& tables, const std::optional<at::Tensor>& initial_state, double scale, bool use_qk_l2norm) {
+  return ScanFunction::apply(q, k, v, g, beta, tables, initial_state, scale, use_qk_l2norm);
+}
+
+}  // namespace tree_recurrence::gdn::fused

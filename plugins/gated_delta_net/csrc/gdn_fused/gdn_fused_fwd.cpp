@@ -1,0 +1,192 @@
+// The fused GDN forward (issue 19), host side: checks, allocation, and the three stages
+// (kernels/prep_fwd.cu, the SDK's tensor-core tree state pass, kernels/out_fwd.cu). No host sync:
+// the only host table is level_offsets.
+#include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
+
+#include <cmath>
+#include <string>
+
+#include "gdn_fused.h"
+
+#ifdef TREE_RECURRENCE_WITH_CUDA
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "kernels/params.h"
+#include "tree_recurrence/kernels/chunk_state_pass_tc.h"
+#endif
+
+namespace tree_recurrence::gdn::fused {
+
+std::vector<at::Tensor> stages(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                               const at::Tensor& beta, const at::Tensor& gather, const at::Tensor& scatter,
+                               const at::Tensor& seg_chunk_offsets, const at::Tensor& parents, const at::Tensor& root_index,
+                               const at::Tensor& level_segments, at::IntArrayRef level_offsets,
+                               const at::Tensor& child_offsets, const at::Tensor& children,
+                               const std::optional<at::Tensor>& initial_state, double scale, bool use_qk_l2norm) {
+  Tables t{gather, scatter, seg_chunk_offsets, parents, root_index, level_segments,
+           std::vector<int64_t>(level_offsets.begin(), level_offsets.end()), child_offsets, children};
+  at::AutoGradMode no_grad(false);
+  auto [o, sv] = forward(q, k, v, g, beta, t, initial_state, scale, use_qk_l2norm);
+  return {o, sv.G, sv.Ainv, sv.w, sv.u, sv.kd, sv.decay, sv.h, sv.v_new, sv.final_state, sv.rq, sv.rk};
+}
+
+#ifndef TREE_RECURRENCE_WITH_CUDA
+std::pair<at::Tensor, Saved> forward(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                     const at::Tensor&, const Tables&, const std::optional<at::Tensor>&, double, bool) {
+  TORCH_CHECK(false, "gdn_tree_scan (fused): this build has no CUDA kernels");
+}
+#else
+namespace {
+
+// Contiguous, 16-byte aligned (the kernels read 16-byte words).
+at::Tensor aligned(const at::Tensor& t) {
+  at::Tensor c = t.contiguous();
+  if (reinterpret_cast<uintptr_t>(c.data_ptr()) % 16 != 0) c = c.clone(at::MemoryFormat::Contiguous);
+  return c;
+}
+
+void check_launch(const char* err, const char* stage) {
+  TORCH_CHECK(err == nullptr || err[0] == '\0', "gdn_tree_scan (fused forward, ", stage, "): ", err);
+}
+
+}  // namespace
+
+std::pair<at::Tensor, Saved> forward(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+                                     const at::Tensor& g_in, const at::Tensor& beta_in, const Tables& tables,
+                                     const std::optional<at::Tensor>& initial_state, double scale, bool use_qk_l2norm) {
+  TORCH_CHECK_VALUE(q_in.is_cuda(), "gdn_tree_scan (fused): inputs must be on CUDA, got ", q_in.device());
+  const auto dt = v_in.scalar_type();
+  TORCH_CHECK_TYPE((dt == at::kBFloat16 || dt == at::kHalf) && q_in.scalar_type() == dt && k_in.scalar_type() == dt,
+                   "gdn_tree_scan (fused): q, k, v must be bfloat16 or float16 alike, got ", q_in.scalar_type(), ", ",
+                   k_in.scalar_type(), ", ", dt);
+  const int64_t T = q_in.size(0), HK = q_in.size(1), K = q_in.size(2), HV = v_in.size(1), V = v_in.size(2);
+  const int64_t NC = tables.gather.size(0), C = tables.gather.size(1);
+  TORCH_CHECK_VALUE(C == kernels::kChunk, "gdn_tree_scan (fused): chunk must be 64, got ", C);
+  TORCH_CHECK_VALUE(K % 8 == 0 && K >= 8 && K <= 128 && V % 8 == 0 && V >= 8 && V <= 128,
+                    "gdn_tree_scan (fused): key_dim and value_dim must be multiples of 8 in 8..128, got ", K, " and ", V);
+  TORCH_CHECK_VALUE(HK > 0 && HV % HK == 0 && HV <= 65535, "gdn_tree_scan (fused): value heads ", HV,
+                    " must be a multiple of key heads ", HK, " and at most 65535");
+  TORCH_CHECK_VALUE(NC < (int64_t{1} << 31), "gdn_tree_scan (fused): ", NC, " chunks (at most 2^31 - 1)");
+  const int64_t S = tables.parents.size(0);
+  const int64_t L = static_cast<int64_t>(tables.level_offsets.size()) - 1;
+  TORCH_CHECK_VALUE(L >= 0 || S == 0, "gdn_tree_scan (fused): level_offsets must have num_levels + 1 entries");
+  const int64_t R = L >= 1 ? tables.level_offsets[1] : 0;
+
+  c10::cuda::CUDAGuard guard(q_in.device());
+  const auto stream = c10::cuda::getCurrentCUDAStream().stream();
+  const at::Tensor q = aligned(q_in), k = aligned(k_in), v = aligned(v_in);
+  const at::Tensor g = g_in.to(at::kFloat).contiguous(), beta = beta_in.to(at::kFloat).contiguous();
+  const at::Tensor gather = tables.gather.contiguous();
+  const auto f32 = q.options().dtype(at::kFloat), in = v.options();
+  const kernels::InType it = dt == at::kBFloat16 ? kernels::InType::BFloat16 : kernels::InType::Float16;
+
+  Saved sv;
+  sv.G = at::empty({NC, HV, C}, f32);
+  sv.Ainv = at::empty({NC, HV, C, C}, in);
+  sv.w = at::empty({NC, HV, C, K}, in);
+  sv.u = at::empty({NC, HV, C, V}, in);
+  sv.kd = at::empty({NC, HV, C, K}, in);
+  sv.decay = at::empty({NC, HV}, f32);
+  sv.rq = at::empty({T, HK}, f32);
+  sv.rk = at::empty({T, HK}, f32);
+  sv.h = at::empty({NC, HV, K, V}, in);
+  sv.v_new = at::empty({NC, HV, C, V}, in);
+  sv.final_state = at::empty({S, HV, K, V}, f32);
+  at::Tensor o = at::empty({T, HV, V}, in);
+  if (NC == 0 || T == 0) return {o, sv};
+
+  // 1. prep
+  kernels::PrepParams pp;
+  pp.num_chunks = NC;
+  pp.tokens = T;
+  pp.key_heads = static_cast<int>(HK);
+  pp.value_heads = static_cast<int>(HV);
+  pp.k_dim = static_cast<int>(K);
+  pp.v_dim = static_cast<int>(V);
+  pp.use_qk_l2norm = use_qk_l2norm;
+  pp.in = it;
+  pp.gather = gather.data_ptr<int64_t>();
+  pp.q = q.data_ptr();
+  pp.k = k.data_ptr();
+  pp.v = v.data_ptr();
+  pp.g = g.data_ptr<float>();
+  pp.beta = beta.data_ptr<float>();
+  pp.G = sv.G.data_ptr<float>();
+  pp.Ainv = sv.Ainv.data_ptr();
+  pp.w = sv.w.data_ptr();
+  pp.u = sv.u.data_ptr();
+  pp.kd = sv.kd.data_ptr();
+  pp.decay = sv.decay.data_ptr<float>();
+  pp.rq = sv.rq.data_ptr<float>();
+  pp.rk = sv.rk.data_ptr<float>();
+  check_launch(kernels::launch_prep_fwd(pp, stream), "prep");
+
+  // 2. the tree state pass on tensor cores
+  at::Tensor h0;
+  bool per_root = false;
+  if (initial_state && initial_state->defined()) {
+    at::Tensor s0 = *initial_state;
+    if (s0.dim() == 4 && s0.size(0) == 1) s0 = s0[0];
+    TORCH_CHECK_VALUE((s0.dim() == 3 || (s0.dim() == 4 && s0.size(0) == R)) && s0.size(-3) == HV && s0.size(-2) == K &&
+                          s0.size(-1) == V,
+                      "gdn_tree_scan: initial_state must be (value_heads=", HV, ", key_dim=", K, ", value_dim=", V,
+                      ") or (roots=", R, ", ", HV, ", ", K, ", ", V, "), got ", initial_state->sizes());
+    per_root = s0.dim() == 4;
+    h0 = s0.to(at::kFloat).contiguous();
+  }
+  const at::Tensor sco = tables.seg_chunk_offsets.contiguous(), parents = tables.parents.contiguous(),
+                   root_index = tables.root_index.contiguous(), level_segments = tables.level_segments.contiguous(),
+                   child_offsets = tables.child_offsets.contiguous(), children = tables.children.contiguous();
+  tree_recurrence::kernels::ChunkStatePassTcParams sp;
+  sp.num_chunks = NC;
+  sp.heads = HV;
+  sp.k_dim = K;
+  sp.v_dim = V;
+  sp.num_segments = S;
+  sp.num_roots = R;
+  sp.in = dt == at::kBFloat16 ? tree_recurrence::kernels::ChunkDType::BFloat16 : tree_recurrence::kernels::ChunkDType::Float16;
+  sp.seg_chunk_offsets = sco.data_ptr<int64_t>();
+  sp.parents = parents.data_ptr<int64_t>();
+  sp.root_index = root_index.data_ptr<int64_t>();
+  sp.level_segments = level_segments.data_ptr<int64_t>();
+  sp.level_offsets = tables.level_offsets.data();
+  sp.num_levels = L;
+  sp.child_offsets = child_offsets.data_ptr<int64_t>();
+  sp.children = children.numel() ? children.data_ptr<int64_t>() : nullptr;
+  sp.w = sv.w.data_ptr();
+  sp.u = sv.u.data_ptr();
+  sp.kd = sv.kd.data_ptr();
+  sp.decay = sv.decay.data_ptr<float>();
+  sp.initial_state = h0.defined() ? h0.data_ptr<float>() : nullptr;
+  sp.initial_per_root = per_root;
+  sp.h = sv.h.data_ptr();
+  sp.v_new = sv.v_new.data_ptr();
+  sp.final_state = sv.final_state.data_ptr<float>();
+  check_launch(tree_recurrence::kernels::chunk_state_pass_tc_forward(sp, stream), "tree state pass");
+
+  // 3. outputs
+  kernels::OutParams op;
+  op.num_chunks = NC;
+  op.tokens = T;
+  op.key_heads = static_cast<int>(HK);
+  op.value_heads = static_cast<int>(HV);
+  op.k_dim = static_cast<int>(K);
+  op.v_dim = static_cast<int>(V);
+  op.scale = static_cast<float>(scale > 0 ? scale : 1.0 / std::sqrt(static_cast<double>(K)));
+  op.use_qk_l2norm = use_qk_l2norm;
+  op.in = it;
+  op.gather = gather.data_ptr<int64_t>();
+  op.q = q.data_ptr();
+  op.k = k.data_ptr();
+  op.G = sv.G.data_ptr<float>();
+  op.h = sv.h.data_ptr();
+  op.v_new = sv.v_new.data_ptr();
+  op.o = o.data_ptr();
+  check_launch(kernels::launch_out_fwd(op, stream), "outputs");
+  return {o, sv};
+}
+#endif  // TREE_RECURRENCE_WITH_CUDA
+
+}  // namespace tree_recurrence::gdn::fused
