@@ -1,53 +1,54 @@
-"""Benchmark of the Mamba2 SSD tree scan (op ``ssd_tree_scan``, issue 10): the chunked composite over
-the plan's chunk tables, forward and forward+backward, on the GPU (CUDA events, median of >= 10
-timed runs after warm-up, peak memory per run).
+"""Benchmark of the Mamba2 SSD tree core (op ``ssd_tree_scan``, issues 10 and 20) beside mamba-ssm, in one
+process: forward and forward + backward of each case (CUDA events, median of up to --repeats timed runs
+after --warmup untimed ones, fewer for slow cases; peak memory above the inputs per run).
 
-Workloads (Nemotron-H-like dims by default: H 128, P 64, N 128, G 8, bf16):
-  grpo       8 prompts x 8 completions, prompt 2048, completion 512 (49,152 unique tokens):
-             tree   the trie (8 roots, 64 children)
-             flat   one row of the 49,152 unique tokens (one segment)
-             chains the 64 samples as chains (64 roots x 2,560 tokens: the same kernel with sequence
-                    resets; also what rescanning every path costs)
-  nosharing  64 x 2,560 tokens, no prefix shared: tree (64 roots) vs chains (the same rows as chains)
+Dims (Nemotron-H-like): H 128, P 64, N 128, G 8, bf16 x, dt, B, C, z; fp32 A (H), D (H), dt_bias (H);
+softplus of dt + dt_bias in the kernel, the z gate, gradients of x, dt, B, C, z, D, dt_bias, A. GRPO
+shape: 8 prompts x 8 completions, prompt 2048, completion 512 (49,152 unique tokens, 163,840 sample
+tokens). Cases (--cases picks by name or glob):
+  tree               ours on the trie (8 roots, 64 children), as the model's seam calls the op
+  flat               ours on one row of the 49,152 unique tokens (one segment)
+  mamba_fork         mamba-ssm forked level by level on the trie: the 8 prompts as a batch of 8 x 2048
+                     (return_final_states=True), then the 64 completions as a batch of 64 x 512 from
+                     their prompt's final state (initial_states); the backward goes through both levels
+  mamba_chains_seq   mamba-ssm on the 64 samples packed in one row with seq_idx (batch 1, 163,840 tokens)
+  mamba_chains_batch mamba-ssm on the 64 samples as a batch of 64 x 2,560
+  mamba_flat         mamba-ssm on the flat row of 49,152 tokens (batch 1)
+  chains             ours on the 64 samples as chains (64 roots of 2,560: 163,840 tokens)
+  forest             ours on the no-sharing forest: each sample a prompt root with its one completion
+                     child (128 segments, nothing shared)
+  flat_all           ours on one row of the 163,840 tokens (the chains without resets)
+mamba-ssm runs its Triton mamba_chunk_scan_combined at --mamba-chunk (default 128, the models' configs);
+ours at --chunk (the plan's chunk tables' width; the seam's default 64).
 
-  python benchmarks/ssd_bench.py [--out benchmarks/results/ssd_bench.json] [--small] [--repeats 10]
-``--small`` shrinks every size (a CPU smoke run of the script itself; its numbers mean nothing).
+  python benchmarks/ssd_bench.py [--out benchmarks/results/ssd_bench.json] [--cases tree,mamba_*]
+                                 [--repeats 10] [--small] [--peers auto|on|off] [--chunk 64]
+``--small``: tiny sizes, peers off (a CPU smoke run of the script; its numbers mean nothing). mamba-ssm
+imports from the environment, else from the checkout's .peers/mamba, /tmp/peers or
+$TREE_RECURRENCE_PEERS (peers.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import os
+import sys
 
 import torch
-from timing import device_name, plan_of, save, time_it
 
-from tree_recurrence import plugins
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import peers  # noqa: E402
+from timing import Runner, Shape, device_name, plan_of, print_table, ratio, save, target  # noqa: E402
+
+from tree_recurrence import plugins  # noqa: E402
 
 FAMILY = "mamba2"
-CHUNK = 64
-
-
-def workloads(small: bool):
-    prompt, completion, prompts, per_prompt = (128, 32, 2, 4) if small else (2048, 512, 8, 8)
-    samples = prompts * per_prompt
-    tree_lengths, tree_parents = [], []
-    for _ in range(prompts):
-        root = len(tree_lengths)
-        tree_lengths.append(prompt)
-        tree_parents.append(-1)
-        tree_lengths += [completion] * per_prompt
-        tree_parents += [root] * per_prompt
-    unique = sum(tree_lengths)
-    path = prompt + completion
-    chains = ([path] * samples, [-1] * samples)
-    return {
-        "grpo": {"tree": (tree_lengths, tree_parents), "flat": ([unique], [-1]), "chains": chains},
-        "nosharing": {"tree": chains, "chains": chains},
-    }
+TOKEN = ("x", "dt", "B", "C", "z")
+PARAMS = ("D", "dt_bias", "A")
 
 
 def inputs(T, H, P, G, N, dtype, device, seed=0):
+    """Random inputs of T tokens: x, z (T, H, P), dt (T, H), B, C (T, G, N) in dtype; A < 0, D, dt_bias (H) fp32."""
     g = torch.Generator(device="cpu").manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=g).to(device=device, dtype=dtype)  # noqa: E731
     return dict(x=r(T, H, P), dt=r(T, H), B=r(T, G, N) * N ** -0.5, C=r(T, G, N) * N ** -0.5, z=r(T, H, P),
@@ -55,35 +56,124 @@ def inputs(T, H, P, G, N, dtype, device, seed=0):
                 dt_bias=torch.randn(H, generator=g).to(device) * 0.5 - 2.0)
 
 
-def run_op(ins, tables):
-    return plugins.ops(FAMILY).ssd_tree_scan(
-        ins["x"], ins["dt"], ins["B"], ins["C"], tables.gather, tables.scatter, *tables.state_args(), None, A=ins["A"],
-        dt_limit=[0.0, float("inf")], D=ins["D"], dt_bias=ins["dt_bias"], dt_softplus=True, z=ins["z"])
-
-
-def bench_case(lengths, parents, dims, dtype, device, repeats):
+def ours(layout, dims, dtype, device, chunk):
+    lengths, parents = layout
     H, P, G, N = dims
     T = sum(lengths)
-    plan = plan_of(lengths, parents, device)
-    tables = plan.chunk_tables(CHUNK, device)
+    tables = plan_of(lengths, parents, device).chunk_tables(chunk, device)
     ins = inputs(T, H, P, G, N, dtype, device)
-    grads = [ins[k].requires_grad_() for k in ("x", "dt", "B", "C", "z", "D", "dt_bias", "A")]
+    leaves = [ins[k].requires_grad_() for k in TOKEN + PARAMS]
+    w = torch.randn(T, H, P, device=device, dtype=dtype)
+    op = plugins.ops(FAMILY).ssd_tree_scan
+
+    def run():
+        return op(ins["x"], ins["dt"], ins["B"], ins["C"], tables.gather, tables.scatter, *tables.state_args(), None,
+                  A=ins["A"], dt_limit=[0.0, float("inf")], D=ins["D"], dt_bias=ins["dt_bias"], dt_softplus=True,
+                  z=ins["z"])
 
     def fwd():
         with torch.no_grad():
-            run_op(ins, tables)
+            run()
 
-    w = torch.randn(T, H, P, device=device)
+    cast = {}
 
     def fwd_bwd():
-        y = run_op(ins, tables)
-        torch.autograd.grad((y * w).sum(), grads)
+        y = run()
+        if y.dtype not in cast:  # the output's dtype is the op's choice: cast the weights once, untimed after warm-up
+            cast[y.dtype] = w.to(y.dtype)
+        torch.autograd.grad(y, leaves, cast[y.dtype])
 
-    out = {"tokens": T, "segments": len(lengths), "chunks": int(tables.num_chunks)}
-    out["fwd"] = time_it(fwd, repeats, device, warmup=2)
-    out["fwd_bwd"] = time_it(fwd_bwd, repeats, device, warmup=2)
-    out["fwd_bwd_tokens_per_s"] = T / (out["fwd_bwd"]["median_ms"] / 1e3)
-    return out
+    info = {"tokens": T, "segments": len(lengths), "chunks": int(tables.num_chunks), "chunk": chunk,
+            "impl": "ours (ssd_tree_scan)"}
+    return info, {"fwd": fwd, "fwd_bwd": fwd_bwd}
+
+
+class Mamba:
+    """mamba-ssm's mamba_chunk_scan_combined on (batch, seqlen, ...) tensors."""
+
+    def __init__(self, fn, info, chunk):
+        self.fn, self.info, self.chunk = fn, info, chunk
+
+    def tensors(self, batch, seqlen, dims, dtype, device, seed):
+        H, P, G, N = dims
+        flat = inputs(batch * seqlen, H, P, G, N, dtype, device, seed)
+        ins = {k: (flat[k].reshape(batch, seqlen, *flat[k].shape[1:]) if k in TOKEN else flat[k]) for k in flat}
+        leaves = [ins[k].requires_grad_() for k in TOKEN + PARAMS]
+        return ins, leaves, torch.randn(batch, seqlen, H, P, device=device, dtype=dtype)
+
+    def call(self, ins, seq_idx=None, h0=None, final=False):
+        return self.fn(ins["x"], ins["dt"], ins["A"], ins["B"], ins["C"], self.chunk, D=ins["D"], z=ins["z"],
+                       dt_bias=ins["dt_bias"], initial_states=h0, seq_idx=seq_idx, dt_softplus=True,
+                       dt_limit=(0.0, float("inf")), return_final_states=final)
+
+    def rows(self, batch, seqlen, dims, dtype, device, packed=None):
+        """mamba-ssm on ``batch`` rows of ``seqlen`` tokens; with ``packed`` (a list of lengths), one row
+        of them told apart by seq_idx."""
+        ins, leaves, w = self.tensors(batch, seqlen, dims, dtype, device, 0)
+        seq_idx = None
+        if packed is not None:
+            seq_idx = torch.repeat_interleave(torch.arange(len(packed), dtype=torch.int32),
+                                              torch.tensor(packed)).unsqueeze(0).to(device)
+
+        def fwd():
+            with torch.no_grad():
+                self.call(ins, seq_idx)
+
+        def fwd_bwd():
+            torch.autograd.grad(self.call(ins, seq_idx), leaves, w)
+
+        info = {"tokens": batch * seqlen, "segments": len(packed) if packed else batch, "chunk": self.chunk,
+                "impl": f"mamba-ssm {self.info.get('mamba_ssm')} " + ("seq_idx" if packed else f"batch {batch} x {seqlen}")}
+        return info, {"fwd": fwd, "fwd_bwd": fwd_bwd}
+
+    def fork(self, shape: Shape, dims, dtype, device):
+        """Level by level on the GRPO trie: the prompts as one batch, their final states the initial
+        states of the completions' batch (every level one length: the GRPO trie's are)."""
+        r_ins, r_leaves, r_w = self.tensors(shape.prompts, shape.prompt, dims, dtype, device, 0)
+        c_ins, c_leaves, c_w = self.tensors(shape.samples, shape.completion, dims, dtype, device, 1)
+        for k in PARAMS:  # one set of layer parameters for both levels (its gradient sums over them)
+            c_ins[k] = r_ins[k]
+        c_leaves = [c_ins[k] for k in TOKEN]
+        parent = torch.arange(shape.prompts, device=device).repeat_interleave(shape.per_prompt)
+
+        def run():
+            y_r, h_r = self.call(r_ins, final=True)
+            y_c = self.call(c_ins, h0=h_r.index_select(0, parent))
+            return y_r, y_c
+
+        def fwd():
+            with torch.no_grad():
+                run()
+
+        def fwd_bwd():
+            torch.autograd.grad(run(), r_leaves + c_leaves, (r_w, c_w))
+
+        info = {"tokens": shape.unique(), "segments": shape.prompts + shape.samples, "chunk": self.chunk,
+                "impl": f"mamba-ssm {self.info.get('mamba_ssm')}, 2 launches of the whole pipeline (one per trie level)"}
+        return info, {"fwd": fwd, "fwd_bwd": fwd_bwd}
+
+
+def summarize(result):
+    c = result["cases"]
+    tok = lambda name, mode: (c[name]["tokens"] / c[name][mode]["median_ms"]  # noqa: E731
+                              if isinstance(c.get(name, {}).get(mode), dict) and "median_ms" in c[name][mode] else None)
+    pk = lambda n: c.get(n, {}).get("fwd_bwd", {}).get("peak_gib") if isinstance(c.get(n, {}).get("fwd_bwd"), dict) else None  # noqa: E731
+    pr = lambda a, b: pk(a) / pk(b) if pk(a) is not None and pk(b) else None  # noqa: E731
+    chains = [n for n in ("mamba_chains_batch", "mamba_chains_seq") if ratio(c, n, n) is not None]
+    best = min(chains, key=lambda n: c[n]["fwd_bwd"]["median_ms"]) if chains else "mamba_chains_batch"
+    result["summary"] = {
+        f"tree / mamba chains ({best.split('_')[-1]})": target(ratio(c, "tree", best), round(1 / 3, 3), "<="),
+        "flat tokens/ms": target(tok("flat", "fwd_bwd"), 3100, ">="),
+        "tree / flat": target(ratio(c, "tree", "flat"), 1.05, "<="),
+        "forest / chains": target(ratio(c, "forest", "chains"), 1.03, "<="),
+        "chains / flat_all (resets' cost)": target(ratio(c, "chains", "flat_all"), 1.03, "<="),
+        "peak: flat / mamba flat": target(pr("flat", "mamba_flat"), 1.0, "<="),
+        "peak: chains / mamba chains": target(pr("chains", best), 1.0, "<="),
+        "tree / mamba fork": target(ratio(c, "tree", "mamba_fork"), 1.0, "<="),
+        "mamba chains / tree (speed-up)": target(ratio(c, best, "tree"), 3.0, ">="),
+        "flat tokens/ms, forward": target(tok("flat", "fwd"), None, ">="),
+        "mamba flat tokens/ms": target(tok("mamba_flat", "fwd_bwd"), None, ">="),
+    }
 
 
 def main():
@@ -91,34 +181,53 @@ def main():
     ap.add_argument("--out", default="benchmarks/results/ssd_bench.json")
     ap.add_argument("--small", action="store_true")
     ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--case-budget-s", type=float, default=3.0,
+                    help="fewer timed runs (>= 3) when --repeats would take longer than this per mode")
+    ap.add_argument("--budget-s", type=float, default=120.0, help="later cases are skipped after this many seconds")
+    ap.add_argument("--cases", default="", help="comma-separated names or globs (default: all)")
+    ap.add_argument("--peers", default="auto", choices=["auto", "on", "off"],
+                    help="time mamba-ssm (auto: on CUDA unless --small)")
+    ap.add_argument("--chunk", type=int, default=64, help="our chunk tables' width (64, 128 or 256)")
+    ap.add_argument("--mamba-chunk", type=int, default=128)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     args = ap.parse_args()
+    if args.small:  # a smoke run: each mode once after one warm-up
+        args.repeats, args.warmup, args.budget_s = min(args.repeats, 1), min(args.warmup, 1), max(args.budget_s, 900.0)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dims = (8, 16, 2, 16) if args.small else (128, 64, 8, 128)
     dtype = getattr(torch, args.dtype)
-    result = {"device": device_name(device),
+    shape = Shape(args.small)
+    use_peers = args.peers == "on" or (args.peers == "auto" and device.type == "cuda" and not args.small)
+    result = {"title": "SSD core (ssd_tree_scan) beside mamba-ssm", "device": device_name(device),
               "torch": torch.__version__, "dims": dict(zip(("H", "P", "G", "N"), dims)), "dtype": args.dtype,
-              "chunk": CHUNK, "small": args.small, "repeats": args.repeats, "workloads": {}}
-    for name, cases in workloads(args.small).items():
-        result["workloads"][name] = {}
-        for case, (lengths, parents) in cases.items():
-            try:
-                r = bench_case(lengths, parents, dims, dtype, device, args.repeats)
-            except torch.OutOfMemoryError as e:  # noqa: PERF203
-                r = {"error": f"out of memory: {str(e).splitlines()[0]}"}
-                torch.cuda.empty_cache()
-            result["workloads"][name][case] = r
-            print(name, case, json.dumps(r), flush=True)
-    g = result["workloads"]["grpo"]
-    ratio = lambda a, b: (a["fwd_bwd"]["median_ms"] / b["fwd_bwd"]["median_ms"]) if "fwd_bwd" in a and "fwd_bwd" in b else None  # noqa: E731
-    n = result["workloads"]["nosharing"]
-    result["summary"] = {
-        "grpo_tree_over_flat_fwd_bwd": ratio(g["tree"], g["flat"]),  # target <= 1.10
-        "grpo_chains_over_tree_fwd_bwd": ratio(g["chains"], g["tree"]),  # target >= 3.0
-        "nosharing_tree_over_chains_fwd_bwd": ratio(n["tree"], n["chains"]),  # target <= 1.03
-    }
-    print(json.dumps(result["summary"]))
+              "chunk": args.chunk, "mamba_chunk": args.mamba_chunk, "shape": shape.describe(), "small": args.small,
+              "repeats": args.repeats, "warmup": args.warmup, "case_budget_s": args.case_budget_s,
+              "z_gate": True, "dt_softplus": True, "D": "(H,)"}
+    mamba = None
+    if use_peers:
+        fn, info = peers.mamba_ssd()
+        result["mamba_ssm"] = info
+        mamba = Mamba(fn, info, args.mamba_chunk) if fn is not None else None
+    else:
+        result["mamba_ssm"] = {"skipped": "--peers off" if args.peers == "off" else "--small or no CUDA"}
+    print("mamba-ssm:", result["mamba_ssm"], flush=True)
+    runner = Runner(result, args.out, args.cases, args.budget_s, device)
+    L = shape.layouts()
+    runner.run("tree", lambda: ours(L["trie"], dims, dtype, device, args.chunk))
+    runner.run("flat", lambda: ours(L["flat"], dims, dtype, device, args.chunk))
+    if mamba is not None:
+        runner.run("mamba_fork", lambda: mamba.fork(shape, dims, dtype, device))
+        runner.run("mamba_chains_batch", lambda: mamba.rows(shape.samples, shape.path, dims, dtype, device))
+        runner.run("mamba_chains_seq", lambda: mamba.rows(1, shape.samples * shape.path, dims, dtype, device,
+                                                          packed=L["chains"][0]))
+        runner.run("mamba_flat", lambda: mamba.rows(1, shape.unique(), dims, dtype, device))
+    runner.run("chains", lambda: ours(L["chains"], dims, dtype, device, args.chunk))
+    runner.run("forest", lambda: ours(L["forest"], dims, dtype, device, args.chunk))
+    runner.run("flat_all", lambda: ours(L["flat_all"], dims, dtype, device, args.chunk))
+    summarize(result)
     save(result, args.out)
+    print_table(result)
 
 
 if __name__ == "__main__":

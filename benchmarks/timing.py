@@ -1,9 +1,13 @@
 """What the op benchmarks (gdn_bench.py, ssd_bench.py) share: the plan of a workload, the timing loop
 (CUDA events, warm-up, median of the timed runs, peak memory above what was allocated before each run;
-wall clock on the CPU, where only the script itself is checked), the device's name and JSON writing."""
+wall clock on the CPU, where only the script itself is checked), the case runner (one failing or
+out-of-memory case records its error and the rest still run; a --cases filter; a time budget), the
+GRPO trie's shapes, the table printed at the end, the device's name and JSON writing."""
 
 from __future__ import annotations
 
+import fnmatch
+import gc
 import json
 import os
 import platform
@@ -23,13 +27,69 @@ def plan_of(lengths, parents, device):
                       "tree_segment_parents": torch.tensor(parents, dtype=torch.int32, device=device)})
 
 
-def time_it(fn, repeats, device, warmup=3):
-    """{median_ms, min_ms, runs, peak_gib} of ``repeats`` calls of ``fn`` after ``warmup`` untimed ones."""
+def cu_seqlens(lengths, device, dtype=torch.long):
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.long)
+    cu[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.long), 0)
+    return cu.to(device=device, dtype=dtype)
+
+
+class Shape:
+    """The GRPO shape (issues 19, 20): ``prompts`` prompts of ``prompt`` tokens, each with ``per_prompt``
+    completions of ``completion`` tokens. Layouts (lengths, parents), segments in DFS pre-order:
+      trie      prompts roots, each followed by its per_prompt children
+      flat      one segment of the trie's unique tokens
+      chains    every sample (prompt + completion) as its own root
+      forest    the same samples as a no-sharing forest: each sample a root prompt segment with one
+                child completion segment (the trie machinery at work, nothing shared)
+      flat_all  one segment of all the samples' tokens (the chains without resets)"""
+
+    def __init__(self, small: bool):
+        self.prompt, self.completion, self.prompts, self.per_prompt = (64, 16, 2, 3) if small else (2048, 512, 8, 8)
+        self.samples = self.prompts * self.per_prompt
+        self.path = self.prompt + self.completion
+
+    def trie(self):
+        lengths, parents = [], []
+        for _ in range(self.prompts):
+            root = len(lengths)
+            lengths.append(self.prompt)
+            parents.append(-1)
+            lengths += [self.completion] * self.per_prompt
+            parents += [root] * self.per_prompt
+        return lengths, parents
+
+    def unique(self):
+        return self.prompts * self.prompt + self.samples * self.completion
+
+    def layouts(self):
+        forest_l, forest_p = [], []
+        for _ in range(self.samples):
+            forest_p += [-1, len(forest_l)]
+            forest_l += [self.prompt, self.completion]
+        return {"trie": self.trie(), "flat": ([self.unique()], [-1]),
+                "chains": ([self.path] * self.samples, [-1] * self.samples),
+                "forest": (forest_l, forest_p), "flat_all": ([self.path * self.samples], [-1])}
+
+    def describe(self):
+        return (f"{self.prompts} prompts x {self.per_prompt} completions, prompt {self.prompt}, completion "
+                f"{self.completion}: {self.unique()} unique tokens, {self.samples * self.path} sample tokens")
+
+
+def time_it(fn, repeats, device, warmup=3, budget_s=None):
+    """{median_ms, min_ms, runs, peak_gib, warmup_ms} of up to ``repeats`` calls of ``fn`` after ``warmup``
+    untimed ones (the first of which compiles / autotunes). With ``budget_s``, fewer runs (at least 3)
+    when ``repeats`` runs of the last warm-up's duration would take longer. peak_gib: the largest
+    torch.cuda.max_memory_allocated() of a run above what was allocated just before it."""
     cuda = device.type == "cuda"
-    for _ in range(warmup):
+    last = 0.0
+    for _ in range(max(1, warmup)):
+        t0 = time.perf_counter()
         fn()
-    if cuda:
-        torch.cuda.synchronize()
+        if cuda:
+            torch.cuda.synchronize()
+        last = time.perf_counter() - t0
+    if budget_s is not None and last > 0:
+        repeats = max(min(3, repeats), min(repeats, int(budget_s / last)))
     times, peaks = [], []
     for _ in range(repeats):
         if cuda:
@@ -47,7 +107,121 @@ def time_it(fn, repeats, device, warmup=3):
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
     return {"median_ms": statistics.median(times), "min_ms": min(times), "runs": len(times),
-            "peak_gib": max(peaks) if peaks else None}
+            "peak_gib": max(peaks) if peaks else None, "warmup_ms": last * 1e3}
+
+
+def error_text(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:300] if text else ''}"
+
+
+def free(device):
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+class Runner:
+    """Runs the selected cases in order; each records its error (out of memory included) without
+    stopping the others; after ``budget_s`` seconds of the whole run, the rest are recorded as skipped.
+    The result is saved after every case, so a run cut short keeps what it measured."""
+
+    def __init__(self, result, out, patterns, budget_s, device):
+        self.result, self.out, self.budget_s, self.device = result, out, budget_s, device
+        self.patterns = [p.strip() for p in patterns.split(",") if p.strip()] if patterns else []
+        self.start = time.perf_counter()
+        result.setdefault("cases", {})
+
+    def wanted(self, name):
+        return not self.patterns or any(fnmatch.fnmatchcase(name, p) or p == name for p in self.patterns)
+
+    def run(self, name, setup):
+        """``setup()`` returns (info dict, {mode: fn}); each mode is timed by time_it separately (a failing
+        backward keeps the forward's numbers). A mode given as (fn, extra dict) adds extra to its entry."""
+        if not self.wanted(name):
+            return
+        cases = self.result["cases"]
+        elapsed = time.perf_counter() - self.start
+        if elapsed > self.budget_s:
+            cases[name] = {"skipped": f"time budget ({self.budget_s:.0f} s) spent after {elapsed:.0f} s"}
+            print(f"{name:<22} skipped (time budget)", flush=True)
+            return
+        entry = cases[name] = {}
+        t0 = time.perf_counter()
+        try:
+            info, modes = setup()
+            entry.update(info)
+            for mode, fn in modes.items():
+                extra = {}
+                if isinstance(fn, tuple):
+                    fn, extra = fn
+                try:
+                    entry[mode] = time_it(fn, self.result["repeats"], self.device, warmup=self.result["warmup"],
+                                          budget_s=self.result["case_budget_s"])
+                    entry[mode].update(extra() if callable(extra) else extra)
+                    if entry.get("tokens"):
+                        entry[mode]["tokens_per_ms"] = entry["tokens"] / entry[mode]["median_ms"]
+                except Exception as e:  # noqa: BLE001  (out of memory and any kernel error: record, go on)
+                    entry[mode] = {"error": error_text(e)}
+                    free(self.device)
+            del modes
+        except Exception as e:  # noqa: BLE001
+            entry["error"] = error_text(e)
+        free(self.device)
+        entry["case_s"] = time.perf_counter() - t0
+        print(f"{name:<22} " + json.dumps(entry)[:400], flush=True)
+        save(self.result, self.out)
+
+
+def ms(entry, mode):
+    m = entry.get(mode) if isinstance(entry, dict) else None
+    return m.get("median_ms") if isinstance(m, dict) else None
+
+
+def ratio(cases, a, b, mode="fwd_bwd"):
+    x, y = ms(cases.get(a, {}), mode), ms(cases.get(b, {}), mode)
+    return x / y if x is not None and y else None
+
+
+def peak(cases, name, mode="fwd_bwd"):
+    m = cases.get(name, {}).get(mode) if isinstance(cases.get(name), dict) else None
+    return m.get("peak_gib") if isinstance(m, dict) else None
+
+
+def target(value, bound, kind):
+    """{value, target, met}: kind '<=' or '>='; met is None without a value."""
+    met = None if value is None or bound is None else (value <= bound if kind == "<=" else value >= bound)
+    return {"value": value, "target": f"{kind} {bound}" if bound is not None else None, "met": met}
+
+
+def print_table(result):
+    """One line per case (ms, tokens/ms, peak GiB for fwd and fwd_bwd), then the Targets' ratios."""
+    def f(v, spec):
+        width = "".join(ch for ch in spec.split(".")[0] if ch.isdigit())
+        return format("-", f">{width}") if v is None else format(v, spec)
+
+    print(f"\n{result.get('title', '')} on {result['device']} ({result['dtype']})")
+    print(f"{'case':<22}{'tokens':>8} {'fwd ms':>9}{'tok/ms':>8}{'GiB':>6} {'f+b ms':>9}{'tok/ms':>8}{'GiB':>6}  note")
+    for name, e in result["cases"].items():
+        if "skipped" in e or ("error" in e and "fwd" not in e):
+            print(f"{name:<22} {(e.get('skipped') or e.get('error'))[:90]}")
+            continue
+        cols = []
+        for mode in ("fwd", "fwd_bwd"):
+            m = e.get(mode, {})
+            cols.append(f"{f(m.get('median_ms'), '9.2f')}{f(m.get('tokens_per_ms'), '8.0f')}"
+                        f"{f(m.get('peak_gib'), '6.2f')}" if "error" not in m else f"{'error':>23}")
+        errs = "; ".join(f"{mode}: {e[mode]['error'][:60]}" for mode in ("fwd", "fwd_bwd")
+                         if isinstance(e.get(mode), dict) and "error" in e[mode])
+        notes = [e.get("note", "")] + [e[m].get("note", "") for m in ("fwd", "fwd_bwd") if isinstance(e.get(m), dict)]
+        note = " ".join(x for x in notes + [errs] if x)
+        print(f"{name:<22}{e.get('tokens', 0):>8} {cols[0]} {cols[1]}  {note[:80]}")
+    print("targets (forward + backward unless named):")
+    for key, t in result.get("summary", {}).items():
+        v = t.get("value")
+        mark = {True: "met", False: "MISSED", None: "n/a"}[t.get("met")]
+        print(f"  {key:<40} {f(v, '10.3f') if isinstance(v, float) else f(v, '10')}  {t.get('target') or '':<9} {mark}")
 
 
 def device_name(device) -> str:

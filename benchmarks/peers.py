@@ -1,0 +1,95 @@
+"""The peer kernels the op benchmarks time ours against, when they import: FLA's
+``chunk_gated_delta_rule`` (gdn_bench.py) and mamba-ssm's Triton ``mamba_chunk_scan_combined``
+(ssd_bench.py). Neither is a dependency: a failed import is reported, never raised.
+
+Where they come from on the GPU machine (no index there): FLA 0.6.0's wheels (and tilelang's, for its
+Hopper backward) installed with ``pip install --no-index --no-deps --target DIR`` and DIR on
+PYTHONPATH; mamba-ssm's Triton-only copy (shared/tools/mamba-ssm-triton.sh) on PYTHONPATH. When the
+first import fails, these folders are tried too: $TREE_RECURRENCE_PEERS (os.pathsep-separated),
+/tmp/peers, /tmp/site, and the checkout's .peers/mamba and .peers/site."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _fallback_paths():
+    extra = [p for p in os.environ.get("TREE_RECURRENCE_PEERS", "").split(os.pathsep) if p]
+    return extra + ["/tmp/peers", "/tmp/site", os.path.join(REPO, ".peers", "mamba"), os.path.join(REPO, ".peers", "site")]
+
+
+def _import(module):
+    """The module, or the error text of the first attempt (after trying the fallback folders)."""
+    try:
+        return importlib.import_module(module), None
+    except Exception as e:  # noqa: BLE001
+        first = f"import {module} failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    for path in _fallback_paths():
+        if os.path.isdir(path) and path not in sys.path:
+            sys.path.append(path)
+            for name in [m for m in sys.modules if m == module.split(".")[0] or m.startswith(module.split(".")[0] + ".")]:
+                del sys.modules[name]  # a half-imported package from the failed attempt
+            try:
+                return importlib.import_module(module), None
+            except Exception:  # noqa: BLE001, S112
+                continue
+    return None, first
+
+
+def fla_gdn():
+    """(chunk_gated_delta_rule, info) or (None, info with 'skipped')."""
+    mod, err = _import("fla.ops.gated_delta_rule")
+    if mod is None:
+        return None, {"skipped": err}
+    try:
+        import fla
+
+        version = getattr(fla, "__version__", "?")
+    except ImportError:
+        version = "?"
+    info = {"fla": version, "fla_path": os.path.dirname(getattr(mod, "__file__", "") or ""),
+            "tilelang": importlib.util.find_spec("tilelang") is not None,
+            "backward": "FLA's own (tilelang on Hopper, or Triton >= 3.7.1)"}
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        pass
+    return mod.chunk_gated_delta_rule, info
+
+
+def is_fla_hopper_guard(e: BaseException) -> bool:
+    """FLA 0.6.0's refusal of its gated chunk_bwd_dqkwg on Hopper with Triton 3.4.0 to 3.7.0 (#640)."""
+    text = str(e)
+    return isinstance(e, RuntimeError) and "Hopper" in text and ("tilelang" in text or "3.7.1" in text)
+
+
+def bypass_fla_hopper_guard():
+    """Lets FLA's Triton GDN backward run on Hopper with Triton < 3.7.1: a TIMING PROXY ONLY, its dg and
+    dbeta are wrong there (FLA #640; shared/FACTS.md: same speed within 3% as the tilelang backward).
+    The guard (fla/ops/common/chunk_o.py, chunk_bwd_dqkwg) reads the module global TRITON_ABOVE_3_7_1."""
+    chunk_o = importlib.import_module("fla.ops.common.chunk_o")
+    chunk_o.TRITON_ABOVE_3_7_1 = True
+    return "Triton backward with FLA's Hopper guard bypassed (fla.ops.common.chunk_o.TRITON_ABOVE_3_7_1 = True): " \
+           "timing proxy only, its gradients are wrong on this GPU"
+
+
+def mamba_ssd():
+    """(mamba_chunk_scan_combined, info) or (None, info with 'skipped')."""
+    mod, err = _import("mamba_ssm.ops.triton.ssd_combined")
+    if mod is None:
+        return None, {"skipped": err}
+    try:
+        import mamba_ssm
+
+        version = getattr(mamba_ssm, "__version__", "?")
+    except ImportError:
+        version = "?"
+    return mod.mamba_chunk_scan_combined, {"mamba_ssm": version,
+                                          "mamba_path": os.path.dirname(getattr(mod, "__file__", "") or "")}
