@@ -1,0 +1,267 @@
+"""GPU tests of the fused GDN backward kernels (issue 19; plugins/gated_delta_net/csrc/gdn_fused/
+gdn_fused_bwd.cpp, kernels/*_bwd.cu), through the test-only op ``gdn_fused_backward_stages``, which
+runs the backward from GIVEN saved buffers (here: the float64 forward reference of
+tests/python/gdn_chunk_reference.py rounded like the kernels store them), so these tests hold
+whatever the forward kernels do.
+
+* test_stages: every stage against its float64 twin (tests/python/gdn_bwd_reference.py) fed with the
+  GPU's own outputs of the previous stage, so one run tells which kernel and which quantity is off.
+  Prints the relative RMS of every quantity.
+* test_final_gradients: dq, dk, dv, dg, dbeta, d_initial_state (and dA_log, ddt_bias when g comes
+  from them as in Qwen3.5) against float64 autograd through the token oracle gdn_token_scan.
+  bf16: relative RMS <= 2e-2 for every gradient.
+* test_bitwise_deterministic: two runs give identical bits.
+* test_through_the_op: gdn_tree_scan's autograd on CUDA bf16 (fused forward + fused backward) vs the
+  oracle: the integration with the forward engineer's saved buffers.
+
+Run: .venv/bin/python -m pytest tests/python/test_gdn_fused_bwd_gpu.py -q -x -s
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+import gdn_bwd_reference as bref
+import gdn_chunk_reference as fref
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+if torch.cuda.is_available():
+    from test_gdn_chunked import chunk_tables, make_inputs, rand_spec, rel_rms, run_oracle, trie
+    from tree_recurrence import plugins
+
+FAMILY = "gated_delta_net"
+TOL = 2e-2  # bf16, every gradient (FLA's dbeta / dg tolerance; issue 19 item 4)
+STAGE_TOL = 2e-2
+
+NAMES = ["dv_local", "q_g", "do_c", "grad_state_out", "dv_total", "d_root", "dq_hv", "dk_b", "dG_b", "dk_hv", "dG", "dv",
+         "dbeta", "dg", "dq", "dk", "d_initial_state"]
+
+CASES = {
+    "one_token": dict(spec=[(-1, 1), (0, 1), (1, 1), (1, 1), (0, 1), (4, 3)], h0="shared", K=16, V=16, HK=1, HV=2),
+    "around_chunk": dict(spec=[(-1, 63), (0, 64), (0, 65), (1, 1), (2, 64)], h0="per_root", K=128, V=128, HK=1, HV=2),
+    "deep": dict(spec="deep", h0="shared", K=16, V=16, HK=1, HV=2),
+    "wide": dict(spec="wide", h0="shared", K=16, V=16, HK=1, HV=2),
+    "grouped_l2": dict(spec=[(-1, 70), (0, 40), (0, 90), (2, 5)], h0="shared", K=128, V=128, HK=2, HV=6),
+    "grouped_no_l2": dict(spec=[(-1, 70), (0, 40), (0, 90), (2, 5)], h0="none", K=16, V=16, HK=2, HV=4, l2norm=False),
+    "strong": dict(spec=[(-1, 130), (0, 65), (0, 64), (1, 63)], h0="per_root", K=128, V=128, HK=1, HV=2, strong=True),
+    "forest": dict(spec=[(-1, 30), (-1, 64), (0, 20), (-1, 1), (1, 70), (1, 3)], h0="per_root", K=16, V=16, HK=1, HV=2),
+    "long_8k": dict(spec=[(-1, 8192), (0, 100)], h0="shared", K=128, V=128, HK=1, HV=1),
+}
+
+
+def _spec(spec):
+    if isinstance(spec, str):
+        return rand_spec(random.Random(spec), spec)
+    return spec
+
+
+def _init(ins, h0):
+    return None if h0 == "none" else (ins["h0"][0] if h0 == "shared" else ins["h0"])
+
+
+def setup_case(spec, h0="none", l2norm=True, strong=False, seed=0, dtype=torch.bfloat16, **dims):
+    """bf16 inputs on the GPU, their float64 copies, and the saved buffers (float64 forward
+    reference of the rounded inputs, stored like the kernels store them)."""
+    seg_offsets, parents = trie(_spec(spec))
+    roots = sum(p < 0 for p in parents)
+    ins = make_inputs(seg_offsets[-1], roots=roots, strong=strong, l2norm=l2norm, seed=seed, **dims)
+    # the inputs as the kernels see them (q, k, v, grad in bf16; g, beta fp32), in float64
+    x64 = {n: (t.to(dtype) if n in ("q", "k", "v", "grad") else t.float()).double() for n, t in ins.items()}
+    tabs_cpu = chunk_tables(seg_offsets, parents, 64, "cpu")
+    tabs = chunk_tables(seg_offsets, parents, 64, "cuda")
+    init64 = _init(x64, h0)
+    fwd = fref.stages(x64["q"], x64["k"], x64["v"], x64["g"], x64["beta"], tabs_cpu, init64, 0.0, l2norm, round_to=dtype)
+    dev = {n: (t.to(dtype) if n in ("q", "k", "v", "grad") else t.float()).cuda() for n, t in ins.items()}
+    saved = dict(G=fwd["G"].float().cuda(), Ainv=fwd["Ainv"].to(dtype).cuda(), w=fwd["w"].to(dtype).cuda(),
+                 kd=fwd["kd"].to(dtype).cuda(), h=fwd["h"].to(dtype).cuda(), v_new=fwd["v_new"].to(dtype).cuda(),
+                 rq=fwd["rq"].float().cuda(), rk=fwd["rk"].float().cuda())
+    return dict(seg_offsets=seg_offsets, parents=parents, ins=ins, x64=x64, dev=dev, tabs=tabs, tabs_cpu=tabs_cpu,
+                fwd=fwd, saved=saved, h0=h0, l2norm=l2norm)
+
+
+_CACHE = {}
+
+
+def cached_case(name):
+    """setup_case of a named case, built once per process (the float64 forward reference is the slow part)."""
+    if name not in _CACHE:
+        _CACHE[name] = setup_case(**CASES[name])
+    return _CACHE[name]
+
+
+def cached_oracle(name):
+    case = cached_case(name)
+    if "oracle" not in case:
+        case["oracle"] = oracle_grads(case)
+    return case["oracle"]
+
+
+def run_stages(case):
+    ops = plugins.ops(FAMILY)
+    if not hasattr(ops, "gdn_fused_backward_stages"):
+        pytest.skip("this build has no gdn_fused_backward_stages op")
+    d, s = case["dev"], case["saved"]
+    out = ops.gdn_fused_backward_stages(d["grad"], d["q"], d["k"], d["v"], d["g"], d["beta"], *case["tabs"],
+                                        _init(d, case["h0"]), 0.0, case["l2norm"], s["G"], s["Ainv"], s["w"], s["kd"],
+                                        s["h"], s["v_new"], s["rq"], s["rk"])
+    torch.cuda.synchronize()
+    return dict(zip(NAMES, out))
+
+
+def c64(t):
+    return t.detach().double().cpu()
+
+
+def report(case_name, rows):
+    print(f"\n[{case_name}]")
+    bad = []
+    for stage, name, err, tol in rows:
+        flag = "" if err <= tol else "   <-- over tolerance"
+        print(f"  {stage:>8} {name:>16}: rel RMS {err:.3e} (tol {tol:.0e}){flag}")
+        if not err <= tol:
+            bad.append(f"{stage}/{name} {err:.3e}")
+    return bad
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_stages(name):
+    case = cached_case(name)
+    got = run_stages(case)
+    x = case["x64"]
+    inp = bref.inputs(x["grad"], x["q"], x["k"], x["v"], x["g"], x["beta"], case["tabs_cpu"], 0.0, case["l2norm"])
+    G = c64(case["saved"]["G"])
+    sv = {n: c64(t) for n, t in case["saved"].items()}
+    rows = []
+
+    want = bref.stage_a(inp["qc"], inp["kc"], G, inp["dOc"])
+    rows += [("a", n, rel_rms(got[n], want[n]), STAGE_TOL) for n in ("dv_local", "q_g")]
+    rows.append(("a", "do_c", rel_rms(got["do_c"], inp["dOc"]), 1e-6))
+
+    init64 = _init(x, case["h0"])
+    want = bref.stage_pass(c64(got["dv_local"]), c64(got["q_g"]), c64(got["do_c"]), sv["w"], sv["kd"], G, case["tabs_cpu"],
+                           init64)
+    rows += [("pass", n, rel_rms(got[n], want[n]), STAGE_TOL) for n in ("grad_state_out", "dv_total", "d_root")]
+
+    want = bref.stage_b(inp["qc"], inp["kc"], G, c64(got["do_c"]), sv["h"], sv["v_new"], c64(got["grad_state_out"]))
+    rows += [("b", n, rel_rms(got[m], want[n]), STAGE_TOL) for n, m in (("dq_hv", "dq_hv"), ("dk_b", "dk_b"),
+                                                                       ("dG_b", "dG_b"))]
+
+    want = bref.stage_c(inp["kc"], inp["vc"], inp["bc"], G, sv["Ainv"], sv["w"], sv["h"], c64(got["dv_total"]),
+                        c64(got["dk_b"]), c64(got["dG_b"]))
+    scatter = case["tabs_cpu"][1]
+    rows += [("c", "dk_hv", rel_rms(got["dk_hv"], want["dk_hv"]), STAGE_TOL),
+             ("c", "dG", rel_rms(got["dG"], want["dG"]), STAGE_TOL),
+             ("c", "dv", rel_rms(got["dv"], bref._tokens(want["dv_c"], scatter)), STAGE_TOL),
+             ("c", "dbeta", rel_rms(got["dbeta"], bref._tokens(want["dbeta_c"], scatter)), STAGE_TOL)]
+
+    want = bref.stage_d(c64(got["dq_hv"]), c64(got["dk_hv"]), c64(got["dG"]), want["dv_c"], want["dbeta_c"], scatter, inp)
+    rows += [("d", n, rel_rms(got[n], want[n]), 1e-4) for n in ("dq", "dk", "dg")]
+    if case["h0"] != "none":
+        d_root = c64(got["d_root"])
+        want_init = d_root.sum(0) if case["h0"] == "shared" else d_root
+        rows.append(("d", "d_initial_state", rel_rms(got["d_initial_state"], want_init), 1e-5))
+    bad = report(name, rows)
+    assert not bad, f"{name}: stages over tolerance: {bad}"
+
+
+def oracle_grads(case, g_from_params=None):
+    """float64 autograd through gdn_token_scan on the rounded inputs."""
+    x = {n: t.clone().requires_grad_(n != "grad") for n, t in case["x64"].items()}
+    params = None
+    if g_from_params is not None:
+        params = {n: t.double().clone().requires_grad_(True) for n, t in g_from_params.items()}
+        x["g"] = qwen_gate(params)
+    out = run_oracle(x, case["seg_offsets"], case["parents"], h0=case["h0"], l2norm=case["l2norm"])
+    names = ["q", "k", "v", "beta"] + (["h0"] if case["h0"] != "none" else [])
+    leaves = [x[n] for n in names]
+    if params is None:
+        names.append("g")
+        leaves.append(x["g"])
+    else:
+        names += list(params)
+        leaves += list(params.values())
+    grads = torch.autograd.grad((out * x["grad"]).sum(), leaves)
+    return dict(zip(names, grads))
+
+
+def qwen_gate(p):
+    """Qwen3.5's gate: g = -exp(A_log) * softplus(a + dt_bias)."""
+    return -torch.exp(p["A_log"]) * torch.nn.functional.softplus(p["a"] + p["dt_bias"])
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_final_gradients(name):
+    case = cached_case(name)
+    got = run_stages(case)
+    want = cached_oracle(name)
+    rows = [("final", f"d{n}", rel_rms(got[f"d{n}"], want[n]), TOL) for n in ("q", "k", "v", "g", "beta")]
+    if case["h0"] != "none":
+        w0 = want["h0"][0] if case["h0"] == "shared" else want["h0"]
+        rows.append(("final", "d_initial_state", rel_rms(got["d_initial_state"], w0), TOL))
+    bad = report(name, rows)
+    assert not bad, f"{name}: gradients over tolerance: {bad}"
+
+
+@pytest.mark.parametrize("name", ["strong", "grouped_l2"])
+def test_gate_parameter_gradients(name):
+    """dA_log, ddt_bias (and d a) when g = -exp(A_log) softplus(a + dt_bias), A up to 16."""
+    cfg = dict(CASES[name])
+    case = setup_case(**cfg)
+    T, HV = case["ins"]["g"].shape
+    gen = torch.Generator().manual_seed(7)
+    params = dict(A_log=torch.log(torch.rand(HV, generator=gen, dtype=torch.float64) * 15 + 1),
+                  dt_bias=torch.randn(HV, generator=gen, dtype=torch.float64),
+                  a=torch.randn(T, HV, generator=gen, dtype=torch.float64))
+    g = qwen_gate(params).float()
+    case["ins"]["g"] = g.double()
+    case["x64"]["g"] = g.double()
+    case["dev"]["g"] = g.cuda()
+    x = case["x64"]
+    fwd = fref.stages(x["q"], x["k"], x["v"], x["g"], x["beta"], case["tabs_cpu"], _init(x, case["h0"]), 0.0,
+                      case["l2norm"], round_to=torch.bfloat16)
+    case["saved"].update(G=fwd["G"].float().cuda(), Ainv=fwd["Ainv"].to(torch.bfloat16).cuda(),
+                         w=fwd["w"].to(torch.bfloat16).cuda(), kd=fwd["kd"].to(torch.bfloat16).cuda(),
+                         h=fwd["h"].to(torch.bfloat16).cuda(), v_new=fwd["v_new"].to(torch.bfloat16).cuda())
+    got = run_stages(case)
+    # the kernel's dg through the gate (fp32, as the model computes g in fp32)
+    p32 = {n: t.float().cuda().requires_grad_(True) for n, t in params.items()}
+    got_p = dict(zip(p32, torch.autograd.grad(qwen_gate(p32), list(p32.values()), got["dg"])))
+    want = oracle_grads(case, g_from_params=params)
+    rows = [("gate", f"d{n}", rel_rms(got_p[n], want[n]), TOL) for n in params]
+    bad = report(name + "/gate", rows)
+    assert not bad, f"{name}: gate-parameter gradients over tolerance: {bad}"
+
+
+@pytest.mark.parametrize("name", ["around_chunk", "wide", "grouped_l2"])
+def test_bitwise_deterministic(name):
+    case = cached_case(name)
+    a, b = run_stages(case), run_stages(case)
+    diff = [n for n in NAMES if not torch.equal(a[n], b[n])]
+    assert not diff, f"{name}: two runs differ in {diff}"
+
+
+@pytest.mark.parametrize("name", ["around_chunk", "deep", "grouped_l2", "strong"])
+def test_through_the_op(name):
+    """gdn_tree_scan autograd on CUDA bf16: the fused forward's saved buffers into the fused backward."""
+    case = cached_case(name)
+    ops = plugins.ops(FAMILY)
+    d = {n: t.clone().requires_grad_(n != "grad") for n, t in case["dev"].items()}
+    init = _init(d, case["h0"])
+    o = ops.gdn_tree_scan(d["q"], d["k"], d["v"], d["g"], d["beta"], *case["tabs"], init, 0.0, case["l2norm"])
+    names = ["q", "k", "v", "g", "beta"] + (["h0"] if case["h0"] != "none" else [])
+    grads = torch.autograd.grad((o.float() * d["grad"].float()).sum(), [d[n] for n in names])
+    want = cached_oracle(name)
+    rows = []
+    for n, gr in zip(names, grads):
+        w = want[n]
+        if n == "h0" and case["h0"] == "shared":
+            w = w[0]
+            gr = gr if gr.dim() == 3 else gr[0]
+        rows.append(("op", f"d{n}", rel_rms(gr, w), TOL))
+    bad = report(name + "/op", rows)
+    assert not bad, f"{name}: gdn_tree_scan gradients over tolerance: {bad}"
