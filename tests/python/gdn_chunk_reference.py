@@ -41,6 +41,66 @@ def _chunks(t, gather):
     return out.transpose(1, 2).contiguous()
 
 
+def state_pass(w, u, kd, decay, tables, initial_state=None, round_to=None):
+    """The tree state pass in float64 (segments in parents-first order): h (NC, H, K, V) entering each
+    chunk, v_new = u - w h, and the final state of each segment (S, H, K, V). round_to rounds h and
+    v_new (as the kernels store them) before they are used."""
+    f = torch.float64
+    w, u, kd, decay = (t.detach().to(f) for t in (w, u, kd, decay))
+    dev = w.device
+    rnd = (lambda x: x.to(round_to).to(f)) if round_to is not None else (lambda x: x)
+    _gather, _scatter, sco, parents, root_index = tables[:5]
+    NC, HV, C, K = w.shape
+    V = u.shape[-1]
+    sco_l = [int(x) for x in sco.tolist()]
+    par_l = [int(x) for x in parents.tolist()]
+    ri_l = [int(x) for x in root_index.tolist()]
+    S = len(par_l)
+    h = torch.zeros(NC, HV, K, V, dtype=f, device=dev)
+    v_new = torch.zeros(NC, HV, C, V, dtype=f, device=dev)
+    final = torch.zeros(S, HV, K, V, dtype=f, device=dev)
+    h0 = None
+    if initial_state is not None:
+        h0 = initial_state.detach().to(device=dev, dtype=f)
+        if h0.dim() == 4 and h0.shape[0] == 1:
+            h0 = h0[0]
+    for s in range(S):
+        if par_l[s] >= 0:
+            state = final[par_l[s]].clone()
+        elif h0 is None:
+            state = torch.zeros(HV, K, V, dtype=f, device=dev)
+        else:
+            state = (h0 if h0.dim() == 3 else h0[ri_l[s]]).clone()
+        for c in range(sco_l[s], sco_l[s + 1]):
+            hc = rnd(state)
+            h[c] = hc
+            vn = rnd(u[c] - w[c] @ hc)
+            v_new[c] = vn
+            state = decay[c].view(HV, 1, 1) * state + kd[c].transpose(-1, -2) @ vn
+        final[s] = state
+    return h, v_new, final
+
+
+def outputs(q, k, G, h, v_new, tables, scale=0.0, use_qk_l2norm=True, value_heads=None):
+    """o (T, HV, V) in float64 from q, k and the stages G, h, v_new (the output stage alone)."""
+    f = torch.float64
+    q, k, G, h, v_new = (t.detach().to(f) for t in (q, k, G, h, v_new))
+    gather, scatter = tables[0].to(q.device), tables[1].to(q.device)
+    T, HK, K = q.shape
+    NC, HV, C, V = v_new.shape
+    groups = HV // HK
+    sc = scale if scale > 0 else 1.0 / math.sqrt(K)
+    if use_qk_l2norm:
+        q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6)
+        k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    rep = lambda t: t.repeat_interleave(groups, dim=1)  # noqa: E731
+    qc, kc = _chunks(rep(q * sc), gather), _chunks(rep(k), gather)
+    lower_eq = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    E = torch.exp((G.unsqueeze(-1) - G.unsqueeze(-2)).masked_fill(~lower_eq, -math.inf))
+    o_chunk = (qc * torch.exp(G).unsqueeze(-1)) @ h + ((qc @ kc.transpose(-1, -2)) * E) @ v_new
+    return o_chunk.transpose(1, 2).reshape(NC * C, HV, V)[scatter]
+
+
 def stages(q, k, v, g, beta, tables, initial_state=None, scale=0.0, use_qk_l2norm=True, round_to=None):
     """Every stage of the forward in float64 (see the module docstring). Returns a dict."""
     gather, scatter, sco, parents, root_index, _level_segments, _level_offsets, _child_offsets, _children = tables
@@ -84,33 +144,7 @@ def stages(q, k, v, g, beta, tables, initial_state=None, scale=0.0, use_qk_l2nor
     kd = rnd(kc * torch.exp(Glast - G).unsqueeze(-1))
     decay = torch.exp(G[..., -1])
 
-    # the state pass over the trie (segments are in parents-first order)
-    sco_l = [int(x) for x in sco.tolist()]
-    par_l = [int(x) for x in parents.tolist()]
-    ri_l = [int(x) for x in root_index.tolist()]
-    S = len(par_l)
-    h = torch.zeros(NC, HV, K, V, dtype=f, device=dev)
-    v_new = torch.zeros(NC, HV, C, V, dtype=f, device=dev)
-    final = torch.zeros(S, HV, K, V, dtype=f, device=dev)
-    h0 = None
-    if initial_state is not None:
-        h0 = initial_state.detach().to(f)
-        if h0.dim() == 4 and h0.shape[0] == 1:
-            h0 = h0[0]
-    for s in range(S):
-        if par_l[s] >= 0:
-            state = final[par_l[s]].clone()
-        elif h0 is None:
-            state = torch.zeros(HV, K, V, dtype=f, device=dev)
-        else:
-            state = (h0 if h0.dim() == 3 else h0[ri_l[s]]).clone()
-        for c in range(sco_l[s], sco_l[s + 1]):
-            hc = rnd(state)
-            h[c] = hc
-            vn = rnd(u[c] - w[c] @ hc)
-            v_new[c] = vn
-            state = decay[c].view(HV, 1, 1) * state + kd[c].transpose(-1, -2) @ vn
-        final[s] = state
+    h, v_new, final = state_pass(w, u, kd, decay, tables, initial_state, round_to)
 
     scores = (qc @ kc.transpose(-1, -2)) * E
     o_chunk = (qc * torch.exp(G).unsqueeze(-1)) @ h + scores @ v_new

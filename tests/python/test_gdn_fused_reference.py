@@ -74,3 +74,13 @@ def test_round_to_changes_only_by_rounding():
     rounded = ref.stages(x["q"], x["k"], x["v"], x["g"], x["beta"], tabs, x["h0"][0], 0.0, True, round_to=torch.bfloat16)
     e = rel_err(rounded["o"], exact["o"])
     assert 0 < e < 5e-2
+
+
+def test_output_stage_alone_matches():
+    # outputs() (the output stage alone, from G, h, v_new) gives the full reference's o
+    seg_offsets, parents = trie([(-1, 100), (0, 30), (0, 64)])
+    x = leaves(make_inputs(194, seed=4), torch.float64)
+    tabs = chunk_tables(seg_offsets, parents)
+    st = ref.stages(x["q"], x["k"], x["v"], x["g"], x["beta"], tabs, x["h0"][0], 0.3, True)
+    o = ref.outputs(x["q"], x["k"], st["G"], st["h"], st["v_new"], tabs, 0.3, True)
+    assert rel_err(o, st["o"]) <= 1e-12
