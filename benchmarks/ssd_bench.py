@@ -184,7 +184,7 @@ def main():
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--case-budget-s", type=float, default=3.0,
                     help="fewer timed runs (>= 3) when --repeats would take longer than this per mode")
-    ap.add_argument("--budget-s", type=float, default=120.0, help="later cases are skipped after this many seconds")
+    ap.add_argument("--budget-s", type=float, default=110.0, help="later cases are skipped after this many seconds")
     ap.add_argument("--cases", default="", help="comma-separated names or globs (default: all)")
     ap.add_argument("--peers", default="auto", choices=["auto", "on", "off"],
                     help="time mamba-ssm (auto: on CUDA unless --small)")

@@ -118,8 +118,11 @@ def error_text(e: BaseException) -> str:
 def free(device):
     gc.collect()
     if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
+        try:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+        except Exception:  # noqa: BLE001, S110  (a lost context: Runner.check records it)
+            pass
 
 
 class Runner:
@@ -131,7 +134,17 @@ class Runner:
         self.result, self.out, self.budget_s, self.device = result, out, budget_s, device
         self.patterns = [p.strip() for p in patterns.split(",") if p.strip()] if patterns else []
         self.start = time.perf_counter()
+        self.lost = None  # the case after which the CUDA context failed (a sticky error: the rest cannot run)
         result.setdefault("cases", {})
+
+    def check(self, where):
+        if self.device.type != "cuda" or self.lost:
+            return
+        try:
+            torch.cuda.synchronize()
+            torch.empty(1, device=self.device).add_(1).item()  # host sync on purpose: outside any timed run
+        except Exception as e:  # noqa: BLE001
+            self.lost = f"after {where}: {error_text(e)}"
 
     def wanted(self, name):
         return not self.patterns or any(fnmatch.fnmatchcase(name, p) or p == name for p in self.patterns)
@@ -147,6 +160,10 @@ class Runner:
             cases[name] = {"skipped": f"time budget ({self.budget_s:.0f} s) spent after {elapsed:.0f} s"}
             print(f"{name:<22} skipped (time budget)", flush=True)
             return
+        if self.lost:
+            cases[name] = {"skipped": f"CUDA context lost in an earlier case: {self.lost}"}
+            print(f"{name:<22} skipped (CUDA context lost)", flush=True)
+            return
         entry = cases[name] = {}
         t0 = time.perf_counter()
         try:
@@ -156,6 +173,7 @@ class Runner:
                 extra = {}
                 if isinstance(fn, tuple):
                     fn, extra = fn
+                failed = False
                 try:
                     entry[mode] = time_it(fn, self.result["repeats"], self.device, warmup=self.result["warmup"],
                                           budget_s=self.result["case_budget_s"])
@@ -164,10 +182,17 @@ class Runner:
                         entry[mode]["tokens_per_ms"] = entry["tokens"] / entry[mode]["median_ms"]
                 except Exception as e:  # noqa: BLE001  (out of memory and any kernel error: record, go on)
                     entry[mode] = {"error": error_text(e)}
+                    failed = True
+                if failed:  # outside the handler: the traceback's frames (and their tensors) are gone
+                    self.check(f"{name} {mode}")
                     free(self.device)
+                    if self.lost:
+                        break
             del modes
         except Exception as e:  # noqa: BLE001
             entry["error"] = error_text(e)
+        if "error" in entry:
+            self.check(name)
         free(self.device)
         entry["case_s"] = time.perf_counter() - t0
         print(f"{name:<22} " + json.dumps(entry)[:400], flush=True)
