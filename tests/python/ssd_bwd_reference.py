@@ -204,7 +204,8 @@ def _y_chunks(xc, Bc, Cc, dt, Lam, states):
 def backward(dout, x, dt_raw, B, C, A, tabs, saved, D=None, dt_bias=None, z=None, initial_state=None,
              dt_softplus=False, dt_limit=(0.0, float("inf"))):
     """Every intermediate and final gradient of the fused backward, float64, as a dict:
-    dz, dy (T,H,P); local, ds_leave (NC,H,P,N); ddecay (NC,H); d_initial_state; ddt_direct, d_dtA (NC,H,L);
+    dz, dy (T,H,P); cb (NC,G,L,L); local, ds_leave (NC,H,P,N); ddecay (NC,H); d_roots (R,H,P,N); d_initial_state;
+    q, v, ddt_direct, d_dtA (NC,H,L);
     dx, ddt (T,H) (wrt prepared dt), ddt_raw, dB, dC, dA, dD, ddt_bias."""
     T, H, P = x.shape
     G, N = B.shape[1], B.shape[2]
@@ -256,7 +257,7 @@ def backward(dout, x, dt_raw, B, C, A, tabs, saved, D=None, dt_bias=None, z=None
             ws[s] = carry
             if ridx[s] >= 0:
                 d_roots[ridx[s]] = carry
-    r["ds_leave"], r["ddecay"] = ds_leave, ddecay
+    r["ds_leave"], r["ddecay"], r["d_roots"] = ds_leave, ddecay, d_roots
     if initial_state is not None:
         r["d_initial_state"] = d_roots.sum(0) if initial_state.dim() == 3 else d_roots
     # stage 4: per chunk gradients
@@ -284,7 +285,8 @@ def backward(dout, x, dt_raw, B, C, A, tabs, saved, D=None, dt_bias=None, z=None
     d_V = torch.cumsum(V, -1) - V
     E = torch.exp(last.squeeze(-1)) * ddecay
     d_dtA = d_pairs + d_Q + d_V + E.unsqueeze(-1)
-    r["ddt_direct"], r["d_dtA"] = ddt_direct, d_dtA
+    r["ddt_direct"], r["d_dtA"], r["q"], r["v"] = ddt_direct, d_dtA, Q, V
+    r["cb"] = CB[:, ::hpg] * torch.ones(L, L, dtype=torch.bool).tril()  # per group, lower triangle (NC, G, L, L)
     ddt_c = ddt_direct + A64.view(1, H, 1) * d_dtA
     r["dA"] = (dt * d_dtA).sum((0, 2))
     # scatter to tokens

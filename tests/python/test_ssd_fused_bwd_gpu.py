@@ -1,0 +1,215 @@
+"""The fused SSD backward kernels on the GPU (issue 20, stage 2), through the test-only op
+``ssd_fused_backward_stages`` (runs the backward from GIVEN saved buffers, so it is tested even
+while the forward kernels are not right): every stage's output against its float64 twin in
+ssd_bwd_reference.py (relative RMS printed per quantity, so one run tells which kernel is wrong),
+then the final gradients of x, dt, A (and A_log), B, C, D, dt_bias, z and the initial states
+against float64 autograd through the token-by-token recurrence, and bitwise identical results on
+two runs. Cases: mixed / deep / wide tries, 1-token segments, segments around the chunk, an 8k
+segment, G 2 with H 4, D (H) and (H, P), z on/off, softplus on/off, dt_limit, shared and per-root
+initial states, chunk 64 / 128 / 256, fp32 / bf16 / fp16 inputs. A last test takes the saved
+buffers from the fused forward (op ``ssd_fused_stages``) when it exists.
+
+Run on the GPU:  .venv/bin/python -m pytest tests/python/test_ssd_fused_bwd_gpu.py -q -x -s
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ssd_bwd_reference as ref
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+STAGE_NAMES = ["dy", "dz", "cb", "local", "ds_leave", "ddecay", "d_roots", "q", "v", "ddt_direct", "d_dtA", "ddt",
+               "ddt_raw", "dA_part"]
+DEVICE = "cuda"  # a CPU harness check may swap it (with a stand-in op)
+FINAL_NAMES = ["dx", "ddt_final", "dB", "dC", "dA", "dD", "ddt_bias", "dz_final", "d_initial_state"]
+
+
+def _ops():
+    from tree_recurrence import plugins
+
+    return plugins.ops("mamba2")
+
+
+def rel_rms(got, want):
+    got, want = got.detach().double().cpu(), want.detach().double().cpu()
+    assert got.shape == want.shape, (got.shape, want.shape)
+    return float((got - want).norm() / want.norm().clamp_min(1e-30))
+
+
+def make(T, H, P, G, N, roots, D_per_channel, seed):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    return dict(x=r(T, H, P), dt=r(T, H), B=r(T, G, N), C=r(T, G, N), z=r(T, H, P), dout=r(T, H, P),
+                D=r(H, P) if D_per_channel else r(H), dt_bias=r(H) * 0.5, h0=r(roots, H, P, N) * 0.5,
+                A_log=r(H) * 0.5)
+
+
+def run_case(seg_offsets, parents, chunk=64, dtype=torch.float32, H=4, P=16, G=2, N=16, D_per_channel=False,
+             use=("D", "dt_bias", "z", "h0"), h0="per_root", dt_softplus=True, dt_limit=(0.0, float("inf")),
+             seed=0, stage_tol=None, final_tol=None, saved_from_forward=False, oracle_chunk=None, name=""):
+    seg_offsets, parents = list(seg_offsets), list(parents)
+    roots = sum(p < 0 for p in parents)
+    T = seg_offsets[-1]
+    raw = make(T, H, P, G, N, 1 if h0 == "shared" else roots, D_per_channel, seed)
+    # inputs as the kernels see them (in-type rounded); the float64 references use the same values
+    for k in ("x", "B", "C", "z", "dout"):
+        raw[k] = raw[k].to(dtype).double()
+    d = raw
+    A = -torch.exp(d["A_log"]).float().double()  # A is fp32 in the models
+    D = d["D"] if "D" in use else None
+    dt_bias = d["dt_bias"] if "dt_bias" in use else None
+    z = d["z"] if "z" in use else None
+    h0t = None if "h0" not in use else (d["h0"][0] if h0 == "shared" else d["h0"])
+    tabs = ref.chunk_tables(seg_offsets, parents, chunk)
+    opt = dict(D=D, dt_bias=dt_bias, z=z, initial_state=h0t, dt_softplus=dt_softplus, dt_limit=dt_limit)
+
+    dev = torch.device(DEVICE)
+    tabs_dev = ref.chunk_tables(seg_offsets, parents, chunk, dev)
+    cu = lambda t, dt_=dtype: None if t is None else t.to(dev, dt_).contiguous()  # noqa: E731
+    ops = _ops()
+    if saved_from_forward:
+        if not hasattr(ops, "ssd_fused_stages"):
+            pytest.skip("the fused forward's stage op ssd_fused_stages is not built")
+        fw = ops.ssd_fused_stages(cu(d["x"]), cu(d["dt"], torch.float32), cu(d["B"]), cu(d["C"]), tabs_dev["gather"],
+                                  tabs_dev["scatter"], tabs_dev["seg_chunk_offsets"], tabs_dev["parents"],
+                                  tabs_dev["root_index"], tabs_dev["level_segments"], tabs_dev["level_offsets"],
+                                  tabs_dev["child_offsets"], tabs_dev["children"], cu(h0t, torch.float32),
+                                  A=cu(A, torch.float32), dt_limit=list(dt_limit), D=cu(D, torch.float32),
+                                  dt_bias=cu(dt_bias, torch.float32), dt_softplus=dt_softplus, z=cu(z))
+        saved_dev = dict(dt=fw[1], Lam=fw[2], states=fw[4], y=fw[5] if z is not None else None)
+        saved = dict(dt=fw[1].double().cpu(), Lam=fw[2].double().cpu(), states=fw[4].double().cpu(),
+                     y=fw[5].double().cpu() if z is not None else None)
+    else:
+        sv = ref.forward(d["x"], d["dt"], d["B"], d["C"], A, tabs, states_dtype=dtype, **opt)
+        # saved buffers as the forward stores them: dt / Lam fp32, states and y in-type
+        saved = dict(dt=sv["dt"].float().double(), Lam=sv["Lam"].float().double(), states=sv["states"],
+                     y=sv["y"].to(dtype).double())
+        saved_dev = dict(dt=cu(saved["dt"], torch.float32), Lam=cu(saved["Lam"], torch.float32),
+                         states=cu(saved["states"]), y=cu(saved["y"]) if z is not None else None)
+
+    def launch():
+        return ops.ssd_fused_backward_stages(
+            cu(d["dout"]), cu(d["x"]), cu(d["dt"], torch.float32), cu(d["B"]), cu(d["C"]), cu(A, torch.float32),
+            cu(D, torch.float32), cu(dt_bias, torch.float32), cu(z), cu(h0t, torch.float32), list(dt_limit), dt_softplus,
+            tabs_dev["gather"], tabs_dev["scatter"], tabs_dev["seg_chunk_offsets"], tabs_dev["parents"],
+            tabs_dev["root_index"], tabs_dev["level_segments"], tabs_dev["level_offsets"], tabs_dev["child_offsets"],
+            tabs_dev["children"], saved_dev["dt"], saved_dev["Lam"], saved_dev["states"], saved_dev["y"])
+
+    out = launch()
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    got = dict(zip(STAGE_NAMES + FINAL_NAMES, out))
+    for k, v in got.items():
+        assert torch.isfinite(v).all(), f"{name}: {k} is not finite"
+
+    # 1) every stage against its float64 twin on the same saved buffers
+    want = ref.backward(d["dout"], d["x"], d["dt"], d["B"], d["C"], A, tabs, saved, **opt)
+    stage_tol = stage_tol if stage_tol is not None else 1e-4
+    stage_err = {}
+    for k in STAGE_NAMES:
+        key = k
+        if k == "d_roots" and h0t is None:
+            continue
+        if k == "dz" and z is None:
+            continue
+        if k == "dA_part":
+            w = (saved["dt"] * want["d_dtA"]).sum(-1)
+        elif k == "local":
+            w = want["local"]
+        else:
+            w = want[key]
+        stage_err[k] = rel_rms(got[k], w)
+    print(f"\n[{name}] stages (rel RMS vs float64 stage reference):",
+          " ".join(f"{k}={v:.2e}" for k, v in stage_err.items()))
+
+    # 2) final gradients against float64 autograd through the token recurrence
+    leaves = {k: v.clone().requires_grad_() for k, v in d.items()}
+    A_leaf = -torch.exp(leaves["A_log"])
+    oopt = dict(D=leaves["D"] if D is not None else None, dt_bias=leaves["dt_bias"] if dt_bias is not None else None,
+                z=leaves["z"] if z is not None else None,
+                initial_state=None if h0t is None else (leaves["h0"][0] if h0 == "shared" else leaves["h0"]),
+                dt_softplus=dt_softplus, dt_limit=dt_limit)
+    if oracle_chunk is None:
+        y = ref.token_scan(leaves["x"], leaves["dt"], leaves["B"], leaves["C"], A_leaf, seg_offsets, parents, **oopt)
+    else:
+        # long rows: autograd through the float64 chunked forward at another chunk size (checked against the
+        # token recurrence in test_ssd_bwd_reference.py), which a Python token loop would take minutes for
+        otabs = ref.chunk_tables(seg_offsets, parents, oracle_chunk)
+        y = ref.forward(leaves["x"], leaves["dt"], leaves["B"], leaves["C"], A_leaf, otabs, **oopt)["out"]
+    (y * d["dout"]).sum().backward()
+    finals = dict(dx=("x", got["dx"]), ddt_final=("dt", got["ddt_final"]), dB=("B", got["dB"]), dC=("C", got["dC"]),
+                  dA=("A_log", got["dA"].double().cpu() * A))
+    if D is not None:
+        finals["dD"] = ("D", got["dD"])
+    if dt_bias is not None:
+        finals["ddt_bias"] = ("dt_bias", got["ddt_bias"])
+    if z is not None:
+        finals["dz_final"] = ("z", got["dz_final"])
+    if h0t is not None:
+        finals["d_initial_state"] = ("h0", got["d_initial_state"].cpu().reshape(leaves["h0"].shape))
+    final_err = {k: rel_rms(v, leaves[n].grad) for k, (n, v) in finals.items()}
+    print(f"[{name}] final gradients (rel RMS vs float64 autograd of the token recurrence):",
+          " ".join(f"{k}={v:.2e}" for k, v in final_err.items()))
+
+    # 3) bitwise identical on a second run
+    again = launch()
+    same = {k: torch.equal(a, b) for k, a, b in zip(STAGE_NAMES + FINAL_NAMES, out, again)}
+    assert all(same.values()), f"{name}: not bitwise identical on two runs: {[k for k, v in same.items() if not v]}"
+
+    bad = {k: v for k, v in stage_err.items() if not v <= stage_tol}
+    assert not bad, f"{name}: stages above {stage_tol}: {bad}"
+    if final_tol is None:
+        final_tol = 1e-4 if dtype == torch.float32 else 1e-2
+    bad = {k: v for k, v in final_err.items() if not v <= final_tol}
+    assert not bad, f"{name}: final gradients above {final_tol}: {bad}"
+    return stage_err, final_err
+
+
+# segments of 1, 63, 64, 65 tokens and a 130-token one in a branching trie with two roots
+MIXED = ([0, 1, 64, 128, 193, 194, 324, 389], [-1, 0, 1, 0, -1, 4, 4])
+DEEP = ([0, 100, 101, 229, 300, 301, 430, 431, 560, 600, 729, 730, 731], [-1, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10])
+WIDE = ([0, 130] + [130 + 10 * (k + 1) + k for k in range(12)], [-1] + [0] * 12)
+
+
+@pytest.mark.parametrize("chunk", [64, 128, 256])
+def test_mixed_fp32(chunk):
+    run_case(*MIXED, chunk=chunk, name=f"mixed fp32 L{chunk}")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_mixed_half(dtype):
+    run_case(*MIXED, dtype=dtype, D_per_channel=True, name=f"mixed {dtype} D(H,P)")
+
+
+def test_deep_trie_bf16_chunk128():
+    run_case(*DEEP, chunk=128, dtype=torch.bfloat16, name="deep bf16 L128")
+
+
+def test_wide_trie_bf16_shared_h0():
+    run_case(*WIDE, chunk=64, dtype=torch.bfloat16, h0="shared", name="wide bf16 shared h0")
+
+
+def test_no_optionals_no_softplus_dt_limit():
+    run_case(*MIXED, use=(), dt_softplus=False, dt_limit=(0.05, 1.5), name="no optionals, clamp")
+    run_case(*MIXED, use=("D",), dt_limit=(0.2, 0.9), name="softplus + dt_limit, D only")
+
+
+def test_one_token_segments():
+    run_case([0, 1, 2, 3, 4, 5], [-1, 0, 0, 2, -1], name="1-token segments")
+
+
+def test_groups_one_and_model_dims_bf16():
+    run_case(*MIXED, dtype=torch.bfloat16, H=8, P=64, G=1, N=64, chunk=128, name="G1 H8 P64 N64 bf16 L128")
+    run_case([0, 200, 300], [-1, 0], dtype=torch.bfloat16, H=4, P=128, G=2, N=128, chunk=64, name="P128 N128 bf16")
+
+
+def test_8k_segment():
+    run_case([0, 8192, 8292], [-1, 0], chunk=128, dtype=torch.bfloat16, H=2, P=16, G=1, N=16, oracle_chunk=64,
+             name="8k bf16 L128")
+
+
+def test_saved_buffers_from_the_fused_forward():
+    run_case(*MIXED, chunk=64, dtype=torch.bfloat16, saved_from_forward=True, name="fused forward's saved buffers")
