@@ -213,3 +213,26 @@ def test_8k_segment():
 
 def test_saved_buffers_from_the_fused_forward():
     run_case(*MIXED, chunk=64, dtype=torch.bfloat16, saved_from_forward=True, name="fused forward's saved buffers")
+
+
+@pytest.mark.parametrize("chunk", [64, 128])
+def test_through_ssd_tree_scan_autograd(chunk):
+    """End to end: ssd_tree_scan on CUDA in bf16 (the fused forward + fused::backward when fused::supported
+    holds, else the composite) under autograd, every gradient vs float64 autograd of the token oracle."""
+    from test_ssd_chunked import as_oracle, make_inputs, run_chunked, run_oracle
+
+    seg, par = MIXED
+    ins = make_inputs(seg[-1], H=4, P=16, G=2, N=16, dtype=torch.bfloat16, device="cuda", roots=2, D_per_channel=True)
+    oracle = as_oracle(ins)
+    y = run_chunked(ins, seg, par, chunk=chunk)
+    want = run_oracle(oracle, seg, par)
+    w = torch.randn(want.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    names = ["x", "dt", "A", "B", "C", "D", "dt_bias", "z", "h0"]
+    got = torch.autograd.grad((y * w.to(y.device, y.dtype)).sum(), [ins[n] for n in names])
+    wanted = torch.autograd.grad((want * w).sum(), [oracle[n] for n in names])
+    errors = {n: rel_rms(a.float(), b) for n, a, b in zip(names, got, wanted)}
+    errors["y"] = rel_rms(y, want)
+    print(f"\n[ssd_tree_scan autograd bf16 L{chunk}] rel RMS vs float64 token oracle:",
+          " ".join(f"{k}={v:.2e}" for k, v in errors.items()))
+    bad = {k: v for k, v in errors.items() if not v <= 2e-2}
+    assert not bad, bad
