@@ -106,7 +106,10 @@ Stages run(const at::Tensor& grad_out, const Args& a, const Tables& t, const Sav
   c10::cuda::CUDAGuard guard(a.x.device());
   void* stream = c10::cuda::getCurrentCUDAStream().stream();
   const auto f32 = a.x.options().dtype(at::kFloat);
-  const auto in = [](const at::Tensor& x) { return x.contiguous(); };
+  // the kernels read fp32 / bf16 / fp16; a float64 tensor (z may be one) is narrowed to fp32
+  const auto in = [](const at::Tensor& x) {
+    return x.scalar_type() == at::kDouble ? x.to(at::kFloat).contiguous() : x.contiguous();
+  };
   const at::Tensor x = in(a.x), B = in(a.B), C = in(a.C), dout = in(grad_out), states = in(saved.states);
   const at::Tensor dt_raw = a.dt.to(at::kFloat).contiguous(), A = a.A.to(at::kFloat).contiguous();
   const at::Tensor dt_s = saved.dt.contiguous(), Lam = saved.Lam.contiguous();
