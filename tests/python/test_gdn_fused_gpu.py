@@ -41,7 +41,7 @@ CASES = {
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 # local (one kernel) and exact (chain) relative RMS bounds per stage
-LOCAL_TOL = dict(o=1e-2, G=1e-5, Ainv=1e-2, w=1e-2, u=1e-2, kd=1e-2, decay=1e-5, h=1e-2, v_new=1e-2, final_state=1e-2,
+LOCAL_TOL = dict(o=1e-2, G=1e-5, Ainv=1e-2, w=1e-2, u=1e-2, kd=1e-2, decay=1e-4, h=1e-2, v_new=1e-2, final_state=1e-2,
                  rq=1e-5, rk=1e-5)
 EXACT_TOL = dict(LOCAL_TOL, o=5e-3, h=2e-2, v_new=2e-2, final_state=2e-2)
 
