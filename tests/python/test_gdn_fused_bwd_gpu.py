@@ -43,12 +43,13 @@ NAMES = ["dv_local", "q_g", "do_c", "grad_state_out", "dv_total", "d_root", "dq_
 
 CASES = {
     "one_token": dict(spec=[(-1, 1), (0, 1), (1, 1), (1, 1), (0, 1), (4, 3)], h0="shared", K=16, V=16, HK=1, HV=2),
-    "around_chunk": dict(spec=[(-1, 63), (0, 64), (0, 65), (1, 1), (2, 64)], h0="per_root", K=128, V=128, HK=1, HV=2),
+    "around_chunk": dict(spec=[(-1, 63), (0, 64), (0, 65), (1, 1), (2, 64)], h0="per_root", K=64, V=64, HK=1, HV=2),
     "deep": dict(spec="deep", h0="shared", K=16, V=16, HK=1, HV=2),
     "wide": dict(spec="wide", h0="shared", K=16, V=16, HK=1, HV=2),
-    "grouped_l2": dict(spec=[(-1, 70), (0, 40), (0, 90), (2, 5)], h0="shared", K=128, V=128, HK=2, HV=6),
-    "grouped_no_l2": dict(spec=[(-1, 70), (0, 40), (0, 90), (2, 5)], h0="none", K=16, V=16, HK=2, HV=4, l2norm=False),
-    "strong": dict(spec=[(-1, 130), (0, 65), (0, 64), (1, 63)], h0="per_root", K=128, V=128, HK=1, HV=2, strong=True),
+    "grouped_l2": dict(spec=[(-1, 70), (0, 40), (0, 90), (2, 5)], h0="shared", K=128, V=128, HK=1, HV=2),
+    # K, V multiples of 8 but not of 16: the kernels' zero-padded tiles
+    "grouped_no_l2": dict(spec=[(-1, 70), (0, 40), (0, 90), (2, 5)], h0="none", K=24, V=40, HK=2, HV=4, l2norm=False),
+    "strong": dict(spec=[(-1, 130), (0, 65), (0, 64), (1, 63)], h0="per_root", K=128, V=128, HK=1, HV=1, strong=True),
     "forest": dict(spec=[(-1, 30), (-1, 64), (0, 20), (-1, 1), (1, 70), (1, 3)], h0="per_root", K=16, V=16, HK=1, HV=2),
     "long_8k": dict(spec=[(-1, 8192), (0, 100)], h0="shared", K=128, V=128, HK=1, HV=1),
 }
