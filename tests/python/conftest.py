@@ -213,6 +213,12 @@ def tree_install(bind_kernels):
         tr.uninstall(model)
 
 
+@pytest.fixture
+def installed(tree_install):
+    """tree_install under the name the hooks and install-support tests use."""
+    return tree_install
+
+
 # ------------------------------------------------------------------------------------------------
 # the references: every sample alone, cached for the session
 # ------------------------------------------------------------------------------------------------
