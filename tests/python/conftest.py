@@ -213,6 +213,12 @@ def tree_install(bind_kernels):
         tr.uninstall(model)
 
 
+@pytest.fixture
+def installed(tree_install):
+    """tree_install under the name the hooks and install-support tests use."""
+    return tree_install
+
+
 # ------------------------------------------------------------------------------------------------
 # the references: every sample alone, cached for the session
 # ------------------------------------------------------------------------------------------------
@@ -232,20 +238,27 @@ def transformers_seams(model_type: str):
             setattr(module, name, obj)
 
 
-_ALONE: dict[tuple, M.Result] = {}
-
-
 @pytest.fixture(scope="session")
 def alone_reference():
     """``alone_reference(model_type, forest_name, tree, **config_overrides)`` -> Result of every
-    sample run alone through a fresh (deterministic) model with transformers' own seams; cached."""
+    sample run alone through a fresh (deterministic) GDN model with transformers' own seams;
+    cached in the family harness's session cache."""
+    import family_harness as H
 
     def get(model_type: str, forest: str, tree: M.PackedTree, **overrides) -> M.Result:
-        key = (model_type, forest, tuple(sorted(overrides.items())))
-        if key not in _ALONE:
-            model = M.make_model(model_type, **overrides)
-            with transformers_seams(model_type):
-                _ALONE[key] = M.run_alone(model, tree.samples, M.loss_weights(tree.samples))
-        return _ALONE[key]
+        return H.alone(lambda: M.make_model(model_type, **overrides), model_type, forest, tree,
+                       guard=lambda: transformers_seams(model_type), **overrides)
 
     return get
+
+
+@pytest.fixture
+def env(decisions):
+    """The family harness's Env: ``env.bind(module, seams)`` binds tree_recurrence.reference's
+    library stand-ins into the modeling module as transformers binds the libraries;
+    ``env.install(model, **kw)`` installs. Teardown uninstalls first, then restores the seams."""
+    import family_harness as H
+
+    e = H.Env()
+    yield e
+    e.close()

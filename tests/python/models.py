@@ -62,38 +62,46 @@ def tree_attention_name() -> str:
     return register_tree_attention()
 
 
-def make_model(model_type: str, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides) -> torch.nn.Module:
-    """A tiny randomly initialised CausalLM of ``model_type`` in train mode, dropout 0, tree attention.
+# parameter-name suffixes re-drawn uniformly in a range, in parameter order: (suffixes, low, high)
+GDN_REDRAW = ((("A_log", "dt_bias"), -1.0, 1.0),)
 
-    Deterministic: the same (model_type, seed) gives the same weights. A_log and dt_bias are
-    re-drawn uniformly in [-1, 1] so the heads decay at clearly different rates: the state carried
-    across a segment boundary matters (test_unpatched_model_fails_the_comparison checks it does)."""
+
+def make_tiny_model(model_type: str, config: dict, seed: int = 0, dtype: torch.dtype = torch.float32,
+                    redraw: tuple = (), attention: bool = True) -> torch.nn.Module:
+    """A tiny randomly initialised CausalLM of ``model_type`` from ``config`` in train mode, dropout
+    0, tree attention where the model has attention (``attention``; transformers refuses an
+    attention implementation for models without).
+
+    Deterministic: the same (model_type, config, seed) gives the same weights. The parameters named
+    by ``redraw`` (``((suffixes, low, high), ...)``) are re-drawn uniformly in their range, so that
+    e.g. the heads decay at clearly different rates and the state carried across a segment boundary
+    matters (test_unpatched_model_fails_the_comparison checks it does)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    kwargs = {**GDN_CONFIGS[model_type], **overrides}
-    config = AutoConfig.for_model(model_type, **kwargs)
+    config = AutoConfig.for_model(model_type, **config)
     for attr in ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop", "embd_pdrop"):
-        if hasattr(config, attr) and isinstance(getattr(config, attr), float):
+        if isinstance(getattr(config, attr, None), float):
             setattr(config, attr, 0.0)
     config.use_cache = False
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation=tree_attention_name()).to(dtype)
+    attn = {"attn_implementation": tree_attention_name()} if attention else {}
+    model = AutoModelForCausalLM.from_config(config, **attn).to(dtype)
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("A_log"):
-                p.copy_(torch.empty(p.shape).uniform_(-1.0, 1.0, generator=gen).to(p.dtype))
-            elif name.endswith("dt_bias"):
-                p.copy_(torch.empty(p.shape).uniform_(-1.0, 1.0, generator=gen).to(p.dtype))
+            for suffixes, low, high in redraw:
+                if name.endswith(suffixes):
+                    p.copy_(torch.empty(p.shape).uniform_(low, high, generator=gen).to(p.dtype))
+                    break
     model.train()
     assert all(m.p == 0 for m in model.modules() if isinstance(m, torch.nn.Dropout)), "dropout must be off"
     assert getattr(config, "attention_dropout", 0.0) == 0.0
     return model
 
 
-def gdn_parameter_names(model) -> list[str]:
-    """Names of the recurrent-layer parameters the tree must get right (A_log, dt_bias, conv1d.weight)."""
-    return [n for n, _ in model.named_parameters() if n.endswith(("A_log", "dt_bias", "conv1d.weight"))]
+def make_model(model_type: str, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides) -> torch.nn.Module:
+    """A tiny GDN model of ``model_type`` (GDN_CONFIGS): make_tiny_model with A_log and dt_bias re-drawn."""
+    return make_tiny_model(model_type, {**GDN_CONFIGS[model_type], **overrides}, seed=seed, dtype=dtype, redraw=GDN_REDRAW)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -12,20 +12,33 @@ on an unpatched model and that uninstall restores every module attribute by iden
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 import torch
 
+import family_harness as H
 import models as M
 import tree_recurrence as tr
-from tree_recurrence import driver, seams
+from tree_recurrence import driver
 
 pytestmark = pytest.mark.usefixtures("gdn_modules_pristine")
 
-FAMILY = "gated_delta_net"
 CONV, SCAN = "causal_conv1d_fn", "torch_chunk_gated_delta_rule"
+
+
+def _linear_layers(model, model_type) -> list[str]:
+    types = model.config.get_text_config().layer_types
+    return [f"model.layers.{i}.linear_attn" for i, t in enumerate(types) if t == "linear_attention"]
+
+
+GDN = H.Family(
+    "gated_delta_net", configs=M.GDN_CONFIGS, modules=M.MODELING_MODULES, seams=(CONV, SCAN), redraw=M.GDN_REDRAW,
+    mixers={"qwen3_5_text": "Qwen3_5GatedDeltaNet", "qwen3_5_moe_text": "Qwen3_5MoeGatedDeltaNet",
+            "qwen3_next": "Qwen3NextGatedDeltaNet", "olmo_hybrid": "OlmoHybridGatedDeltaNet",
+            "qwen4_exp_text": "Qwen4ExpTextGatedDeltaNet"},
+    layers_of=_linear_layers)  # the layers config.layer_types makes linear attention
+FAMILY = GDN.name
 ALL_MODEL_TYPES = M.GDN_MODEL_TYPES + ["qwen4_exp_text"]
+assert sorted(ALL_MODEL_TYPES) == sorted(GDN.model_types)
 
 # (strategy, binding): native runs the family's tree kernels (backend auto); fork / rescan run over
 # whatever transformers bound (backend kernel): its torch reference, or a library stand-in.
@@ -40,52 +53,23 @@ CASES = [
 ]
 
 
-def _module(model_type):
-    return importlib.import_module(M.MODELING_MODULES[model_type])
-
-
-def _linear_layers(model) -> list[str]:
-    types = model.config.get_text_config().layer_types
-    return [f"model.layers.{i}.linear_attn" for i, t in enumerate(types) if t == "linear_attention"]
-
-
 def check_tree_run(model_type, forest, strategy, binding, *, tree_install, bind_kernels, decisions, alone_reference,
                    fmt="trl", checkpointing=False, overrides=None):
     """Packs ``forest``, runs it as one tree row under (strategy, binding) and checks logits,
     gradients and the driver's decisions against every sample run alone."""
-    overrides = overrides or {}
-    tree = M.pack_forest(forest)
-    alone = alone_reference(model_type, forest, tree, **overrides)
-    spy = bind_kernels(model_type, binding) if binding != "torch" else None
-    bound_scan = getattr(_module(model_type), SCAN)  # what transformers would hold
-    model = M.make_model(model_type, **overrides)
-    if checkpointing:  # True, or gradient_checkpointing_kwargs
-        model.gradient_checkpointing_enable(**({} if checkpointing is True else {"gradient_checkpointing_kwargs": checkpointing}))
-        assert model.is_gradient_checkpointing
-    backend = "auto" if strategy in ("native", "auto") else "kernel"
-    if strategy == "auto":  # the defaults: install(model), which picks the native kernels on CPU
-        support, strategy = tree_install(model), "native"
-    else:
-        support = tree_install(model, policy=tr.Policy(strategy=strategy), backends={FAMILY: backend})
-    assert support.mode == "tree", support.reason
-    assert support.families == {FAMILY: backend}
-    gdn_layers = _linear_layers(model)
-    assert sorted(layer.path for layer in support.layers) == gdn_layers and gdn_layers
-
-    kwargs = {"trl": tree.trl_kwargs, "rich": tree.rich_kwargs, "minimal": tree.minimal_kwargs}[fmt]()
-    decisions.clear()
-    result = M.run_tree(model, tree, M.loss_weights(tree.samples), kwargs)
-    M.assert_matches(result, alone, model, what=f"{model_type}/{forest}/{strategy}/{binding}/{fmt}")
+    bind = (lambda: bind_kernels(model_type, binding)) if binding != "torch" else None
+    run = H.run_case(GDN, model_type, forest, strategy, install=tree_install, alone=alone_reference,
+                     decisions=decisions, bind=bind, checkpointing=checkpointing, overrides=overrides, fmt=fmt,
+                     what=f"{model_type}/{forest}/{strategy}/{binding}/{fmt}")
+    strategy, spy, tree = run.strategy, run.spy, run.tree
 
     # the intended strategy ran, in every GDN layer, once per forward (twice with checkpointing)
-    runs = len(gdn_layers) * (2 if checkpointing else 1)
+    runs = len(run.layers) * (2 if checkpointing else 1)
     conv_strategy = "native" if strategy == "native" else "rescan"
-    got = [(d[1], d[2]) for d in decisions if d[0] == FAMILY]
-    assert sorted(got) == sorted([(CONV, conv_strategy)] * runs + [(SCAN, strategy)] * runs), got
+    assert sorted(run.decided) == sorted([(CONV, conv_strategy)] * runs + [(SCAN, strategy)] * runs), run.decided
 
     # varlen vs padded, where the bound kernel shows it
-    assert getattr(_module(model_type), SCAN).__tree_recurrence_original__ is bound_scan
-    _, params, is_library = driver.bound_implementation(bound_scan)
+    _, params, is_library = driver.bound_implementation(run.bound[SCAN])
     if spy is None:
         assert not is_library and "cu_seqlens" not in params  # transformers' torch reference: padded batches
         return
@@ -225,20 +209,10 @@ def test_plan_built_once_per_forward(strategy, checkpointing, tree_install, monk
 
 @pytest.mark.parametrize("model_type", ALL_MODEL_TYPES)
 def test_unpatched_model_fails_the_comparison(model_type, alone_reference):
-    """The same comparison on the model without hooks (installed, then uninstalled) must fail:
-    recurrent state leaks from one segment into the next in the packed row."""
+    """Recurrent state leaks from one segment into the next in the packed row."""
     tree = M.pack_forest("mixed")
-    alone = alone_reference(model_type, "mixed", tree)
-    model = M.make_model(model_type)
-    tr.install(model)
-    tr.uninstall(model)
-    result = M.run_tree(model, tree, M.loss_weights(tree.samples), tree.trl_kwargs())
-    err, tol = M.logits_error(result, alone)
-    assert err > 10 * tol, f"unpatched {model_type}: error {err:.2e} does not exceed the tolerance {tol:.2e}"
-    grad_err = M.grad_errors(result, alone)
-    assert any(e > t for n, (e, t) in grad_err.items() if n.endswith("A_log")), "A_log gradients should differ"
-    with pytest.raises(AssertionError):
-        M.assert_matches(result, alone, model)
+    H.check_unpatched_model_fails(GDN, model_type, tree, alone_reference(model_type, "mixed", tree),
+                                  logits_factor=10, grad_suffix="A_log", grad_factor=1)
 
 
 def test_unpatched_single_chain_matches(alone_reference):
@@ -250,58 +224,14 @@ def test_unpatched_single_chain_matches(alone_reference):
                      alone_reference("qwen3_5_text", "chain", tree), model, what="unpatched chain")
 
 
-def _snapshot(module):
-    attrs = dict(vars(module))
-    forwards = {name: obj.__dict__.get("forward") for name, obj in attrs.items()
-                if isinstance(obj, type) and obj.__module__ == module.__name__}
-    return attrs, forwards
-
-
 @pytest.mark.parametrize("model_type", ALL_MODEL_TYPES)
 def test_uninstall_restores_module_by_identity(model_type):
-    module = _module(model_type)
-    attrs, forwards = _snapshot(module)
-    first, second = M.make_model(model_type), M.make_model(model_type, seed=1)
-    assert tr.install(first).mode == "tree"
-    assert tr.install(second, backends={FAMILY: "kernel"}).mode == "tree"
-    try:
-        for seam in (CONV, SCAN):
-            wrapper = getattr(module, seam)
-            assert getattr(wrapper, seams.WRAPPER_MARK) == (FAMILY, seam)
-            assert wrapper.__tree_recurrence_original__ is attrs[seam]
-        tr.uninstall(first)  # the second model still uses the module: it stays patched
-        assert getattr(getattr(module, SCAN), seams.WRAPPER_MARK, None) == (FAMILY, SCAN)
-        tr.uninstall(second)
-        assert module.__name__ not in seams.owners
-        after, after_forwards = _snapshot(module)
-        assert after.keys() == attrs.keys()
-        changed = [name for name in attrs if after[name] is not attrs[name]]
-        assert not changed, f"not restored by identity: {changed}"
-        assert all(after_forwards[n] is f for n, f in forwards.items())
-        assert not hasattr(first, "_tree_recurrence_support") and not hasattr(second, "_tree_recurrence_support")
-    finally:
-        tr.uninstall(first)
-        tr.uninstall(second)
+    H.check_uninstall_restores_by_identity(GDN, model_type)
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_5_text", "olmo_hybrid"])
 def test_installed_model_is_bit_identical_without_tree(model_type, tree_install):
-    """Without tree kwargs the hooks call the seams they replaced, unchanged: outputs and gradients
-    of an ordinary batch are bit-identical to the unhooked model's."""
-    ids = torch.randint(2, M.VOCAB, (2, 11), generator=torch.Generator().manual_seed(3))
-    model = M.make_model(model_type)
-
-    def run():
-        model.zero_grad(set_to_none=True)
-        out = model(input_ids=ids, use_cache=False).logits
-        out.square().mean().backward()
-        return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-    plain = run()
-    tree_install(model)
-    hooked = run()
-    assert torch.equal(plain[0], hooked[0])
-    assert plain[1].keys() == hooked[1].keys() and all(torch.equal(plain[1][n], hooked[1][n]) for n in plain[1])
+    H.check_bit_identical_without_tree(M.make_model(model_type), tree_install)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -310,11 +240,7 @@ def test_installed_model_is_bit_identical_without_tree(model_type, tree_install)
 
 
 def test_tree_row_with_cache_is_refused(tree_install):
-    tree = M.pack_forest("fan")
-    model = M.make_model("qwen3_5_text")
-    tree_install(model)
-    with pytest.raises(ValueError, match="use_cache=False"):
-        model(input_ids=tree.input_ids, position_ids=tree.position_ids, use_cache=True, **tree.trl_kwargs())
+    H.check_tree_row_with_cache_is_refused(M.make_model("qwen3_5_text"), tree_install)
 
 
 def test_conv_seam_over_causal_conv1d_keeps_activation_a_keyword(bind_kernels, tree_install):
@@ -325,7 +251,7 @@ def test_conv_seam_over_causal_conv1d_keeps_activation_a_keyword(bind_kernels, t
     from tree_recurrence import reference
 
     spy = bind_kernels("qwen3_5_text", "fla+causal_conv1d")
-    module = _module("qwen3_5_text")
+    module = GDN.module("qwen3_5_text")
     tree = M.pack_forest("fan")
     model = M.make_model("qwen3_5_text")
     tree_install(model, policy=tr.Policy(strategy="rescan"), backends={FAMILY: "kernel"})

@@ -38,20 +38,6 @@ def _module():
     return importlib.import_module(NAME)
 
 
-@pytest.fixture
-def installed():
-    models = []
-
-    def install(model, **kw):
-        support = tr.install(model, **kw)
-        models.append(model)
-        return support
-
-    yield install
-    for model in models:
-        tr.uninstall(model)
-
-
 def _forward(model, tree, **kw):
     with torch.no_grad():
         return model(input_ids=tree.input_ids, position_ids=tree.position_ids, **kw, **tree.trl_kwargs()).logits[0]

@@ -42,21 +42,6 @@ def _module():
     return importlib.import_module(M.MODELING_MODULES[MODEL_TYPE])
 
 
-@pytest.fixture
-def installed():
-    """install() with an uninstall of every model at teardown, whatever happened."""
-    models = []
-
-    def install(model, **kw):
-        support = tr.install(model, **kw)
-        models.append(model)
-        return support
-
-    yield install
-    for model in models:
-        tr.uninstall(model)
-
-
 def _tree_forward(model, tree: M.PackedTree, kwargs=None):
     kwargs = tree.trl_kwargs() if kwargs is None else kwargs
     return model(input_ids=tree.input_ids, position_ids=tree.position_ids, use_cache=False, **kwargs).logits[0]

@@ -22,119 +22,58 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import family_harness as H
 import models as M
 import tree_recurrence as tr
-from tree_recurrence import driver, plugins, reference, seams
+from tree_recurrence import driver, plugins, reference
 
-FAMILY = "mamba2"
 CONV, SCAN, FUSED = "causal_conv1d_fn", "mamba2_chunk_scan", "mamba2_split_conv1d_scan_combined"
 
 _B = dict(vocab_size=M.VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2)
 # docs/transformers-seams.md section 5; chunk size 8, so rows cross chunk boundaries.
-CONFIGS = {
-    "mamba2": dict(vocab_size=M.VOCAB, hidden_size=64, num_hidden_layers=2, num_heads=4, head_dim=32, expand=2,
-                   state_size=16, n_groups=2, chunk_size=8),
-    "nemotron_h": dict(vocab_size=M.VOCAB, hidden_size=64, intermediate_size=128,
-                       layers_block_type=["linear_attention", "full_attention", "mlp"], num_attention_heads=4,
-                       num_key_value_heads=2, head_dim=16, mamba_num_heads=4, mamba_head_dim=32, ssm_state_size=16,
-                       n_groups=2, chunk_size=8),
-    "bamba": dict(**_B, num_attention_heads=4, num_key_value_heads=2, attn_layer_indices=[1], mamba_n_heads=4,
-                  mamba_d_head=32, mamba_n_groups=2, mamba_d_state=16, mamba_chunk_size=8),
-    "granitemoehybrid": dict(**_B, num_attention_heads=4, num_key_value_heads=2,
-                             layer_types=["linear_attention", "full_attention"], num_local_experts=4,
-                             num_experts_per_tok=2, shared_intermediate_size=64, mamba_n_heads=4, mamba_d_head=32,
-                             mamba_n_groups=2, mamba_d_state=16, mamba_chunk_size=8),
-    "falcon_h1": dict(**_B, num_attention_heads=4, num_key_value_heads=2, head_dim=16, mamba_d_ssm=128, mamba_n_heads=4,
+MAMBA2 = H.Family(
+    "mamba2",
+    configs={
+        "mamba2": dict(vocab_size=M.VOCAB, hidden_size=64, num_hidden_layers=2, num_heads=4, head_dim=32, expand=2,
+                       state_size=16, n_groups=2, chunk_size=8),
+        "nemotron_h": dict(vocab_size=M.VOCAB, hidden_size=64, intermediate_size=128,
+                           layers_block_type=["linear_attention", "full_attention", "mlp"], num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=16, mamba_num_heads=4, mamba_head_dim=32, ssm_state_size=16,
+                           n_groups=2, chunk_size=8),
+        "bamba": dict(**_B, num_attention_heads=4, num_key_value_heads=2, attn_layer_indices=[1], mamba_n_heads=4,
                       mamba_d_head=32, mamba_n_groups=2, mamba_d_state=16, mamba_chunk_size=8),
-    "zamba2": dict(**_B, layers_block_type=["linear_attention", "hybrid"], num_attention_heads=4, num_key_value_heads=4,
-                   n_mamba_heads=4, mamba_d_state=16, mamba_ngroups=2, chunk_size=8, adapter_rank=8),
-}
-MODEL_TYPES = list(CONFIGS)
-MODULES = {t: f"transformers.models.{t}.modeling_{t}" for t in MODEL_TYPES}
-MIXERS = {"mamba2": "Mamba2Mixer", "nemotron_h": "NemotronHMamba2Mixer", "bamba": "BambaMixer",
-          "granitemoehybrid": "GraniteMoeHybridMambaLayer", "falcon_h1": "FalconH1Mixer", "zamba2": "Zamba2MambaMixer"}
+        "granitemoehybrid": dict(**_B, num_attention_heads=4, num_key_value_heads=2,
+                                 layer_types=["linear_attention", "full_attention"], num_local_experts=4,
+                                 num_experts_per_tok=2, shared_intermediate_size=64, mamba_n_heads=4, mamba_d_head=32,
+                                 mamba_n_groups=2, mamba_d_state=16, mamba_chunk_size=8),
+        "falcon_h1": dict(**_B, num_attention_heads=4, num_key_value_heads=2, head_dim=16, mamba_d_ssm=128,
+                          mamba_n_heads=4, mamba_d_head=32, mamba_n_groups=2, mamba_d_state=16, mamba_chunk_size=8),
+        "zamba2": dict(**_B, layers_block_type=["linear_attention", "hybrid"], num_attention_heads=4,
+                       num_key_value_heads=4, n_mamba_heads=4, mamba_d_state=16, mamba_ngroups=2, chunk_size=8,
+                       adapter_rank=8),
+    },
+    mixers={"mamba2": "Mamba2Mixer", "nemotron_h": "NemotronHMamba2Mixer", "bamba": "BambaMixer",
+            "granitemoehybrid": "GraniteMoeHybridMambaLayer", "falcon_h1": "FalconH1Mixer", "zamba2": "Zamba2MambaMixer"},
+    # Mamba2ForCausalLM drops **kwargs on the way to its backbone: the manifest's plan carrier
+    carriers={"mamba2": ("Mamba2ForCausalLM",)},
+    seams=(CONV, SCAN, FUSED),
+    # A_log, dt_bias, D and the conv bias re-drawn so every head differs and every parameter matters
+    redraw=H.SSM_REDRAW + (((".D",), 0.5, 1.5), (("conv1d.bias",), -0.3, 0.3)),
+    no_attention=frozenset({"mamba2"}))  # transformers refuses an attention implementation for it
+FAMILY, MODEL_TYPES = MAMBA2.name, MAMBA2.model_types
+MODULES = {t: MAMBA2.module_name(t) for t in MODEL_TYPES}
+make_model, alone_reference, _module = MAMBA2.make_model, MAMBA2.alone, MAMBA2.module
 # The config key of the SSM group count (the mixers' n_groups).
 GROUPS_KEY = {"mamba2": "n_groups", "nemotron_h": "n_groups", "bamba": "mamba_n_groups",
               "granitemoehybrid": "mamba_n_groups", "falcon_h1": "mamba_n_groups", "zamba2": "mamba_ngroups"}
 
 
-def _module(model_type):
-    return importlib.import_module(MODULES[model_type])
-
-
-def make_model(model_type: str, seed: int = 0, **overrides) -> torch.nn.Module:
-    """A tiny random CausalLM in train mode (the mixers try the fused seam first), dropout 0, tree
-    attention where the model has attention. A_log, dt_bias, D and the conv bias are re-drawn so
-    every head differs and every parameter matters."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.for_model(model_type, **{**CONFIGS[model_type], **overrides})
-    for attr in ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop", "embd_pdrop"):
-        if isinstance(getattr(config, attr, None), float):
-            setattr(config, attr, 0.0)
-    config.use_cache = False
-    torch.manual_seed(seed)
-    # Mamba2 has no attention layer (and transformers refuses an attention implementation for it).
-    attn = {} if model_type == "mamba2" else {"attn_implementation": M.tree_attention_name()}
-    model = AutoModelForCausalLM.from_config(config, **attn).float()
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(("A_log", "dt_bias")):
-                p.copy_(torch.empty(p.shape).uniform_(-1.0, 1.0, generator=gen))
-            elif name.endswith(".D"):
-                p.copy_(torch.empty(p.shape).uniform_(0.5, 1.5, generator=gen))
-            elif name.endswith("conv1d.bias"):
-                p.copy_(torch.empty(p.shape).uniform_(-0.3, 0.3, generator=gen))
-    model.train()
-    assert all(m.p == 0 for m in model.modules() if isinstance(m, torch.nn.Dropout)), "dropout must be off"
-    return model
-
-
 def mixer_paths(model, model_type) -> list[str]:
-    return [n for n, m in model.named_modules() if type(m).__name__ == MIXERS[model_type]]
+    return MAMBA2.mixer_paths(model, model_type)
 
 
 def ssm_parameter_names(model) -> list[str]:
     return [n for n, _ in model.named_parameters() if n.endswith(("A_log", "dt_bias", ".D", "conv1d.weight", "conv1d.bias"))]
-
-
-_ALONE: dict[tuple, M.Result] = {}
-
-
-def alone_reference(model_type: str, forest: str, tree: M.PackedTree, **overrides) -> M.Result:
-    """Every sample alone through a fresh model with transformers' own seams; cached per session."""
-    key = (model_type, forest, tuple(sorted(overrides.items())))
-    if key not in _ALONE:
-        module = _module(model_type)
-        assert module.__name__ not in seams.owners, "alone references run on unpatched modules"
-        _ALONE[key] = M.run_alone(make_model(model_type, **overrides), tree.samples, M.loss_weights(tree.samples))
-    return _ALONE[key]
-
-
-@pytest.fixture
-def env(decisions):
-    """``env.bind(model_type, seams)`` binds tree_recurrence.reference's mamba-ssm /
-    causal-conv1d stand-ins into the modeling module as transformers binds the libraries;
-    ``env.install(model, **kw)`` installs. Teardown uninstalls first, then restores the seams."""
-
-    class Env:
-        def __init__(self):
-            self.models, self.restores = [], []
-
-        def bind(self, model_type, names):
-            self.restores.append(reference.bind_reference_kernels(_module(model_type), seams=names))
-
-        def install(self, model, **kw):
-            self.models.append(model)
-            return tr.install(model, **kw)
-
-    e = Env()
-    yield e
-    for model in e.models:
-        tr.uninstall(model)
-    for restore in reversed(e.restores):
-        restore()
 
 
 # (strategy, binding): native = the family's tree kernels (backend auto); rescan = every path as a
@@ -149,42 +88,23 @@ CASES = [pytest.param("native", "torch", id="native"),
 
 def check_tree_run(model_type, forest, strategy, binding, env, decisions, checkpointing=False, overrides=None,
                    fmt="trl"):
-    overrides = overrides or {}
-    tree = M.pack_forest(forest)
-    alone = alone_reference(model_type, forest, tree, **overrides)
-    if BINDINGS[binding]:
-        env.bind(model_type, BINDINGS[binding])
-    bound = {s: getattr(_module(model_type), s) for s in (CONV, SCAN, FUSED)}
-    model = make_model(model_type, **overrides)
-    if checkpointing:
-        model.gradient_checkpointing_enable()
-        assert model.is_gradient_checkpointing
-    backend = "auto" if strategy == "native" else "kernel"
-    support = env.install(model, policy=tr.Policy(strategy=strategy), backends={FAMILY: backend})
-    assert support.mode == "tree", support.reason
-    assert support.families == {FAMILY: backend}
-    layers = mixer_paths(model, model_type)
-    assert sorted(layer.path for layer in support.layers) == sorted(layers) and layers
-    for seam, obj in bound.items():
-        assert getattr(_module(model_type), seam).__tree_recurrence_original__ is obj
-    implementation, _, is_library = driver.bound_implementation(bound[SCAN])
+    bind = (lambda: env.bind(_module(model_type), BINDINGS[binding])) if BINDINGS[binding] else None
+    run = H.run_case(MAMBA2, model_type, forest, strategy, install=env.install, alone=alone_reference,
+                     decisions=decisions, bind=bind, checkpointing=checkpointing, overrides=overrides, fmt=fmt,
+                     what=f"{model_type}/{forest}/{strategy}/{binding}/ckpt={checkpointing}")
+    implementation, _, is_library = driver.bound_implementation(run.bound[SCAN])
     assert is_library == (binding != "torch")
     if is_library:
         assert implementation is reference.mamba_chunk_scan_combined
-
-    kwargs = {"trl": tree.trl_kwargs, "rich": tree.rich_kwargs, "minimal": tree.minimal_kwargs}[fmt]()
-    decisions.clear()
-    result = M.run_tree(model, tree, M.loss_weights(tree.samples), kwargs)
-    M.assert_matches(result, alone, model, what=f"{model_type}/{forest}/{strategy}/{binding}/ckpt={checkpointing}")
-    for name in ssm_parameter_names(model):
-        assert float(alone.grads[name].abs().max()) > 0, f"{name}: no gradient reaches it"
-    assert any(n.endswith(".D") for n in ssm_parameter_names(model))
+    for name in ssm_parameter_names(run.model):
+        assert float(run.alone.grads[name].abs().max()) > 0, f"{name}: no gradient reaches it"
+    assert any(n.endswith(".D") for n in ssm_parameter_names(run.model))
 
     # every mixer declined the fused seam and ran conv + scan with the intended strategy, once per
     # forward (again in every checkpoint replay)
-    got = [(d[1], d[2]) for d in decisions if d[0] == FAMILY]
+    got = run.decided
     runs = got.count((FUSED, "decline"))
-    assert runs >= len(layers) and (runs > len(layers)) == checkpointing, got
+    assert runs >= len(run.layers) and (runs > len(run.layers)) == checkpointing, got
     conv = "native" if strategy == "native" else "rescan"
     assert sorted(got) == sorted([(FUSED, "decline")] * runs + [(CONV, conv)] * runs + [(SCAN, strategy)] * runs), got
 
@@ -255,7 +175,7 @@ def test_fused_seam_rescanned_with_tree_original_without(model_type, env, decisi
     scan = _Spy(reference.mamba_chunk_scan_combined)
     monkeypatch.setattr(reference.family_reference(FAMILY), "mamba_split_conv1d_scan_combined", fused.fn)
     monkeypatch.setattr(reference.family_reference(FAMILY), "mamba_chunk_scan_combined", scan.fn)
-    env.bind(model_type, [CONV, SCAN, FUSED])
+    env.bind(_module(model_type), [CONV, SCAN, FUSED])
     _, params, is_library = driver.bound_implementation(getattr(_module(model_type), FUSED))
     assert is_library and "seq_idx" in params
     model = make_model(model_type)
@@ -285,7 +205,7 @@ def test_fused_seam_follows_the_tree(model_type, backend, strategy, env, decisio
     logits and every gradient equal. n_groups is 2, where the split path's norm (over all channels)
     differs from the fused one (next test): declining would fail."""
     tree = M.pack_forest("mixed")
-    env.bind(model_type, [CONV, SCAN, FUSED])
+    env.bind(_module(model_type), [CONV, SCAN, FUSED])
     model = make_model(model_type)
     assert model.config.to_dict()[GROUPS_KEY[model_type]] == 2
     alone = M.run_alone(model, tree.samples, M.loss_weights(tree.samples))  # fused, every sample
@@ -353,72 +273,20 @@ def test_install_answers_tree_for_every_layer_type(env):
 
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
 def test_unpatched_model_fails_the_comparison(model_type):
-    """The same comparison on the model without hooks (installed, then uninstalled) must fail:
-    SSM state and conv inputs leak from one segment into the next in the packed row."""
+    """SSM state and conv inputs leak from one segment into the next in the packed row."""
     tree = M.pack_forest("mixed")
-    alone = alone_reference(model_type, "mixed", tree)
-    model = make_model(model_type)
-    tr.install(model)
-    tr.uninstall(model)
-    result = M.run_tree(model, tree, M.loss_weights(tree.samples), tree.trl_kwargs())
-    err, tol = M.logits_error(result, alone)
-    assert err > 10 * tol, f"unpatched {model_type}: error {err:.2e} does not exceed the tolerance {tol:.2e}"
-    grad_err = M.grad_errors(result, alone)
-    assert any(e > 10 * t for n, (e, t) in grad_err.items() if n.endswith("A_log")), "A_log gradients should differ"
-    with pytest.raises(AssertionError):
-        M.assert_matches(result, alone, model)
-
-
-def _snapshot(module):
-    attrs = dict(vars(module))
-    forwards = {name: obj.__dict__.get("forward") for name, obj in attrs.items()
-                if isinstance(obj, type) and obj.__module__ == module.__name__}
-    return attrs, forwards
+    H.check_unpatched_model_fails(MAMBA2, model_type, tree, alone_reference(model_type, "mixed", tree),
+                                  logits_factor=10, grad_suffix="A_log", grad_factor=10)
 
 
 @pytest.mark.parametrize("model_type", ["mamba2", "falcon_h1"])
 def test_uninstall_restores_module_by_identity(model_type):
-    module = _module(model_type)
-    attrs, forwards = _snapshot(module)
-    first, second = make_model(model_type), make_model(model_type, seed=1)
-    try:
-        assert tr.install(first).mode == "tree"
-        assert tr.install(second, backends={FAMILY: "kernel"}).mode == "tree"
-        for seam in (CONV, SCAN, FUSED):
-            wrapper = getattr(module, seam)
-            assert getattr(wrapper, seams.WRAPPER_MARK) == (FAMILY, seam)
-            assert wrapper.__tree_recurrence_original__ is attrs[seam]
-        if model_type == "mamba2":
-            assert getattr(module.Mamba2ForCausalLM.forward, seams.WRAPPER_MARK) == "carrier"
-        tr.uninstall(first)
-        assert getattr(getattr(module, SCAN), seams.WRAPPER_MARK, None) == (FAMILY, SCAN)
-        tr.uninstall(second)
-        assert module.__name__ not in seams.owners
-        after, after_forwards = _snapshot(module)
-        assert after.keys() == attrs.keys()
-        assert not [name for name in attrs if after[name] is not attrs[name]]
-        assert all(after_forwards[n] is f for n, f in forwards.items())
-    finally:
-        tr.uninstall(first)
-        tr.uninstall(second)
+    H.check_uninstall_restores_by_identity(MAMBA2, model_type)
 
 
 @pytest.mark.parametrize("model_type", ["mamba2", "bamba"])
 def test_installed_model_is_bit_identical_without_tree(model_type, env):
-    ids = torch.randint(2, M.VOCAB, (2, 11), generator=torch.Generator().manual_seed(3))
-    model = make_model(model_type)
-
-    def run():
-        model.zero_grad(set_to_none=True)
-        out = model(input_ids=ids, use_cache=False).logits
-        out.square().mean().backward()
-        return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-    plain = run()
-    env.install(model)
-    hooked = run()
-    assert torch.equal(plain[0], hooked[0])
-    assert plain[1].keys() == hooked[1].keys() and all(torch.equal(plain[1][n], hooked[1][n]) for n in plain[1])
+    H.check_bit_identical_without_tree(make_model(model_type), env.install)
 
 
 def test_causal_lm_carrier_hands_tree_kwargs_to_backbone_only_for_its_forward(env):
@@ -440,11 +308,7 @@ def test_causal_lm_carrier_hands_tree_kwargs_to_backbone_only_for_its_forward(en
 
 
 def test_tree_row_with_cache_is_refused(env):
-    tree = M.pack_forest("fan")
-    model = make_model("nemotron_h")
-    env.install(model)
-    with pytest.raises(ValueError, match="use_cache=False"):
-        model(input_ids=tree.input_ids, position_ids=tree.position_ids, use_cache=True, **tree.trl_kwargs())
+    H.check_tree_row_with_cache_is_refused(make_model("nemotron_h"), env.install)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -609,8 +473,25 @@ def _rel_rms(a, b):
     return float((a - b).square().mean().sqrt() / b.square().mean().sqrt().clamp_min(1e-30))
 
 
-def _gpu_expected(seam):
-    return {(FUSED, "native")} if seam == "fused" else {(FUSED, "decline"), (CONV, "native"), (SCAN, "native")}
+def _gpu_case(model_type, seam, env):
+    """The mixed forest on the GPU: (row on CUDA, fp32 CUDA model, loss weights, samples); for the
+    fused seam the library stand-ins are bound (the samples alone take the fused reference)."""
+    pytest.importorskip("trl")  # the forests are packed by TRL's TreeRow
+    tree = M.pack_forest("mixed")
+    if seam == "fused":
+        env.bind(_module(model_type), [CONV, SCAN, FUSED])
+    model = make_model(model_type).cuda()
+    return _cuda_tree(tree), model, [w.cuda() for w in M.loss_weights(tree.samples)], [s.cuda() for s in tree.samples]
+
+
+def _gpu_tree_run(model, gpu, weights, seam, env, decisions) -> M.Result:
+    """Installs the native kernels, runs the row, checks which seams ran natively."""
+    env.install(model, policy=tr.Policy(strategy="native"))
+    decisions.clear()
+    got = M.run_tree(model, gpu, weights, gpu.trl_kwargs())
+    expected = {(FUSED, "native")} if seam == "fused" else {(FUSED, "decline"), (CONV, "native"), (SCAN, "native")}
+    assert set(H.decided(decisions, FAMILY)) == expected
+    return got
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -620,18 +501,10 @@ def test_gpu_fp32_tree_equals_samples_alone(model_type, seam, env, decisions):
     """fp32 on the GPU, native kernels: the tree row equals the samples alone (logits and every
     gradient, 1e-4), through the split seams (conv + scan) or the fused seam (library stand-ins
     bound: the samples alone take the fused reference, the tree row the family's fused adapter)."""
-    pytest.importorskip("trl")  # the forests are packed by TRL's TreeRow
-    tree = M.pack_forest("mixed")
-    if seam == "fused":
-        env.bind(model_type, [CONV, SCAN, FUSED])
-    model = make_model(model_type).cuda()
-    weights = [w.cuda() for w in M.loss_weights(tree.samples)]
-    alone = M.run_alone(model, [s.cuda() for s in tree.samples], weights)
-    env.install(model, policy=tr.Policy(strategy="native"))
-    gpu = _cuda_tree(tree)
-    decisions.clear()
-    M.assert_matches(M.run_tree(model, gpu, weights, gpu.trl_kwargs()), alone, model, what=f"{model_type}/{seam}/cuda")
-    assert {(d[1], d[2]) for d in decisions if d[0] == FAMILY} == _gpu_expected(seam)
+    gpu, model, weights, samples = _gpu_case(model_type, seam, env)
+    alone = M.run_alone(model, samples, weights)
+    M.assert_matches(_gpu_tree_run(model, gpu, weights, seam, env, decisions), alone, model,
+                     what=f"{model_type}/{seam}/cuda")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -641,21 +514,11 @@ def test_gpu_bf16_tree_matches_samples_alone(model_type, seam, env, decisions):
     """bf16 on the GPU: the tree row and the bf16 samples alone, both judged against the fp32 model
     alone (relative RMS): the tree within 5e-3 (logits) / 2e-2 (gradients; 5e-2 for A_log, dt_bias
     and D) or within the model's own bf16 noise on the samples (1.5x logits, 4x gradients; test_gpu.py's band)."""
-    pytest.importorskip("trl")  # the forests are packed by TRL's TreeRow
-    tree = M.pack_forest("mixed")
-    if seam == "fused":
-        env.bind(model_type, [CONV, SCAN, FUSED])
-    model = make_model(model_type).cuda()
-    weights = [w.cuda() for w in M.loss_weights(tree.samples)]
-    samples = [s.cuda() for s in tree.samples]
+    gpu, model, weights, samples = _gpu_case(model_type, seam, env)
     ref = M.run_alone(model, samples, weights)
     model.to(torch.bfloat16)
     bf16 = M.run_alone(model, samples, weights)
-    env.install(model, policy=tr.Policy(strategy="native"))
-    gpu = _cuda_tree(tree)
-    decisions.clear()
-    got = M.run_tree(model, gpu, weights, gpu.trl_kwargs())
-    assert {(d[1], d[2]) for d in decisions if d[0] == FAMILY} == _gpu_expected(seam)
+    got = _gpu_tree_run(model, gpu, weights, seam, env, decisions)
     tree_err = max(_rel_rms(t, r) for t, r in zip(got.logits, ref.logits))
     alone_err = max(_rel_rms(b, r) for b, r in zip(bf16.logits, ref.logits))
     assert tree_err <= max(5e-3, 1.5 * alone_err), (tree_err, alone_err)

@@ -11,85 +11,32 @@ bound as transformers binds the library), with checkpointing on and off.
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
-import torch
 
+import family_harness as H
 import models as M
 import tree_recurrence as tr
 from tree_recurrence import reference, seams
 
-FAMILY = "short_conv"
 CONV = "causal_conv1d_fn"
 CONV_WIDTH = 3  # conv_L_cache: the forests' 1- and 2-token segments are shorter than it
 
 _B = dict(vocab_size=M.VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2)
 _LFM2 = dict(**_B, num_attention_heads=4, num_key_value_heads=2, layer_types=["conv", "full_attention"],
              conv_L_cache=CONV_WIDTH)
-CONFIGS = {
-    "lfm2": _LFM2,
-    "lfm2_moe": dict(**_LFM2, num_dense_layers=1, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2),
-}
-MODEL_TYPES = list(CONFIGS)
-MODULES = {t: f"transformers.models.{t}.modeling_{t}" for t in MODEL_TYPES}
-MIXERS = {"lfm2": "Lfm2ShortConv", "lfm2_moe": "Lfm2MoeShortConv"}
-CARRIERS = {"lfm2": "Lfm2DecoderLayer", "lfm2_moe": "Lfm2MoeDecoderLayer"}
-
-
-def _module(model_type):
-    return importlib.import_module(MODULES[model_type])
-
-
-def make_model(model_type: str, seed: int = 0, **overrides) -> torch.nn.Module:
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.for_model(model_type, **{**CONFIGS[model_type], **overrides})
-    for attr in ("attention_dropout", "hidden_dropout", "dropout"):
-        if isinstance(getattr(config, attr, None), float):
-            setattr(config, attr, 0.0)
-    config.use_cache = False
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation=M.tree_attention_name()).float()
-    model.train()
-    assert all(m.p == 0 for m in model.modules() if isinstance(m, torch.nn.Dropout)), "dropout must be off"
-    return model
+SHORT_CONV = H.Family(
+    "short_conv",
+    configs={"lfm2": _LFM2,
+             "lfm2_moe": dict(**_LFM2, num_dense_layers=1, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2)},
+    mixers={"lfm2": "Lfm2ShortConv", "lfm2_moe": "Lfm2MoeShortConv"},
+    carriers={"lfm2": ("Lfm2DecoderLayer",), "lfm2_moe": ("Lfm2MoeDecoderLayer",)},
+    seams=(CONV,), redraw=(), required=("conv.conv.weight",))
+FAMILY, MODEL_TYPES = SHORT_CONV.name, SHORT_CONV.model_types
+make_model, alone_reference = SHORT_CONV.make_model, SHORT_CONV.alone
 
 
 def conv_parameter_names(model) -> list[str]:
     return [n for n, _ in model.named_parameters() if n.endswith(("conv.conv.weight", "conv.conv.bias"))]
-
-
-_ALONE: dict[tuple, M.Result] = {}
-
-
-def alone_reference(model_type: str, forest: str, tree: M.PackedTree, **overrides) -> M.Result:
-    key = (model_type, forest, tuple(sorted(overrides.items())))
-    if key not in _ALONE:
-        assert MODULES[model_type] not in seams.owners, "alone references run on unpatched modules"
-        _ALONE[key] = M.run_alone(make_model(model_type, **overrides), tree.samples, M.loss_weights(tree.samples))
-    return _ALONE[key]
-
-
-@pytest.fixture
-def env(decisions):
-    class Env:
-        def __init__(self):
-            self.models, self.restores = [], []
-
-        def bind(self, model_type, names):
-            self.restores.append(reference.bind_reference_kernels(_module(model_type), seams=names))
-
-        def install(self, model, **kw):
-            self.models.append(model)
-            return tr.install(model, **kw)
-
-    e = Env()
-    yield e
-    for model in e.models:
-        tr.uninstall(model)
-    for restore in reversed(e.restores):
-        restore()
 
 
 CASES = [pytest.param("native", "torch", id="native"),
@@ -98,35 +45,15 @@ CASES = [pytest.param("native", "torch", id="native"),
 
 
 def check_tree_run(model_type, forest, strategy, binding, env, decisions, checkpointing=False, overrides=None, fmt="trl"):
-    overrides = overrides or {}
-    tree = M.pack_forest(forest)
-    alone = alone_reference(model_type, forest, tree, **overrides)
-    if binding == "causal_conv1d":
-        env.bind(model_type, [CONV])
-    bound = getattr(_module(model_type), CONV)
-    model = make_model(model_type, **overrides)
-    if checkpointing:
-        model.gradient_checkpointing_enable()
-        assert model.is_gradient_checkpointing
-    backend = "auto" if strategy == "native" else "kernel"
-    support = env.install(model, policy=tr.Policy(strategy=strategy), backends={FAMILY: backend})
-    assert support.mode == "tree", support.reason
-    layers = [n for n, m in model.named_modules() if type(m).__name__ == MIXERS[model_type]]
-    assert sorted(layer.path for layer in support.layers) == sorted(layers) and layers
-    carrier = getattr(_module(model_type), CARRIERS[model_type])
-    assert getattr(carrier.forward, seams.WRAPPER_MARK) == "carrier"
-    assert getattr(_module(model_type), CONV).__tree_recurrence_original__ is bound
-
-    kwargs = {"trl": tree.trl_kwargs, "rich": tree.rich_kwargs, "minimal": tree.minimal_kwargs}[fmt]()
-    decisions.clear()
-    result = M.run_tree(model, tree, M.loss_weights(tree.samples), kwargs)
-    M.assert_matches(result, alone, what=f"{model_type}/{forest}/{strategy}/{binding}/ckpt={checkpointing}")
-    names = conv_parameter_names(model)
-    assert names and all(float(alone.grads[n].abs().max()) > 0 for n in names)
-    got = [(d[1], d[2]) for d in decisions if d[0] == FAMILY]
-    assert got and set(got) == {(CONV, strategy)}, got
+    bind = (lambda: env.bind(SHORT_CONV.module(model_type), [CONV])) if binding == "causal_conv1d" else None
+    run = H.run_case(SHORT_CONV, model_type, forest, strategy, install=env.install, alone=alone_reference,
+                     decisions=decisions, bind=bind, checkpointing=checkpointing, overrides=overrides, fmt=fmt,
+                     what=f"{model_type}/{forest}/{strategy}/{binding}/ckpt={checkpointing}")
+    names = conv_parameter_names(run.model)
+    assert names and all(float(run.alone.grads[n].abs().max()) > 0 for n in names)
+    assert run.decided and set(run.decided) == {(CONV, strategy)}, run.decided
     # once per conv layer and forward; checkpointing replays each layer (through the carrier) once more
-    assert len(got) == len(layers) * (2 if checkpointing else 1), got
+    assert len(run.decided) == len(run.layers) * (2 if checkpointing else 1), run.decided
 
 
 # ------------------------------------------------------------------------------------------------
@@ -162,7 +89,7 @@ def test_rescan_runs_every_path_as_a_row_of_the_bound_kernel(env, decisions, mon
         return real(x, *args, **kwargs)
 
     monkeypatch.setattr(reference, "causal_conv1d_fn", spy)
-    env.bind("lfm2", [CONV])
+    env.bind(SHORT_CONV.module("lfm2"), [CONV])
     tree = M.pack_forest("groups")
     model = make_model("lfm2")
     env.install(model, policy=tr.Policy(strategy="rescan"), backends={FAMILY: "kernel"})
@@ -179,7 +106,7 @@ def test_rescan_runs_every_path_as_a_row_of_the_bound_kernel(env, decisions, mon
 def test_conv_seam_gets_no_tree_kwargs_and_needs_the_carrier(env, decisions):
     """Without its carrier the installed seam sees no plan (it calls the original): the carrier is
     what makes LFM2 follow the tree."""
-    module = _module("lfm2")
+    module = SHORT_CONV.module("lfm2")
     tree = M.pack_forest("fan")
     seen = []
     model = make_model("lfm2")
@@ -243,64 +170,23 @@ def test_install_answers_tree(model_type, env):
 
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
 def test_unpatched_model_fails_the_comparison(model_type):
-    tree = M.pack_forest("mixed")
-    alone = alone_reference(model_type, "mixed", tree)
-    model = make_model(model_type)
-    tr.install(model)
-    tr.uninstall(model)
-    result = M.run_tree(model, tree, M.loss_weights(tree.samples), tree.trl_kwargs())
-    err, tol = M.logits_error(result, alone)
     # a width-3 conv leaks only its last two inputs across a branch: a small logit error, a large
     # one in the conv weight's gradient
-    assert err > 2 * tol, f"unpatched {model_type}: error {err:.2e} does not exceed the tolerance {tol:.2e}"
-    grad_err = M.grad_errors(result, alone)
-    assert any(e > 10 * t for n, (e, t) in grad_err.items() if n.endswith("conv.conv.weight"))
-    with pytest.raises(AssertionError):
-        M.assert_matches(result, alone)
+    tree = M.pack_forest("mixed")
+    H.check_unpatched_model_fails(SHORT_CONV, model_type, tree, alone_reference(model_type, "mixed", tree),
+                                  logits_factor=2, grad_suffix="conv.conv.weight", grad_factor=10)
 
 
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
 def test_uninstall_restores_module_and_carrier_by_identity(model_type):
-    module = _module(model_type)
-    attrs = dict(vars(module))
-    carrier = getattr(module, CARRIERS[model_type])
-    forward = carrier.__dict__["forward"]
-    first, second = make_model(model_type), make_model(model_type, seed=1)
-    try:
-        assert tr.install(first).mode == "tree" and tr.install(second).mode == "tree"
-        assert carrier.__dict__["forward"] is not forward
-        tr.uninstall(first)
-        assert getattr(carrier.forward, seams.WRAPPER_MARK) == "carrier"
-        tr.uninstall(second)
-        assert carrier.__dict__["forward"] is forward
-        assert module.__name__ not in seams.owners
-        assert not [n for n, obj in vars(module).items() if attrs.get(n) is not obj]
-    finally:
-        tr.uninstall(first)
-        tr.uninstall(second)
+    H.check_uninstall_restores_by_identity(SHORT_CONV, model_type)
 
 
 def test_installed_model_is_bit_identical_without_tree(env):
-    ids = torch.randint(2, M.VOCAB, (2, 11), generator=torch.Generator().manual_seed(3))
     model = make_model("lfm2_moe")
     model.gradient_checkpointing_enable()
-
-    def run():
-        model.zero_grad(set_to_none=True)
-        out = model(input_ids=ids, use_cache=False).logits
-        out.square().mean().backward()
-        return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-    plain = run()
-    env.install(model)
-    hooked = run()
-    assert torch.equal(plain[0], hooked[0])
-    assert all(torch.equal(plain[1][n], hooked[1][n]) for n in plain[1])
+    H.check_bit_identical_without_tree(model, env.install)
 
 
 def test_tree_row_with_cache_is_refused(env):
-    tree = M.pack_forest("fan")
-    model = make_model("lfm2")
-    env.install(model)
-    with pytest.raises(ValueError, match="use_cache=False"):
-        model(input_ids=tree.input_ids, position_ids=tree.position_ids, use_cache=True, **tree.trl_kwargs())
+    H.check_tree_row_with_cache_is_refused(make_model("lfm2"), env.install)
