@@ -77,6 +77,48 @@ __device__ inline void load_matrix(T* dst, int ld, const T* src, int rows, int r
   }
 }
 
+// Asynchronous (cp.async, 16 bytes per copy, all in flight at once) versions of the two loaders:
+// the caller commits / waits (mma::cp_async_commit, cp_async_wait<N>) and __syncthreads() before
+// reading. Zero rows / columns are zero-filled by the copy itself (src_bytes 0). The token-row
+// scaling of load_token_rows<T, true> is a separate pass (scale_rows) after the wait, with the same
+// rounding (from_float(to_float(x) * s)).
+template <typename T>
+__device__ inline void async_token_rows(T* dst, int ld, const T* src, const int64_t* tok_of_row, int64_t heads,
+                                        int64_t head, int D, int Dp) {
+  const int per_row = Dp / 8;
+  for (int idx = threadIdx.x; idx < C * per_row; idx += blockDim.x) {
+    const int r = idx / per_row, c8 = (idx % per_row) * 8;
+    const int64_t t = tok_of_row[r];
+    const bool ok = t >= 0 && c8 < D;
+    const T* g = ok ? src + (t * heads + head) * static_cast<int64_t>(D) + c8 : src;
+    mma::cp_async_16(dst + r * ld + c8, g, ok ? 16 : 0);
+  }
+}
+template <typename T>
+__device__ inline void async_matrix(T* dst, int ld, const T* src, int rows, int rows_p, int D, int Dp) {
+  const int per_row = Dp / 8;
+  for (int idx = threadIdx.x; idx < rows_p * per_row; idx += blockDim.x) {
+    const int r = idx / per_row, c8 = (idx % per_row) * 8;
+    const bool ok = r < rows && c8 < D;
+    const T* g = ok ? src + static_cast<int64_t>(r) * D + c8 : src;
+    mma::cp_async_16(dst + r * ld + c8, g, ok ? 16 : 0);
+  }
+}
+// Row r of a C x Dp tile times row_scale[r] (in place, 8 elements per step).
+template <typename T>
+__device__ inline void scale_rows(T* dst, int ld, int Dp, const float* row_scale) {
+  const int per_row = Dp / 8;
+  for (int idx = threadIdx.x; idx < C * per_row; idx += blockDim.x) {
+    const int r = idx / per_row, c8 = (idx % per_row) * 8;
+    uint4 val = *reinterpret_cast<const uint4*>(dst + r * ld + c8);
+    const float s = row_scale[r];
+    T* e = reinterpret_cast<T*>(&val);
+#pragma unroll
+    for (int m = 0; m < 8; ++m) e[m] = mma::Elem<T>::from_float(mma::Elem<T>::to_float(e[m]) * s);
+    *reinterpret_cast<uint4*>(dst + r * ld + c8) = val;
+  }
+}
+
 // acc (one 16 x 16 output tile at (r0, c0), as two 16x8 blocks) += A(r0.., :) B(:, c0..) over
 // `ksteps` steps of 16. A_ROW: A(r, k) at A[r * lda + k], else at A[k * lda + r]. B_KN: B(k, n) at
 // B[k * ldb + n], else at B[n * ldb + k].
@@ -119,16 +161,17 @@ __device__ __forceinline__ float row_parts(const float* part, int r, int ntiles)
 }
 
 // Block sum of one float per thread, fixed order (thread 0 adds them up); result for all threads.
+template <int NT = kThreads>
 __device__ inline float block_sum(float x, float* red) {
   red[threadIdx.x] = x;
   __syncthreads();
   if (threadIdx.x == 0) {
     float s = 0.f;
-    for (int i = 0; i < kThreads; ++i) s += red[i];
-    red[kThreads] = s;
+    for (int i = 0; i < NT; ++i) s += red[i];
+    red[NT] = s;
   }
   __syncthreads();
-  const float s = red[kThreads];
+  const float s = red[NT];
   __syncthreads();
   return s;
 }

@@ -13,8 +13,16 @@ namespace tree_recurrence::gdn::fused::kernels {
 namespace bwd {
 namespace {
 
+// 16 warps per CTA (the kernel is latency-bound at one CTA per SM: 214 KB of shared memory at
+// K = V = 128); all tiles arrive by cp.async in two groups (phase 1's operands first); dk^ is read
+// once and written once (phase 2's term held in registers until phase 4, same sums as before).
+constexpr int kWyWarps = 16;
+constexpr int kWyThreads = kWyWarps * 32;
+constexpr int kWyMaxKTiles = (C / 16) * (kBwdMaxDim / 16) / kWyWarps;  // C x K tiles per warp
+static_assert((C / 16) * (kBwdMaxDim / 16) % kWyWarps == 0, "wy: C x K tiles must split evenly over the warps");
+
 template <typename T>
-__global__ void __launch_bounds__(kThreads) wy_kernel(GdnBwdParams p) {
+__global__ void __launch_bounds__(kWyThreads) wy_kernel(GdnBwdParams p) {
   extern __shared__ __align__(16) char smem_raw[];
   const int64_t c = blockIdx.x, hv = blockIdx.y;
   const int64_t HV = p.hv, HK = p.hk, hk = hv / (HV / HK);
@@ -38,34 +46,41 @@ __global__ void __launch_bounds__(kThreads) wy_kernel(GdnBwdParams p) {
   float* dGs = sm.take<float>(C);
   float* partV = sm.take<float>(C * 8);
   float* partKB = sm.take<float>(C * 8);
+  float* rks = sm.take<float>(C);    // rk of the row's token (0 for padding rows)
+  float* dGin = sm.take<float>(C);   // (b)'s dG
+  float* rowW = sm.take<float>(C);   // rowsum(W2)
+  float* colW = sm.take<float>(C);   // colsum(beta W2)
   int64_t* tok = sm.take<int64_t>(C);
 
   const int64_t ch = c * HV + hv;
   const T* v = static_cast<const T*>(p.v);
   for (int i = threadIdx.x; i < C; i += blockDim.x) {
     G[i] = p.G[ch * C + i];
+    dGin[i] = p.dG[ch * C + i];
     const int64_t t = p.gather[c * C + i];
     tok[i] = t;
     beta[i] = t >= 0 ? p.beta[t * HV + hv] : 0.f;
+    rks[i] = t >= 0 ? p.rk[t * HK + hk] : 0.f;
   }
   __syncthreads();
-  load_matrix<T>(Ai, kPitchC, static_cast<const T*>(p.Ainv) + ch * C * C, C, C, C, C);
-  load_matrix<T>(dvt, ldv, static_cast<const T*>(p.dv_total) + ch * C * V, C, C, V, Vp);
-  load_matrix<T>(h, ldv, static_cast<const T*>(p.h) + ch * static_cast<int64_t>(K) * V, K, Kp, V, Vp);
-  load_token_rows<T, true>(kh, ldk, static_cast<const T*>(p.k), tok, HK, hk, K, Kp, p.rk, HK, hk, 1.f);
-  load_matrix<T>(w, ldk, static_cast<const T*>(p.w) + ch * C * K, C, C, K, Kp);
-  load_token_rows<T, false>(vb, ldv, v, tok, HV, hv, V, Vp, nullptr, 0, 0, 1.f);
+  // group 0: phase 1's operands; group 1: k^ and w (phases 2-4)
+  async_matrix<T>(Ai, kPitchC, static_cast<const T*>(p.Ainv) + ch * C * C, C, C, C, C);
+  async_matrix<T>(dvt, ldv, static_cast<const T*>(p.dv_total) + ch * C * V, C, C, V, Vp);
+  async_matrix<T>(h, ldv, static_cast<const T*>(p.h) + ch * static_cast<int64_t>(K) * V, K, Kp, V, Vp);
+  async_token_rows<T>(vb, ldv, v, tok, HV, hv, V, Vp);
+  mma::cp_async_commit();
+  async_token_rows<T>(kh, ldk, static_cast<const T*>(p.k), tok, HK, hk, K, Kp);
+  async_matrix<T>(w, ldk, static_cast<const T*>(p.w) + ch * C * K, C, C, K, Kp);
+  mma::cp_async_commit();
+  mma::cp_async_wait<1>();
   __syncthreads();
-  for (int idx = threadIdx.x; idx < C * Vp; idx += blockDim.x) {  // vb = beta v (in place)
-    const int i = idx / Vp, col = idx % Vp;
-    vb[i * ldv + col] = mma::Elem<T>::from_float(mma::Elem<T>::to_float(vb[i * ldv + col]) * beta[i]);
-  }
+  scale_rows<T>(vb, ldv, Vp, beta);  // vb = beta v (in place)
   __syncthreads();
 
   const int warp = threadIdx.x / 32;
   float* dv_out = p.dv;
   // Phase 1: dw = -dv_total h^T (C x K); dvb = Ainv^T dv_total and u = Ainv vb (C x V).
-  for (int t = warp; t < (C / 16) * (Kp / 16); t += kWarps) {
+  for (int t = warp; t < (C / 16) * (Kp / 16); t += kWyWarps) {
     const int r0 = (t / (Kp / 16)) * 16, c0 = (t % (Kp / 16)) * 16;
     FragC acc[1][2];
     zero(acc);
@@ -76,8 +91,17 @@ __global__ void __launch_bounds__(kThreads) wy_kernel(GdnBwdParams p) {
       for (int e = 0; e < 4; ++e)
         dw[el_row(r0, e) * ldk + el_col(c0, nt, e)] = mma::Elem<T>::from_float(-acc[0][nt].x[e]);
   }
-  for (int t = warp; t < (C / 16) * (Vp / 16); t += kWarps) {
+  for (int t = warp; t < (C / 16) * (Vp / 16); t += kWyWarps) {
     const int r0 = (t / (Vp / 16)) * 16, c0 = (t % (Vp / 16)) * 16;
+    float vv[2][4];  // v at the tokens, fetched before the MMAs
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int j = el_row(r0, e), col = el_col(c0, nt, e);
+        const int64_t tj = tok[j];
+        vv[nt][e] = (tj >= 0 && col < V) ? mma::Elem<T>::to_float(v[(tj * HV + hv) * V + col]) : 0.f;
+      }
     FragC acc[1][2];
     zero(acc);
     tile_mma<T, false, true>(acc, Ai, kPitchC, dvt, ldv, r0, c0, C / 16);
@@ -91,9 +115,8 @@ __global__ void __launch_bounds__(kThreads) wy_kernel(GdnBwdParams p) {
         dvb[j * ldv + col] = mma::Elem<T>::from_float(x);
         const int64_t tj = tok[j];
         if (tj >= 0 && col < V) {
-          const int64_t off = (tj * HV + hv) * V + col;
-          dv_out[off] = beta[j] * x;
-          s[e >> 1] += x * mma::Elem<T>::to_float(v[off]);
+          dv_out[(tj * HV + hv) * V + col] = beta[j] * x;
+          s[e >> 1] += x * vv[nt][e];
         }
       }
     tile_rowdot_store(s[0], s[1], partV, r0, c0);
@@ -105,32 +128,48 @@ __global__ void __launch_bounds__(kThreads) wy_kernel(GdnBwdParams p) {
       for (int e = 0; e < 4; ++e)
         u[el_row(r0, e) * ldv + el_col(c0, nt, e)] = mma::Elem<T>::from_float(acc[0][nt].x[e]);
   }
+  mma::cp_async_wait<0>();
+  __syncthreads();
+  scale_rows<T>(kh, ldk, Kp, rks);  // k^ = rk k
   __syncthreads();
 
-  // Phase 2: dkb = Ainv^T dw; dk^ += beta exp(G) dkb.
+  // Phase 2: dkb = Ainv^T dw; dk^ (from (b)) + beta exp(G) dkb, kept in registers.
   float* dk_io = p.dk_hv + ch * C * K;
-  for (int t = warp; t < (C / 16) * (Kp / 16); t += kWarps) {
-    const int r0 = (t / (Kp / 16)) * 16, c0 = (t % (Kp / 16)) * 16;
-    FragC acc[1][2];
-    zero(acc);
-    tile_mma<T, false, true>(acc, Ai, kPitchC, dw, ldk, r0, c0, C / 16);
-    float s[2] = {0.f, 0.f};
+  const int ktiles = (C / 16) * (Kp / 16);
+  float dkr[kWyMaxKTiles][2][4];
 #pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
+  for (int it = 0; it < kWyMaxKTiles; ++it) {
+    const int t = warp + it * kWyWarps;
+    if (t < ktiles) {
+      const int r0 = (t / (Kp / 16)) * 16, c0 = (t % (Kp / 16)) * 16;
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int j = el_row(r0, e), col = el_col(c0, nt, e);
-        const float x = acc[0][nt].x[e];
-        dkb[j * ldk + col] = mma::Elem<T>::from_float(x);
-        s[e >> 1] += x * mma::Elem<T>::to_float(kh[j * ldk + col]);
-        if (col < K) dk_io[j * K + col] += beta[j] * expf(G[j]) * x;
-      }
-    tile_rowdot_store(s[0], s[1], partKB, r0, c0);
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int j = el_row(r0, e), col = el_col(c0, nt, e);
+          dkr[it][nt][e] = col < K ? dk_io[j * K + col] : 0.f;
+        }
+      FragC acc[1][2];
+      zero(acc);
+      tile_mma<T, false, true>(acc, Ai, kPitchC, dw, ldk, r0, c0, C / 16);
+      float s[2] = {0.f, 0.f};
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int j = el_row(r0, e), col = el_col(c0, nt, e);
+          const float x = acc[0][nt].x[e];
+          dkb[j * ldk + col] = mma::Elem<T>::from_float(x);
+          s[e >> 1] += x * mma::Elem<T>::to_float(kh[j * ldk + col]);
+          dkr[it][nt][e] += beta[j] * expf(G[j]) * x;
+        }
+      tile_rowdot_store(s[0], s[1], partKB, r0, c0);
+    }
   }
   __syncthreads();
 
   // Phase 3: dA = -(dkb w^T + dvb u^T), KK = k^ k^T, strictly lower: W2 and dKK.
-  for (int t = warp; t < (C / 16) * (C / 16); t += kWarps) {
+  for (int t = warp; t < (C / 16) * (C / 16); t += kWyWarps) {
     const int r0 = (t / (C / 16)) * 16, c0 = (t % (C / 16)) * 16;
     FragC acc[1][2], kk[1][2];
     zero(acc);
@@ -152,29 +191,44 @@ __global__ void __launch_bounds__(kThreads) wy_kernel(GdnBwdParams p) {
   }
   __syncthreads();
 
-  // Phase 4: dk^ += dKK k^ + dKK^T k^; dbeta, dG, dg.
-  for (int t = warp; t < (C / 16) * (Kp / 16); t += kWarps) {
-    const int r0 = (t / (Kp / 16)) * 16, c0 = (t % (Kp / 16)) * 16;
-    FragC acc[1][2];
-    zero(acc);
-    tile_mma<T, true, true>(acc, dKK, kPitchC, kh, ldk, r0, c0, C / 16);
-    tile_mma<T, false, true>(acc, dKK, kPitchC, kh, ldk, r0, c0, C / 16);
+  // Phase 4: dk^ = (registers) + dKK k^ + dKK^T k^, written once; rowsum / colsum of W2 split
+  // over two thread ranges; then dbeta, dG, dg.
 #pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
+  for (int it = 0; it < kWyMaxKTiles; ++it) {
+    const int t = warp + it * kWyWarps;
+    if (t < ktiles) {
+      const int r0 = (t / (Kp / 16)) * 16, c0 = (t % (Kp / 16)) * 16;
+      FragC acc[1][2];
+      zero(acc);
+      tile_mma<T, true, true>(acc, dKK, kPitchC, kh, ldk, r0, c0, C / 16);
+      tile_mma<T, false, true>(acc, dKK, kPitchC, kh, ldk, r0, c0, C / 16);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int j = el_row(r0, e), col = el_col(c0, nt, e);
-        if (col < K) dk_io[j * K + col] += acc[0][nt].x[e];
-      }
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int j = el_row(r0, e), col = el_col(c0, nt, e);
+          if (col < K) dk_io[j * K + col] = dkr[it][nt][e] + acc[0][nt].x[e];
+        }
+    }
   }
-  for (int i = threadIdx.x; i < C; i += blockDim.x) {
-    float row = 0.f, colsum = 0.f;
+  if (threadIdx.x < C) {
+    const int i = threadIdx.x;
+    float row = 0.f;
     for (int j = 0; j < C; ++j) row += W2[i * (C + 1) + j];
+    rowW[i] = row;
+  } else if (threadIdx.x < 2 * C) {
+    const int i = threadIdx.x - C;
+    float colsum = 0.f;
     for (int m = 0; m < C; ++m) colsum += beta[m] * W2[m * (C + 1) + i];
+    colW[i] = colsum;
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < C; i += blockDim.x) {
+    const float row = rowW[i], colsum = colW[i];
     const float eg = expf(G[i]), kb = row_parts(partKB, i, Kp / 16);
     const float db = row_parts(partV, i, Vp / 16) + eg * kb + row;
-    dGs[i] = p.dG[ch * C + i] + beta[i] * eg * kb + beta[i] * row - colsum;
-    p.dG[ch * C + i] = dGs[i];  // the total (read above by this thread only)
+    dGs[i] = dGin[i] + beta[i] * eg * kb + beta[i] * row - colsum;
+    p.dG[ch * C + i] = dGs[i];  // the total
     if (tok[i] >= 0) p.dbeta[tok[i] * HV + hv] = db;
   }
   __syncthreads();
@@ -189,7 +243,7 @@ size_t wy_smem(const GdnBwdParams& p) {
   const int Kp = round16(static_cast<int>(p.k_dim)), ldk = pitch_of(Kp), ldv = pitch_of(round16(static_cast<int>(p.v_dim)));
   return 2 * smem_bytes<uint16_t>(C * kPitchC) + 4 * smem_bytes<uint16_t>(C * ldv) + smem_bytes<uint16_t>(Kp * ldv) +
          4 * smem_bytes<uint16_t>(C * ldk) + smem_bytes<float>(C * (C + 1)) + 3 * smem_bytes<float>(C) +
-         2 * smem_bytes<float>(C * 8) + smem_bytes<int64_t>(C);
+         2 * smem_bytes<float>(C * 8) + 4 * smem_bytes<float>(C) + smem_bytes<int64_t>(C);
 }
 
 template <typename T>
@@ -198,7 +252,7 @@ const char* launch(const GdnBwdParams& p, void* stream) {
   const size_t bytes = wy_smem(p);
   cudaError_t e = cudaFuncSetAttribute(wy_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
   if (e != cudaSuccess) return cudaGetErrorString(e);
-  wy_kernel<T><<<dim3(static_cast<unsigned>(p.num_chunks), static_cast<unsigned>(p.hv)), kThreads, bytes,
+  wy_kernel<T><<<dim3(static_cast<unsigned>(p.num_chunks), static_cast<unsigned>(p.hv)), kWyThreads, bytes,
                  static_cast<cudaStream_t>(stream)>>>(p);
   return launch_error();
 }
