@@ -1,14 +1,18 @@
 // Stage 1 of the fused GDN forward (../gdn_fused.h, params.h): per (chunk, value head) one block of
-// 128 threads (4 warps, warp w owns rows 16w..16w+15):
-//   1. rows through gather (half a warp per row, 16-byte loads): k^ = l2norm(k), v, g, beta
-//      (pad rows zero); rq, rk written by the hv % groups == 0 block;
-//   2. G = cumsum(g) (one thread, sequential: G is non-increasing exactly), decay = exp(G_63);
+// 128 threads (4 warps, warp w owns rows 16w..16w+15), 53 KB of shared memory (4 blocks per SM):
+//   1. rows through gather: k, v (and q for its norms, by the hv % groups == 0 block) in one batch
+//      of cp.async copies (zero-filled pad rows and columns); then k^ = l2norm(k) in place, rq, rk;
+//   2. G = cumsum(g) (one thread, sequential from registers: G is non-increasing exactly),
+//      decay = exp(G_63);
 //   3. A_ij = beta_i exp(G_i - G_j) <k^_i, k^_j>, j < i (K K^T on tensor cores, fp32 acc), and
 //      kd_j = exp(G_63 - G_j) k^_j;
 //   4. Ainv = (I + A)^-1 by forward substitution in fp32 (one thread per column, the column in
-//      registers, a fixed order: deterministic);
+//      registers, each row's sum in four interleaved partial sums added in a fixed order:
+//      deterministic, a dependency chain a quarter as long); Ainv goes to global from registers;
 //   5. w = (Ainv diag(beta exp G)) k^, u = (Ainv diag(beta)) v on tensor cores (operands rounded to
 //      the input type, fp32 acc), staged in shared memory and stored with 16-byte writes.
+// Shared memory is reused across phases: the q rows (phase 1), A (3-4) and the two scaled Ainv
+// operands (5) share one buffer.
 // Every exponent is min(., 0) (G is non-increasing, so this only guards against g > 0 input).
 #include "fwd_common.cuh"
 
@@ -24,10 +28,14 @@ template <typename T>
 struct PrepSmem {
   T k[kChunk * kLdX];
   T v[kChunk * kLdX];
-  float A[kChunk * kLdA];
-  T ainv[kChunk * kLdI];
-  T ab[kChunk * kLdI];
-  T abg[kChunk * kLdI];
+  union {
+    T q[kChunk * kLdX];  // phase 1 (the writer block's q rows, for the norms)
+    float A[kChunk * kLdA];  // phases 3-4
+    struct {
+      T ab[kChunk * kLdI];
+      T abg[kChunk * kLdI];
+    } op;  // phase 5
+  } u;
   float graw[kChunk];
   float G[kChunk];
   float beta[kChunk];
@@ -85,7 +93,7 @@ __device__ __forceinline__ void store_rows(T* __restrict__ dst, const T* src, in
 }
 
 template <typename T>
-__global__ void __launch_bounds__(kThreads) prep_fwd_kernel(const PrepParams p) {
+__global__ void __launch_bounds__(kThreads, 4) prep_fwd_kernel(const PrepParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   PrepSmem<T>& s = *reinterpret_cast<PrepSmem<T>*>(smem_raw);
   const int64_t c = blockIdx.x;
@@ -104,51 +112,39 @@ __global__ void __launch_bounds__(kThreads) prep_fwd_kernel(const PrepParams p) 
   }
   __syncthreads();
 
-  // 1. rows
+  // 1. rows: one batch of cp.async copies, then the norms in place
   const bool writer = hv % groups == 0;
-  load_rows_scaled<T>(s.k, kLdX, static_cast<const T*>(p.k), s.tok, HK, hk, K, p.use_qk_l2norm, 1.f,
-                      writer ? p.rk : nullptr);
-  if (writer) {
-    // q is read here only for its norms (the out stage recomputes q^ itself)
-    for (int r0 = warp * 2; r0 < kChunk; r0 += (kThreads / 32) * 2) {
-      const int row = r0 + (lane >> 4), hl = lane & 15;
-      const int64_t tok = s.tok[row];
-      float ss = 0.f;
-      if (p.use_qk_l2norm) {
-        if (tok >= 0 && hl * 8 < K) {
-          float f[8];
-          unpack8<T>(*reinterpret_cast<const uint4*>(static_cast<const T*>(p.q) + (tok * HK + hk) * static_cast<int64_t>(K) + hl * 8), f);
-#pragma unroll
-          for (int i = 0; i < 8; ++i) ss = fmaf(f[i], f[i], ss);
-        }
-#pragma unroll
-        for (int off = 8; off >= 1; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
-      }
-      if (hl == 0 && tok >= 0) p.rq[tok * HK + hk] = p.use_qk_l2norm ? rsqrtf(ss + 1e-6f) : 1.f;
-    }
-  }
-  // v rows (no scaling), 16-byte loads, zeros past V and for pad rows
-  {
-    const T* vp = static_cast<const T*>(p.v);
-    for (int r0 = warp * 2; r0 < kChunk; r0 += (kThreads / 32) * 2) {
-      const int row = r0 + (lane >> 4), hl = lane & 15;
-      const int64_t tok = s.tok[row];
-      uint4 raw = make_uint4(0u, 0u, 0u, 0u);
-      if (tok >= 0 && hl * 8 < V) raw = *reinterpret_cast<const uint4*>(vp + (tok * HV + hv) * static_cast<int64_t>(V) + hl * 8);
-      *reinterpret_cast<uint4*>(s.v + row * kLdX + hl * 8) = raw;
-    }
-  }
-  // 2. the chunk-local cumsum (sequential: exactly non-increasing for g <= 0)
+  cp_rows_async<T>(s.k, kLdX, static_cast<const T*>(p.k), s.tok, HK, hk, K);
+  cp_rows_async<T>(s.v, kLdX, static_cast<const T*>(p.v), s.tok, HV, hv, V);
+  if (writer) cp_rows_async<T>(s.u.q, kLdX, static_cast<const T*>(p.q), s.tok, HK, hk, K);
+  mm::cp_async_commit();
+  // 2. the chunk-local cumsum (sequential: exactly non-increasing for g <= 0), while the copies fly
   if (tid == 0) {
-    float acc = 0.f;
-#pragma unroll 16
-    for (int i = 0; i < kChunk; ++i) {
-      acc += s.graw[i];
-      s.G[i] = acc;
+    float gr[kChunk];
+#pragma unroll
+    for (int i = 0; i < kChunk; i += 4) {
+      const float4 g4 = *reinterpret_cast<const float4*>(s.graw + i);
+      gr[i] = g4.x;
+      gr[i + 1] = g4.y;
+      gr[i + 2] = g4.z;
+      gr[i + 3] = g4.w;
     }
+    float acc = 0.f;
+#pragma unroll
+    for (int i = 0; i < kChunk; ++i) {
+      acc += gr[i];
+      gr[i] = acc;
+    }
+#pragma unroll
+    for (int i = 0; i < kChunk; i += 4) *reinterpret_cast<float4*>(s.G + i) = make_float4(gr[i], gr[i + 1], gr[i + 2], gr[i + 3]);
     p.decay[tile] = exp_nonpos(acc);
   }
+  mm::cp_async_wait<0>();
   __syncthreads();
+  scale_rows_smem<T, kThreads / 32>(s.k, kLdX, s.tok, HK, hk, p.use_qk_l2norm, 1.f, writer ? p.rk : nullptr, true);
+  if (writer)  // q is read here only for its norms (the out stage recomputes q^ itself)
+    scale_rows_smem<T, kThreads / 32>(s.u.q, kLdX, s.tok, HK, hk, p.use_qk_l2norm, 1.f, p.rq, false);
+  __syncthreads();  // k^ complete; the q rows are dead (A takes their place)
   if (tid < kChunk) p.G[tile * kChunk + tid] = s.G[tid];
 
   // 3a. A = beta_i exp(G_i - G_j) (K K^T)_ij, strictly lower (rows of this warp; columns of blocks <= warp)
@@ -174,7 +170,7 @@ __global__ void __launch_bounds__(kThreads) prep_fwd_kernel(const PrepParams p) 
       for (int e = 0; e < 4; ++e) {
         const int r = warp * 16 + mm::c_row(lane, e), col = nt * 8 + mm::c_col(lane, e);
         const float val = col < r ? s.beta[r] * exp_nonpos(s.G[r] - s.G[col]) * acc[nt].x[e] : 0.f;
-        s.A[r * kLdA + col] = val;
+        s.u.A[r * kLdA + col] = val;
       }
   }
   // 3b. kd_j = exp(G_63 - G_j) k^_j (16-byte stores)
@@ -194,50 +190,50 @@ __global__ void __launch_bounds__(kThreads) prep_fwd_kernel(const PrepParams p) 
   }
   __syncthreads();
 
-  // 4. Ainv = (I + A)^-1: thread `col` solves (I + A) x = e_col top-down, x in registers.
+  // 4. Ainv = (I + A)^-1: thread `col` solves (I + A) x = e_col top-down, x in registers; row i's
+  // sum in four partial sums (j = 0, 1, 2, 3 mod 4) added as (p0 + p1) + (p2 + p3).
+  float x[kChunk];
   if (tid < kChunk) {
     const int col = tid;
-    float x[kChunk];
 #pragma unroll
     for (int i = 0; i < kChunk; ++i) {
-      float acc = i == col ? 1.f : 0.f;
-      const float* Ai = s.A + i * kLdA;
+      float p0 = i == col ? 1.f : 0.f, p1 = 0.f, p2 = 0.f, p3 = 0.f;
+      const float* Ai = s.u.A + i * kLdA;
 #pragma unroll
       for (int j = 0; j + 3 < i; j += 4) {
         const float4 a4 = *reinterpret_cast<const float4*>(Ai + j);
-        acc = fmaf(-a4.x, x[j], acc);
-        acc = fmaf(-a4.y, x[j + 1], acc);
-        acc = fmaf(-a4.z, x[j + 2], acc);
-        acc = fmaf(-a4.w, x[j + 3], acc);
+        p0 = fmaf(-a4.x, x[j], p0);
+        p1 = fmaf(-a4.y, x[j + 1], p1);
+        p2 = fmaf(-a4.z, x[j + 2], p2);
+        p3 = fmaf(-a4.w, x[j + 3], p3);
       }
-#pragma unroll
-      for (int j = i & ~3; j < i; ++j) acc = fmaf(-Ai[j], x[j], acc);
-      x[i] = acc;
+      const int jt = i & ~3;
+      if (jt < i) p0 = fmaf(-Ai[jt], x[jt], p0);
+      if (jt + 1 < i) p1 = fmaf(-Ai[jt + 1], x[jt + 1], p1);
+      if (jt + 2 < i) p2 = fmaf(-Ai[jt + 2], x[jt + 2], p2);
+      x[i] = (p0 + p1) + (p2 + p3);
     }
+  }
+  __syncthreads();  // every thread is done reading A (the operands take its place)
+  if (tid < kChunk) {
+    const int col = tid;
     const float b = s.beta[col], bg = b * exp_nonpos(s.G[col]);
+    T* dst = static_cast<T*>(p.Ainv) + tile * kChunk * kChunk + col;  // row i: 64 threads, 128 contiguous bytes
 #pragma unroll
     for (int i = 0; i < kChunk; ++i) {
-      s.ainv[i * kLdI + col] = mm::Elem<T>::from_float(x[i]);
-      s.ab[i * kLdI + col] = mm::Elem<T>::from_float(x[i] * b);
-      s.abg[i * kLdI + col] = mm::Elem<T>::from_float(x[i] * bg);
+      dst[i * kChunk] = mm::Elem<T>::from_float(x[i]);
+      s.u.op.ab[i * kLdI + col] = mm::Elem<T>::from_float(x[i] * b);
+      s.u.op.abg[i * kLdI + col] = mm::Elem<T>::from_float(x[i] * bg);
     }
   }
   __syncthreads();
 
-  // Ainv out (64 x 64)
-  {
-    T* dst = static_cast<T*>(p.Ainv) + tile * kChunk * kChunk;
-    for (int i = tid; i < kChunk * 8; i += kThreads) {
-      const int r = i >> 3, c8 = i & 7;
-      *reinterpret_cast<uint4*>(dst + r * kChunk + c8 * 8) = *reinterpret_cast<const uint4*>(s.ainv + r * kLdI + c8 * 8);
-    }
-  }
   // 5. w, u
   mm::FragC acc[16];
-  lower_times<T>(acc, s.abg, s.k, warp, kb16);
+  lower_times<T>(acc, s.u.op.abg, s.k, warp, kb16);
   __syncthreads();  // every warp is done reading k^
   stash<T>(s.k, acc, warp, kb16);
-  lower_times<T>(acc, s.ab, s.v, warp, vb16);
+  lower_times<T>(acc, s.u.op.ab, s.v, warp, vb16);
   __syncthreads();  // every warp is done reading v
   stash<T>(s.v, acc, warp, vb16);
   __syncthreads();
