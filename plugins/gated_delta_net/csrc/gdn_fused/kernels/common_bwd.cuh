@@ -160,18 +160,22 @@ __device__ __forceinline__ float row_parts(const float* part, int r, int ntiles)
   return s;
 }
 
-// Block sum of one float per thread, fixed order (thread 0 adds them up); result for all threads.
+// Block sum of one float per thread, fixed order (a butterfly inside each warp, then thread 0 adds
+// the warps' sums in order); result for all threads. red: NT / 32 + 1 floats at least.
 template <int NT = kThreads>
 __device__ inline float block_sum(float x, float* red) {
-  red[threadIdx.x] = x;
+  constexpr int NW = NT / 32;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x / 32] = x;
   __syncthreads();
   if (threadIdx.x == 0) {
     float s = 0.f;
-    for (int i = 0; i < NT; ++i) s += red[i];
-    red[NT] = s;
+    for (int i = 0; i < NW; ++i) s += red[i];
+    red[NW] = s;
   }
   __syncthreads();
-  const float s = red[NT];
+  const float s = red[NW];
   __syncthreads();
   return s;
 }
