@@ -7,8 +7,13 @@ namespace tree_recurrence::gdn::fused::kernels {
 namespace bwd {
 namespace {
 
+// 8 warps per CTA (about 61 KB of shared memory at K = V = 128: 3 CTAs per SM); tiles by
+// cp.async; q_g, dO and dv_local stored 16 / 4 bytes at a time.
+constexpr int kDvWarps = 8;
+constexpr int kDvThreads = kDvWarps * 32;
+
 template <typename T>
-__global__ void __launch_bounds__(kThreads) dv_local_kernel(GdnBwdParams p) {
+__global__ void __launch_bounds__(kDvThreads) dv_local_kernel(GdnBwdParams p) {
   extern __shared__ __align__(16) char smem_raw[];
   const int64_t c = blockIdx.x, hv = blockIdx.y;
   const int64_t HV = p.hv, HK = p.hk, hk = hv / (HV / HK);
@@ -20,33 +25,51 @@ __global__ void __launch_bounds__(kThreads) dv_local_kernel(GdnBwdParams p) {
   T* dO = sm.take<T>(C * ldv);
   T* Pt = sm.take<T>(C * kPitchC);
   float* G = sm.take<float>(C);
+  float* rqs = sm.take<float>(C);  // scale * rq of the row's token (0 for padding rows)
+  float* rks = sm.take<float>(C);
   int64_t* tok = sm.take<int64_t>(C);
 
   const int64_t ch = c * HV + hv;  // (chunk, head) tile index
   for (int i = threadIdx.x; i < C; i += blockDim.x) {
     G[i] = p.G[ch * C + i];
-    tok[i] = p.gather[c * C + i];
+    const int64_t t = p.gather[c * C + i];
+    tok[i] = t;
+    rqs[i] = t >= 0 ? p.rq[t * HK + hk] * p.scale : 0.f;
+    rks[i] = t >= 0 ? p.rk[t * HK + hk] * 1.f : 0.f;
   }
   __syncthreads();
-  load_token_rows<T, true>(qh, ldk, static_cast<const T*>(p.q), tok, HK, hk, K, Kp, p.rq, HK, hk, p.scale);
-  load_token_rows<T, true>(kh, ldk, static_cast<const T*>(p.k), tok, HK, hk, K, Kp, p.rk, HK, hk, 1.f);
-  load_token_rows<T, false>(dO, ldv, static_cast<const T*>(p.grad_o), tok, HV, hv, V, Vp, nullptr, 0, 0, 1.f);
+  async_token_rows<T>(qh, ldk, static_cast<const T*>(p.q), tok, HK, hk, K, Kp);
+  async_token_rows<T>(kh, ldk, static_cast<const T*>(p.k), tok, HK, hk, K, Kp);
+  async_token_rows<T>(dO, ldv, static_cast<const T*>(p.grad_o), tok, HV, hv, V, Vp);
+  mma::cp_async_commit();
+  mma::cp_async_wait<0>();
+  __syncthreads();
+  scale_rows<T>(qh, ldk, Kp, rqs);  // q^ = scale rq q
+  scale_rows<T>(kh, ldk, Kp, rks);  // k^ = rk k
   __syncthreads();
 
-  // q_g and dO chunk-major (q_g from the rounded q^, times exp(G_i) <= 1).
+  // q_g and dO chunk-major (q_g from the rounded q^, times exp(G_i) <= 1), 8 elements a store.
   {
     T* qg = static_cast<T*>(p.q_g) + ch * C * K;
-    for (int idx = threadIdx.x; idx < C * K; idx += blockDim.x) {
-      const int i = idx / K, col = idx % K;
-      qg[idx] = mma::Elem<T>::from_float(mma::Elem<T>::to_float(qh[i * ldk + col]) * expf(G[i]));
+    for (int idx = threadIdx.x; idx < C * (K / 8); idx += blockDim.x) {
+      const int i = idx / (K / 8), c8 = (idx % (K / 8)) * 8;
+      uint4 val = *reinterpret_cast<const uint4*>(qh + i * ldk + c8);
+      const float eg = expf(G[i]);
+      T* e = reinterpret_cast<T*>(&val);
+#pragma unroll
+      for (int m = 0; m < 8; ++m) e[m] = mma::Elem<T>::from_float(mma::Elem<T>::to_float(e[m]) * eg);
+      *reinterpret_cast<uint4*>(qg + i * K + c8) = val;
     }
     T* doc = static_cast<T*>(p.do_c) + ch * C * V;
-    for (int idx = threadIdx.x; idx < C * V; idx += blockDim.x) doc[idx] = dO[(idx / V) * ldv + idx % V];
+    for (int idx = threadIdx.x; idx < C * (V / 8); idx += blockDim.x) {
+      const int i = idx / (V / 8), c8 = (idx % (V / 8)) * 8;
+      *reinterpret_cast<uint4*>(doc + i * V + c8) = *reinterpret_cast<const uint4*>(dO + i * ldv + c8);
+    }
   }
 
   const int warp = threadIdx.x / 32;
   // Pt(j, i) = exp(G_i - G_j) <k^_j, q^_i> for i >= j, else 0.
-  for (int t = warp; t < (C / 16) * (C / 16); t += kWarps) {
+  for (int t = warp; t < (C / 16) * (C / 16); t += kDvWarps) {
     const int r0 = (t / (C / 16)) * 16, c0 = (t % (C / 16)) * 16;
     FragC acc[1][2];
     zero(acc);
@@ -63,7 +86,7 @@ __global__ void __launch_bounds__(kThreads) dv_local_kernel(GdnBwdParams p) {
   __syncthreads();
   // dv_local = Pt dO.
   T* out = static_cast<T*>(p.dv_local) + ch * C * V;
-  for (int t = warp; t < (C / 16) * (Vp / 16); t += kWarps) {
+  for (int t = warp; t < (C / 16) * (Vp / 16); t += kDvWarps) {
     const int r0 = (t / (Vp / 16)) * 16, c0 = (t % (Vp / 16)) * 16;
     FragC acc[1][2];
     zero(acc);
@@ -71,9 +94,10 @@ __global__ void __launch_bounds__(kThreads) dv_local_kernel(GdnBwdParams p) {
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
+      for (int e = 0; e < 4; e += 2) {  // (e, e + 1): adjacent columns, col even, V a multiple of 8
         const int j = el_row(r0, e), col = el_col(c0, nt, e);
-        if (col < V) out[j * V + col] = mma::Elem<T>::from_float(acc[0][nt].x[e]);
+        if (col < V)
+          *reinterpret_cast<uint32_t*>(out + j * V + col) = mma::Elem<T>::pack(acc[0][nt].x[e], acc[0][nt].x[e + 1]);
       }
   }
 }
@@ -81,7 +105,7 @@ __global__ void __launch_bounds__(kThreads) dv_local_kernel(GdnBwdParams p) {
 size_t dv_local_smem(const GdnBwdParams& p) {
   const int ldk = pitch_of(round16(static_cast<int>(p.k_dim))), ldv = pitch_of(round16(static_cast<int>(p.v_dim)));
   return 2 * smem_bytes<uint16_t>(C * ldk) + smem_bytes<uint16_t>(C * ldv) + smem_bytes<uint16_t>(C * kPitchC) +
-         smem_bytes<float>(C) + smem_bytes<int64_t>(C);
+         3 * smem_bytes<float>(C) + smem_bytes<int64_t>(C);
 }
 
 template <typename T>
@@ -90,7 +114,7 @@ const char* launch(const GdnBwdParams& p, void* stream) {
   const size_t bytes = dv_local_smem(p);
   cudaError_t e = cudaFuncSetAttribute(dv_local_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
   if (e != cudaSuccess) return cudaGetErrorString(e);
-  dv_local_kernel<T><<<dim3(static_cast<unsigned>(p.num_chunks), static_cast<unsigned>(p.hv)), kThreads, bytes,
+  dv_local_kernel<T><<<dim3(static_cast<unsigned>(p.num_chunks), static_cast<unsigned>(p.hv)), kDvThreads, bytes,
                        static_cast<cudaStream_t>(stream)>>>(p);
   return launch_error();
 }
