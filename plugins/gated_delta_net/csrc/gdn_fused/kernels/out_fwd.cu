@@ -1,116 +1,127 @@
-// Stage 3 of the fused GDN forward (../gdn_fused.h, params.h): per (chunk, value head, V tile of
-// 64 columns) one block of 128 threads (4 warps, warp w owns rows 16w..16w+15):
-//   q^ = l2norm(q) scale, k^ = l2norm(k) (recomputed exactly as prep_fwd does), h[c] and v_new[c]
-//   by cp.async; S = (q^ k^T) * exp(G_i - G_j) (j <= i) kept in registers as the A operand of
-//   S v_new (tensor cores, fp32 acc); o = exp(G_i) (q^ h) + S v_new, staged in shared memory and
+// Stage 3 of the fused GDN forward (../gdn_fused.h, params.h): per (chunk, value head) one block of
+// 256 threads (8 warps; warp w owns rows 16 (w % 4).. and output columns 64 (w / 4)..), 86 KB of
+// shared memory (2 blocks per SM):
+//   q, k rows (through gather), h[c] (K x V) and v_new[c] (64 x V) in one batch of cp.async copies
+//   (zero-filled pad rows and columns); q^ = l2norm(q) scale, k^ = l2norm(k) in place (recomputed
+//   bit for bit as prep_fwd computes them); S = (q^ k^T) * exp(G_i - G_j) (j <= i) kept in
+//   registers as the A operand of S v_new (tensor cores, fp32 acc; both warps of a row block compute
+//   it); o = exp(G_i) (q^ h) + S v_new, staged in shared memory (the k rows, dead by then) and
 //   written at the chunk's tokens with 16-byte stores.
 #include "fwd_common.cuh"
 
 namespace tree_recurrence::gdn::fused::kernels {
 namespace {
 
-constexpr int kThreads = 128;
-constexpr int kTileV = 64;
-constexpr int kLdX = kMaxDim + 8;  // q, k rows (and the o staging)
-constexpr int kLdV = kTileV + 8;   // h and v_new tiles
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kTileV = 64;         // output columns per warp
+constexpr int kLdX = kMaxDim + 8;  // pitch of every tile (q, k, h, v_new, the o staging)
 
 template <typename T>
 struct OutSmem {
   T q[kChunk * kLdX];
-  T k[kChunk * kLdX];
-  T h[kMaxDim * kLdV];
-  T vn[kChunk * kLdV];
+  T k[kChunk * kLdX];  // k^, then the o staging
+  T h[kMaxDim * kLdX];
+  T vn[kChunk * kLdX];
   float G[kChunk];
   int64_t tok[kChunk];
 };
 
 template <typename T>
-__global__ void __launch_bounds__(kThreads) out_fwd_kernel(const OutParams p) {
+__global__ void __launch_bounds__(kThreads, 2) out_fwd_kernel(const OutParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   OutSmem<T>& s = *reinterpret_cast<OutSmem<T>*>(smem_raw);
   const int64_t c = blockIdx.x;
   const int hv = blockIdx.y;
-  const int v0 = blockIdx.z * kTileV;
   const int HV = p.value_heads, HK = p.key_heads, groups = HV / HK, hk = hv / groups;
   const int K = p.k_dim, V = p.v_dim;
   const int kb16 = (K + 15) >> 4;
-  const int vt = min(kTileV, V - v0);  // valid columns of this tile (multiple of 8)
-  const int vb16 = (vt + 15) >> 4;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int rw = warp & 3;             // row block
+  const int v0 = (warp >> 2) * kTileV;  // first output column of this warp
+  const int vt = max(0, min(kTileV, V - v0));  // valid columns of this warp (multiple of 8, maybe 0)
+  const int vb16 = (vt + 15) >> 4;
   const int64_t tile = c * HV + hv;
 
-  // h tile (K rows, padded to 16 with zeros) and v_new tile, by cp.async (zero-filled past V)
+  // h (K rows, padded to a multiple of 16 with zeros) and v_new, by cp.async (zero-filled past V)
   {
     const T* hp = static_cast<const T*>(p.h) + tile * static_cast<int64_t>(K) * V;
     const int rows = kb16 * 16;
-    for (int i = tid; i < rows * (kTileV / 8); i += kThreads) {
-      const int r = i >> 3, c8 = i & 7;
-      const bool ok = r < K && c8 * 8 < vt;
-      const T* src = ok ? hp + static_cast<int64_t>(r) * V + v0 + c8 * 8 : hp;
-      mm::cp_async_16(s.h + r * kLdV + c8 * 8, src, ok ? 16 : 0);
+    for (int i = tid; i < rows * (kMaxDim / 8); i += kThreads) {
+      const int r = i >> 4, c8 = i & 15;
+      const bool ok = r < K && c8 * 8 < V;
+      const T* src = ok ? hp + static_cast<int64_t>(r) * V + c8 * 8 : hp;
+      mm::cp_async_16(s.h + r * kLdX + c8 * 8, src, ok ? 16 : 0);
     }
     const T* vp = static_cast<const T*>(p.v_new) + tile * static_cast<int64_t>(kChunk) * V;
-    for (int i = tid; i < kChunk * (kTileV / 8); i += kThreads) {
-      const int r = i >> 3, c8 = i & 7;
-      const bool ok = c8 * 8 < vt;
-      const T* src = ok ? vp + static_cast<int64_t>(r) * V + v0 + c8 * 8 : vp;
-      mm::cp_async_16(s.vn + r * kLdV + c8 * 8, src, ok ? 16 : 0);
+    for (int i = tid; i < kChunk * (kMaxDim / 8); i += kThreads) {
+      const int r = i >> 4, c8 = i & 15;
+      const bool ok = c8 * 8 < V;
+      const T* src = ok ? vp + static_cast<int64_t>(r) * V + c8 * 8 : vp;
+      mm::cp_async_16(s.vn + r * kLdX + c8 * 8, src, ok ? 16 : 0);
     }
-    mm::cp_async_commit();
   }
   if (tid < kChunk) {
     s.tok[tid] = p.gather[c * kChunk + tid];
     s.G[tid] = p.G[tile * kChunk + tid];
   }
   __syncthreads();
-  load_rows_scaled<T>(s.q, kLdX, static_cast<const T*>(p.q), s.tok, HK, hk, K, p.use_qk_l2norm, p.scale, nullptr);
-  load_rows_scaled<T>(s.k, kLdX, static_cast<const T*>(p.k), s.tok, HK, hk, K, p.use_qk_l2norm, 1.f, nullptr);
+  cp_rows_async<T>(s.q, kLdX, static_cast<const T*>(p.q), s.tok, HK, hk, K);
+  cp_rows_async<T>(s.k, kLdX, static_cast<const T*>(p.k), s.tok, HK, hk, K);
+  mm::cp_async_commit();
   mm::cp_async_wait<0>();
+  __syncthreads();
+  scale_rows_smem<T, kWarps>(s.q, kLdX, s.tok, HK, hk, p.use_qk_l2norm, p.scale, nullptr, true);
+  scale_rows_smem<T, kWarps>(s.k, kLdX, s.tok, HK, hk, p.use_qk_l2norm, 1.f, nullptr, true);
   __syncthreads();
 
   // S = q^ k^T on the blocks at or below the diagonal, gated
   mm::FragC S[8];
 #pragma unroll
   for (int nt = 0; nt < 8; ++nt) S[nt].zero();
-  for (int kt = 0; kt < kb16; ++kt) {
-    const mm::FragA a = mm::load_a_row(s.q + warp * 16 * kLdX + kt * 16, kLdX);
+  if (vb16 > 0) {
+    for (int kt = 0; kt < kb16; ++kt) {
+      const mm::FragA a = mm::load_a_row(s.q + rw * 16 * kLdX + kt * 16, kLdX);
 #pragma unroll
-    for (int np = 0; np < 4; ++np) {
-      if (np <= warp) {
-        mm::FragB b0, b1;
-        mm::load_b_nk(b0, b1, s.k + np * 16 * kLdX + kt * 16, kLdX);
-        mm::mma<T>(S[2 * np], a, b0);
-        mm::mma<T>(S[2 * np + 1], a, b1);
+      for (int np = 0; np < 4; ++np) {
+        if (np <= rw) {
+          mm::FragB b0, b1;
+          mm::load_b_nk(b0, b1, s.k + np * 16 * kLdX + kt * 16, kLdX);
+          mm::mma<T>(S[2 * np], a, b0);
+          mm::mma<T>(S[2 * np + 1], a, b1);
+        }
       }
     }
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = rw * 16 + mm::c_row(lane, e), col = nt * 8 + mm::c_col(lane, e);
+        S[nt].x[e] = col <= r ? S[nt].x[e] * exp_nonpos(s.G[r] - s.G[col]) : 0.f;
+      }
   }
-#pragma unroll
-  for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int r = warp * 16 + mm::c_row(lane, e), col = nt * 8 + mm::c_col(lane, e);
-      S[nt].x[e] = col <= r ? S[nt].x[e] * exp_nonpos(s.G[r] - s.G[col]) : 0.f;
-    }
+  __syncthreads();  // every warp is done reading k^ (its rows become the o staging)
+  if (vb16 == 0) return;  // V <= 64: the second column half has nothing to do (no barrier follows)
 
-  // O = q^ h (K x tile), rows times exp(G_i)
+  // O = q^ h (K x this warp's columns), rows times exp(G_i)
   mm::FragC O[8];
 #pragma unroll
   for (int nt = 0; nt < 8; ++nt) O[nt].zero();
   for (int kt = 0; kt < kb16; ++kt) {
-    const mm::FragA a = mm::load_a_row(s.q + warp * 16 * kLdX + kt * 16, kLdX);
+    const mm::FragA a = mm::load_a_row(s.q + rw * 16 * kLdX + kt * 16, kLdX);
 #pragma unroll
     for (int np = 0; np < 4; ++np) {
       if (np < vb16) {
         mm::FragB b0, b1;
-        mm::load_b_kn(b0, b1, s.h + kt * 16 * kLdV + np * 16, kLdV);
+        mm::load_b_kn(b0, b1, s.h + kt * 16 * kLdX + v0 + np * 16, kLdX);
         mm::mma<T>(O[2 * np], a, b0);
         mm::mma<T>(O[2 * np + 1], a, b1);
       }
     }
   }
   {
-    const float e0 = exp_nonpos(s.G[warp * 16 + mm::c_row(lane, 0)]);
-    const float e1 = exp_nonpos(s.G[warp * 16 + mm::c_row(lane, 2)]);
+    const float e0 = exp_nonpos(s.G[rw * 16 + mm::c_row(lane, 0)]);
+    const float e1 = exp_nonpos(s.G[rw * 16 + mm::c_row(lane, 2)]);
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
       O[nt].x[0] *= e0;
@@ -119,16 +130,16 @@ __global__ void __launch_bounds__(kThreads) out_fwd_kernel(const OutParams p) {
       O[nt].x[3] *= e1;
     }
   }
-  // O += S v_new (k blocks <= warp)
+  // O += S v_new (k blocks <= rw)
 #pragma unroll
   for (int kt = 0; kt < 4; ++kt) {
-    if (kt <= warp) {
+    if (kt <= rw) {
       const mm::FragA a = mm::c_to_a<T>(S[2 * kt], S[2 * kt + 1]);
 #pragma unroll
       for (int np = 0; np < 4; ++np) {
         if (np < vb16) {
           mm::FragB b0, b1;
-          mm::load_b_kn(b0, b1, s.vn + kt * 16 * kLdV + np * 16, kLdV);
+          mm::load_b_kn(b0, b1, s.vn + kt * 16 * kLdX + v0 + np * 16, kLdX);
           mm::mma<T>(O[2 * np], a, b0);
           mm::mma<T>(O[2 * np + 1], a, b1);
         }
@@ -136,24 +147,26 @@ __global__ void __launch_bounds__(kThreads) out_fwd_kernel(const OutParams p) {
     }
   }
 
-  // stage this warp's rows in its own q rows (only this warp read them), then 16-byte stores
-  __syncwarp();
+  // stage this warp's 16 x 64 piece in the k rows (disjoint per warp), then 16-byte stores
+  T* st = s.k + v0;
 #pragma unroll
   for (int nt = 0; nt < 8; ++nt) {
-    const int col = nt * 8 + mm::c_col(lane, 0);
-    const int r0 = warp * 16 + mm::c_row(lane, 0), r1 = warp * 16 + mm::c_row(lane, 2);
-    *reinterpret_cast<uint32_t*>(s.q + r0 * kLdX + col) = mm::Elem<T>::pack(O[nt].x[0], O[nt].x[1]);
-    *reinterpret_cast<uint32_t*>(s.q + r1 * kLdX + col) = mm::Elem<T>::pack(O[nt].x[2], O[nt].x[3]);
+    if ((nt >> 1) < vb16) {
+      const int col = nt * 8 + mm::c_col(lane, 0);
+      const int r0 = rw * 16 + mm::c_row(lane, 0), r1 = rw * 16 + mm::c_row(lane, 2);
+      *reinterpret_cast<uint32_t*>(st + r0 * kLdX + col) = mm::Elem<T>::pack(O[nt].x[0], O[nt].x[1]);
+      *reinterpret_cast<uint32_t*>(st + r1 * kLdX + col) = mm::Elem<T>::pack(O[nt].x[2], O[nt].x[3]);
+    }
   }
   __syncwarp();
   T* o = static_cast<T*>(p.o);
   const int per_row = vt >> 3;
   for (int i = lane; i < 16 * per_row; i += 32) {
-    const int r = warp * 16 + i / per_row, c8 = i % per_row;
+    const int r = rw * 16 + i / per_row, c8 = i % per_row;
     const int64_t t = s.tok[r];
     if (t >= 0)
       *reinterpret_cast<uint4*>(o + (t * HV + hv) * static_cast<int64_t>(V) + v0 + c8 * 8) =
-          *reinterpret_cast<const uint4*>(s.q + r * kLdX + c8 * 8);
+          *reinterpret_cast<const uint4*>(st + r * kLdX + c8 * 8);
   }
 }
 
@@ -163,8 +176,7 @@ const char* launch(const OutParams& p, cudaStream_t stream) {
   const int smem = static_cast<int>(sizeof(OutSmem<T>));
   cudaError_t e = cudaFuncSetAttribute(out_fwd_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (e != cudaSuccess) return cudaGetErrorString(e);
-  const dim3 grid(static_cast<unsigned>(p.num_chunks), static_cast<unsigned>(p.value_heads),
-                  static_cast<unsigned>((p.v_dim + kTileV - 1) / kTileV));
+  const dim3 grid(static_cast<unsigned>(p.num_chunks), static_cast<unsigned>(p.value_heads));
   out_fwd_kernel<T><<<grid, kThreads, smem, stream>>>(p);
   return launch_error(cudaGetLastError());
 }
