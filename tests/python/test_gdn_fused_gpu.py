@@ -11,7 +11,7 @@ the fused path) against the float64 token oracle (gdn_token_scan) on the same ro
 RMS <= 5e-3), bitwise repeatability, the TREE_RECURRENCE_GDN_FUSED switch, and the interim backward
 (TREE_RECURRENCE_GDN_FUSED_BWD=0: the composite's own gradients). Tries: deep (20 levels), wide (64
 children), 1-token segments, 63/64/65-token segments, an 8k segment, grouped heads, K = V = 128 and 16
-and dims not multiples of 16, l2norm on and off, per-root initial states, strong decays (A up to 16).
+and dims not multiples of 16 (V = 88: a partly used second column half in the out kernel), l2norm on and off, per-root initial states, strong decays (A up to 16).
 
 Run: .venv/bin/python -m pytest tests/python/test_gdn_fused_gpu.py -q -s   (-s shows the tables)
 """
@@ -37,6 +37,8 @@ CASES = {
     "forest_no_l2": ([(-1, 30), (-1, 64), (0, 20), (-1, 1), (1, 70), (1, 3)], 2, 4, 64, 64, False, False, "per_root"),
     "odd_dims_none": ([(-1, 200), (0, 70), (0, 1)], 1, 3, 40, 72, True, True, "none"),
     "long_8k_strong": ([(-1, 8192), (0, 100)], 1, 2, 128, 128, True, True, "shared"),
+    # V in (64, 128) not a multiple of 16 (the out kernel's second column half partly used), 3 groups
+    "k24_v88_groups3": ([(-1, 100), (0, 64), (0, 30), (2, 5)], 2, 6, 24, 88, True, False, "shared"),
 }
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
