@@ -5,6 +5,10 @@
 //   (one launch per level, deepest first) -> ddecay -> rows (dx, ddt direct, q, v) -> dB / dC per
 //   group -> d(dt A), ddt, ddt_raw, dA partials; then fixed-order ATen sums (dA, dD, ddt_bias, the
 //   shared initial state's gradient). No host synchronisation (level_offsets is the host list).
+// Tensor-core path (kernels/ssd_tc_bwd.cu; chunk 64, P and N small enough for its shared-memory
+// plan, unless TREE_RECURRENCE_SSD_BWD_TC=0): gate -> local_tc -> reverse state pass -> ddecay ->
+// post_tc (per chunk and group: cb, dyx, rows, dB / dC, d(dt A) in one kernel, no (NC, H, L, L)
+// workspace); the same stage outputs. Otherwise the fp32 CUDA-core kernels above.
 // Saved states are used as the forward stored them (in-type, rounded), as mamba-ssm's backward
 // does with its bf16 states: recomputing them in fp32 would cost another state pass, and their
 // rounding enters only dC (through C s) and ddecay, at the in-type's precision.
@@ -14,6 +18,8 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include <cstdlib>
+#include <cstring>
 #include <string>
 
 #include "kernels/params_bwd.h"
@@ -45,6 +51,12 @@ struct Stages {
   at::Tensor dy, dz, cb, local, ds_leave, ddecay, d_roots, q, v, ddt_direct, d_dtA, ddt, ddt_raw, dA_part;
   Grads grads;
 };
+
+// TREE_RECURRENCE_SSD_BWD_TC=0 forces the fp32 CUDA-core kernels (the round-1 baseline)
+bool tc_enabled() {
+  const char* v = std::getenv("TREE_RECURRENCE_SSD_BWD_TC");
+  return v == nullptr || std::strcmp(v, "0") != 0;
+}
 
 void check_launch(int err, const char* what) {
   TORCH_CHECK(err == 0, "fused SSD backward: the ", what, " kernel failed to launch: ", k::ssd_bwd_error_string(err));
@@ -125,7 +137,6 @@ Stages run(const at::Tensor& grad_out, const Args& a, const Tables& t, const Sav
   st.dy = at::empty({T, H, P}, f32);
   if (a.z) st.dz = at::empty({T, H, P}, f32);
   st.cb = at::empty({NC, G, L, L}, f32);
-  at::Tensor dyx = at::empty({NC, H, L, L}, f32);
   st.ds_leave = at::empty({NC, H, P, N}, f32);
   at::Tensor ws = at::empty({std::max<int64_t>(S, 1), H, P, N}, f32);
   if (a.initial_state) st.d_roots = at::zeros({std::max<int64_t>(R, 1), H, P, N}, f32);
@@ -177,7 +188,12 @@ Stages run(const at::Tensor& grad_out, const Args& a, const Tables& t, const Sav
   p.children = kids.data_ptr<int64_t>();
   p.dy = st.dy.data_ptr<float>();
   p.cb = st.cb.data_ptr<float>();
-  p.dyx = dyx.data_ptr<float>();
+  const bool tc = tc_enabled() && k::ssd_bwd_tc_supported(p);
+  at::Tensor dyx;
+  if (!tc) {
+    dyx = at::empty({NC, H, L, L}, f32);
+    p.dyx = dyx.data_ptr<float>();
+  }
   p.ds = st.ds_leave.data_ptr<float>();
   p.ws = ws.data_ptr<float>();
   p.droots = a.initial_state ? st.d_roots.data_ptr<float>() : nullptr;
@@ -194,9 +210,13 @@ Stages run(const at::Tensor& grad_out, const Args& a, const Tables& t, const Sav
   p.dA_part = st.dA_part.data_ptr<float>();
 
   check_launch(k::ssd_bwd_gate(p, stream), "gate (dy, dz)");
-  check_launch(k::ssd_bwd_cb(p, stream), "C B^T");
-  check_launch(k::ssd_bwd_dyx(p, stream), "dy x^T");
-  check_launch(k::ssd_bwd_local(p, stream), "local state gradient");
+  if (tc) {
+    check_launch(k::ssd_bwd_local_tc(p, stream), "tensor-core local state gradient");
+  } else {
+    check_launch(k::ssd_bwd_cb(p, stream), "C B^T");
+    check_launch(k::ssd_bwd_dyx(p, stream), "dy x^T");
+    check_launch(k::ssd_bwd_local(p, stream), "local state gradient");
+  }
   if (keep_stages) st.local = st.ds_leave.clone();
   for (int64_t lv = static_cast<int64_t>(t.level_offsets.size()) - 2; lv >= 0; --lv) {
     const int64_t begin = t.level_offsets[lv], count = t.level_offsets[lv + 1] - begin;
@@ -204,9 +224,13 @@ Stages run(const at::Tensor& grad_out, const Args& a, const Tables& t, const Sav
     check_launch(k::ssd_bwd_state_pass(p, begin, count, stream), "reverse state pass");
   }
   check_launch(k::ssd_bwd_ddecay(p, stream), "ddecay");
-  check_launch(k::ssd_bwd_rows(p, stream), "rows (dx, ddt)");
-  check_launch(k::ssd_bwd_dbdc(p, stream), "dB / dC");
-  check_launch(k::ssd_bwd_dtA(p, stream), "d(dt A)");
+  if (tc) {
+    check_launch(k::ssd_bwd_post_tc(p, stream), "tensor-core chunk gradients (cb, dx, ddt, dB, dC, d(dt A))");
+  } else {
+    check_launch(k::ssd_bwd_rows(p, stream), "rows (dx, ddt)");
+    check_launch(k::ssd_bwd_dbdc(p, stream), "dB / dC");
+    check_launch(k::ssd_bwd_dtA(p, stream), "d(dt A)");
+  }
 
   Grads& g = st.grads;
   g.dx = dx.to(a.x.scalar_type());

@@ -98,4 +98,12 @@ int ssd_bwd_dbdc(const BwdParams& p, void* stream);        // dB, dC (needs dyx 
 int ssd_bwd_dtA(const BwdParams& p, void* stream);         // d_dtA, ddt, ddt_raw, dA_part (overwrites dyx)
 const char* ssd_bwd_error_string(int error);
 
+// Tensor-core path (ssd_tc_bwd.cu), chunk 64 with P, N <= 128 and its shared-memory plan within the
+// device's opt-in limit (P, N <= 64 or so; ssd_bwd_tc_supported says). Order: gate -> local_tc ->
+// state pass levels -> ddecay -> post_tc. dyx is not used (may be null).
+bool ssd_bwd_tc_supported(const BwdParams& p);
+int ssd_bwd_local_tc(const BwdParams& p, void* stream);  // ds = local (needs dy)
+int ssd_bwd_post_tc(const BwdParams& p, void* stream);   // cb, dx, ddt_direct, q, v, d_dtA, ddt, ddt_raw,
+                                                         // dA_part, dB, dC (needs ds_leave, ddecay)
+
 }  // namespace tree_recurrence::ssd::fused::kernels
