@@ -143,15 +143,15 @@ __global__ void __launch_bounds__(kLocalThreads) local_tc_kernel(BwdParams p) {
   if (tid < kL) tok[tid] = p.gather[c * kL + tid];
   __syncthreads();
   const float* lam = p.Lam + ch * kL;
-  for (int e = tid; e < kL * pl.Pp; e += kLocalThreads) {
-    const int i = e / pl.Pp, pp = e % pl.Pp;
+  const int lane = tid & 31;
+  // rows over warps, columns over lanes (coalesced, no divisions)
+  for (int i = warp; i < kL; i += kLocalWarps) {
     const int64_t t = tok[i];
-    dys[i * pl.PP + pp] = (t >= 0 && pp < P) ? expf(lam[i]) * p.dy[(t * H + h) * P + pp] : 0.f;
-  }
-  for (int e = tid; e < kL * pl.Np; e += kLocalThreads) {
-    const int i = e / pl.Np, n = e % pl.Np;
-    const int64_t t = tok[i];
-    Cs[i * pl.NP + n] = (t >= 0 && n < N) ? ldt(p.C, p.bc_type, (t * G + g) * N + n) : 0.f;
+    const float e = expf(lam[i]);
+    for (int pp = lane; pp < pl.Pp; pp += 32)
+      dys[i * pl.PP + pp] = (t >= 0 && pp < P) ? e * p.dy[(t * H + h) * P + pp] : 0.f;
+    for (int n = lane; n < pl.Np; n += 32)
+      Cs[i * pl.NP + n] = (t >= 0 && n < N) ? ldt(p.C, p.bc_type, (t * G + g) * N + n) : 0.f;
   }
   __syncthreads();
   const int ncol = pl.Np / 16, nblk = (pl.Pp / 16) * ncol;
@@ -206,12 +206,14 @@ __global__ void __launch_bounds__(kPostThreads, 1) post_tc_kernel(BwdParams p) {
 
   if (tid < kL) tok[tid] = p.gather[c * kL + tid];
   __syncthreads();
-  for (int e = tid; e < kL * Np; e += kPostThreads) {
-    const int i = e / Np, n = e % Np;
+  // loads: rows over warps, columns over lanes (coalesced, no divisions)
+  for (int i = warp; i < kL; i += kPostWarps) {
     const int64_t t = tok[i];
-    const bool ok = t >= 0 && n < N;
-    Bs[i * NP + n] = ok ? ldt(p.B, p.bc_type, (t * G + g) * N + n) : 0.f;
-    Cs[i * NP + n] = ok ? ldt(p.C, p.bc_type, (t * G + g) * N + n) : 0.f;
+    for (int n = lane; n < Np; n += 32) {
+      const bool ok = t >= 0 && n < N;
+      Bs[i * NP + n] = ok ? ldt(p.B, p.bc_type, (t * G + g) * N + n) : 0.f;
+      Cs[i * NP + n] = ok ? ldt(p.C, p.bc_type, (t * G + g) * N + n) : 0.f;
+    }
   }
   for (int e = tid; e < kL * kLP; e += kPostThreads) sdcb[e] = 0.f;
   __syncthreads();
@@ -256,18 +258,18 @@ __global__ void __launch_bounds__(kPostThreads, 1) post_tc_kernel(BwdParams p) {
       el[tid] = expf(lv);
       wl[tid] = exp_le0(p.Lam[ch * kL + kL - 1] - lv);
     }
-    for (int e = tid; e < kL * Pp; e += kPostThreads) {
-      const int i = e / Pp, pp = e % Pp;
+    for (int i = warp; i < kL; i += kPostWarps) {
       const int64_t t = tok[i];
-      const bool ok = t >= 0 && pp < P;
-      dys[i * PP + pp] = ok ? p.dy[(t * H + h) * P + pp] : 0.f;
-      xs[i * PP + pp] = ok ? ldt(p.x, p.x_type, (t * H + h) * P + pp) : 0.f;
+      for (int pp = lane; pp < Pp; pp += 32) {
+        const bool ok = t >= 0 && pp < P;
+        dys[i * PP + pp] = ok ? p.dy[(t * H + h) * P + pp] : 0.f;
+        xs[i * PP + pp] = ok ? ldt(p.x, p.x_type, (t * H + h) * P + pp) : 0.f;
+      }
     }
     const int64_t sbase = ch * P * N;
-    for (int e = tid; e < Pp * Np; e += kPostThreads) {
-      const int pp = e / Np, n = e % Np;
-      mat[pp * NP + n] = (pp < P && n < N) ? ldt(p.states, p.states_type, sbase + pp * N + n) : 0.f;
-    }
+    for (int pp = warp; pp < Pp; pp += kPostWarps)
+      for (int n = lane; n < Np; n += 32)
+        mat[pp * NP + n] = (pp < P && n < N) ? ldt(p.states, p.states_type, sbase + pp * N + n) : 0.f;
     __syncthreads();
 
     // dyx = dy x^T (lower blocks)
@@ -320,10 +322,8 @@ __global__ void __launch_bounds__(kPostThreads, 1) post_tc_kernel(BwdParams p) {
     __syncthreads();
 
     // dS into mat; dCB summed over the heads, W = cb . dCB
-    for (int e = tid; e < Pp * Np; e += kPostThreads) {
-      const int pp = e / Np, n = e % Np;
-      mat[pp * NP + n] = (pp < P && n < N) ? p.ds[sbase + pp * N + n] : 0.f;
-    }
+    for (int pp = warp; pp < Pp; pp += kPostWarps)
+      for (int n = lane; n < Np; n += 32) mat[pp * NP + n] = (pp < P && n < N) ? p.ds[sbase + pp * N + n] : 0.f;
     for (int e = tid; e < kL * kL; e += kPostThreads) {
       const int i = e / kL, j = e % kL;
       const float d = j <= i ? exp_le0(lam[i] - lam[j]) * dts[j] * Wm[i * kLP + j] : 0.f;
