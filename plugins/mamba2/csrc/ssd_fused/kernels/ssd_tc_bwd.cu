@@ -56,27 +56,56 @@ __device__ __forceinline__ void split2(float a, float b, uint32_t& hi, uint32_t&
 // acc[nt] (16 x 8 each: rows r0..r0+15, columns n0 + 8 nt ..) += sum_{k in [k_begin, k_end)} A(r, k) B(k, n),
 // k_begin and k_end multiples of 16; fa(r, k) / fb(k, n) return fp32 values (zero outside the data).
 // Fragment layouts as documented in mma.cuh.
-template <class FA, class FB>
-__device__ __forceinline__ void mma_block(mm::FragC (&acc)[2], int r0, int n0, int k_begin, int k_end, FA fa, FB fb) {
+// AX / BX: the A / B values are exact in bf16 (bf16 inputs), so their lo halves are zero and the
+// products with them are skipped (adding those exact zeros would not change a bit).
+__device__ __forceinline__ uint32_t pack_hi(float a, float b) { return mm::Elem<__nv_bfloat16>::pack(a, b); }
+
+template <bool AX, bool BX, class FA, class FB>
+__device__ __forceinline__ void mma_block_t(mm::FragC (&acc)[2], int r0, int n0, int k_begin, int k_end, FA fa, FB fb) {
   const int lane = static_cast<int>(threadIdx.x & 31), gq = lane >> 2, tq = lane & 3;
   for (int k0 = k_begin; k0 < k_end; k0 += 16) {
     mm::FragA ah, al;
     const int ka = k0 + 2 * tq;
-    split2(fa(r0 + gq, ka), fa(r0 + gq, ka + 1), ah.x[0], al.x[0]);
-    split2(fa(r0 + gq + 8, ka), fa(r0 + gq + 8, ka + 1), ah.x[1], al.x[1]);
-    split2(fa(r0 + gq, ka + 8), fa(r0 + gq, ka + 9), ah.x[2], al.x[2]);
-    split2(fa(r0 + gq + 8, ka + 8), fa(r0 + gq + 8, ka + 9), ah.x[3], al.x[3]);
+    if constexpr (AX) {
+      ah.x[0] = pack_hi(fa(r0 + gq, ka), fa(r0 + gq, ka + 1));
+      ah.x[1] = pack_hi(fa(r0 + gq + 8, ka), fa(r0 + gq + 8, ka + 1));
+      ah.x[2] = pack_hi(fa(r0 + gq, ka + 8), fa(r0 + gq, ka + 9));
+      ah.x[3] = pack_hi(fa(r0 + gq + 8, ka + 8), fa(r0 + gq + 8, ka + 9));
+    } else {
+      split2(fa(r0 + gq, ka), fa(r0 + gq, ka + 1), ah.x[0], al.x[0]);
+      split2(fa(r0 + gq + 8, ka), fa(r0 + gq + 8, ka + 1), ah.x[1], al.x[1]);
+      split2(fa(r0 + gq, ka + 8), fa(r0 + gq, ka + 9), ah.x[2], al.x[2]);
+      split2(fa(r0 + gq + 8, ka + 8), fa(r0 + gq + 8, ka + 9), ah.x[3], al.x[3]);
+    }
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
       const int n = n0 + nt * 8 + gq;
       mm::FragB bh, bl;
-      split2(fb(ka, n), fb(ka + 1, n), bh.x[0], bl.x[0]);
-      split2(fb(ka + 8, n), fb(ka + 9, n), bh.x[1], bl.x[1]);
+      if constexpr (BX) {
+        bh.x[0] = pack_hi(fb(ka, n), fb(ka + 1, n));
+        bh.x[1] = pack_hi(fb(ka + 8, n), fb(ka + 9, n));
+      } else {
+        split2(fb(ka, n), fb(ka + 1, n), bh.x[0], bl.x[0]);
+        split2(fb(ka + 8, n), fb(ka + 9, n), bh.x[1], bl.x[1]);
+      }
       mm::mma<__nv_bfloat16>(acc[nt], ah, bh);
-      mm::mma<__nv_bfloat16>(acc[nt], ah, bl);
-      mm::mma<__nv_bfloat16>(acc[nt], al, bh);
+      if constexpr (!BX) mm::mma<__nv_bfloat16>(acc[nt], ah, bl);
+      if constexpr (!AX) mm::mma<__nv_bfloat16>(acc[nt], al, bh);
     }
   }
+}
+// ax / bx at run time (block-uniform)
+template <class FA, class FB>
+__device__ __forceinline__ void mma_block(mm::FragC (&acc)[2], int r0, int n0, int k_begin, int k_end, FA fa, FB fb,
+                                          bool ax = false, bool bx = false) {
+  if (ax && bx)
+    mma_block_t<true, true>(acc, r0, n0, k_begin, k_end, fa, fb);
+  else if (ax)
+    mma_block_t<true, false>(acc, r0, n0, k_begin, k_end, fa, fb);
+  else if (bx)
+    mma_block_t<false, true>(acc, r0, n0, k_begin, k_end, fa, fb);
+  else
+    mma_block_t<false, false>(acc, r0, n0, k_begin, k_end, fa, fb);
 }
 __device__ __forceinline__ void zero2(mm::FragC (&acc)[2]) {
   acc[0].zero();
@@ -140,6 +169,7 @@ __global__ void __launch_bounds__(kLocalThreads) local_tc_kernel(BwdParams p) {
   float* dys = sm + pl.off_dy;
   float* Cs = sm + pl.off_C;
   const int tid = static_cast<int>(threadIdx.x), warp = tid >> 5;
+  const bool bcx = p.bc_type == BwdType::BFloat16;  // C exact in bf16
   if (tid < kL) tok[tid] = p.gather[c * kL + tid];
   __syncthreads();
   const float* lam = p.Lam + ch * kL;
@@ -162,7 +192,7 @@ __global__ void __launch_bounds__(kLocalThreads) local_tc_kernel(BwdParams p) {
     mm::FragC acc[2];
     zero2(acc);
     mma_block(acc, r0, n0, 0, kL, [&](int r, int k) { return dys[k * PP + r]; },
-              [&](int k, int n) { return Cs[k * NP + n]; });
+              [&](int k, int n) { return Cs[k * NP + n]; }, false, bcx);
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
@@ -203,6 +233,9 @@ __global__ void __launch_bounds__(kPostThreads, 1) post_tc_kernel(BwdParams p) {
   float* vpart = dpart + kMaxColTiles * kL;
   const int tid = static_cast<int>(threadIdx.x), warp = tid >> 5;
   const int lane = tid & 31, tq = lane & 3;
+  // operands exact in bf16 (their lo products skipped)
+  const bool bcx = p.bc_type == BwdType::BFloat16, xx = p.x_type == BwdType::BFloat16,
+             sx = p.states_type == BwdType::BFloat16;
 
   if (tid < kL) tok[tid] = p.gather[c * kL + tid];
   __syncthreads();
@@ -225,7 +258,7 @@ __global__ void __launch_bounds__(kPostThreads, 1) post_tc_kernel(BwdParams p) {
     zero2(acc);
     if (n0 <= r0)
       mma_block(acc, r0, n0, 0, Np, [&](int r, int k) { return Cs[r * NP + k]; },
-                [&](int k, int n) { return Bs[n * NP + k]; });
+                [&](int k, int n) { return Bs[n * NP + k]; }, bcx, bcx);
     float* cbo = p.cb + (c * G + g) * kL * kL;
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt)
@@ -279,7 +312,7 @@ __global__ void __launch_bounds__(kPostThreads, 1) post_tc_kernel(BwdParams p) {
       zero2(acc);
       if (n0 <= r0)
         mma_block(acc, r0, n0, 0, Pp, [&](int r, int k) { return dys[r * PP + k]; },
-                  [&](int k, int n) { return xs[n * PP + k]; });
+                  [&](int k, int n) { return xs[n * PP + k]; }, false, xx);
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
@@ -291,7 +324,7 @@ __global__ void __launch_bounds__(kPostThreads, 1) post_tc_kernel(BwdParams p) {
       mm::FragC acc[2];
       zero2(acc);
       mma_block(acc, r0, n0, 0, Np, [&](int r, int k) { return Cs[r * NP + k]; },
-                [&](int k, int n) { return mat[n * NP + k]; });
+                [&](int k, int n) { return mat[n * NP + k]; }, bcx, sx);
       float s0 = 0.f, s1 = 0.f;
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt)
@@ -316,7 +349,7 @@ __global__ void __launch_bounds__(kPostThreads, 1) post_tc_kernel(BwdParams p) {
       if (b < nblkN) {
         const int r0 = (b / ncolN) * 16, n0 = (b % ncolN) * 16;
         mma_block(accC[u], r0, n0, 0, Pp, [&](int r, int k) { return el[r] * dys[r * PP + k]; },
-                  [&](int k, int n) { return mat[k * NP + n]; });
+                  [&](int k, int n) { return mat[k * NP + n]; }, false, sx);
       }
     }
     __syncthreads();
@@ -340,7 +373,7 @@ __global__ void __launch_bounds__(kPostThreads, 1) post_tc_kernel(BwdParams p) {
       zero2(aS);
       zero2(aG);
       mma_block(aS, r0, n0, 0, Np, [&](int r, int k) { return Bs[r * NP + k]; },
-                [&](int k, int n) { return mat[n * NP + k]; });
+                [&](int k, int n) { return mat[n * NP + k]; }, bcx, false);
       mma_block(aG, r0, n0, r0, kL,
                 [&](int r, int k) { return k >= r ? cbs[k * kLP + r] * exp_le0(lam[k] - lam[r]) : 0.f; },
                 [&](int k, int n) { return dys[k * PP + n]; });
@@ -458,9 +491,9 @@ __global__ void __launch_bounds__(kPostThreads, 1) post_tc_kernel(BwdParams p) {
     if (b < nblkN) {
       const int r0 = (b / ncolN) * 16, n0 = (b % ncolN) * 16;
       mma_block(accC[u], r0, n0, 0, r0 + 16, [&](int r, int k) { return sdcb[r * kLP + k]; },
-                [&](int k, int n) { return Bs[k * NP + n]; });
+                [&](int k, int n) { return Bs[k * NP + n]; }, false, bcx);
       mma_block(accB[u], r0, n0, r0, kL, [&](int r, int k) { return sdcb[k * kLP + r]; },
-                [&](int k, int n) { return Cs[k * NP + n]; });
+                [&](int k, int n) { return Cs[k * NP + n]; }, false, bcx);
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
