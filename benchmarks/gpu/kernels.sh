@@ -2,7 +2,20 @@
 # One device run for the fused kernels (issues 19, 20): build, the standalone CUDA tests (SDK MMA
 # helpers, tensor-core tree state pass) with compute-sanitizer, the fused GDN / SSD GPU tests against
 # the float64 oracle, the model GPU tests, and the GDN / SSD benchmarks. Everything logs into $OUT.
-#   PARTS="mma state gdn ssd models bench sanitize" (default all) picks the parts;
+#   PARTS="mma state gdn ssd models bench sanitize" (default all) picks the parts; opt-in parts
+#   (not in the default, each wants most of a run of its own):
+#     large        the 2^31-element rows (test_{gdn,ssd}_fused_large_gpu.py; TREE_RECURRENCE_LARGE_TESTS=1,
+#                  >= 80 GB free), e.g. PARTS="large"
+#     sanitize_py  compute-sanitizer memcheck (PYTORCH_NO_CUDA_MEMORY_CACHING=1: every tensor its own
+#                  allocation, so an access past a tensor's end is caught) and racecheck (our kernels
+#                  only: --kernel-name kns=tree_recurrence) on a few small cases of the four fused GPU
+#                  test files, one sanitizer run per family and tool (SAN_S seconds each, default 150)
+#   "models" also runs the Mamba2-family GPU model tests (test_mamba2_models.py -k test_gpu_: fp32 and
+#   bf16, the split seams and the fused seam) after the benchmarks, in the time left; both model files
+#   need trl (importorskip: carried as .whl/ wheels, see scripts/gpu-build.sh) or they skip.
+#   Bitwise repeatability is in the fused tests themselves (gdn_fwd test_bitwise_repeatable, gdn_bwd
+#   test_bitwise_deterministic, ssd_fwd test_chunk_sizes_agree_and_runs_repeat_bitwise, ssd_bwd
+#   run_case's second run): no separate determinism part.
 #   BUDGET_S (default 540) bounds the whole run: later parts are skipped when time runs out.
 source "$(dirname "$0")/common.sh"
 # $OUT takes at most 8 files: the run log there, everything else in $LOGS, packed into $OUT/logs.tgz.
@@ -20,6 +33,37 @@ pytest_part() {  # name seconds test-file [pytest args...]: one file, -s (the pe
   stamp "$name (${secs}s max)"
   timeout "$secs" python3 -m pytest "$file" "$@" -q -s -p no:cacheprovider -rfE --tb=short >"$LOGS/$name.log" 2>&1
   echo "  pytest exit $?"; grep -E "passed|failed|FAILED|ERROR|Error" "$LOGS/$name.log" | tail -${TAIL:-12} | cut -c1-240
+}
+# compute-sanitizer over pytest (part sanitize_py): name tool seconds node-ids...
+SAN_S=${SAN_S:-150}
+SAN_GDN_MEM=("tests/python/test_gdn_fused_gpu.py::test_stages_against_float64[around_chunk_strong-bf16]"
+             "tests/python/test_gdn_fused_gpu.py::test_stages_against_float64[odd_dims_none-bf16]"
+             "tests/python/test_gdn_fused_bwd_gpu.py::test_stages[around_chunk]"
+             "tests/python/test_gdn_fused_bwd_gpu.py::test_stages[grouped_no_l2]")
+SAN_GDN_RACE=("tests/python/test_gdn_fused_gpu.py::test_stages_against_float64[around_chunk_strong-bf16]"
+              "tests/python/test_gdn_fused_bwd_gpu.py::test_stages[around_chunk]")
+SAN_SSD_MEM=("tests/python/test_ssd_fused_gpu.py::test_stages_bf16[around_chunks-64]"
+             "tests/python/test_ssd_fused_gpu.py::test_stages_dims[P64N128-dtype0]"
+             "tests/python/test_ssd_fused_bwd_gpu.py::test_one_token_segments"
+             "tests/python/test_ssd_fused_bwd_gpu.py::test_tensor_core_model_dims")
+SAN_SSD_RACE=("tests/python/test_ssd_fused_gpu.py::test_stages_bf16[around_chunks-64]"
+              "tests/python/test_ssd_fused_bwd_gpu.py::test_tensor_core_model_dims")
+sanitize_pytest() {
+  local name=$1 tool=$2 secs=$3; shift 3
+  local l; l=$(left); [ "$secs" -gt "$l" ] && secs=$l
+  [ "$secs" -lt 30 ] && { stamp "$name: skipped (no time left)"; return; }
+  local filt=()
+  if [ "$tool" = racecheck ]; then
+    local help; help=$(compute-sanitizer --help 2>&1)  # (not piped into grep -q: pipefail + SIGPIPE)
+    if [[ $help == *--kernel-name* ]]; then filt=(--kernel-name kns=tree_recurrence)
+    else echo "  (this compute-sanitizer has no --kernel-name: racecheck over every kernel)"; fi
+  fi
+  stamp "$name: compute-sanitizer --tool $tool ${filt[*]:-} (${secs}s max), $# tests"
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "$secs" compute-sanitizer --tool "$tool" --error-exitcode 9 ${filt[@]+"${filt[@]}"} \
+    python3 -m pytest "$@" -q -p no:cacheprovider -rfE --tb=short >"$LOGS/$name.log" 2>&1
+  echo "  exit $? (0 clean, 9 sanitizer errors, 1 test failures, 124 timeout)"
+  grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Invalid|Race reported|passed|failed|skipped|FAILED|ERROR|not found" "$LOGS/$name.log" \
+    | sort | uniq -c | sort -rn | head -12 | cut -c1-240
 }
 {
 stamp "build (parts: $PARTS)"
@@ -56,6 +100,25 @@ if has bench; then
     timeout $(( l < 150 ? l : 150 )) python3 benchmarks/${b}_bench.py --out "$OUT/${b}_bench.json" >"$LOGS/${b}_bench.txt" 2>&1
     echo "  bench exit $?"; cut -c1-200 "$LOGS/${b}_bench.txt" | tail -${BENCH_TAIL:-24}
   done
+fi
+has models && pytest_part mamba2_models_gpu 200 tests/python/test_mamba2_models.py -k test_gpu_
+if has large; then
+  export TREE_RECURRENCE_LARGE_TESTS=1
+  nvidia-smi --query-gpu=memory.used,memory.total --format=csv,noheader
+  for fam in gdn ssd; do
+    pytest_part ${fam}_large 240 tests/python/test_${fam}_fused_large_gpu.py
+    grep -E "^  |big row|does not fit|skipped" "$LOGS/${fam}_large.log" | head -30 | cut -c1-200
+  done
+fi
+if has sanitize_py; then
+  if command -v compute-sanitizer >/dev/null; then
+    sanitize_pytest san_gdn_memcheck memcheck "$SAN_S" "${SAN_GDN_MEM[@]}"
+    sanitize_pytest san_ssd_memcheck memcheck "$SAN_S" "${SAN_SSD_MEM[@]}"
+    sanitize_pytest san_gdn_racecheck racecheck "$SAN_S" "${SAN_GDN_RACE[@]}"
+    sanitize_pytest san_ssd_racecheck racecheck "$SAN_S" "${SAN_SSD_RACE[@]}"
+  else
+    stamp "sanitize_py: compute-sanitizer not on PATH"
+  fi
 fi
 stamp done
 } 2>&1 | tee "$LOGS/kernels_run.log"
