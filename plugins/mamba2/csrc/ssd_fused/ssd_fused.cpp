@@ -77,12 +77,19 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 struct ScanFn : public torch::autograd::Function<ScanFn> {
-  // Inputs 0..8 are tensors (undefined when absent); 9, 10 the Args (scalars) and Tables.
+  // Inputs 0..4 are tensors; 5..8 optional tensors (std::optional, not undefined tensors: apply()
+  // builds a VariableInfo of every at::Tensor argument, which throws "tensor does not have a
+  // device" on an undefined one, while an absent optional is simply not a variable input); 9, 10
+  // the Args (scalars) and Tables. backward() returns one slot per argument (11), undefined for the
+  // absent optionals and the two non-tensors; needs_input_grad() counts only the present tensors
+  // (its index is the autograd edge, see edge_of).
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& dt, const at::Tensor& B,
-                            const at::Tensor& C, const at::Tensor& A, const at::Tensor& D, const at::Tensor& dt_bias,
-                            const at::Tensor& z, const at::Tensor& h0, const Args* args, const Tables* tables) {
+                            const at::Tensor& C, const at::Tensor& A, const std::optional<at::Tensor>& D,
+                            const std::optional<at::Tensor>& dt_bias, const std::optional<at::Tensor>& z,
+                            const std::optional<at::Tensor>& h0, const Args* args, const Tables* tables) {
     auto [out, saved] = fused::forward(*args, *tables);
-    ctx->save_for_backward({x, dt, B, C, A, D, dt_bias, z, h0, saved.dt, saved.Lam, saved.states, saved.y});
+    ctx->save_for_backward({x, dt, B, C, A, opt(D), opt(dt_bias), opt(z), opt(h0), saved.dt, saved.Lam, saved.states,
+                            saved.y});
     ctx->saved_data["dt_min"] = args->dt_min;
     ctx->saved_data["dt_max"] = args->dt_max;
     ctx->saved_data["dt_softplus"] = args->dt_softplus;
@@ -134,10 +141,12 @@ struct ScanFn : public torch::autograd::Function<ScanFn> {
     variable_list leaves(9);
     std::vector<at::Tensor> wanted;
     std::vector<size_t> where;
+    size_t edge = 0;  // autograd edge of argument i: the present tensors before it
     for (size_t i = 0; i < 9; ++i) {
       if (!sv[i].defined()) continue;
-      leaves[i] = sv[i].detach().requires_grad_(ctx->needs_input_grad(i));
-      if (ctx->needs_input_grad(i)) wanted.push_back(leaves[i]), where.push_back(i);
+      const bool need = ctx->needs_input_grad(edge++);
+      leaves[i] = sv[i].detach().requires_grad_(need);
+      if (need) wanted.push_back(leaves[i]), where.push_back(i);
     }
     if (wanted.empty()) return out;
     const std::array<double, 2> limit{a.dt_min, a.dt_max};
@@ -157,7 +166,10 @@ struct ScanFn : public torch::autograd::Function<ScanFn> {
 bool supported(const Args& a, const Tables& t) { return unsupported(a, t).empty(); }
 
 at::Tensor scan(const Args& a, const Tables& t) {
-  return ScanFn::apply(a.x, a.dt, a.B, a.C, a.A, opt(a.D), opt(a.dt_bias), opt(a.z), opt(a.initial_state), &a, &t);
+  // Absent optionals as std::nullopt (also a defined-less optional would be dropped the same way).
+  const auto present = [](const std::optional<at::Tensor>& v) { return some(opt(v)); };
+  return ScanFn::apply(a.x, a.dt, a.B, a.C, a.A, present(a.D), present(a.dt_bias), present(a.z), present(a.initial_state),
+                       &a, &t);
 }
 
 std::pair<Args, Tables> bind(const at::Tensor& x, const at::Tensor& dt, const at::Tensor& B, const at::Tensor& C,
