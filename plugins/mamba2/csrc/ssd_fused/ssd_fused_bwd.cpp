@@ -145,7 +145,6 @@ Stages run(const at::Tensor& grad_out, const Args& a, const Tables& t, const Sav
   st.v = at::empty({NC, H, L}, f32);
   st.ddt_direct = at::empty({NC, H, L}, f32);
   st.d_dtA = at::empty({NC, H, L}, f32);
-  at::Tensor dx = at::empty({T, H, P}, f32);
   st.ddt = at::empty({T, H}, f32);
   st.ddt_raw = at::empty({T, H}, f32);
   at::Tensor dB = at::empty({T, G, N}, f32), dC = at::empty({T, G, N}, f32);
@@ -189,10 +188,17 @@ Stages run(const at::Tensor& grad_out, const Args& a, const Tables& t, const Sav
   p.dy = st.dy.data_ptr<float>();
   p.cb = st.cb.data_ptr<float>();
   const bool tc = tc_enabled() && k::ssd_bwd_tc_supported(p);
-  at::Tensor dyx;
+  at::Tensor dyx, dx;
   if (!tc) {
     dyx = at::empty({NC, H, L, L}, f32);
     p.dyx = dyx.data_ptr<float>();
+    dx = at::empty({T, H, P}, f32);
+    p.dx = dx.data_ptr<float>();
+  } else {
+    // the tensor-core kernel writes dx in x's (kernel) dtype: no fp32 (T, H, P) buffer
+    dx = at::empty({T, H, P}, x.options());
+    p.dx_out = dx.data_ptr();
+    p.dx_type = p.x_type;
   }
   p.ds = st.ds_leave.data_ptr<float>();
   p.ws = ws.data_ptr<float>();
@@ -202,7 +208,6 @@ Stages run(const at::Tensor& grad_out, const Args& a, const Tables& t, const Sav
   p.v = st.v.data_ptr<float>();
   p.ddt_direct = st.ddt_direct.data_ptr<float>();
   p.d_dtA = st.d_dtA.data_ptr<float>();
-  p.dx = dx.data_ptr<float>();
   p.ddt = st.ddt.data_ptr<float>();
   p.ddt_raw = st.ddt_raw.data_ptr<float>();
   p.dB = dB.data_ptr<float>();

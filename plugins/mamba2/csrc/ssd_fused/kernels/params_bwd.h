@@ -81,6 +81,9 @@ struct BwdParams {
   float* dB = nullptr;
   float* dC = nullptr;
   float* dA_part = nullptr;
+  // tensor-core path only: dx written in this type (x's), rounded once from fp32 (dx above unused)
+  void* dx_out = nullptr;
+  BwdType dx_type = BwdType::Float32;
 };
 
 constexpr int64_t kBwdMaxChunk = 256;

@@ -42,6 +42,13 @@ __device__ __forceinline__ float ldt(const void* p, BwdType t, int64_t i) {
   }
 }
 __device__ __forceinline__ float exp_le0(float v) { return expf(fminf(v, 0.f)); }
+__device__ __forceinline__ void stt(void* p, BwdType t, int64_t i, float v) {
+  switch (t) {
+    case BwdType::BFloat16: static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(v); break;
+    case BwdType::Float16: static_cast<__half*>(p)[i] = __float2half_rn(v); break;
+    default: static_cast<float*>(p)[i] = v;
+  }
+}
 
 // (a, b) -> bf16 pairs hi, lo with a = hi.x + lo.x (to ~2^-17 a), b likewise; the first element in the
 // low half (the lower column / k index, as the fragments want).
@@ -387,7 +394,8 @@ __global__ void __launch_bounds__(kPostThreads, 1) post_tc_kernel(BwdParams p) {
           const float xv = xs[j * PP + pc];
           const int64_t t = tok[j];
           if (t >= 0 && pc < P)
-            p.dx[(t * H + h) * P + pc] = dts[j] * gv + (Dh != nullptr ? Dh[pc] * dys[j * PP + pc] : 0.f);
+            stt(p.dx_out, p.dx_type, (t * H + h) * P + pc,
+                dts[j] * gv + (Dh != nullptr ? Dh[pc] * dys[j * PP + pc] : 0.f));
           if (e < 2) {
             d0 += xv * gv;
             v0 += xv * aS[nt].x[e];
