@@ -82,7 +82,7 @@ struct ScanFn : public torch::autograd::Function<ScanFn> {
   // device" on an undefined one, while an absent optional is simply not a variable input); 9, 10
   // the Args (scalars) and Tables. backward() returns one slot per argument (11), undefined for the
   // absent optionals and the two non-tensors; needs_input_grad() counts only the present tensors
-  // (its index is the autograd edge, see edge_of).
+  // (its index is the autograd edge: see the interim backward).
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& dt, const at::Tensor& B,
                             const at::Tensor& C, const at::Tensor& A, const std::optional<at::Tensor>& D,
                             const std::optional<at::Tensor>& dt_bias, const std::optional<at::Tensor>& z,

@@ -1,11 +1,19 @@
-// fused::forward (ssd_fused.h): the fused SSD forward's three launches (kernels/params.h) on the
-// current stream, no host sync (the host level_offsets drive the state pass's per-level loop).
+// fused::forward (ssd_fused.h): the fused SSD forward's launches (kernels/params.h) on the current
+// stream, no host sync (the host level_offsets drive the per-level loops).
+//   default: chunk state + tree state pass in one kernel per level (ssd_chunk_state_pass_fwd.cu, the
+//            fp32 chunk states never reach memory), then the chunk scan;
+//   TREE_RECURRENCE_SSD_FWD_FUSED_PASS=0: the three-kernel path (chunk state -> fp32 chunk_states ->
+//            state pass -> chunk scan), kept for comparison.
+// forward_stages (tests) also runs the chunk-state kernel, for the transient chunk_states stage; with
+// the fused pass, dt / Lam / states then come from the fused kernel (which rewrites the same dt / Lam).
 #include "ssd_fused.h"
 
 #include <ATen/ATen.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
+#include <string>
 
 #ifdef TREE_RECURRENCE_WITH_CUDA
 #include <c10/cuda/CUDAGuard.h>
@@ -41,10 +49,17 @@ const int64_t* table(const at::Tensor& t, const at::Tensor& x, const char* name)
 }
 #endif
 
-Stages run(const Args& a, const Tables& t) {
+bool fused_pass_enabled() {
+  const char* v = std::getenv("TREE_RECURRENCE_SSD_FWD_FUSED_PASS");
+  return !(v && std::string(v) == "0");
+}
+
+// with_chunk_states: also compute the transient fp32 chunk states (forward_stages).
+Stages run(const Args& a, const Tables& t, bool with_chunk_states) {
 #ifndef TREE_RECURRENCE_WITH_CUDA
   (void)a;
   (void)t;
+  (void)with_chunk_states;
   TORCH_CHECK(false, "fused SSD forward: this build has no CUDA kernels");
 #else
   const c10::cuda::CUDAGuard guard(a.x.device());
@@ -81,7 +96,9 @@ Stages run(const Args& a, const Tables& t) {
   o.out = at::empty({T, H, P}, x.options());
   o.dt = at::empty({NC, H, L}, f32);
   o.Lam = at::empty({NC, H, L}, f32);
-  o.chunk_states = at::empty({NC, H, P, N}, f32);
+  const bool fused_pass = fused_pass_enabled();
+  const bool chunk_state_kernel = !fused_pass || with_chunk_states;
+  if (chunk_state_kernel) o.chunk_states = at::empty({NC, H, P, N}, f32);
   o.states = at::empty({NC, H, P, N}, x.options());
   if (a.z) o.y = at::empty({T, H, P}, x.options());
   const at::Tensor workspace = at::empty({std::max<int64_t>(S, 1), H, P, N}, f32);
@@ -110,15 +127,18 @@ Stages run(const Args& a, const Tables& t) {
   p.level_offsets = t.level_offsets.data();
   p.num_levels = static_cast<int64_t>(t.level_offsets.size()) - 1;
   p.dt = o.dt.data_ptr<float>(), p.Lam = o.Lam.data_ptr<float>();
-  p.chunk_states = o.chunk_states.data_ptr<float>();
+  p.chunk_states = chunk_state_kernel ? o.chunk_states.data_ptr<float>() : nullptr;
   p.states = o.states.data_ptr();
   p.workspace = workspace.data_ptr<float>();
   p.y = a.z ? o.y.data_ptr() : nullptr;
   p.out = o.out.data_ptr();
 
   void* stream = c10::cuda::getCurrentCUDAStream().stream();
-  check_launch(kernels::ssd_chunk_state_fwd(p, stream), "chunk state");
-  check_launch(kernels::ssd_state_pass_fwd(p, stream), "state pass");
+  if (chunk_state_kernel) check_launch(kernels::ssd_chunk_state_fwd(p, stream), "chunk state");
+  if (fused_pass)
+    check_launch(kernels::ssd_chunk_state_pass_fwd(p, stream), "fused chunk state + state pass");
+  else
+    check_launch(kernels::ssd_state_pass_fwd(p, stream), "state pass");
   check_launch(kernels::ssd_chunk_scan_fwd(p, stream), "chunk scan");
   return o;
 #endif
@@ -127,12 +147,12 @@ Stages run(const Args& a, const Tables& t) {
 }  // namespace
 
 std::pair<at::Tensor, Saved> forward(const Args& a, const Tables& t) {
-  Stages o = run(a, t);
+  Stages o = run(a, t, /*with_chunk_states=*/false);
   return {o.out, Saved{o.dt, o.Lam, o.states, o.y}};
 }
 
 std::vector<at::Tensor> forward_stages(const Args& a, const Tables& t) {
-  Stages o = run(a, t);
+  Stages o = run(a, t, /*with_chunk_states=*/true);
   return {o.out, o.dt, o.Lam, o.chunk_states, o.states, o.y};
 }
 

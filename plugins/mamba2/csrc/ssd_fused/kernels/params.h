@@ -69,6 +69,9 @@ inline bool fwd_shape_supported(int64_t chunk, int64_t head_dim, int64_t state_d
 int ssd_chunk_state_fwd(const FwdParams& p, void* stream);
 // c: the tree state pass, one launch per level (host loop over level_offsets).
 int ssd_state_pass_fwd(const FwdParams& p, void* stream);
+// a+b+c in one kernel (ssd_chunk_state_pass_fwd.cu): dt, Lam and the states entering each chunk,
+// one launch per level; S_c stays in registers (chunk_states is neither read nor written).
+int ssd_chunk_state_pass_fwd(const FwdParams& p, void* stream);
 // d: the chunk scan (C s^T, C B^T masked and decayed times dt x, D x, z gate), tensor cores.
 int ssd_chunk_scan_fwd(const FwdParams& p, void* stream);
 

@@ -1,0 +1,311 @@
+// Fused SSD forward, stages a + b + c in one kernel (params.h, ssd_fused.h): the chunk states and
+// the tree state pass together, so the fp32 chunk states S_c never go to memory.
+//   per chunk c of a segment, in order: dt (bias, softplus, clamp; 0 on pad rows), Lam (chunk-local
+//   cumsum of dt A), states[c] = s (the state entering c, stored in the in-type), then
+//   s = exp(Lam_last) s + X^T (w B) with w_j = exp(Lam_last - Lam_j) dt_j, where the product
+//   accumulates on tensor cores straight into the running fp32 state s (held in the MMA
+//   accumulators; w B rounded to the in-type like mamba-ssm and like ssd_chunk_state_fwd.cu).
+// A segment starts from its parent's final state (fp32 workspace (S, H, P, N), written by the
+// previous level's launch), a root's initial state (shared or per root) or zeros; a segment with
+// children writes its final state to the workspace.
+//
+// One launch per trie level (host loop over level_offsets); grid (segments of the level, H,
+// ceil(N / 64)), 128 threads; warp w owns N columns [16 w, 16 w + 16) of the block's 64-column
+// tile and every P row (PT = P padded to 32 / 64 / 128). Pipelining across chunks: the next
+// chunk's gather rows are loaded into registers at a step's start and its raw dt after the cumsum;
+// the next chunk's first 64-row piece of x and of raw B is copied by cp.async while the step ends
+// and the next step's dt / cumsum run; B is scaled by w in shared memory once w is known. Further
+// pieces (L 128 / 256) are loaded in the step. Deterministic (fixed order), no atomics.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include "params.h"
+#include "tree_recurrence/kernels/mma.cuh"
+
+namespace tree_recurrence::ssd::fused::kernels {
+namespace {
+namespace mma = tree_recurrence::kernels::mma;
+
+constexpr int kThreads = 128;
+constexpr int kPiece = 64;         // rows of L per staged piece; N columns per block
+constexpr int kLdB = kPiece + 8;   // pitch of the staged B piece
+
+__device__ __forceinline__ float softplus20(float v) {
+  // torch's softplus with threshold 20, in a form that never exponentiates a positive number
+  return v > 20.f ? v : fmaxf(v, 0.f) + log1pf(expf(-fabsf(v)));
+}
+
+template <int L>
+constexpr size_t pass_smem_bytes(int PT) {
+  return size_t(kPiece) * (PT + 8) * 2 + size_t(kPiece) * kLdB * 2 + 2 * L * sizeof(float) + 4 * sizeof(float) +
+         2 * L * sizeof(int64_t);
+}
+
+template <typename T, int PT>
+__device__ __forceinline__ void issue_piece(T* x_s, T* b_s, const int64_t* tok, const T* x, const T* Bm, int64_t H,
+                                            int64_t h, int64_t P, int64_t G, int64_t g, int64_t N, int64_t n0, int tid) {
+  constexpr int XV = PT / 8;
+  constexpr int kLdX = PT + 8;
+  for (int v = tid; v < kPiece * XV; v += kThreads) {
+    const int r = v / XV, col = (v % XV) * 8;
+    const int64_t t = tok[r];
+    const bool ok = t >= 0 && col < P;
+    mma::cp_async_16(x_s + r * kLdX + col, ok ? x + (t * H + h) * P + col : x, ok ? 16 : 0);
+  }
+  for (int v = tid; v < kPiece * (kPiece / 8); v += kThreads) {
+    const int r = v / (kPiece / 8), col = (v % (kPiece / 8)) * 8;
+    const int64_t t = tok[r];
+    const bool ok = t >= 0 && n0 + col < N;
+    mma::cp_async_16(b_s + r * kLdB + col, ok ? Bm + (t * G + g) * N + n0 + col : Bm, ok ? 16 : 0);
+  }
+  mma::cp_async_commit();
+}
+
+// b_s rows r scaled by w[r] (in place, rounded to the in-type).
+template <typename T>
+__device__ __forceinline__ void scale_piece(T* b_s, const float* w, int tid) {
+  for (int v = tid; v < kPiece * (kPiece / 8); v += kThreads) {
+    const int r = v / (kPiece / 8), col = (v % (kPiece / 8)) * 8;
+    uint4* q = reinterpret_cast<uint4*>(b_s + r * kLdB + col);
+    const uint4 raw = *q;
+    const T* e = reinterpret_cast<const T*>(&raw);
+    const float wj = w[r];
+    uint4 packed;
+    packed.x = mma::Elem<T>::pack(mma::Elem<T>::to_float(e[0]) * wj, mma::Elem<T>::to_float(e[1]) * wj);
+    packed.y = mma::Elem<T>::pack(mma::Elem<T>::to_float(e[2]) * wj, mma::Elem<T>::to_float(e[3]) * wj);
+    packed.z = mma::Elem<T>::pack(mma::Elem<T>::to_float(e[4]) * wj, mma::Elem<T>::to_float(e[5]) * wj);
+    packed.w = mma::Elem<T>::pack(mma::Elem<T>::to_float(e[6]) * wj, mma::Elem<T>::to_float(e[7]) * wj);
+    *q = packed;
+  }
+}
+
+template <typename T, int L, int PT>
+__global__ void __launch_bounds__(kThreads) chunk_state_pass_kernel(FwdParams p, int64_t level_begin) {
+  constexpr int MT = PT / 16;
+  constexpr int kLdX = PT + 8;
+  constexpr int E = (L + kThreads - 1) / kThreads;  // rows per thread (dt, Lam)
+  extern __shared__ __align__(16) unsigned char smem[];
+  T* x_s = reinterpret_cast<T*>(smem);                             // kPiece x kLdX: x(j, p)
+  T* b_s = x_s + kPiece * kLdX;                                    // kPiece x kLdB: B(j, n), then w_j B(j, n)
+  float* lam_s = reinterpret_cast<float*>(b_s + kPiece * kLdB);    // L
+  float* w_s = lam_s + L;                                          // L: dt, then w
+  float* tot_s = w_s + L;                                          // 4 warp totals
+  int64_t* tok_buf = reinterpret_cast<int64_t*>(tot_s + 4);        // 2 x L (this chunk's, the next one's)
+
+  const int64_t s = p.level_segments[level_begin + blockIdx.x];
+  const int64_t h = blockIdx.y;
+  const int64_t n0 = int64_t(blockIdx.z) * kPiece;
+  const int64_t H = p.heads, P = p.head_dim, N = p.state_dim, G = p.groups, PN = P * N;
+  const int64_t g = h / (H / G);
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const T* x = static_cast<const T*>(p.x);
+  const T* Bm = static_cast<const T*>(p.B);
+  T* states = static_cast<T*>(p.states);
+  const float a = p.A[h];
+  const float bias = p.dt_bias ? p.dt_bias[h] : 0.f;
+
+  // the entering state, in the accumulator layout: acc[mt][nt].x[e] = s(row, col)
+  const float* init = nullptr;
+  const int64_t parent = p.parents[s];
+  if (parent >= 0)
+    init = p.workspace + (parent * H + h) * PN;
+  else if (p.initial_state)
+    init = p.initial_state + ((p.initial_per_root ? p.root_index[s] : 0) * H + h) * PN;
+  mma::FragC acc[MT][2];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; e += 2) {
+        const int64_t row = mt * 16 + mma::c_row(lane, e);
+        const int64_t col = n0 + warp * 16 + nt * 8 + mma::c_col(lane, e);
+        float2 v = make_float2(0.f, 0.f);
+        if (init && row < P && col < N) v = *reinterpret_cast<const float2*>(init + row * N + col);
+        acc[mt][nt].x[e] = v.x, acc[mt][nt].x[e + 1] = v.y;
+      }
+
+  const int64_t c_begin = p.seg_chunk_offsets[s], c_end = p.seg_chunk_offsets[s + 1];
+  // prologue: chunk c_begin's gather rows, raw dt and first piece
+  int64_t tok_r[E];
+  float raw_r[E];
+  if (c_begin < c_end) {
+#pragma unroll
+    for (int k = 0; k < E; ++k) {
+      const int j = tid + k * kThreads;
+      tok_r[k] = j < L ? p.gather[c_begin * L + j] : -1;
+      if (j < L) tok_buf[j] = tok_r[k];
+      raw_r[k] = tok_r[k] >= 0 ? p.dt_raw[tok_r[k] * H + h] : 0.f;
+    }
+    __syncthreads();
+    issue_piece<T, PT>(x_s, b_s, tok_buf, x, Bm, H, h, P, G, g, N, n0, tid);
+  }
+
+  for (int64_t c = c_begin; c < c_end; ++c) {
+    const int64_t* tok_s = tok_buf + ((c - c_begin) & 1) * L;
+    int64_t* tok_next = tok_buf + (((c - c_begin) & 1) ^ 1) * L;
+    const bool has_next = c + 1 < c_end;
+
+    // dt of this chunk (from the prefetched raw values); the next chunk's gather rows in flight
+#pragma unroll
+    for (int k = 0; k < E; ++k) {
+      const int j = tid + k * kThreads;
+      float d = 0.f;
+      if (tok_r[k] >= 0) {
+        d = raw_r[k] + bias;
+        if (p.dt_softplus) d = softplus20(d);
+        d = fminf(fmaxf(d, p.dt_min), p.dt_max);
+      }
+      if (j < L) w_s[j] = d;
+      tok_r[k] = has_next && j < L ? p.gather[(c + 1) * L + j] : -1;
+    }
+
+    // states[c] = s, the state entering the chunk
+    {
+      T* out = states + (c * H + h) * PN;
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; e += 2) {
+            const int64_t row = mt * 16 + mma::c_row(lane, e);
+            const int64_t col = n0 + warp * 16 + nt * 8 + mma::c_col(lane, e);
+            if (row < P && col < N)
+              *reinterpret_cast<uint32_t*>(out + row * N + col) =
+                  mma::Elem<T>::pack(acc[mt][nt].x[e], acc[mt][nt].x[e + 1]);
+          }
+    }
+    __syncthreads();
+
+    // Lam = inclusive cumsum of dt * A: E consecutive values per thread, then a block scan of the
+    // thread totals (warp shuffles, then the warp totals in order). Fixed order: deterministic.
+    // (The same arithmetic as ssd_chunk_state_fwd.cu, so both write identical dt / Lam.)
+    float loc[E];
+    float run = 0.f;
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+      const int j = tid * E + e;
+      if (j < L) run += w_s[j] * a;
+      loc[e] = run;
+    }
+    float incl = run;
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+      const float v = __shfl_up_sync(0xffffffffu, incl, off);
+      if (lane >= off) incl += v;
+    }
+    if (lane == 31) tot_s[warp] = incl;
+    __syncthreads();
+    float prefix = incl - run;
+    for (int w = 0; w < warp; ++w) prefix += tot_s[w];
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+      const int j = tid * E + e;
+      if (j < L) lam_s[j] = prefix + loc[e];
+    }
+    // the next chunk's raw dt (its gather rows have arrived by now)
+#pragma unroll
+    for (int k = 0; k < E; ++k) raw_r[k] = tok_r[k] >= 0 ? p.dt_raw[tok_r[k] * H + h] : 0.f;
+    __syncthreads();
+
+    const float lam_last = lam_s[L - 1];
+    const int64_t row0 = (c * H + h) * L;
+    for (int j = tid; j < L; j += kThreads) {
+      const float d = w_s[j];
+      if (blockIdx.z == 0) {
+        p.dt[row0 + j] = d;
+        p.Lam[row0 + j] = lam_s[j];
+      }
+      w_s[j] = expf(fminf(lam_last - lam_s[j], 0.f)) * d;
+    }
+    const float decay = expf(fminf(lam_last, 0.f));
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[mt][nt].x[e] *= decay;
+    mma::cp_async_wait<0>();
+    __syncthreads();
+
+    for (int j0 = 0; j0 < L; j0 += kPiece) {
+      if (tok_s[j0] < 0) break;  // the rest of the chunk is padding (uniform over the block)
+      if (j0 > 0) {
+        issue_piece<T, PT>(x_s, b_s, tok_s + j0, x, Bm, H, h, P, G, g, N, n0, tid);
+        mma::cp_async_wait<0>();
+        __syncthreads();
+      }
+      scale_piece<T>(b_s, w_s + j0, tid);
+      __syncthreads();
+      mma::warp_gemm<T, MT, 2, kPiece / 16, /*A_ROW=*/false, /*B_KN=*/true>(acc, x_s, kLdX, b_s + warp * 16, kLdB);
+      __syncthreads();
+    }
+
+    // the next chunk's gather rows to shared memory, then its first piece in flight
+    if (has_next) {
+#pragma unroll
+      for (int k = 0; k < E; ++k) {
+        const int j = tid + k * kThreads;
+        if (j < L) tok_next[j] = tok_r[k];
+      }
+      __syncthreads();
+      issue_piece<T, PT>(x_s, b_s, tok_next, x, Bm, H, h, P, G, g, N, n0, tid);
+    }
+  }
+
+  if (p.child_offsets[s + 1] > p.child_offsets[s]) {
+    float* ws = p.workspace + (s * H + h) * PN;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; e += 2) {
+          const int64_t row = mt * 16 + mma::c_row(lane, e);
+          const int64_t col = n0 + warp * 16 + nt * 8 + mma::c_col(lane, e);
+          if (row < P && col < N)
+            *reinterpret_cast<float2*>(ws + row * N + col) = make_float2(acc[mt][nt].x[e], acc[mt][nt].x[e + 1]);
+        }
+  }
+}
+
+template <typename T, int L, int PT>
+int launch_levels(const FwdParams& p, cudaStream_t stream) {
+  const size_t bytes = pass_smem_bytes<L>(PT);
+  const unsigned zblocks = static_cast<unsigned>((p.state_dim + kPiece - 1) / kPiece);
+  for (int64_t level = 0; level < p.num_levels; ++level) {
+    const int64_t begin = p.level_offsets[level], count = p.level_offsets[level + 1] - begin;
+    if (count <= 0) continue;
+    const dim3 grid(static_cast<unsigned>(count), static_cast<unsigned>(p.heads), zblocks);
+    chunk_state_pass_kernel<T, L, PT><<<grid, kThreads, bytes, stream>>>(p, begin);
+    const cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return static_cast<int>(err);
+  }
+  return 0;
+}
+
+template <typename T, int L>
+int by_p(const FwdParams& p, cudaStream_t s) {
+  if (p.head_dim <= 32) return launch_levels<T, L, 32>(p, s);
+  if (p.head_dim <= 64) return launch_levels<T, L, 64>(p, s);
+  return launch_levels<T, L, 128>(p, s);
+}
+
+template <typename T>
+int by_l(const FwdParams& p, cudaStream_t s) {
+  if (p.chunk == 64) return by_p<T, 64>(p, s);
+  if (p.chunk == 128) return by_p<T, 128>(p, s);
+  return by_p<T, 256>(p, s);
+}
+
+}  // namespace
+
+int ssd_chunk_state_pass_fwd(const FwdParams& p, void* stream) {
+  if (!fwd_shape_supported(p.chunk, p.head_dim, p.state_dim)) return static_cast<int>(cudaErrorInvalidValue);
+  auto s = static_cast<cudaStream_t>(stream);
+  return p.in == InType::BFloat16 ? by_l<__nv_bfloat16>(p, s) : by_l<__half>(p, s);
+}
+
+}  // namespace tree_recurrence::ssd::fused::kernels
