@@ -106,22 +106,13 @@ Stages run(const at::Tensor& grad_o, const at::Tensor& q_in, const at::Tensor& k
   const at::Tensor gather = tables.gather.contiguous(), scatter = tables.scatter.contiguous();
   const auto in_opt = q.options(), f32 = q.options().dtype(at::kFloat);
 
+  // Buffers are allocated right before the stage that writes them and (outside the stages op)
+  // released after the last stage that reads them, so the peak holds only the live ones (the
+  // caching allocator reuses them on this stream, in order).
   Stages st;
   st.dv_local = at::empty({NC, HV, C, V}, in_opt);
   st.q_g = at::empty({NC, HV, C, K}, in_opt);
   st.do_c = at::empty({NC, HV, C, V}, in_opt);
-  st.grad_state_out = at::empty({NC, HV, K, V}, in_opt);
-  st.dv_total = at::empty({NC, HV, C, V}, in_opt);
-  st.d_root = at::zeros({R, HV, K, V}, f32);
-  st.dq_hv = at::empty({NC, HV, C, K}, f32);
-  st.dk_hv = at::empty({NC, HV, C, K}, f32);
-  st.dG = at::empty({NC, HV, C}, f32);
-  st.dv = at::empty({T, HV, V}, f32);
-  st.dbeta = at::empty({T, HV}, f32);
-  st.dg = at::empty({T, HV}, f32);
-  st.dq = at::empty({T, HK, K}, f32);
-  st.dk = at::empty({T, HK, K}, f32);
-  const at::Tensor workspace = at::empty({S, HV, K, V}, f32);
   const at::Tensor decay = G.select(2, C - 1).exp().contiguous();
 
   kernels::GdnBwdParams p;
@@ -151,19 +142,15 @@ Stages run(const at::Tensor& grad_o, const at::Tensor& q_in, const at::Tensor& k
   p.dv_local = st.dv_local.data_ptr();
   p.q_g = st.q_g.data_ptr();
   p.do_c = st.do_c.data_ptr();
-  p.grad_state_out = st.grad_state_out.data_ptr();
-  p.dv_total = st.dv_total.data_ptr();
-  p.dq_hv = st.dq_hv.data_ptr<float>();
-  p.dk_hv = st.dk_hv.data_ptr<float>();
-  p.dG = st.dG.data_ptr<float>();
-  p.dv = st.dv.data_ptr<float>();
-  p.dbeta = st.dbeta.data_ptr<float>();
-  p.dg = st.dg.data_ptr<float>();
-  p.dq = st.dq.data_ptr<float>();
-  p.dk = st.dk.data_ptr<float>();
 
   // (a)
   check_launch(kernels::gdn_bwd_dv_local(p, stream), "dv_local");
+
+  st.grad_state_out = at::empty({NC, HV, K, V}, in_opt);
+  st.dv_total = at::empty({NC, HV, C, V}, in_opt);
+  st.d_root = at::zeros({R, HV, K, V}, f32);
+  p.grad_state_out = st.grad_state_out.data_ptr();
+  p.dv_total = st.dv_total.data_ptr();
 
   // the reverse tree state pass
   const at::Tensor sco = tables.seg_chunk_offsets.contiguous(), parents = tables.parents.contiguous(),
@@ -194,17 +181,51 @@ Stages run(const at::Tensor& grad_o, const at::Tensor& q_in, const at::Tensor& k
   sp.grad_state_out = st.grad_state_out.data_ptr();
   sp.dv_total = st.dv_total.data_ptr();
   sp.grad_initial = st.d_root.data_ptr<float>();
-  sp.workspace = workspace.data_ptr<float>();
-  if (S > 0) check_launch(tree_recurrence::kernels::chunk_state_pass_tc_backward(sp, stream), "state pass");
+  {
+    const at::Tensor workspace = at::empty({S, HV, K, V}, f32);
+    sp.workspace = workspace.data_ptr<float>();
+    if (S > 0) check_launch(tree_recurrence::kernels::chunk_state_pass_tc_backward(sp, stream), "state pass");
+  }
+  if (!keep_stages) {
+    st.dv_local = at::Tensor();
+    st.q_g = at::Tensor();
+  }
 
-  // (b), (c), (d)
+  // (b)
+  st.dq_hv = at::empty({NC, HV, C, K}, f32);
+  st.dk_hv = at::empty({NC, HV, C, K}, f32);
+  st.dG = at::empty({NC, HV, C}, f32);
+  p.dq_hv = st.dq_hv.data_ptr<float>();
+  p.dk_hv = st.dk_hv.data_ptr<float>();
+  p.dG = st.dG.data_ptr<float>();
   check_launch(kernels::gdn_bwd_dqk(p, stream), "dq/dk");
   if (keep_stages) {
     st.dk_b = st.dk_hv.clone();
     st.dG_b = st.dG.clone();
+  } else {
+    st.do_c = at::Tensor();
+    st.grad_state_out = at::Tensor();
   }
+  // (c)
+  st.dv = at::empty({T, HV, V}, f32);
+  st.dbeta = at::empty({T, HV}, f32);
+  st.dg = at::empty({T, HV}, f32);
+  p.dv = st.dv.data_ptr<float>();
+  p.dbeta = st.dbeta.data_ptr<float>();
+  p.dg = st.dg.data_ptr<float>();
   check_launch(kernels::gdn_bwd_wy(p, stream), "WY backward");
+  if (!keep_stages) st.dv_total = at::Tensor();
+  // (d)
+  st.dq = at::empty({T, HK, K}, f32);
+  st.dk = at::empty({T, HK, K}, f32);
+  p.dq = st.dq.data_ptr<float>();
+  p.dk = st.dk.data_ptr<float>();
   check_launch(kernels::gdn_bwd_finalize(p, stream), "finalize");
+  if (!keep_stages) {
+    st.dq_hv = at::Tensor();
+    st.dk_hv = at::Tensor();
+    st.dG = at::Tensor();
+  }
 
   if (initial_state && initial_state->defined()) {
     const at::Tensor& s0 = *initial_state;
@@ -227,10 +248,13 @@ Grads backward(const at::Tensor& grad_o, const at::Tensor& q, const at::Tensor& 
                bool use_qk_l2norm, const Saved& saved) {
   at::NoGradGuard no_grad;
   Stages st = run(grad_o, q, k, v, g, beta, tables, initial_state, scale, use_qk_l2norm, saved, /*keep_stages=*/false);
-  Grads gr;
+  Grads gr;  // each fp32 result released right after its cast
   gr.dq = st.dq.to(q.scalar_type());
+  st.dq = at::Tensor();
   gr.dk = st.dk.to(k.scalar_type());
+  st.dk = at::Tensor();
   gr.dv = st.dv.to(v.scalar_type());
+  st.dv = at::Tensor();
   gr.dg = st.dg.to(g.scalar_type());
   gr.dbeta = st.dbeta.to(beta.scalar_type());
   gr.d_initial_state = st.d_initial_state;
