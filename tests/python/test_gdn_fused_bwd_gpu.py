@@ -161,7 +161,9 @@ def test_stages(name):
              ("c", "dbeta", rel_rms(got["dbeta"], bref._tokens(want["dbeta_c"], scatter)), STAGE_TOL)]
 
     want = bref.stage_d(c64(got["dq_hv"]), c64(got["dk_hv"]), c64(got["dG"]), want["dv_c"], want["dbeta_c"], scatter, inp)
-    rows += [("d", n, rel_rms(got[n], want[n]), 1e-4) for n in ("dq", "dk", "dg")]
+    # dq, dk are stored in the inputs' type (bf16: rounding alone is ~1e-3 relative RMS); dg fp32
+    rows += [("d", n, rel_rms(got[n], want[n]), 5e-3) for n in ("dq", "dk")]
+    rows.append(("d", "dg", rel_rms(got["dg"], want["dg"]), 1e-4))
     if case["h0"] != "none":
         d_root = c64(got["d_root"])
         want_init = d_root.sum(0) if case["h0"] == "shared" else d_root

@@ -207,19 +207,19 @@ Stages run(const at::Tensor& grad_o, const at::Tensor& q_in, const at::Tensor& k
     st.grad_state_out = at::Tensor();
   }
   // (c)
-  st.dv = at::empty({T, HV, V}, f32);
+  st.dv = at::empty({T, HV, V}, in_opt);
   st.dbeta = at::empty({T, HV}, f32);
   st.dg = at::empty({T, HV}, f32);
-  p.dv = st.dv.data_ptr<float>();
+  p.dv = st.dv.data_ptr();
   p.dbeta = st.dbeta.data_ptr<float>();
   p.dg = st.dg.data_ptr<float>();
   check_launch(kernels::gdn_bwd_wy(p, stream), "WY backward");
   if (!keep_stages) st.dv_total = at::Tensor();
   // (d)
-  st.dq = at::empty({T, HK, K}, f32);
-  st.dk = at::empty({T, HK, K}, f32);
-  p.dq = st.dq.data_ptr<float>();
-  p.dk = st.dk.data_ptr<float>();
+  st.dq = at::empty({T, HK, K}, in_opt);
+  st.dk = at::empty({T, HK, K}, in_opt);
+  p.dq = st.dq.data_ptr();
+  p.dk = st.dk.data_ptr();
   check_launch(kernels::gdn_bwd_finalize(p, stream), "finalize");
   if (!keep_stages) {
     st.dq_hv = at::Tensor();

@@ -2,7 +2,8 @@
 // backward kernels from GIVEN saved buffers (so it is testable on the GPU whatever the forward
 // kernels do) and returns every stage's output, in this order:
 //   [dv_local, q_g, do_c, grad_state_out, dv_total, d_root (R, HV, K, V),
-//    dq_hv, dk_b, dG_b (after (b)), dk_hv, dG (after (c)), dv, dbeta, dg, dq, dk (fp32, at the tokens),
+//    dq_hv, dk_b, dG_b (after (b)), dk_hv, dG (after (c)), dv, dbeta, dg, dq, dk (at the tokens: dv, dq,
+//    dk in the inputs' type, dbeta, dg fp32),
 //    d_initial_state (like initial_state; an empty tensor when it is None)]
 // Layouts: kernels/params_bwd.h; float64 twin: tests/python/gdn_bwd_reference.py.
 #pragma once

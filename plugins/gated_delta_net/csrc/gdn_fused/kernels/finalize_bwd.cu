@@ -7,45 +7,64 @@ namespace tree_recurrence::gdn::fused::kernels {
 namespace bwd {
 namespace {
 
-template <typename T>
-__device__ __forceinline__ void finalize_one(const T* x, const float* r, const float* dhv, float* out, int64_t t, int64_t hk,
-                                             int64_t flat, const GdnBwdParams& p, float scale) {
-  const int K = static_cast<int>(p.k_dim), lane = threadIdx.x & 31;
-  const int64_t HK = p.hk, HV = p.hv, groups = HV / HK, c = flat / C, pos = flat % C;
-  float dy[kBwdMaxDim / 32], y[kBwdMaxDim / 32];
-  const float rr = p.use_qk_l2norm ? r[t * HK + hk] : 1.f;
-  float dot = 0.f;
-#pragma unroll
-  for (int m = 0; m < kBwdMaxDim / 32; ++m) {
-    const int col = lane + 32 * m;
-    dy[m] = 0.f;
-    y[m] = 0.f;
-    if (col < K) {
-      for (int64_t gi = 0; gi < groups; ++gi) {
-        const int64_t hv = hk * groups + gi;
-        dy[m] += dhv[((c * HV + hv) * C + pos) * K + col];
-      }
-      dy[m] *= scale;
-      y[m] = mma::Elem<T>::to_float(x[(t * HK + hk) * K + col]) * rr;
-      dot += y[m] * dy[m];
-    }
-  }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
-#pragma unroll
-  for (int m = 0; m < kBwdMaxDim / 32; ++m) {
-    const int col = lane + 32 * m;
-    if (col < K) out[(t * HK + hk) * K + col] = p.use_qk_l2norm ? rr * (dy[m] - y[m] * dot) : dy[m];
-  }
-}
-
+// One warp per (token, key head): q (index 0) and k (index 1) together, so all the group loads are
+// in flight at once; in-type stores.
 template <typename T>
 __global__ void __launch_bounds__(kThreads) finalize_kernel(GdnBwdParams p) {
   const int64_t item = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
   if (item >= p.tokens * p.hk) return;
   const int64_t t = item / p.hk, hk = item % p.hk, flat = p.scatter[t];
-  finalize_one<T>(static_cast<const T*>(p.q), p.rq, p.dq_hv, p.dq, t, hk, flat, p, p.scale);
-  finalize_one<T>(static_cast<const T*>(p.k), p.rk, p.dk_hv, p.dk, t, hk, flat, p, 1.f);
+  const int K = static_cast<int>(p.k_dim), lane = threadIdx.x & 31;
+  const int64_t HK = p.hk, HV = p.hv, groups = HV / HK, c = flat / C, pos = flat % C;
+  const T* x[2] = {static_cast<const T*>(p.q), static_cast<const T*>(p.k)};
+  const float* r[2] = {p.rq, p.rk};
+  const float* dhv[2] = {p.dq_hv, p.dk_hv};
+  T* out[2] = {static_cast<T*>(p.dq), static_cast<T*>(p.dk)};
+  const float scale[2] = {p.scale, 1.f};
+  float dy[2][kBwdMaxDim / 32], y[2][kBwdMaxDim / 32], rr[2], dot[2];
+#pragma unroll
+  for (int a = 0; a < 2; ++a) {
+    rr[a] = p.use_qk_l2norm ? r[a][t * HK + hk] : 1.f;
+#pragma unroll
+    for (int m = 0; m < kBwdMaxDim / 32; ++m) {
+      const int col = lane + 32 * m;
+      dy[a][m] = 0.f;
+      y[a][m] = col < K ? mma::Elem<T>::to_float(x[a][(t * HK + hk) * K + col]) : 0.f;
+    }
+  }
+  for (int64_t gi = 0; gi < groups; ++gi) {  // value heads of the key head in increasing order
+    const int64_t base = ((c * HV + hk * groups + gi) * C + pos) * K;
+#pragma unroll
+    for (int a = 0; a < 2; ++a)
+#pragma unroll
+      for (int m = 0; m < kBwdMaxDim / 32; ++m) {
+        const int col = lane + 32 * m;
+        if (col < K) dy[a][m] += dhv[a][base + col];
+      }
+  }
+#pragma unroll
+  for (int a = 0; a < 2; ++a) {
+    dot[a] = 0.f;
+#pragma unroll
+    for (int m = 0; m < kBwdMaxDim / 32; ++m) {
+      dy[a][m] *= scale[a];
+      y[a][m] *= rr[a];
+      dot[a] += y[a][m] * dy[a][m];
+    }
+  }
+#pragma unroll
+  for (int a = 0; a < 2; ++a)
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) dot[a] += __shfl_xor_sync(0xffffffffu, dot[a], o);
+#pragma unroll
+  for (int a = 0; a < 2; ++a)
+#pragma unroll
+    for (int m = 0; m < kBwdMaxDim / 32; ++m) {
+      const int col = lane + 32 * m;
+      if (col < K)
+        out[a][(t * HK + hk) * K + col] =
+            mma::Elem<T>::from_float(p.use_qk_l2norm ? rr[a] * (dy[a][m] - y[a][m] * dot[a]) : dy[a][m]);
+    }
 }
 
 template <typename T>

@@ -63,12 +63,13 @@ struct GdnBwdParams {
   float* dk_hv = nullptr;   // (NC, HV, C, K) gradient wrt k^ of each value head
   float* dG = nullptr;      // (NC, HV, C)   gradient wrt the chunk-local cumulative G
 
-  // (c) / (d) outputs at the tokens, fp32 (the caller casts)
-  float* dv = nullptr;      // (T, HV, V)
+  // (c) / (d) outputs at the tokens: dv, dq, dk in-type (final there: no fp32 copy, no cast),
+  // dbeta, dg fp32 (the caller casts)
+  void* dv = nullptr;       // (T, HV, V) in
   float* dbeta = nullptr;   // (T, HV)
   float* dg = nullptr;      // (T, HV)
-  float* dq = nullptr;      // (T, HK, K)
-  float* dk = nullptr;      // (T, HK, K)
+  void* dq = nullptr;       // (T, HK, K) in
+  void* dk = nullptr;       // (T, HK, K) in
 };
 
 // Each returns "" on success, else the CUDA error string (no host sync).

@@ -3,7 +3,7 @@
 //   dkb = Ainv^T dw, dvb = Ainv^T du, dA = -(dkb w^T + dvb u^T) strictly lower
 //   dAE = dA * exp(G_i - G_j), W2 = dAE * (k^ k^T), dKK = beta_i dAE
 //   dk^ += beta exp(G) dkb + dKK k^ + dKK^T k^        (onto (b)'s dk_hv)
-//   dv   = beta dvb                                   (at the tokens)
+//   dv   = beta dvb                                   (at the tokens, in-type)
 //   dbeta = <dvb, v> + exp(G) <dkb, k^> + rowsum(W2)
 //   dG  += beta exp(G) <dkb, k^> + beta rowsum(W2) - colsum(beta W2) (written back: the total);
 //   dg = reverse cumsum of dG
@@ -78,7 +78,7 @@ __global__ void __launch_bounds__(kWyThreads) wy_kernel(GdnBwdParams p) {
   __syncthreads();
 
   const int warp = threadIdx.x / 32;
-  float* dv_out = p.dv;
+  T* dv_out = static_cast<T*>(p.dv);
   // Phase 1: dw = -dv_total h^T (C x K); dvb = Ainv^T dv_total and u = Ainv vb (C x V).
   for (int t = warp; t < (C / 16) * (Kp / 16); t += kWyWarps) {
     const int r0 = (t / (Kp / 16)) * 16, c0 = (t % (Kp / 16)) * 16;
@@ -115,7 +115,7 @@ __global__ void __launch_bounds__(kWyThreads) wy_kernel(GdnBwdParams p) {
         dvb[j * ldv + col] = mma::Elem<T>::from_float(x);
         const int64_t tj = tok[j];
         if (tj >= 0 && col < V) {
-          dv_out[(tj * HV + hv) * V + col] = beta[j] * x;
+          dv_out[(tj * HV + hv) * V + col] = mma::Elem<T>::from_float(beta[j] * x);
           s[e >> 1] += x * vv[nt][e];
         }
       }
