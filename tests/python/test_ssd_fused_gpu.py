@@ -381,3 +381,30 @@ def test_fused_pass_bitwise_repeat_and_op_path(monkeypatch):
         e = rel_rms(a, oracle(ins, off, par))
         print(f"\n[fused pass op L={chunk}] vs token oracle {e:.2e}")
         assert e <= TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dims", [(4, 64, 2, 128), (8, 64, 1, 128), (4, 128, 2, 256), (2, 8, 2, 8), (8, 24, 4, 40),
+                                  (16, 32, 4, 64)], ids=["P64N128", "G1", "P128N256", "P8N8", "P24N40", "H16G4"])
+def test_group_scan_bitwise_equals_per_head(dtype, dims, monkeypatch):
+    """TREE_RECURRENCE_SSD_FWD_SCAN=group (chunk 64: C B^T once per (chunk, group), heads double-buffered) gives
+    out and y bitwise equal to the per-head chunk scan, and passes the per-stage check; z on and off."""
+    H, P, G, N = dims
+    off, par = random_trie(3, 16, 200)
+    for use in (("D", "dt_bias", "z", "h0"), ("dt_bias",)):
+        monkeypatch.setenv("TREE_RECURRENCE_SSD_FWD_SCAN", "per_head")
+        _, _, base = check_stages(off, par, chunk=64, dtype=dtype, use=use, H=H, P=P, G=G, N=N,
+                                  label=f"per-head scan H{H}P{P}G{G}N{N}")
+        monkeypatch.setenv("TREE_RECURRENCE_SSD_FWD_SCAN", "group")
+        _, _, grp = check_stages(off, par, chunk=64, dtype=dtype, use=use, H=H, P=P, G=G, N=N,
+                                 label=f"group scan H{H}P{P}G{G}N{N}")
+        diff = {k: rel_rms(grp[k], base[k]) for k in ("out", "y") if base[k].numel()}
+        print(f"[group vs per-head scan {dims} {dtype} {len(use)}] rel diff {diff}")
+        assert torch.equal(grp["out"], base["out"]), diff
+        assert torch.equal(grp["y"], base["y"]), diff
+
+
+def test_group_scan_through_the_op(monkeypatch):
+    """The op with the group scan on the benchmark's argument pattern (forward + fused backward) vs float64."""
+    monkeypatch.setenv("TREE_RECURRENCE_SSD_FWD_SCAN", "group")
+    test_benchmark_argument_pattern(64, "1", monkeypatch)

@@ -4,6 +4,9 @@
 //            fp32 chunk states never reach memory), then the chunk scan;
 //   TREE_RECURRENCE_SSD_FWD_FUSED_PASS=0: the three-kernel path (chunk state -> fp32 chunk_states ->
 //            state pass -> chunk scan), kept for comparison.
+//   TREE_RECURRENCE_SSD_FWD_SCAN=group (opt-in for now): at chunk 64, the chunk scan with C B^T shared
+//            per (chunk, group) (ssd_chunk_scan_group_fwd.cu, bitwise equal to the per-head kernel);
+//            other chunks keep the per-head kernel.
 // forward_stages (tests) also runs the chunk-state kernel, for the transient chunk_states stage; with
 // the fused pass, dt / Lam / states then come from the fused kernel (which rewrites the same dt / Lam).
 #include "ssd_fused.h"
@@ -52,6 +55,11 @@ const int64_t* table(const at::Tensor& t, const at::Tensor& x, const char* name)
 bool fused_pass_enabled() {
   const char* v = std::getenv("TREE_RECURRENCE_SSD_FWD_FUSED_PASS");
   return !(v && std::string(v) == "0");
+}
+
+bool group_scan_requested() {
+  const char* v = std::getenv("TREE_RECURRENCE_SSD_FWD_SCAN");
+  return v && std::string(v) == "group";
 }
 
 // with_chunk_states: also compute the transient fp32 chunk states (forward_stages).
@@ -139,7 +147,10 @@ Stages run(const Args& a, const Tables& t, bool with_chunk_states) {
     check_launch(kernels::ssd_chunk_state_pass_fwd(p, stream), "fused chunk state + state pass");
   else
     check_launch(kernels::ssd_state_pass_fwd(p, stream), "state pass");
-  check_launch(kernels::ssd_chunk_scan_fwd(p, stream), "chunk scan");
+  if (group_scan_requested() && kernels::ssd_chunk_scan_group_supported(p))
+    check_launch(kernels::ssd_chunk_scan_group_fwd(p, stream), "chunk scan (per group)");
+  else
+    check_launch(kernels::ssd_chunk_scan_fwd(p, stream), "chunk scan");
   return o;
 #endif
 }

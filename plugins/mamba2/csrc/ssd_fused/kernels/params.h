@@ -74,6 +74,10 @@ int ssd_state_pass_fwd(const FwdParams& p, void* stream);
 int ssd_chunk_state_pass_fwd(const FwdParams& p, void* stream);
 // d: the chunk scan (C s^T, C B^T masked and decayed times dt x, D x, z gate), tensor cores.
 int ssd_chunk_scan_fwd(const FwdParams& p, void* stream);
+// d for chunk 64 with C B^T computed once per (chunk, group) (ssd_chunk_scan_group_fwd.cu), bitwise
+// equal to ssd_chunk_scan_fwd; supported: chunk 64 and H a multiple of G.
+bool ssd_chunk_scan_group_supported(const FwdParams& p);
+int ssd_chunk_scan_group_fwd(const FwdParams& p, void* stream);
 
 const char* ssd_fwd_error_string(int error);
 
