@@ -45,7 +45,7 @@ struct PrepParams {
   float* rk = nullptr;
 };
 
-// Stage 3 (grid (NC, HV, ceil(V / 64)), 128 threads):
+// Stage 3 (grid (NC, HV), 256 threads: 4 row blocks x 2 column halves of 64):
 //   o_i = exp(G_i) q^_i h[c] + sum_{j <= i} exp(G_i - G_j) <q^_i, k^_j> v_new_j, q^ = l2norm(q) scale,
 //   k^ = l2norm(k) (recomputed bit for bit as prep_fwd computes them), written at token gather[c][i] of o (T, HV, V) in the input type.
 struct OutParams {
