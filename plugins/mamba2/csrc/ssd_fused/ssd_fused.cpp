@@ -80,14 +80,16 @@ struct ScanFn : public torch::autograd::Function<ScanFn> {
   // Inputs 0..4 are tensors; 5..8 optional tensors (std::optional, not undefined tensors: apply()
   // builds a VariableInfo of every at::Tensor argument, which throws "tensor does not have a
   // device" on an undefined one, while an absent optional is simply not a variable input); 9, 10
-  // the Args (scalars) and Tables. backward() returns one slot per argument (11), undefined for the
+  // the Args (scalars) and Tables; 11 whether the pre-gate y is saved (false when no gradient can
+  // follow: grad mode off or no input requiring grad). backward() returns one slot per argument (12), undefined for the
   // absent optionals and the two non-tensors; needs_input_grad() counts only the present tensors
   // (its index is the autograd edge: see the interim backward).
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& dt, const at::Tensor& B,
                             const at::Tensor& C, const at::Tensor& A, const std::optional<at::Tensor>& D,
                             const std::optional<at::Tensor>& dt_bias, const std::optional<at::Tensor>& z,
-                            const std::optional<at::Tensor>& h0, const Args* args, const Tables* tables) {
-    auto [out, saved] = fused::forward(*args, *tables);
+                            const std::optional<at::Tensor>& h0, const Args* args, const Tables* tables,
+                            bool save_y) {
+    auto [out, saved] = fused::forward(*args, *tables, save_y);
     ctx->save_for_backward({x, dt, B, C, A, opt(D), opt(dt_bias), opt(z), opt(h0), saved.dt, saved.Lam, saved.states,
                             saved.y});
     ctx->saved_data["dt_min"] = args->dt_min;
@@ -127,7 +129,7 @@ struct ScanFn : public torch::autograd::Function<ScanFn> {
     at::Tensor g = grads[0];
     if (!g.defined()) g = at::zeros(a.x.sizes(), a.x.options().dtype(at::kFloat));
 
-    variable_list out(11);
+    variable_list out(12);
     if (!env_is_zero("TREE_RECURRENCE_SSD_FUSED_BWD")) {
       const Saved saved{sv[9], sv[10], sv[11], sv[12]};
       const Grads gr = fused::backward(g.to(a.x.scalar_type()), a, t, saved);
@@ -168,8 +170,13 @@ bool supported(const Args& a, const Tables& t) { return unsupported(a, t).empty(
 at::Tensor scan(const Args& a, const Tables& t) {
   // Absent optionals as std::nullopt (also a defined-less optional would be dropped the same way).
   const auto present = [](const std::optional<at::Tensor>& v) { return some(opt(v)); };
+  bool grad = false;
+  if (at::GradMode::is_enabled()) {
+    for (const at::Tensor* v : {&a.x, &a.dt, &a.B, &a.C, &a.A}) grad = grad || v->requires_grad();
+    for (const auto* o : {&a.D, &a.dt_bias, &a.z, &a.initial_state}) grad = grad || (*o && (*o)->requires_grad());
+  }
   return ScanFn::apply(a.x, a.dt, a.B, a.C, a.A, present(a.D), present(a.dt_bias), present(a.z), present(a.initial_state),
-                       &a, &t);
+                       &a, &t, /*save_y=*/grad);
 }
 
 std::pair<Args, Tables> bind(const at::Tensor& x, const at::Tensor& dt, const at::Tensor& B, const at::Tensor& C,

@@ -55,8 +55,9 @@ bool supported(const Args& a, const Tables& t);
 // The op with autograd (a torch::autograd::Function around forward() and backward()).
 at::Tensor scan(const Args& a, const Tables& t);
 
-// Forward kernels (ssd_fused_fwd.cpp): out (T, H, P) in x's dtype, and the saved buffers.
-std::pair<at::Tensor, Saved> forward(const Args& a, const Tables& t);
+// Forward kernels (ssd_fused_fwd.cpp): out (T, H, P) in x's dtype, and the saved buffers (with
+// save_y false, y is neither written nor returned: a forward no backward will follow).
+std::pair<at::Tensor, Saved> forward(const Args& a, const Tables& t, bool save_y = true);
 
 struct Grads {
   at::Tensor dx, ddt, dB, dC, dA;           // like x, dt, B, C, A

@@ -63,11 +63,12 @@ bool group_scan_requested() {
 }
 
 // with_chunk_states: also compute the transient fp32 chunk states (forward_stages).
-Stages run(const Args& a, const Tables& t, bool with_chunk_states) {
+Stages run(const Args& a, const Tables& t, bool with_chunk_states, bool save_y) {
 #ifndef TREE_RECURRENCE_WITH_CUDA
   (void)a;
   (void)t;
   (void)with_chunk_states;
+  (void)save_y;
   TORCH_CHECK(false, "fused SSD forward: this build has no CUDA kernels");
 #else
   const c10::cuda::CUDAGuard guard(a.x.device());
@@ -108,7 +109,7 @@ Stages run(const Args& a, const Tables& t, bool with_chunk_states) {
   const bool chunk_state_kernel = !fused_pass || with_chunk_states;
   if (chunk_state_kernel) o.chunk_states = at::empty({NC, H, P, N}, f32);
   o.states = at::empty({NC, H, P, N}, x.options());
-  if (a.z) o.y = at::empty({T, H, P}, x.options());
+  if (a.z && save_y) o.y = at::empty({T, H, P}, x.options());
   const at::Tensor workspace = at::empty({std::max<int64_t>(S, 1), H, P, N}, f32);
 
   kernels::FwdParams p;
@@ -138,7 +139,7 @@ Stages run(const Args& a, const Tables& t, bool with_chunk_states) {
   p.chunk_states = chunk_state_kernel ? o.chunk_states.data_ptr<float>() : nullptr;
   p.states = o.states.data_ptr();
   p.workspace = workspace.data_ptr<float>();
-  p.y = a.z ? o.y.data_ptr() : nullptr;
+  p.y = a.z && save_y ? o.y.data_ptr() : nullptr;
   p.out = o.out.data_ptr();
 
   void* stream = c10::cuda::getCurrentCUDAStream().stream();
@@ -157,13 +158,13 @@ Stages run(const Args& a, const Tables& t, bool with_chunk_states) {
 
 }  // namespace
 
-std::pair<at::Tensor, Saved> forward(const Args& a, const Tables& t) {
-  Stages o = run(a, t, /*with_chunk_states=*/false);
+std::pair<at::Tensor, Saved> forward(const Args& a, const Tables& t, bool save_y) {
+  Stages o = run(a, t, /*with_chunk_states=*/false, save_y);
   return {o.out, Saved{o.dt, o.Lam, o.states, o.y}};
 }
 
 std::vector<at::Tensor> forward_stages(const Args& a, const Tables& t) {
-  Stages o = run(a, t, /*with_chunk_states=*/true);
+  Stages o = run(a, t, /*with_chunk_states=*/true, /*save_y=*/true);
   return {o.out, o.dt, o.Lam, o.chunk_states, o.states, o.y};
 }
 

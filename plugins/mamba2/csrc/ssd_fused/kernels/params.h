@@ -55,7 +55,7 @@ struct FwdParams {
   float* chunk_states = nullptr;  // NC x H x P x N
   void* states = nullptr;         // NC x H x P x N (in)
   float* workspace = nullptr;     // S x H x P x N
-  void* y = nullptr;              // T x H x P (in), pre-gate; null unless z
+  void* y = nullptr;              // T x H x P (in), pre-gate; null unless z (and not needed: no grad)
   void* out = nullptr;            // T x H x P (in)
 };
 

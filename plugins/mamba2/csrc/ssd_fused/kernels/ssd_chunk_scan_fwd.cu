@@ -188,7 +188,7 @@ __global__ void __launch_bounds__(kThreads) chunk_scan_kernel(FwdParams p) {
         y1 += p.D[h * P + col + 1] * xv.y;
       }
       if (p.z) {
-        *reinterpret_cast<uint32_t*>(y + idx) = mma::Elem<T>::pack(y0, y1);
+        if (y) *reinterpret_cast<uint32_t*>(y + idx) = mma::Elem<T>::pack(y0, y1);  // null: not saved (no grad)
         const float2 zv = p.z_fp32 ? *reinterpret_cast<const float2*>(static_cast<const float*>(p.z) + idx)
                                    : load2(static_cast<const T*>(p.z) + idx);
         y0 *= silu(zv.x);
