@@ -9,7 +9,14 @@ without CUDA.
   around each chunk size, an 8k segment), G 2 with H 4, D (H) and (H, P), z on / off, dt_bias +
   softplus + dt_limit, per-root and shared initial states;
 * chunk 64 / 128 / 256 agree up to rounding; two runs are bitwise identical;
-* the interim backward (TREE_RECURRENCE_SSD_FUSED_BWD=0) gives the composite's gradients.
+* the interim backward (TREE_RECURRENCE_SSD_FUSED_BWD=0) gives the composite's gradients;
+* the benchmark's argument pattern (initial_state None, fp32 A / D / dt_bias requiring grad) under
+  no_grad and through autograd (both backwards), and absent optionals' gradient slots;
+* the fused chunk-state + state-pass kernel (default) against the three-kernel path
+  (TREE_RECURRENCE_SSD_FWD_FUSED_PASS=0), and the per-group chunk scan
+  (TREE_RECURRENCE_SSD_FWD_SCAN=group, chunk 64) bitwise against the per-head one.
+
+Run on the GPU:  .venv/bin/python -m pytest tests/python/test_ssd_fused_gpu.py -q -x -s
 """
 
 from __future__ import annotations
