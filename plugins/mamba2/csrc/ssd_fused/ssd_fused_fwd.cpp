@@ -1,9 +1,10 @@
 // fused::forward (ssd_fused.h): the fused SSD forward's launches (kernels/params.h) on the current
 // stream, no host sync (the host level_offsets drive the per-level loops).
 //   default: chunk state + tree state pass in one kernel per level (ssd_chunk_state_pass_fwd.cu, the
-//            fp32 chunk states never reach memory), then the chunk scan;
-//   TREE_RECURRENCE_SSD_FWD_FUSED_PASS=0: the three-kernel path (chunk state -> fp32 chunk_states ->
-//            state pass -> chunk scan), kept for comparison.
+//            fp32 chunk states never reach memory), then the chunk scan, when the segments average
+//            <= 64 chunks (fused_pass_enabled); else, or with TREE_RECURRENCE_SSD_FWD_FUSED_PASS=0,
+//            the three-kernel path (chunk state -> fp32 chunk_states -> state pass -> chunk scan);
+//            TREE_RECURRENCE_SSD_FWD_FUSED_PASS=1 forces the fused pass.
 //   TREE_RECURRENCE_SSD_FWD_SCAN=group (opt-in for now): at chunk 64, the chunk scan with C B^T shared
 //            per (chunk, group) (ssd_chunk_scan_group_fwd.cu, bitwise equal to the per-head kernel);
 //            other chunks keep the per-head kernel.
@@ -52,9 +53,15 @@ const int64_t* table(const at::Tensor& t, const at::Tensor& x, const char* name)
 }
 #endif
 
-bool fused_pass_enabled() {
+// The fused pass walks a segment's chunks in order with a matmul per step (~2 us each), the
+// three-kernel path computes every chunk state in parallel and then walks them elementwise: on few,
+// long segments (one 49k-token row: 768 chunks in a row) the latter is faster. Auto (unset): fused
+// when the segments average at most 64 chunks (host counts only: NC and S); "1" always, "0" never.
+bool fused_pass_enabled(int64_t num_chunks, int64_t num_segments) {
   const char* v = std::getenv("TREE_RECURRENCE_SSD_FWD_FUSED_PASS");
-  return !(v && std::string(v) == "0");
+  if (v && std::string(v) == "0") return false;
+  if (v && std::string(v) == "1") return true;
+  return num_chunks <= 64 * std::max<int64_t>(num_segments, 1);
 }
 
 bool group_scan_requested() {
@@ -105,7 +112,7 @@ Stages run(const Args& a, const Tables& t, bool with_chunk_states, bool save_y) 
   o.out = at::empty({T, H, P}, x.options());
   o.dt = at::empty({NC, H, L}, f32);
   o.Lam = at::empty({NC, H, L}, f32);
-  const bool fused_pass = fused_pass_enabled();
+  const bool fused_pass = fused_pass_enabled(NC, S);
   const bool chunk_state_kernel = !fused_pass || with_chunk_states;
   if (chunk_state_kernel) o.chunk_states = at::empty({NC, H, P, N}, f32);
   o.states = at::empty({NC, H, P, N}, x.options());
