@@ -101,6 +101,21 @@ if has bench; then
     echo "  bench exit $?"; cut -c1-200 "$LOGS/${b}_bench.txt" | tail -${BENCH_TAIL:-24}
   done
 fi
+if has profile; then
+  stamp "profile (per kernel, torch.profiler)"
+  timeout $(( $(left) < 90 ? $(left) : 90 )) python3 benchmarks/profile_kernels.py --repeats 3 >"$LOGS/profile.txt" 2>&1
+  echo "  profile exit $?"; grep -E "^==|^ +[0-9.]+ +[0-9]+ +[0-9.]+ " "$LOGS/profile.txt" | cut -c1-170 | head -40
+fi
+if has ncu; then
+  OURS='regex:(cb|chunk_scan|chunk_state|dbdc|ddecay|dqk|dv_local|dyx|finalize|gate|local|out_fwd|prep_fwd|rows|state_pass|tc_backward|tc_forward|wy|post_tc|local_tc)[a-z_]*_kernel'
+  for fam in gdn ssd; do
+    l=$(left); [ "$l" -lt 40 ] && { stamp "ncu $fam skipped"; continue; }
+    stamp "ncu $fam"
+    timeout $(( l < 90 ? l : 90 )) ncu --clock-control none --section SpeedOfLight --section Occupancy -k "$OURS" -c ${NCU_COUNT:-16} \
+      python3 benchmarks/profile_kernels.py --once --family $fam >"$LOGS/ncu_$fam.txt" 2>&1
+    echo "  ncu exit $?"
+  done
+fi
 has models && pytest_part mamba2_models_gpu 200 tests/python/test_mamba2_models.py -k test_gpu_
 if has large; then
   export TREE_RECURRENCE_LARGE_TESTS=1
