@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from . import _core
+from ._specs import SpecError, parse_seam, parse_seams
 
 PACKAGE_PLUGIN_DIR = Path(_core.__file__).resolve().parent / "plugins"
 _extra_folders: list[str] = []
@@ -103,9 +104,20 @@ def _confined_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The records with each loaded plugin whose Python escapes its folder turned into a refusal."""
     out = []
     for record in records:
-        reason = python_escape(record) if record.get("loaded") else None
+        reason = (python_escape(record) or _seam_spec_error(record)) if record.get("loaded") else None
         out.append({**record, "loaded": False, "error": reason} if reason else record)
     return out
+
+
+def _seam_spec_error(record: dict[str, Any]) -> str | None:
+    """Parses a loaded plugin's seam specs once (``_specs``: every key checked) into
+    ``record["seam_specs"]``; returns the error naming manifest, seam and key, or None."""
+    try:
+        record["seam_specs"] = parse_seams(record.get("manifest_path") or record["family"],
+                                           (record.get("manifest") or {}).get("seams"))
+    except SpecError as error:
+        return f"invalid seam spec: {error}"
+    return None
 
 
 def families() -> dict[str, dict[str, Any]]:
@@ -293,13 +305,14 @@ def register_family(name: str, model_types: str | Iterable[str], mixer_classes: 
     module_names = list(dict.fromkeys([*(modules or []), *mixer_modules]))
     if not module_names:
         raise ValueError("register_family: mixer classes given by name need modules= (the modules defining them)")
-    seam_specs = {}
+    seam_specs, parsed = {}, {}
     for seam, spec in (seams or {}).items():
         if not isinstance(spec, dict) or spec.get("adapter") not in adapters:
             raise ValueError(f"register_family: seam '{seam}' needs an 'adapter' among {sorted(adapters)}, got {spec!r}")
         missing = [key for key in ("args",) + (("sequence",) if spec["adapter"] == "scan" else ()) if key not in spec]
         if missing:
             raise ValueError(f"register_family: seam '{seam}' ({spec['adapter']}) lacks {missing}")
+        parsed[seam] = parse_seam(f"register_family('{name}')", seam, spec)  # every key checked as a manifest's
         seam_specs[seam] = dict(spec)
     kernels, namespace = [], f"tree_recurrence_{name}"
     if ops is not None:
@@ -323,7 +336,7 @@ def register_family(name: str, model_types: str | Iterable[str], mixer_classes: 
         "loaded": True, "error": "", "fingerprint": "python", "python": True,
         "manifest": {"schema": 1, "family": name, "version": version, "library": "", "models": entries,
                      "seams": seam_specs},
-        "kernels": kernels, "detect": detect, "op_namespace": namespace,
+        "kernels": kernels, "detect": detect, "op_namespace": namespace, "seam_specs": parsed,
     }
     python_families[name] = record
     return record
