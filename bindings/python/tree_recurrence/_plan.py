@@ -1,4 +1,6 @@
-"""TreePlan from a forward's ``tree_*`` kwargs, built once and cached on ``tree_cu_seqlens_q``."""
+"""TreePlan: the host plan of one tree-packed row (the C++ core's) and the tables built from it,
+cached per device. Parsing a forward's ``tree_*`` kwargs into one (TRL's formats, a collator's
+padding, int lists) is ``_tree_kwargs.py``; its names are re-exported here."""
 
 from __future__ import annotations
 
@@ -7,39 +9,6 @@ from typing import Any, Mapping, NamedTuple
 import torch
 
 from . import _core
-
-# Keyword names a trainer passes to the model's forward (docs/tree-format.md).
-CU_SEQLENS_Q = "tree_cu_seqlens_q"
-KV_INDEX = "tree_kv_index"
-CU_SEQLENS_K = "tree_cu_seqlens_k"
-SEGMENT_PARENTS = "tree_segment_parents"
-SEGMENT_DEPTHS = "tree_segment_depths"
-TREE_FIELDS = (CU_SEQLENS_Q, KV_INDEX, CU_SEQLENS_K, SEGMENT_PARENTS, SEGMENT_DEPTHS)
-# huggingface/trl#7686's level sizes: segments per trie level (root level first), under either name;
-# ``tree_n_chunks`` (an int) says how many of its entries are real (the rest is a collator's padding).
-LEVEL_SIZES, LEVEL_SIZES_ALIAS, LEVEL_COUNT = "tree_level_sizes", "tree_sizes", "tree_n_chunks"
-LEVEL_FIELDS = (LEVEL_SIZES, LEVEL_SIZES_ALIAS)
-
-_CACHE_ATTR = "_tree_recurrence_plan"
-
-
-def _as_index_vector(name: str, value: Any, device: torch.device | None) -> torch.Tensor:
-    if not isinstance(value, torch.Tensor):
-        raise ValueError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
-    if value.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"{name}: expected an int32 or int64 tensor, got {value.dtype}")
-    if value.dim() == 2 and value.shape[0] == 1:
-        value = value[0]
-    if value.dim() != 1:
-        rows = f"a collated batch of {value.shape[0]} rows" if value.dim() == 2 else "not one packed row"
-        raise ValueError(
-            f"{name}: expected a 1-D tensor (one packed row, batch size 1), got shape {tuple(value.shape)} ({rows}); "
-            "forward one row at a time: tree_recurrence.integrations.trl.tree_kwargs_from_batch(batch, row=i) "
-            "gives row i's forward kwargs without the collator's padding"
-        )
-    if device is not None and value.device != device:
-        raise ValueError(f"{name}: is on {value.device} but {CU_SEQLENS_Q} is on {device}; all tree tensors must share a device")
-    return value
 
 
 class ChunkTables(NamedTuple):
@@ -207,24 +176,24 @@ class TreePlan:
             entry = self._tables[key] = self._entry(value, *moved, *csr)
         return entry[0]
 
+    @classmethod
+    def build(cls, arrays: Mapping[str, Any], num_tokens: int | None, device: torch.device) -> "TreePlan":
+        """The plan of one row's tree fields (int64 host arrays by field name, padding stripped): the C++
+        core checks them and builds every table (a ValueError naming the field on bad input)."""
+        def buffer(name):  # the core copies from buffer objects; it never takes an address
+            t = arrays.get(name)
+            return None if t is None else t.contiguous().numpy()
+
+        core = _core.TreePlan.build(
+            buffer("tree_cu_seqlens_q"), buffer("tree_kv_index"), buffer("tree_cu_seqlens_k"),
+            buffer("tree_segment_parents"), buffer("tree_segment_depths"), -1 if num_tokens is None else int(num_tokens))
+        return cls(core, device)
+
     def __repr__(self) -> str:
         return (
             f"TreePlan(tokens={self.num_tokens}, segments={self.num_segments}, samples={self.num_leaves}, "
             f"levels={self.num_levels}, path_tokens={self.path_token_total}, saved={self.saved_tokens})"
         )
-
-
-def row_length(kwargs: Mapping[str, Any]) -> int | None:
-    """Tokens of the packed row a model forward received (``input_ids`` (1, N) or ``inputs_embeds``
-    (1, N, H)), or None when neither is there. Plan carriers refuse a plan with more tokens than
-    this (a longer row is a padded one); building that plan first costs O(segments) only."""
-    ids = kwargs.get("input_ids")
-    if isinstance(ids, torch.Tensor) and ids.dim() in (1, 2) and (ids.dim() == 1 or ids.shape[0] == 1):
-        return int(ids.shape[-1])
-    embeds = kwargs.get("inputs_embeds")
-    if isinstance(embeds, torch.Tensor) and embeds.dim() == 3 and embeds.shape[0] == 1:
-        return int(embeds.shape[1])
-    return None
 
 
 def _version(value: Any) -> Any:
@@ -237,151 +206,8 @@ def _version(value: Any) -> Any:
     return value._version
 
 
-def is_meta_tree(kwargs: Mapping[str, Any]) -> bool:
-    """Whether the tree kwargs are meta tensors (a model traced on the meta device): no plan can be
-    built; the hooks let such a forward run untouched (shapes are all a meta trace computes)."""
-    cu_q = kwargs.get(CU_SEQLENS_Q)
-    return isinstance(cu_q, torch.Tensor) and cu_q.is_meta
 
-
-_PAD_VALUES = (-1, 0)  # what collators pad tree fields with (TRL 1.16: -1; huggingface/trl#7686: 0)
-
-
-def _strip_offsets_padding(offsets: torch.Tensor) -> torch.Tensor:
-    """Offsets (0, ends...) without a collator's padding: trailing -1 / 0 entries or repeats of the
-    final offset after the row's end (the first occurrence of the largest entry). Anything else is
-    left for the core to report."""
-    if offsets.numel() < 2:
-        return offsets
-    end = int(offsets.max())
-    last = int((offsets == end).nonzero()[0, 0])
-    tail = offsets[last + 1:]
-    if tail.numel() and bool(((tail == end) | (tail == -1) | (tail == 0)).all()):
-        return offsets[: last + 1]
-    return offsets
-
-
-def _strip_tail(values: torch.Tensor, length: int) -> torch.Tensor:
-    """``values`` cut to ``length`` entries when the rest is one pad value (-1 or 0) repeated."""
-    if values.numel() <= length:
-        return values
-    tail = values[length:]
-    if int(tail[0]) in _PAD_VALUES and bool((tail == tail[0]).all()):
-        return values[:length]
-    return values
-
-
-def _strip_padding(parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The tree fields of one row of a collated batch without the collator's trailing padding."""
-    parts = dict(parts)
-    parts[CU_SEQLENS_Q] = _strip_offsets_padding(parts[CU_SEQLENS_Q])
-    if CU_SEQLENS_K in parts:
-        parts[CU_SEQLENS_K] = _strip_offsets_padding(parts[CU_SEQLENS_K])
-        if KV_INDEX in parts and parts[CU_SEQLENS_K].numel():
-            parts[KV_INDEX] = _strip_tail(parts[KV_INDEX], max(int(parts[CU_SEQLENS_K][-1]), 0))
-    elif KV_INDEX in parts:
-        tail = (parts[KV_INDEX] == -1).flip(0).cumprod(0).sum()  # kv entries are >= 0: trailing -1s are padding
-        parts[KV_INDEX] = parts[KV_INDEX][: parts[KV_INDEX].numel() - int(tail)]
-    segments = parts[CU_SEQLENS_Q].numel() - 1
-    for name in (SEGMENT_PARENTS, SEGMENT_DEPTHS):
-        if name in parts:
-            parts[name] = _strip_tail(parts[name], max(segments, 0))
-    return parts
-
-
-def _level_count(kwargs: Mapping[str, Any]) -> int | None:
-    value = kwargs.get(LEVEL_COUNT)
-    if value is None:
-        return None
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1 or value.is_floating_point() or value.is_meta:
-            raise ValueError(f"{LEVEL_COUNT}: expected one integer (how many entries of {LEVEL_SIZES} are real), "
-                             f"got a tensor of shape {tuple(value.shape)} and dtype {value.dtype}")
-        value = value.item()
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{LEVEL_COUNT}: expected a positive integer (how many entries of {LEVEL_SIZES} are real), "
-                         f"got {value!r}")
-    return value
-
-
-def _check_level_sizes(plan: "TreePlan", parts: Mapping[str, torch.Tensor], count: int | None) -> None:
-    """huggingface/trl#7686's level sizes, checked against the levels the key paths (or parents) give."""
-    given = [name for name in LEVEL_FIELDS if name in parts]
-    if not given:
-        if count is not None:
-            raise ValueError(f"{LEVEL_COUNT}: given ({count}) without {LEVEL_SIZES} / {LEVEL_SIZES_ALIAS}")
-        return
-    if len(given) == 2 and not torch.equal(parts[LEVEL_SIZES], parts[LEVEL_SIZES_ALIAS]):
-        raise ValueError(f"{LEVEL_SIZES}: {parts[LEVEL_SIZES].tolist()[:8]} but {LEVEL_SIZES_ALIAS}: "
-                         f"{parts[LEVEL_SIZES_ALIAS].tolist()[:8]}; give one, or the same")
-    name = given[0]
-    sizes = parts[name]
-    if count is not None:
-        if count > sizes.numel():
-            raise ValueError(f"{LEVEL_COUNT}: {count}, but {name} has {sizes.numel()} entries")
-        sizes = sizes[:count]
-    else:
-        sizes = _strip_tail(sizes, plan.num_levels)  # a collator's padding (0 or -1)
-    offsets = plan.array("level_offsets")
-    expected = (offsets[1:] - offsets[:-1]).tolist()
-    got = sizes.tolist()
-    if len(got) != len(expected):
-        raise ValueError(f"{name}: {len(got)} levels {got[:8]}, but the key paths give the tree {len(expected)} "
-                         f"levels ({expected[:8]} segments per level)")
-    for level, (g, e) in enumerate(zip(got, expected)):
-        if g != e:
-            raise ValueError(f"{name}: level {level}: {g} segments, but the key paths put {e} segments at level "
-                             f"{level}")
-
-
-def has_tree(kwargs: Mapping[str, Any]) -> bool:
-    return kwargs.get(CU_SEQLENS_Q) is not None
-
-
-# Host work (the plan is built and cached on the host from the index tensors' values): under
-# torch.compile it runs eagerly, a graph break, instead of being traced with fake tensors.
-@torch.compiler.disable
-def tree_plan(kwargs: Mapping[str, Any], num_tokens: int | None = None) -> TreePlan | None:
-    """The plan of the tree kwargs in ``kwargs``, or None when there are none.
-
-    Built on the host with one device-to-host copy and cached on the ``tree_cu_seqlens_q``
-    tensor (rebuilt if that tensor is modified in place), so every layer and every gradient
-    checkpoint replay of one forward shares it. Raises ValueError naming the field on bad input.
-    """
-    cu_q = kwargs.get(CU_SEQLENS_Q)
-    if cu_q is None:
-        stray = [k for k in TREE_FIELDS if kwargs.get(k) is not None]
-        if stray:
-            raise ValueError(f"{CU_SEQLENS_Q}: missing, but {', '.join(stray)} given")
-        return None
-    # The cache key: every tree field by identity and version (an in-place edit or a different
-    # companion tensor rebuilds the plan).
-    fields = TREE_FIELDS + LEVEL_FIELDS
-    key = tuple((name, id(kwargs[name]), _version(kwargs[name])) for name in fields if kwargs.get(name) is not None)
-    key += ((LEVEL_COUNT, _level_count(kwargs)),)
-    if isinstance(cu_q, torch.Tensor):
-        cached = getattr(cu_q, _CACHE_ATTR, None)
-        if cached is not None and cached[1] == key and (num_tokens is None or cached[0].num_tokens == num_tokens):
-            return cached[0]
-    device = cu_q.device if isinstance(cu_q, torch.Tensor) else None
-    present = {name: _as_index_vector(name, kwargs[name], device) for name in fields if kwargs.get(name) is not None}
-    if device is not None and device.type == "meta":
-        raise ValueError(f"{CU_SEQLENS_Q}: is a meta tensor (no values); a tree plan is built from the tree's values: "
-                         "pass real tensors (a model traced on the meta device runs its recurrent layers untouched)")
-    sizes = [t.numel() for t in present.values()]
-    host = torch.cat([t.to(torch.int64) for t in present.values()]).cpu()  # the one device->host copy
-    parts = _strip_padding(dict(zip(present, torch.split(host, sizes))))  # a collated row's padding ignored
-
-    def buffer(name):  # the core copies from buffer objects; it never takes an address
-        t = parts.get(name)
-        return None if t is None else t.contiguous().numpy()
-
-    core = _core.TreePlan.build(
-        buffer(CU_SEQLENS_Q), buffer(KV_INDEX), buffer(CU_SEQLENS_K), buffer(SEGMENT_PARENTS), buffer(SEGMENT_DEPTHS),
-        -1 if num_tokens is None else int(num_tokens),
-    )
-    plan = TreePlan(core, device)
-    _check_level_sizes(plan, parts, _level_count(kwargs))
-    # The companions are kept alive with the entry so their ids cannot be reused while it is cached.
-    setattr(cu_q, _CACHE_ATTR, (plan, key, [kwargs[name] for name in fields if kwargs.get(name) is not None]))
-    return plan
+# The kwargs half (``_tree_kwargs.py`` imports TreePlan from here: imported last).
+from ._tree_kwargs import (CU_SEQLENS_K, CU_SEQLENS_Q, KV_INDEX, LEVEL_COUNT, LEVEL_FIELDS, LEVEL_SIZES,  # noqa: E402,F401
+                           LEVEL_SIZES_ALIAS, SEGMENT_DEPTHS, SEGMENT_PARENTS, TREE_FIELDS, has_tree, index_tensor,
+                           is_meta_tree, row_length, tree_plan)

@@ -40,13 +40,13 @@ Where the pieces run (the same choices the seam adapters make, ``driver.py``):
 from __future__ import annotations
 
 import functools
-import re
-from typing import Callable, Iterable
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from . import driver, plugins, seams
+from .plugins import register_family, unregister_family  # noqa: F401  (registered families: the registry's)
 from ._plan import TreePlan, tree_plan
 from .policy import Policy
 
@@ -133,8 +133,7 @@ def tree_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     or None; activation None, "silu" or "swish". Returns (1, C, N) in x's dtype (computed in fp32,
     activation before the single rounding). ``family``: whose native ``tree_conv`` op to use (default:
     any loaded family with one for x's device); without one, a PyTorch gather does the same."""
-    if activation not in (None, "silu", "swish"):
-        raise ValueError(f"tree_conv: activation must be None, 'silu' or 'swish', got {activation!r}")
+    driver.check_activation("tree_conv", activation)
     plan = _require_plan(plan, "tree_conv")
     if x.dim() != 3 or x.shape[0] != 1 or x.shape[2] != plan.num_tokens:
         raise ValueError(f"tree_conv: x must be (1, channels, {plan.num_tokens}) (one tree-packed row, channels first), "
@@ -157,8 +156,7 @@ def short_convolution(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     plan = _plan(plan)
     if plan is not None:
         return tree_conv(x.transpose(1, 2), weight, bias, activation, plan, family).transpose(1, 2)
-    if activation not in (None, "silu", "swish"):
-        raise ValueError(f"short_convolution: activation must be None, 'silu' or 'swish', got {activation!r}")
+    driver.check_activation("short_convolution", activation)
     channels, width = weight.shape[0], weight.shape[-1]
     compute = torch.promote_types(x.dtype, torch.float32)
     y = F.conv1d(x.transpose(1, 2).to(compute), weight.reshape(channels, 1, width).to(compute),
@@ -194,26 +192,11 @@ def tree_scan(kernel: Callable, *args, plan: TreePlan | None = None, spec: dict 
         raise ValueError(f"tree_scan: unknown backend '{backend}', choose one of ['auto', 'native', 'kernel']")
     policy = policy or Policy()
     name = seam or getattr(kernel, "__name__", "tree_scan")
-    if family is not None:
-        call = driver.SeamCall.bind(family, name, spec, kernel, plan, args, kwargs)
-        return driver.run_scan(call, backend, policy)
-    if backend == "native":
+    if family is None and backend == "native":
         raise ValueError("tree_scan: backend 'native' needs family= (whose native op to run)")
-    spec = {k: v for k, v in spec.items() if k != "native"}
-    call = driver.SeamCall.bind("<python>", name, spec, kernel, plan, args, kwargs)
-    first = call.named[spec["sequence"][0]]
-    driver._check_row(call, first, 1, spec["sequence"][0])
-    state = spec.get("state_args")
-    if state and call.rest.get(state["output_final_state"]):
-        raise ValueError(f"{name}: a tree-packed row has one final state per sample, not one per row")
-    _, params, _ = driver.bound_implementation(kernel)
-    varlen = "varlen" in spec and spec["varlen"]["cu_seqlens"] in params
-    fork = state is not None and (varlen or "neutral" in spec)
-    strategy, reason = policy.choose(plan, False, fork)
-    driver._record(call, strategy, reason)
-    if strategy == "fork":
-        return driver._finish(call, driver._scan_fork(call, varlen))
-    return driver._finish(call, driver._scan_rescan(call, varlen))
+    # without a family: fork or rescan over the caller's kernel (its spec's native op is not looked up)
+    call = driver.SeamCall.bind(family or driver.PYTHON_FAMILY, name, spec, kernel, plan, args, kwargs)
+    return driver.run_scan(call, backend, policy)
 
 
 def _first_output(result):
@@ -276,100 +259,3 @@ def __getattr__(name: str):
         if module is not None and name in getattr(module, "__all__", ()):
             return getattr(module, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r} (no loaded family's components define it)")
-
-
-# ------------------------------------------------------------------------------------------------
-# families registered from Python
-# ------------------------------------------------------------------------------------------------
-
-
-def _names(value: str | Iterable[str], what: str) -> list[str]:
-    items = [value] if isinstance(value, str) else list(value)
-    if not items or not all(isinstance(i, str) and i for i in items):
-        raise ValueError(f"register_family: {what} must be a non-empty string or list of strings, got {value!r}")
-    return items
-
-
-def register_family(name: str, model_types: str | Iterable[str], mixer_classes: Iterable[type | str],
-                    layer_types: str | Iterable[str], seams: dict[str, dict] | None = None, *,
-                    modules: Iterable[str] | None = None, plan_carriers: Iterable[str] = (),
-                    detect: Callable[[dict], tuple[bool, str, str]] | None = None, ops: str | None = None,
-                    version: str = "0.1.0") -> dict:
-    """Registers a family from Python; ``install`` then treats it like a manifest family.
-
-    ``model_types``: the config ``model_type`` values it covers (informational, as in a manifest).
-    ``mixer_classes``: the mixer classes (or class names, with ``modules``) that follow the tree;
-    ``install`` claims modules of these classes (``detect(description) -> (claimed, role, reason)``
-    replaces that test; ``(False, "recurrent", why)`` recognises a module as recurrent without covering
-    it, and install answers "none" with ``why``) and patches nothing inside them. ``layer_types``: the ``layer_types`` values
-    those mixers implement. ``seams``: module-level functions of the mixers' modeling modules to
-    replace, spec by spec as in a manifest (docs/plugins.md; default none: a model that follows trees
-    in its own code needs no seam). ``plan_carriers``: class names in those modules whose forward
-    sets the plan context. ``ops``: a loaded family whose torch ops (``tree_conv``, native scans)
-    the seams' adapters use. Returns the family's record (as ``plugins.families()`` lists it).
-    A loaded plugin's name, or one already registered, is refused: unregister_family first."""
-    if not isinstance(name, str) or not re.fullmatch(r"[a-z0-9_]+", name):
-        raise ValueError(f"register_family: name {name!r} must be lower-case letters, digits and '_'")
-    if name in plugins.python_families:
-        raise ValueError(f"register_family: family '{name}' is already registered from Python; unregister_family first")
-    if name in plugins.families():
-        raise ValueError(f"register_family: a family plugin named '{name}' is loaded "
-                         f"({plugins.families()[name]['library_path']}); choose another name")
-    model_types = _names(model_types, "model_types")
-    layer_types = _names(layer_types, "layer_types")
-    mixers, mixer_modules = [], []
-    for cls in mixer_classes:
-        if isinstance(cls, type):
-            mixers.append(cls.__name__)
-            mixer_modules.append(cls.__module__)
-        elif isinstance(cls, str) and cls:
-            mixers.append(cls)
-        else:
-            raise ValueError(f"register_family: mixer_classes must hold classes or class names, got {cls!r}")
-    if not mixers:
-        raise ValueError("register_family: mixer_classes is empty")
-    module_names = list(dict.fromkeys([*(modules or []), *mixer_modules]))
-    if not module_names:
-        raise ValueError("register_family: mixer classes given by name need modules= (the modules defining them)")
-    seam_specs = {}
-    for seam, spec in (seams or {}).items():
-        if not isinstance(spec, dict) or spec.get("adapter") not in driver.ADAPTERS:
-            raise ValueError(f"register_family: seam '{seam}' needs an 'adapter' among {sorted(driver.ADAPTERS)}, got {spec!r}")
-        missing = [key for key in ("args",) + (("sequence",) if spec["adapter"] == "scan" else ()) if key not in spec]
-        if missing:
-            raise ValueError(f"register_family: seam '{seam}' ({spec['adapter']}) lacks {missing}")
-        seam_specs[seam] = dict(spec)
-    kernels, namespace = [], f"tree_recurrence_{name}"
-    if ops is not None:
-        provider = plugins.families().get(ops)
-        if provider is None:
-            raise ValueError(f"register_family: ops='{ops}' names no loaded family (loaded: {sorted(plugins.families())})")
-        kernels = list(provider["kernels"])
-        namespace = provider.get("op_namespace") or f"tree_recurrence_{ops}"
-    if detect is None:
-        claimed = set(mixers)
-
-        def detect(description: dict) -> tuple[bool, str, str]:
-            if description["class_name"] in claimed:
-                return True, "mixer", f"{name} mixer {description['class_name']} (registered from Python)"
-            return False, "", ""
-
-    entries = [{"model_type": mt, "module": module, "mixers": mixers, "layer_types": layer_types,
-                "plan_carriers": list(plan_carriers)} for module in module_names for mt in model_types]
-    record = {
-        "family": name, "version": version, "manifest_path": "<registered from Python>", "library_path": "",
-        "loaded": True, "error": "", "fingerprint": "python", "python": True,
-        "manifest": {"schema": 1, "family": name, "version": version, "library": "", "models": entries,
-                     "seams": seam_specs},
-        "kernels": kernels, "detect": detect, "op_namespace": namespace,
-    }
-    plugins.python_families[name] = record
-    return record
-
-
-def unregister_family(name: str) -> None:
-    """Removes a family registered from Python (models already installed keep their hooks until
-    ``uninstall``)."""
-    if name not in plugins.python_families:
-        raise KeyError(f"unregister_family: no family '{name}' registered from Python")
-    del plugins.python_families[name]

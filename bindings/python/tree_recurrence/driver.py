@@ -13,18 +13,32 @@ The adapters (docs/plugins.md):
 * ``family`` -- a seam the family runs in its own Python (its manifest's ``python: {adapters: ...}``).
 
 No family appears here by name: the manifest says which arguments are which.
+
+The public seam-call API (what the seam wrappers, ``components`` and family adapters use):
+
+* ``run(family, seam, spec, kernel, plan, args, kwargs, backend, policy)`` -- one seam call, the way
+  ``seams.py``'s wrappers make it: binds the call, trims a row padded past the plan's tokens, runs the
+  manifest's adapter, and pads the output back (control flows one way: seam -> driver -> op);
+* ``SeamCall`` -- one bound call: ``bind``, ``check_row``, ``record``, ``path_rows``,
+  ``call_original``, ``finish``;
+* ``decide_route(call, backend, policy, device, decide=None)`` -- the call's route, decided once per
+  plan and cached there (``decide`` for a family adapter's own decision);
+* the adapters ``run_conv`` / ``run_scan`` / ``run_decline`` / ``run_family`` (``ADAPTERS``), and
+  ``tree_conv``, ``bound_implementation``, ``check_activation``, ``decisions``.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
 from . import plugins
+from . import _scan_strategies as strategies
+from ._bound_kernels import bound_implementation, instance_forward, takes_keyword
 from ._plan import TREE_FIELDS, TreePlan
 from .policy import Policy
 
@@ -36,6 +50,18 @@ _warned_reference: set = set()
 
 # Keywords of packed-row kernels that the driver sets itself; a caller's own are refused.
 _DRIVER_KEYWORDS = ("cu_seqlens", "seq_idx", "cu_seq_lens_q", "cu_seq_lens_k")
+# Where each adapter's sequence tensors keep their tokens: (names of the spec, time dimension).
+_ROW_AXES = {"conv": (lambda spec: spec["args"][:1], 2), "scan": (lambda spec: spec["sequence"], 1)}
+# The family of calls ``components.tree_scan`` makes over a caller's kernel with no family: no native
+# op, and the kernel is varlen only when it names the spec's ``cu_seqlens``.
+PYTHON_FAMILY = "<python>"
+ACTIVATIONS = (None, "silu", "swish")
+
+
+def check_activation(what: str, activation: Any) -> None:
+    """The one check of a conv's ``activation`` (what causal-conv1d takes)."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"{what}: activation must be None, 'silu' or 'swish', got {activation!r}")
 
 
 @dataclass
@@ -50,6 +76,7 @@ class SeamCall:
     named: dict
     rest: dict  # other keywords, tree_* removed
     positional: int  # how many of the manifest's arguments the model passed positionally
+    row: int | None = field(default=None)  # the row's length when it was longer than the plan (trimmed)
 
     @classmethod
     def bind(cls, family, seam, spec, original, plan, args, kwargs) -> "SeamCall":
@@ -78,95 +105,73 @@ class SeamCall:
         keywords = {n: value(n) for n in names[self.positional:] if n in self.named or n in inputs}
         return self.original(*positional, **{**self.rest, **keywords, **extra})
 
+    def check_row(self, tensor: torch.Tensor, time_dim: int, what: str) -> None:
+        """Refuses ``tensor`` unless it is the plan's row: batch 1, the plan's tokens along ``time_dim``."""
+        n = self.plan.num_tokens
+        if tensor.shape[0] != 1 or tensor.shape[time_dim] != n:
+            raise ValueError(
+                f"{self.seam}: {what} has shape {tuple(tensor.shape)}, expected batch 1 and {n} tokens (the tree-packed "
+                "row). Tree-packed rows need use_cache=False (no past states) and one packed row per forward.")
 
-_bound_cache: dict[int, tuple[Any, Any]] = {}
+    def record(self, strategy: str, reason: str) -> None:
+        """Logs what the call does (``decisions``, newest last; debug log)."""
+        decisions.append((self.family, self.seam, strategy, reason))
+        logger.debug("tree_recurrence: %s/%s -> %s (%s)", self.family, self.seam, strategy, reason)
 
+    def path_rows(self, x: torch.Tensor, time_dim: int):
+        """``x``'s row as every root-to-leaf path, the rows of a right-padded batch (zeros after a path's
+        end; channels first when ``time_dim`` is 2), and each token's flat index into that batch's
+        outputs: for a kernel run over every path alone."""
+        return strategies.padded_paths_rows(self.plan, x, time_dim)
 
-def _instance_forward(seam: Any) -> Any:
-    """A hub seam's (nn.Module's) instance-level forward: kernelize swaps it on the object."""
-    return seam.__dict__.get("forward") if isinstance(seam, torch.nn.Module) else None
+    def finish(self, output: torch.Tensor):
+        """The seam's return value in the shape the model expects: the output, other results None."""
+        arity = self.spec.get("returns", 1)
+        return output if arity == 1 else (output,) + (None,) * (arity - 1)
 
+    def trim_row(self) -> None:
+        """A row longer than the plan (a collator padded ``input_ids`` past the tree's tokens): the seam
+        runs on the plan's tokens only, so padding tokens never reach real ones (values or gradients);
+        ``row`` keeps the row's length for ``pad_row``."""
+        axes = _ROW_AXES.get(self.spec["adapter"])
+        if axes is None:
+            return
+        names, dim = axes[0](self.spec), axes[1]
+        n = self.plan.num_tokens
+        for name in names:
+            t = self.named.get(name)
+            if isinstance(t, torch.Tensor) and t.dim() > dim and t.shape[0] == 1 and t.shape[dim] > n:
+                self.row = t.shape[dim] if self.row is None else self.row
+                self.named[name] = t.narrow(dim, 0, n)
 
-def bound_implementation(seam: Any) -> tuple[Any, tuple, bool]:
-    """Cached per seam object and its instance forward (seams are module globals, alive while bound; a
-    kernel that kernelize puts on a hub seam's instance is read again)."""
-    forward = _instance_forward(seam)
-    cached = _bound_cache.get(id(seam))
-    if cached is not None and cached[0] is seam and cached[1] is forward:
-        return cached[2]
-    found = _find_bound_implementation(seam)
-    _bound_cache[id(seam)] = (seam, forward, found)
-    return found
+    def pad_row(self, result: Any) -> Any:
+        """The seam's result back to the row's length (after ``trim_row``): zeros for the padding tokens."""
+        if self.row is None:
+            return result
+        dim, row = _ROW_AXES[self.spec["adapter"]][1], self.row
 
+        def pad(t):
+            if not isinstance(t, torch.Tensor) or t.dim() <= dim:
+                return t
+            shape = list(t.shape)
+            shape[dim] = row - t.shape[dim]
+            return torch.cat([t, t.new_zeros(shape)], dim)
 
-def _hub_wrapper_inside(f: Any, depth: int = 4) -> Any:
-    """transformers' use_kernel_func_from_hub_with_fallback wrapper (its closure holds
-    ``implementation`` and ``applicable_params``) at ``f`` or inside it (``__wrapped__``, bound
-    methods, closure cells: a profiler or spy around the seam), or None."""
-    frontier, seen = [f], set()
-    for _ in range(depth):
-        following = []
-        for item in frontier:
-            if item is None or id(item) in seen or isinstance(item, type):
-                continue
-            seen.add(id(item))
-            code, closure = getattr(item, "__code__", None), getattr(item, "__closure__", None)
-            if code is not None and closure:
-                cells = dict(zip(code.co_freevars, (c.cell_contents for c in closure)))
-                if "implementation" in cells and "applicable_params" in cells:
-                    return item
-                following += list(cells.values())
-            following += [getattr(item, "__wrapped__", None), getattr(item, "__func__", None)]
-        frontier = following
-    return None
-
-
-def _takes_keyword(f: Any, name: str) -> bool:
-    """Whether ``f`` takes keyword ``name``: a parameter of that name, or ``**kwargs``."""
-    import inspect
-
-    try:
-        params = inspect.signature(f).parameters
-    except (TypeError, ValueError):
-        return False
-    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-
-
-def _find_bound_implementation(seam: Any) -> tuple[Any, tuple, bool]:
-    """(implementation, named parameters, is_library_kernel) of a transformers seam object.
-
-    transformers wraps each seam with use_kernel_func_from_hub_with_fallback, which picks a
-    library kernel (or the torch reference) at import and drops every keyword the pick does not
-    name; with the `kernels` package the seam is an nn.Module around that wrapper.
-    """
-    f = seam
-    if isinstance(f, torch.nn.Module):
-        if _instance_forward(f) is not None:  # kernelize put a kernel on the instance
-            f = _instance_forward(f)
-        else:
-            forward = type(f).forward
-            cells = dict(zip(forward.__code__.co_freevars, (c.cell_contents for c in forward.__closure__ or ())))
-            f = cells.get("func", f)
-    hub = _hub_wrapper_inside(f)
-    if hub is not None:
-        cells = dict(zip(hub.__code__.co_freevars, (c.cell_contents for c in hub.__closure__)))
-        return cells["implementation"], tuple(cells["applicable_params"]), bool(cells.get("is_new_implementation"))
-    import inspect
-
-    try:
-        params = tuple(inspect.signature(f).parameters)
-    except (TypeError, ValueError):
-        params = ()
-    return f, params, True
+        return (pad(result[0]),) + result[1:] if isinstance(result, tuple) else pad(result)
 
 
-def _check_row(call: SeamCall, tensor: torch.Tensor, time_dim: int, what: str) -> None:
-    n = call.plan.num_tokens
-    if tensor.shape[0] != 1 or tensor.shape[time_dim] != n:
-        raise ValueError(
-            f"{call.seam}: {what} has shape {tuple(tensor.shape)}, expected batch 1 and {n} tokens (the tree-packed row). "
-            "Tree-packed rows need use_cache=False (no past states) and one packed row per forward."
-        )
+def run(family: str, seam: str, spec: dict, kernel: Callable, plan: TreePlan, args: tuple, kwargs: dict,
+        backend: str, policy: Policy):
+    """One seam call over the trie, as the seam wrappers make it: ``kernel`` is what the seam replaced
+    (backend ``"reference"``: this package's reference in its place, when the family has one); the row
+    is trimmed to the plan's tokens, the manifest's adapter runs, and the result is padded back."""
+    if backend == "reference":
+        from .reference import reference_seam
+
+        kernel = reference_seam(family, seam, kernel) or kernel
+    call = SeamCall.bind(family, seam, spec, kernel, plan, args, kwargs)
+    call.trim_row()
+    return call.pad_row(ADAPTERS[spec["adapter"]](call, backend, policy))
 
 
 def _warn_reference(call: SeamCall, is_library: bool) -> None:
@@ -175,11 +180,6 @@ def _warn_reference(call: SeamCall, is_library: bool) -> None:
         logger.warning(
             "tree_recurrence: %s runs on transformers' PyTorch reference (no kernel library installed); "
             "correct but slow", call.seam)
-
-
-def _record(call: SeamCall, strategy: str, reason: str) -> None:
-    decisions.append((call.family, call.seam, strategy, reason))
-    logger.debug("tree_recurrence: %s/%s -> %s (%s)", call.family, call.seam, strategy, reason)
 
 
 @dataclass(frozen=True)
@@ -197,13 +197,19 @@ class Route:
     kernel: Any = None  # call this instead of the seam object (its keyword filter would drop cu_seqlens)
 
 
-def _route(call: SeamCall, backend: str, policy: Policy, device: torch.device, decide: Callable) -> Route:
-    """The cached route, or ``decide(call, backend, policy, device)``'s, cached. The entry holds the policy,
-    the bound kernel and the spec it was decided for (a different one decides again; holding them keeps
-    their ids from being reused while the plan lives)."""
+def decide_route(call: SeamCall, backend: str, policy: Policy, device: torch.device,
+                 decide: Callable[[SeamCall, str, Policy, torch.device], Route] | None = None) -> Route:
+    """The call's route: cached on the plan, else ``decide(call, backend, policy, device)``'s (default:
+    the call's adapter's decision, conv or scan; a family adapter passes its own), cached (not for
+    ``components.tree_scan`` over a caller's kernel without a family: decided per call). The entry
+    holds the policy, the bound kernel and the spec it was decided for (a different one decides again;
+    holding them keeps their ids from being reused while the plan lives)."""
+    decide = decide or _DECIDE[call.spec["adapter"]]
+    if call.family == PYTHON_FAMILY:  # a caller's kernel and spec, maybe new objects each call: not cached
+        return decide(call, backend, policy, device)
     key = (call.family, call.seam, id(call.spec), device, backend)
     entry = call.plan.routes.get(key)
-    forward = _instance_forward(call.original)  # kernelize may swap it: decide again then
+    forward = instance_forward(call.original)  # kernelize may swap it: decide again then
     if (entry is not None and entry[0] is policy and entry[1] is call.original and entry[2] is call.spec
             and entry[4] is forward):
         return entry[3]
@@ -220,10 +226,7 @@ def _route(call: SeamCall, backend: str, policy: Policy, device: torch.device, d
 def tree_conv(family: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None,
               plan: TreePlan) -> torch.Tensor:
     """The family's native tree conv on a channels-first ``(1, C, N)`` row; returns ``(1, C, N)``."""
-    if activation not in (None, "silu", "swish"):
-        raise ValueError(f"tree_conv: activation must be None, 'silu' or 'swish', got {activation!r}")
-    width = weight.shape[-1]
-    weight = weight.reshape(weight.shape[0], width)
+    check_activation("tree_conv", activation)
     return _tree_conv_op(plugins.ops(family).tree_conv, x, weight, bias, activation, plan)
 
 
@@ -252,18 +255,16 @@ def _decide_conv(call: SeamCall, backend: str, policy: Policy, device: torch.dev
 def run_conv(call: SeamCall, backend: str, policy: Policy) -> torch.Tensor:
     x_name, w_name, b_name, act_name = call.spec["args"][:4]
     x = call.named[x_name]
-    _check_row(call, x, 2, x_name)
-    route = _route(call, backend, policy, x.device, _decide_conv)
-    _record(call, route.strategy, route.reason)
+    call.check_row(x, 2, x_name)
+    route = decide_route(call, backend, policy, x.device)
+    call.record(route.strategy, route.reason)
     if route.op is not None:
         activation = call.named.get(act_name)
-        if activation not in (None, "silu", "swish"):
-            raise ValueError(f"tree_conv: activation must be None, 'silu' or 'swish', got {activation!r}")
+        check_activation("tree_conv", activation)
         return _tree_conv_op(route.op, x, call.named[w_name], call.named.get(b_name), activation, call.plan)
     _warn_reference(call, route.is_library)
-    gather, source = call.plan.padded_paths(x.device)
-    rows = x[0][:, gather.clamp(min=0)] * (gather >= 0).to(x.dtype)  # (C, P, Lmax), zero padding
-    y = call.call_original({x_name: rows.permute(1, 0, 2)})
+    rows, source = call.path_rows(x, 2)
+    y = call.call_original({x_name: rows})
     if isinstance(y, tuple):
         y = y[0]
     channels = y.shape[1]
@@ -275,200 +276,42 @@ def run_conv(call: SeamCall, backend: str, policy: Policy) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------
 
 
-def _neutral_fill(call: SeamCall, name: str, rows: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    value = float(call.spec.get("neutral", {}).get(name, 0.0))
-    shape = valid.shape + (1,) * (rows.dim() - valid.dim())
-    return torch.where(valid.reshape(shape), rows, value)
-
-
-def _gather_rows(call: SeamCall, gather: torch.Tensor, valid: torch.Tensor) -> dict:
-    """Every sequence tensor gathered to (rows, Lmax, ...) with state-neutral padding (``gather``
-    clamped to valid indices, ``valid`` its mask)."""
-    flat = gather.reshape(-1)
-    return {name: _neutral_fill(call, name, _take(call.named[name][0], flat).reshape(*gather.shape, *call.named[name].shape[2:]),
-                                valid) for name in call.spec["sequence"]}
-
-
-def _gather_flat(call: SeamCall, tokens: torch.Tensor) -> dict:
-    return {name: _take(call.named[name][0], tokens).unsqueeze(0) for name in call.spec["sequence"]}
-
-
-def _take(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``t[index]`` along dim 0 for a 1-D index (index_select: several times cheaper on the host than
-    advanced indexing, the same autograd)."""
-    return t.index_select(0, index)
-
-
-def _output(call: SeamCall, result):
-    """The sequence output of a bound kernel's result (first element of a tuple)."""
-    return result[0] if isinstance(result, (tuple, list)) else result
-
-
-def _finish(call: SeamCall, output: torch.Tensor):
-    """The seam's return value in the shape the model expects: the output, other results None."""
-    arity = call.spec.get("returns", 1)
-    return output if arity == 1 else (output,) + (None,) * (arity - 1)
-
-
-def _scan_native(call: SeamCall, op):
-    native = call.spec["native"]
-    kwargs = {arg: call.rest.get(source, call.named.get(source, default)) for arg, (source, default) in native.get("kwargs", {}).items()}
-    inputs = [call.named[name][0] for name in call.spec["sequence"]]
-    initial = call.named.get(call.spec["state_args"]["initial_state"]) if "state_args" in call.spec else None
-    if initial is None and "state_args" in call.spec:
-        initial = call.rest.get(call.spec["state_args"]["initial_state"])
-    if "chunk" in native:
-        # Chunked native ops (native-op convention): the plan's chunk tables on the inputs' device.
-        tables = call.plan.chunk_tables(native["chunk"], inputs[0].device)
-        out = op(*inputs, tables.gather, tables.scatter, *tables.state_args(), initial, **kwargs)
-    else:
-        # Token-walking ops (native-op convention): the plan's index tensors on the inputs' device.
-        device = inputs[0].device
-        out = op(*inputs, call.plan.tensor("seg_offsets", device), call.plan.tensor("parents", device), initial, **kwargs)
-    return out.unsqueeze(0)
-
-
-def _scan_rescan(call: SeamCall, varlen: bool):
-    plan = call.plan
-    device = call.named[call.spec["sequence"][0]].device
-    state = call.spec.get("state_args", {})
-    extra = {}
-    if state:
-        extra[state["output_final_state"]] = False
-        initial = call.rest.pop(state["initial_state"], None)
-        if initial is not None:
-            extra[state["initial_state"]] = initial.expand(plan.num_leaves, *initial.shape[1:])
-    if varlen:
-        tokens = plan.tensor("path_tokens", device)
-        cu = plan.tensor("path_offsets", device)
-        out = _output(call, call.call_original(_gather_flat(call, tokens), **{call.spec["varlen"]["cu_seqlens"]: cu}, **extra))
-        return out[0][plan.tensor("token_source", device)].unsqueeze(0)
-    gather, source = plan.padded_paths(device)
-    out = _output(call, call.call_original(_gather_rows(call, gather.clamp(min=0), gather >= 0), **extra))
-    return out.reshape(-1, *out.shape[2:])[source].unsqueeze(0)
-
-
-def _fork_levels(plan: TreePlan, device: torch.device) -> dict:
-    """The fork's tables, built once per plan and device from its index tensors (cached in
-    ``plan.routes``), so that a fork call gathers every level's inputs in one op per tensor:
-
-    * ``levels``: per trie level (segments, first and end position in ``order``, cu_seqlens of its
-      segments, first and end position in ``grid``, padded width, each segment's parent's position in
-      the previous level (None at the roots));
-    * ``order``: the levels' tokens concatenated (varlen form) and ``inverse``, each token's position there;
-    * ``grid`` / ``grid_valid``: every level's padded (segments, width) grid flattened and concatenated
-      (indices clamped to >= 0, and which are real) and ``grid_source``, each token's position there."""
-    key = ("fork levels", device)
-    cached = plan.routes.get(key)
-    if cached is not None:
-        return cached
-    parents = plan.array("parents")
-    position = torch.empty(plan.num_segments, dtype=torch.int64)  # a segment's position in its level
-    levels, order, grids, sources = [], [], [], []
-    token_at, grid_at = 0, 0
-    for level in range(plan.num_levels):
-        segments, gather, tokens, source = plan.padded_level(level, device)
-        position[segments] = torch.arange(len(segments))
-        lengths = plan.array("seg_lengths")[segments]
-        cu = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lengths, 0)]).to(device)
-        parent_position = position[parents[segments]].to(device) if level > 0 else None
-        count, width = gather.shape
-        levels.append((count, token_at, token_at + tokens.numel(), cu, grid_at, grid_at + count * width, width,
-                       parent_position))
-        order.append(tokens)
-        grids.append(gather.reshape(-1))
-        sources.append(source + grid_at)
-        token_at += tokens.numel()
-        grid_at += count * width
-    order = torch.cat(order)
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.numel(), device=order.device)
-    grid = torch.cat(grids)
-    grid_source = torch.empty_like(order)
-    grid_source[order] = torch.cat(sources)
-    tables = {"levels": levels, "token_sizes": [t1 - t0 for _, t0, t1, *_ in levels],
-              "grid_sizes": [g1 - g0 for _, _, _, _, g0, g1, _, _ in levels], "order": order, "inverse": inverse, "grid": grid.clamp(min=0), "grid_valid": grid >= 0,
-              "grid_source": grid_source}
-    plan.routes[key] = tables
-    return tables
-
-
-def _scan_fork(call: SeamCall, varlen: bool):
-    """One call of the bound kernel per trie level, every segment of a level starting from its parent's
-    final state. Inputs of every level are gathered at once (one op per sequence tensor), each level is
-    a slice of them, its initial states one index op over the previous level's finals, and the outputs
-    return to token order in one op."""
-    device = call.named[call.spec["sequence"][0]].device
-    state = call.spec["state_args"]
-    initial = call.rest.pop(state["initial_state"], None)
-    tables = _fork_levels(call.plan, device)
-    names = call.spec["sequence"]
-    if varlen:
-        cu_name = call.spec["varlen"]["cu_seqlens"]
-        gathered = {name: call.named[name].index_select(1, tables["order"]) for name in names}
-    else:
-        valid = tables["grid_valid"]
-        gathered = {name: _neutral_fill(call, name, _take(call.named[name][0], tables["grid"]), valid) for name in names}
-    # every level's slice of every gathered tensor (one split per tensor)
-    slices = zip(*(t.split_with_sizes(tables["token_sizes"] if varlen else tables["grid_sizes"], 1 if varlen else 0)
-                   for t in gathered.values()))
-    pieces, final = [], None
-    for (count, _, _, cu, _, _, width, parent_position), level_inputs in zip(tables["levels"], slices):
-        level = len(pieces)
-        if parent_position is None:
-            init = None if initial is None else initial.expand(count, *initial.shape[1:])
-        else:
-            if final is None:
-                raise ValueError(f"{call.seam}: the bound kernel returned no final states although asked for them "
-                                 f"({state['output_final_state']}=True), and level {level} of the tree starts from "
-                                 "them: bind a kernel that returns them, or use Policy(strategy='rescan')")
-            init = final.index_select(0, parent_position)
-        # the last level's final states feed nothing: not asked for (a one-level plan, a forest of chains,
-        # is one plain varlen call)
-        extra = {state["output_final_state"]: level < len(tables["levels"]) - 1, state["initial_state"]: init}
-        if varlen:
-            out, final = call.call_original(dict(zip(names, level_inputs)), **{cu_name: cu}, **extra)
-            pieces.append(out[0])
-        else:
-            rows = {n: t.view(count, width, *t.shape[1:]) for n, t in zip(names, level_inputs)}
-            out, final = call.call_original(rows, **extra)
-            pieces.append(out.reshape(-1, *out.shape[2:]))
-    return _take(torch.cat(pieces), tables["inverse"] if varlen else tables["grid_source"]).unsqueeze(0)
-
-
 @torch.compiler.disable  # see run_conv
 def run_scan(call: SeamCall, backend: str, policy: Policy):
     spec = call.spec
     first = call.named[spec["sequence"][0]]
-    _check_row(call, first, 1, spec["sequence"][0])
+    call.check_row(first, 1, spec["sequence"][0])
     state = spec.get("state_args")
     if state and call.rest.get(state["output_final_state"]):
         raise ValueError(
             f"{call.seam}: a tree-packed row has one final state per sample, not one per row; "
             "call the model with use_cache=False")
-    route = _route(call, backend, policy, first.device, _decide_scan)
-    _record(call, route.strategy, route.reason)
+    route = decide_route(call, backend, policy, first.device)
+    call.record(route.strategy, route.reason)
     if route.strategy == "native":
-        return _finish(call, _scan_native(call, route.op))
+        return call.finish(strategies.scan_native(call, route.op))
     _warn_reference(call, route.is_library)
     if route.kernel is not None:
         call.original = route.kernel
     if route.strategy == "fork":
-        return _finish(call, _scan_fork(call, route.varlen))
-    return _finish(call, _scan_rescan(call, route.varlen))
+        return call.finish(strategies.scan_fork(call, route.varlen))
+    return call.finish(strategies.scan_rescan(call, route.varlen))
 
 
 def _decide_scan(call: SeamCall, backend: str, policy: Policy, device: torch.device) -> Route:
     spec = call.spec
-    op_name = spec["native"]["op"] if "native" in spec else None
+    op_name = spec["native"]["op"] if "native" in spec and call.family != PYTHON_FAMILY else None
     native = op_name is not None and plugins.has_kernel(plugins.families()[call.family], op_name, device)
     implementation, params, is_library = bound_implementation(call.original)
     cu_name = spec["varlen"]["cu_seqlens"] if "varlen" in spec else None
-    # The manifest says the family's library kernels take cu_seqlens: a library kernel that names it, or
-    # takes **kwargs (FLA passes it there) or keyword-only parameters, is varlen. Through **kwargs only,
-    # transformers' wrapper would filter it out: then the implementation is called directly.
-    varlen = cu_name is not None and (cu_name in params or (is_library and _takes_keyword(implementation, cu_name)))
-    kernel = implementation if varlen and cu_name not in params else None
+    if call.family == PYTHON_FAMILY:  # a caller's kernel: varlen when it names cu_seqlens
+        varlen, kernel, is_library = cu_name is not None and cu_name in params, None, True
+    else:
+        # The manifest says the family's library kernels take cu_seqlens: a library kernel that names it, or
+        # takes **kwargs (FLA passes it there) or keyword-only parameters, is varlen. Through **kwargs only,
+        # transformers' wrapper would filter it out: then the implementation is called directly.
+        varlen = cu_name is not None and (cu_name in params or (is_library and takes_keyword(implementation, cu_name)))
+        kernel = implementation if varlen and cu_name not in params else None
     fork = spec.get("state_args") is not None and (varlen or "neutral" in spec)
     if backend == "native":
         if not native:
@@ -481,12 +324,15 @@ def _decide_scan(call: SeamCall, backend: str, policy: Policy, device: torch.dev
     return Route(strategy, reason, op, varlen, is_library, kernel)
 
 
+_DECIDE = {"conv": _decide_conv, "scan": _decide_scan}
+
+
 @torch.compiler.disable  # see run_conv
 def run_decline(call: SeamCall, backend: str, policy: Policy):
     """For fused seams whose callers have an unfused path: answer what the model's own reference
     answers when it cannot fuse (the manifest's ``declined``, None by default), so the mixer takes
     its split path, whose seams follow the tree."""
-    _record(call, "decline", "fused seam declined; the mixer takes its split path")
+    call.record("decline", "fused seam declined; the mixer takes its split path")
     return call.spec.get("declined")
 
 

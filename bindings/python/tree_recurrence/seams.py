@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import sys
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -168,7 +169,7 @@ def _reaches(obj: Any, wanted: Any, depth: int = 6) -> bool:
 
 
 def _make_seam_wrapper(slot: _Slot, seam: str, spec: dict, original: Callable) -> Callable:
-    adapter = driver.ADAPTERS[spec["adapter"]]
+    run = driver.run
 
     def seam_wrapper(*args, **kwargs):
         owner = slot.owner
@@ -180,58 +181,12 @@ def _make_seam_wrapper(slot: _Slot, seam: str, spec: dict, original: Callable) -
         plan = tree_plan(kwargs) or _context_plan.get()
         if plan is None:
             return original(*args, **kwargs)
-        kernel = original
-        if owner.backend == "reference":  # this package's references in place of the bound library
-            from .reference import reference_seam
-
-            kernel = reference_seam(owner.family, seam, original) or original
-        call = driver.SeamCall.bind(owner.family, seam, spec, kernel, plan, args, kwargs)
-        row = _trim_row_padding(call, spec)
-        result = adapter(call, owner.backend, owner.policy)
-        return result if row is None else _pad_row(result, spec, row)
+        return run(owner.family, seam, spec, original, plan, args, kwargs, owner.backend, owner.policy)
 
     functools.update_wrapper(seam_wrapper, original, assigned=("__module__", "__name__", "__qualname__", "__doc__"))
     setattr(seam_wrapper, WRAPPER_MARK, (slot.owner.family, seam))
     setattr(seam_wrapper, ORIGINAL_ATTR, original)
     return seam_wrapper
-
-
-# Where each adapter's sequence tensors keep their tokens: (names, time dimension).
-_ROW_AXES = {"conv": (lambda spec: spec["args"][:1], 2), "scan": (lambda spec: spec["sequence"], 1)}
-
-
-def _trim_row_padding(call: Any, spec: dict) -> int | None:
-    """A row longer than the plan (a collator padded ``input_ids`` past the tree's tokens): the seam
-    runs on the plan's tokens only, so padding tokens never reach real ones (values or gradients).
-    Returns the row's length when it trimmed, else None."""
-    axes = _ROW_AXES.get(spec["adapter"])
-    if axes is None:
-        return None
-    names, dim = axes[0](spec), axes[1]
-    n = call.plan.num_tokens
-    row = None
-    for name in names:
-        t = call.named.get(name)
-        if isinstance(t, torch.Tensor) and t.dim() > dim and t.shape[0] == 1 and t.shape[dim] > n:
-            row = t.shape[dim] if row is None else row
-            call.named[name] = t.narrow(dim, 0, n)
-    return row
-
-
-def _pad_row(result: Any, spec: dict, row: int) -> Any:
-    """The seam's output back to the row's length: zeros for the padding tokens."""
-    dim = _ROW_AXES[spec["adapter"]][1]
-
-    def pad(t):
-        if not isinstance(t, torch.Tensor) or t.dim() <= dim:
-            return t
-        shape = list(t.shape)
-        shape[dim] = row - t.shape[dim]
-        return torch.cat([t, t.new_zeros(shape)], dim)
-
-    if isinstance(result, tuple):
-        return (pad(result[0]),) + result[1:]
-    return pad(result)
 
 
 def _hand_tree_kwargs_to_base_model(carrier: Any, kwargs: dict):
@@ -372,7 +327,7 @@ def add_model(owner: ModuleOwner, model: Any) -> None:
     with locked():
         ref = owner.models.get(id(model))
         if ref is None or ref() is not model:
-            owner.models[id(model)] = weakref.ref(model, lambda _, model_id=id(model): _on_collected(model_id))
+            owner.models[id(model)] = weakref.ref(model, on_collected(id(model)))
 
 
 def release_model(name: str, model_id: int) -> None:
@@ -384,6 +339,18 @@ def release_model(name: str, model_id: int) -> None:
         owner.models.pop(model_id, None)
         if not owner.models:
             _unpatch(name)
+
+
+def on_collected(model_id: int) -> Callable[[Any], None]:
+    """The weak-reference callback of an installed model: releases its claims once it is collected.
+    At interpreter exit it does nothing: the modules it would reach may already be torn down, and
+    the process is ending anyway (a script that never calls uninstall exits without tracebacks)."""
+
+    def callback(_ref, _finalizing=sys.is_finalizing):
+        if not _finalizing():
+            _on_collected(model_id)
+
+    return callback
 
 
 def _on_collected(model_id: int) -> None:

@@ -41,21 +41,33 @@ def rms_norm_gated(x: torch.Tensor, weight: torch.Tensor, z: torch.Tensor | None
     return y.to(x.dtype)
 
 
-def _decline(call, reason: str):
-    driver._record(call, "decline", reason)
-    return call.spec.get("declined")
-
-
 def _rescan(call, zxbcdt: torch.Tensor) -> torch.Tensor:
     """The bound fused kernel over every root-to-leaf path, as the rows of a right-padded batch: its
     conv and scan are causal and the rest acts token by token, so the padding at a row's end never
     reaches a real token (exact, but the shared prefixes are computed once per path)."""
-    gather, source = call.plan.padded_paths(zxbcdt.device)
-    rows = zxbcdt[0][gather.clamp(min=0)] * (gather >= 0).unsqueeze(-1).to(zxbcdt.dtype)  # (paths, Lmax, d)
+    rows, source = call.path_rows(zxbcdt, 1)  # (paths, Lmax, d)
     out = call.call_original({"zxbcdt": rows})
     out = out[0] if isinstance(out, (tuple, list)) else out
-    driver._record(call, "rescan", "fused seam: the bound kernel over every path as a padded batch")
     return out.reshape(-1, out.shape[-1])[source].unsqueeze(0)
+
+
+def _decide(call, backend: str, policy, device: torch.device) -> driver.Route:
+    """The fused seam's route (``driver.decide_route`` caches it on the plan): decline when the bound
+    implementation is transformers' torch fallback, native with the family's kernels on ``device``
+    (backend auto / native), else rescan."""
+    _, _, is_library = driver.bound_implementation(call.original)
+    if not is_library:
+        return driver.Route("decline", "fused seam bound to transformers' torch fallback (None): the mixer takes "
+                                       "its split path")
+    record = plugins.families()[call.family]
+    native = all(plugins.has_kernel(record, k, device) for k in ("tree_conv", "ssd_tree_scan"))
+    if backend == "native" and not native:
+        raise ValueError(f"{call.family}: backend 'native' has no tree_conv / ssd_tree_scan kernel for "
+                         f"{device.type} in this build")
+    if backend not in ("auto", "native") or not native:
+        return driver.Route("rescan", "fused seam: the bound kernel over every path as a padded batch")
+    return driver.Route("native", "fused seam over the trie: tree conv, chunked SSD tree scan, gated norm, out_proj",
+                        plugins.ops(call.family).ssd_tree_scan)
 
 
 def split_conv1d_scan(call, backend: str, policy):
@@ -67,22 +79,19 @@ def split_conv1d_scan(call, backend: str, policy):
                          "call the model with use_cache=False")
     if rest.get("initial_states") is not None:
         raise ValueError(f"{call.seam}: initial_states on a tree-packed row are not supported by the fused seam")
-    _, _, is_library = driver.bound_implementation(call.original)
-    if not is_library:
-        return _decline(call, "fused seam bound to transformers' torch fallback (None): the mixer takes its split path")
-    record = plugins.families()[call.family]
-    native = all(plugins.has_kernel(record, k, zxbcdt.device) for k in ("tree_conv", "ssd_tree_scan"))
-    if backend == "native" and not native:
-        raise ValueError(f"{call.family}: backend 'native' has no tree_conv / ssd_tree_scan kernel for "
-                         f"{zxbcdt.device.type} in this build")
-    driver._check_row(call, zxbcdt, 1, "zxbcdt")
-    if backend not in ("auto", "native") or not native:
-        return _rescan(call, zxbcdt)
+    route = driver.decide_route(call, backend, policy, zxbcdt.device, _decide)
+    if route.strategy == "decline":
+        call.record(route.strategy, route.reason)
+        return call.spec.get("declined")
+    call.check_row(zxbcdt, 1, "zxbcdt")
+    if route.strategy == "rescan":
+        out = _rescan(call, zxbcdt)
+        call.record(route.strategy, route.reason)
+        return out
 
     weight, bias, dt_bias, A, D = (named.get(k) for k in ("conv1d_weight", "conv1d_bias", "dt_bias", "A", "D"))
     activation = rest.get("activation", "silu")
-    if activation not in (None, "silu", "swish"):
-        raise ValueError(f"{call.seam}: activation must be None, 'silu' or 'swish', got {activation!r}")
+    driver.check_activation(call.seam, activation)
     ngroups = int(rest.get("ngroups", 1))
     if D.dim() == 1:
         headdim = rest.get("headdim")
@@ -105,7 +114,7 @@ def split_conv1d_scan(call, backend: str, policy):
     x, B, C = torch.split(xBC, [dim, ngroups * dstate, ngroups * dstate], dim=-1)
     rmsnorm_weight = rest.get("rmsnorm_weight")
     tables = call.plan.chunk_tables(int(call.spec.get("chunk", 64)), zxbcdt.device)
-    y = plugins.ops(call.family).ssd_tree_scan(
+    y = route.op(
         x.reshape(n, nheads, headdim), dt, B.reshape(n, ngroups, dstate), C.reshape(n, ngroups, dstate),
         tables.gather, tables.scatter, *tables.state_args(), None, A=A, dt_limit=list(rest.get("dt_limit", (0.0, float("inf")))),
         D=D, dt_bias=dt_bias, dt_softplus=True, z=z.reshape(n, nheads, headdim) if rmsnorm_weight is None else None)
@@ -121,5 +130,5 @@ def split_conv1d_scan(call, backend: str, policy):
         out = F.linear(out, outproj_weight, outproj_bias)
     elif outproj_bias is not None:
         raise ValueError(f"{call.seam}: outproj_bias without outproj_weight")
-    driver._record(call, "native", "fused seam over the trie: tree conv, chunked SSD tree scan, gated norm, out_proj")
+    call.record(route.strategy, route.reason)
     return out.unsqueeze(0)

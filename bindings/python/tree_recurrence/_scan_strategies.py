@@ -1,0 +1,203 @@
+"""The ``scan`` adapter's strategies over the trie (``driver.run_scan`` picks one by the call's route):
+
+* ``native`` -- the family's tree scan op on the plan's index tensors (or chunk tables);
+* ``rescan`` -- the bound kernel over every root-to-leaf path once, varlen or as a padded batch;
+* ``fork`` -- the bound kernel once per trie level, each segment from its parent's final state.
+
+Each takes a bound ``driver.SeamCall`` and returns the sequence output ``(1, N, ...)``."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+
+if TYPE_CHECKING:
+    from ._plan import TreePlan
+    from .driver import SeamCall
+
+
+def _neutral_fill(call: SeamCall, name: str, rows: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    value = float(call.spec.get("neutral", {}).get(name, 0.0))
+    shape = valid.shape + (1,) * (rows.dim() - valid.dim())
+    return torch.where(valid.reshape(shape), rows, value)
+
+
+def _gather_rows(call: SeamCall, gather: torch.Tensor, valid: torch.Tensor) -> dict:
+    """Every sequence tensor gathered to (rows, Lmax, ...) with state-neutral padding (``gather``
+    clamped to valid indices, ``valid`` its mask)."""
+    flat = gather.reshape(-1)
+    return {name: _neutral_fill(call, name, _take(call.named[name][0], flat).reshape(*gather.shape, *call.named[name].shape[2:]),
+                                valid) for name in call.spec["sequence"]}
+
+
+def _gather_flat(call: SeamCall, tokens: torch.Tensor) -> dict:
+    return {name: _take(call.named[name][0], tokens).unsqueeze(0) for name in call.spec["sequence"]}
+
+
+def _take(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``t[index]`` along dim 0 for a 1-D index (index_select: several times cheaper on the host than
+    advanced indexing, the same autograd)."""
+    return t.index_select(0, index)
+
+
+def _output(result):
+    """The sequence output of a bound kernel's result (first element of a tuple)."""
+    return result[0] if isinstance(result, (tuple, list)) else result
+
+
+def scan_native(call: SeamCall, op):
+    native = call.spec["native"]
+    kwargs = {arg: call.rest.get(source, call.named.get(source, default)) for arg, (source, default) in native.get("kwargs", {}).items()}
+    inputs = [call.named[name][0] for name in call.spec["sequence"]]
+    initial = call.named.get(call.spec["state_args"]["initial_state"]) if "state_args" in call.spec else None
+    if initial is None and "state_args" in call.spec:
+        initial = call.rest.get(call.spec["state_args"]["initial_state"])
+    if "chunk" in native:
+        # Chunked native ops (native-op convention): the plan's chunk tables on the inputs' device.
+        tables = call.plan.chunk_tables(native["chunk"], inputs[0].device)
+        out = op(*inputs, tables.gather, tables.scatter, *tables.state_args(), initial, **kwargs)
+    else:
+        # Token-walking ops (native-op convention): the plan's index tensors on the inputs' device.
+        device = inputs[0].device
+        out = op(*inputs, call.plan.tensor("seg_offsets", device), call.plan.tensor("parents", device), initial, **kwargs)
+    return out.unsqueeze(0)
+
+
+def scan_rescan(call: SeamCall, varlen: bool):
+    plan = call.plan
+    device = call.named[call.spec["sequence"][0]].device
+    state = call.spec.get("state_args", {})
+    extra = {}
+    if state:
+        extra[state["output_final_state"]] = False
+        initial = call.rest.pop(state["initial_state"], None)
+        if initial is not None:
+            extra[state["initial_state"]] = initial.expand(plan.num_leaves, *initial.shape[1:])
+    if varlen:
+        tokens = plan.tensor("path_tokens", device)
+        cu = plan.tensor("path_offsets", device)
+        out = _output(call.call_original(_gather_flat(call, tokens), **{call.spec["varlen"]["cu_seqlens"]: cu}, **extra))
+        return out[0][plan.tensor("token_source", device)].unsqueeze(0)
+    gather, source = plan.padded_paths(device)
+    out = _output(call.call_original(_gather_rows(call, gather.clamp(min=0), gather >= 0), **extra))
+    return out.reshape(-1, *out.shape[2:])[source].unsqueeze(0)
+
+
+class ForkLevel(NamedTuple):
+    """One trie level of the fork's tables."""
+
+    count: int  # segments of the level
+    token_start: int  # the level's tokens are order[token_start:token_end] (varlen form)
+    token_end: int
+    cu_seqlens: torch.Tensor  # of the level's segments
+    grid_start: int  # the level's padded (count, width) grid is grid[grid_start:grid_end]
+    grid_end: int
+    width: int
+    parent_position: torch.Tensor | None  # each segment's parent's position in the previous level (None at roots)
+
+
+class ForkTables(NamedTuple):
+    """The fork's tables of one plan and device (``fork_tables``)."""
+
+    levels: list  # ForkLevel per trie level
+    token_sizes: list  # tokens per level
+    grid_sizes: list  # grid entries per level
+    order: torch.Tensor  # the levels' tokens concatenated (varlen form)
+    inverse: torch.Tensor  # each token's position in ``order``
+    grid: torch.Tensor  # every level's padded grid flattened and concatenated, indices clamped to >= 0
+    grid_valid: torch.Tensor  # which grid entries are real
+    grid_source: torch.Tensor  # each token's position in ``grid``
+
+
+def fork_tables(plan: TreePlan, device: torch.device) -> ForkTables:
+    """The fork's tables, built once per plan and device from its index tensors (cached in
+    ``plan.routes``), so that a fork call gathers every level's inputs in one op per tensor."""
+    key = ("fork levels", device)
+    cached = plan.routes.get(key)
+    if cached is not None:
+        return cached
+    parents = plan.array("parents")
+    position = torch.empty(plan.num_segments, dtype=torch.int64)  # a segment's position in its level
+    levels, order, grids, sources = [], [], [], []
+    token_at, grid_at = 0, 0
+    for level in range(plan.num_levels):
+        segments, gather, tokens, source = plan.padded_level(level, device)
+        position[segments] = torch.arange(len(segments))
+        lengths = plan.array("seg_lengths")[segments]
+        cu = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lengths, 0)]).to(device)
+        parent_position = position[parents[segments]].to(device) if level > 0 else None
+        count, width = gather.shape
+        levels.append(ForkLevel(count, token_at, token_at + tokens.numel(), cu, grid_at, grid_at + count * width, width,
+                                parent_position))
+        order.append(tokens)
+        grids.append(gather.reshape(-1))
+        sources.append(source + grid_at)
+        token_at += tokens.numel()
+        grid_at += count * width
+    order = torch.cat(order)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    grid = torch.cat(grids)
+    grid_source = torch.empty_like(order)
+    grid_source[order] = torch.cat(sources)
+    tables = ForkTables(levels, [lv.token_end - lv.token_start for lv in levels],
+                        [lv.grid_end - lv.grid_start for lv in levels], order, inverse, grid.clamp(min=0), grid >= 0,
+                        grid_source)
+    plan.routes[key] = tables
+    return tables
+
+
+def scan_fork(call: SeamCall, varlen: bool):
+    """One call of the bound kernel per trie level, every segment of a level starting from its parent's
+    final state. Inputs of every level are gathered at once (one op per sequence tensor), each level is
+    a slice of them, its initial states one index op over the previous level's finals, and the outputs
+    return to token order in one op."""
+    device = call.named[call.spec["sequence"][0]].device
+    state = call.spec["state_args"]
+    initial = call.rest.pop(state["initial_state"], None)
+    tables = fork_tables(call.plan, device)
+    names = call.spec["sequence"]
+    if varlen:
+        cu_name = call.spec["varlen"]["cu_seqlens"]
+        gathered = {name: call.named[name].index_select(1, tables.order) for name in names}
+    else:
+        gathered = {name: _neutral_fill(call, name, _take(call.named[name][0], tables.grid), tables.grid_valid)
+                    for name in names}
+    # every level's slice of every gathered tensor (one split per tensor)
+    slices = zip(*(t.split_with_sizes(tables.token_sizes if varlen else tables.grid_sizes, 1 if varlen else 0)
+                   for t in gathered.values()))
+    pieces, final = [], None
+    last = len(tables.levels) - 1
+    for level, (lv, level_inputs) in enumerate(zip(tables.levels, slices)):
+        if lv.parent_position is None:
+            init = None if initial is None else initial.expand(lv.count, *initial.shape[1:])
+        else:
+            if final is None:
+                raise ValueError(f"{call.seam}: the bound kernel returned no final states although asked for them "
+                                 f"({state['output_final_state']}=True), and level {level} of the tree starts from "
+                                 "them: bind a kernel that returns them, or use Policy(strategy='rescan')")
+            init = final.index_select(0, lv.parent_position)
+        # the last level's final states feed nothing: not asked for (a one-level plan, a forest of chains,
+        # is one plain varlen call)
+        extra = {state["output_final_state"]: level < last, state["initial_state"]: init}
+        if varlen:
+            out, final = call.call_original(dict(zip(names, level_inputs)), **{cu_name: lv.cu_seqlens}, **extra)
+            pieces.append(out[0])
+        else:
+            rows = {n: t.view(lv.count, lv.width, *t.shape[1:]) for n, t in zip(names, level_inputs)}
+            out, final = call.call_original(rows, **extra)
+            pieces.append(out.reshape(-1, *out.shape[2:]))
+    return _take(torch.cat(pieces), tables.inverse if varlen else tables.grid_source).unsqueeze(0)
+
+
+def padded_paths_rows(plan: TreePlan, x: torch.Tensor, time_dim: int):
+    """``x``'s row (batch 1, tokens along ``time_dim``) as every root-to-leaf path, one row of a right-
+    padded batch each (zeros after a path's end), and the flat index of each token's output in that
+    batch's (paths * Lmax) rows: for kernels that run every path alone (rescan)."""
+    gather, source = plan.padded_paths(x.device)
+    if time_dim == 2:  # channels first (1, C, N) -> (P, C, Lmax)
+        rows = x[0][:, gather.clamp(min=0)] * (gather >= 0).to(x.dtype)
+        return rows.permute(1, 0, 2), source
+    rows = x[0][gather.clamp(min=0)] * (gather >= 0).reshape(*gather.shape, *(1,) * (x.dim() - 2)).to(x.dtype)
+    return rows, source
