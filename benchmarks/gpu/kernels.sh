@@ -10,8 +10,9 @@
 #                  allocation, so an access past a tensor's end is caught) and racecheck (our kernels
 #                  only: --kernel-name kns=tree_recurrence) on a few small cases of the four fused GPU
 #                  test files, one sanitizer run per family and tool (SAN_S seconds each, default 150)
+#   Order: fused tests, bench, large, profile, models, ncu, sanitize_py (later parts get the time left).
 #   "models" also runs the Mamba2-family GPU model tests (test_mamba2_models.py -k test_gpu_: fp32 and
-#   bf16, the split seams and the fused seam) after the benchmarks, in the time left; both model files
+#   bf16, the split seams and the fused seam); both model files
 #   need trl (importorskip: carried as .whl/ wheels, see scripts/gpu-build.sh) or they skip.
 #   Bitwise repeatability is in the fused tests themselves (gdn_fwd test_bitwise_repeatable, gdn_bwd
 #   test_bitwise_deterministic, ssd_fwd test_chunk_sizes_agree_and_runs_repeat_bitwise, ssd_bwd
@@ -92,7 +93,6 @@ has gdn && pytest_part gdn_fwd 100 tests/python/test_gdn_fused_gpu.py
 has gdn && pytest_part gdn_bwd 120 tests/python/test_gdn_fused_bwd_gpu.py
 has ssd && pytest_part ssd_fwd 100 tests/python/test_ssd_fused_gpu.py
 has ssd && pytest_part ssd_bwd 120 tests/python/test_ssd_fused_bwd_gpu.py
-has models && pytest_part gpu_models 150 tests/python/test_gpu.py
 if has bench; then
   for b in gdn ssd; do
     l=$(left); [ "$l" -lt 40 ] && { stamp "$b bench skipped"; continue; }
@@ -101,11 +101,21 @@ if has bench; then
     echo "  bench exit $?"; cut -c1-200 "$LOGS/${b}_bench.txt" | tail -${BENCH_TAIL:-24}
   done
 fi
+if has large; then
+  export TREE_RECURRENCE_LARGE_TESTS=1
+  nvidia-smi --query-gpu=memory.used,memory.total --format=csv,noheader
+  for fam in gdn ssd; do
+    pytest_part ${fam}_large ${LARGE_S:-150} tests/python/test_${fam}_fused_large_gpu.py
+    grep -E "^  |big row|does not fit|skipped" "$LOGS/${fam}_large.log" | head -30 | cut -c1-200
+  done
+fi
 if has profile; then
   stamp "profile (per kernel, torch.profiler)"
   timeout $(( $(left) < 90 ? $(left) : 90 )) python3 benchmarks/profile_kernels.py --repeats 3 >"$LOGS/profile.txt" 2>&1
   echo "  profile exit $?"; grep -E "^==|^ +[0-9.]+ +[0-9]+ +[0-9.]+ " "$LOGS/profile.txt" | cut -c1-170 | head -40
 fi
+has models && pytest_part gpu_models ${MODELS_S:-100} tests/python/test_gpu.py
+has models && pytest_part mamba2_models_gpu ${MODELS_S:-100} tests/python/test_mamba2_models.py -k test_gpu_
 if has ncu; then
   OURS='regex:(cb|chunk_scan|chunk_state|dbdc|ddecay|dqk|dv_local|dyx|finalize|gate|local|out_fwd|prep_fwd|rows|state_pass|tc_backward|tc_forward|wy|post_tc|local_tc)[a-z_]*_kernel'
   for fam in gdn ssd; do
@@ -114,15 +124,6 @@ if has ncu; then
     timeout $(( l < 90 ? l : 90 )) ncu --clock-control none --section SpeedOfLight --section Occupancy -k "$OURS" -c ${NCU_COUNT:-16} \
       python3 benchmarks/profile_kernels.py --once --family $fam >"$LOGS/ncu_$fam.txt" 2>&1
     echo "  ncu exit $?"
-  done
-fi
-has models && pytest_part mamba2_models_gpu 200 tests/python/test_mamba2_models.py -k test_gpu_
-if has large; then
-  export TREE_RECURRENCE_LARGE_TESTS=1
-  nvidia-smi --query-gpu=memory.used,memory.total --format=csv,noheader
-  for fam in gdn ssd; do
-    pytest_part ${fam}_large 240 tests/python/test_${fam}_fused_large_gpu.py
-    grep -E "^  |big row|does not fit|skipped" "$LOGS/${fam}_large.log" | head -30 | cut -c1-200
   done
 fi
 if has sanitize_py; then
