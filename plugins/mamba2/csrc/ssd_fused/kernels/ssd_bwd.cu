@@ -94,27 +94,92 @@ __global__ void local_kernel(BwdParams p) {
 }
 
 // ---- reverse tree state pass (one level) ------------------------------------------------------
-// Thread per (segment of the level, head, state element). ds holds local[c] on entry and ds_leave[c]
-// on exit; a segment's last chunk starts from the sum of its children's entering gradients (ws, in
-// children order), a leaf from zero.
-__global__ void state_pass_kernel(BwdParams p, int64_t begin, int64_t count) {
-  const int64_t H = p.heads, PN = p.head_dim * p.state_dim, L = p.chunk;
-  const int64_t e_all = count * H * PN;
-  const int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (e >= e_all) return;
-  const int64_t el = e % PN, h = (e / PN) % H, k = e / (PN * H);
-  const int64_t s = p.level_segments[begin + k];
-  float carry = 0.f;
-  for (int64_t q = p.child_offsets[s]; q < p.child_offsets[s + 1]; ++q) carry += p.ws[(p.children[q] * H + h) * PN + el];
-  for (int64_t c = p.seg_chunk_offsets[s + 1] - 1; c >= p.seg_chunk_offsets[s]; --c) {
-    const int64_t idx = (c * H + h) * PN + el;
-    const float loc = p.ds[idx];
-    p.ds[idx] = carry;
-    carry = expf(p.Lam[(c * H + h) * L + L - 1]) * carry + loc;
+// ds holds local[c] on entry and ds_leave[c] on exit; a segment's last chunk starts from the sum of
+// its children's entering gradients (ws, in children order), a leaf from zero:
+//   ds_leave[c] = carry;  carry = exp(Lam_last[c]) carry + local[c]   (c from the last chunk down)
+// Elementwise over the P N elements of a (segment, head): grid (level segments x H, ceil(PN / (V
+// 256))), V consecutive elements per thread (V = 4: 16-byte loads / stores, coalesced across the
+// warp; V = 1 when P N % 4 != 0 or a buffer is not 16-byte aligned). The loads of kAhead chunks
+// (and their decays) are issued before the first of their updates, and the children's indices
+// before their gradients, so each thread keeps kAhead x 16 bytes in flight instead of one
+// dependent 4-byte load per chunk. Same arithmetic, same order per element as the round-1 kernel
+// (children summed in children order from 0, then one fma per chunk).
+constexpr int kAhead = 4;  // chunks loaded ahead of their updates
+constexpr int kKids = 4;   // children's gradients loaded together
+
+template <int V>
+__device__ __forceinline__ void ld_vec(const float* src, float (&v)[V]) {
+  if constexpr (V == 4) {
+    const float4 t = *reinterpret_cast<const float4*>(src);
+    v[0] = t.x, v[1] = t.y, v[2] = t.z, v[3] = t.w;
+  } else {
+#pragma unroll
+    for (int i = 0; i < V; ++i) v[i] = src[i];
   }
-  p.ws[(s * H + h) * PN + el] = carry;
+}
+template <int V>
+__device__ __forceinline__ void st_vec(float* dst, const float (&v)[V]) {
+  if constexpr (V == 4) {
+    __stwb(reinterpret_cast<float4*>(dst), make_float4(v[0], v[1], v[2], v[3]));  // one 16-byte store
+  } else {
+#pragma unroll
+    for (int i = 0; i < V; ++i) dst[i] = v[i];
+  }
+}
+
+template <int V>
+__global__ void __launch_bounds__(kThreads) state_pass_kernel(BwdParams p, int64_t begin) {
+  const int64_t H = p.heads, PN = p.head_dim * p.state_dim, L = p.chunk;
+  const unsigned bx = blockIdx.x, hu = static_cast<unsigned>(H);
+  const int64_t k = bx / hu, h = bx % hu;
+  const int64_t el = (static_cast<int64_t>(blockIdx.y) * kThreads + threadIdx.x) * V;
+  if (el >= PN) return;  // PN % V == 0: a thread's V elements are all in or all out
+  const int64_t s = p.level_segments[begin + k];
+  const int64_t q0 = p.child_offsets[s], q1 = p.child_offsets[s + 1];
+  const int64_t c0 = p.seg_chunk_offsets[s], c1 = p.seg_chunk_offsets[s + 1];
   const int64_t r = p.root_index[s];
-  if (r >= 0 && p.droots != nullptr) p.droots[(r * H + h) * PN + el] = carry;
+
+  float carry[V];
+#pragma unroll
+  for (int i = 0; i < V; ++i) carry[i] = 0.f;
+  for (int64_t q = q0; q < q1; q += kKids) {
+    int64_t kid[kKids];
+#pragma unroll
+    for (int j = 0; j < kKids; ++j) kid[j] = q + j < q1 ? p.children[q + j] : 0;
+    float w[kKids][V];
+#pragma unroll
+    for (int j = 0; j < kKids; ++j)
+      if (q + j < q1) ld_vec<V>(p.ws + (kid[j] * H + h) * PN + el, w[j]);
+#pragma unroll
+    for (int j = 0; j < kKids; ++j)
+      if (q + j < q1) {
+#pragma unroll
+        for (int i = 0; i < V; ++i) carry[i] += w[j][i];
+      }
+  }
+
+  const int64_t cstride = H * PN, lstride = H * L;
+  float* ds = p.ds + h * PN + el;               // + c * cstride: element el of (c, h)
+  const float* lam = p.Lam + h * L + (L - 1);   // + c * lstride: Lam_last of (c, h)
+  for (int64_t c = c1 - 1; c >= c0; c -= kAhead) {
+    float loc[kAhead][V], dec[kAhead];
+#pragma unroll
+    for (int u = 0; u < kAhead; ++u)
+      if (c - u >= c0) {
+        ld_vec<V>(ds + (c - u) * cstride, loc[u]);
+        dec[u] = lam[(c - u) * lstride];
+      }
+#pragma unroll
+    for (int u = 0; u < kAhead; ++u)
+      if (c - u >= c0) {
+        st_vec<V>(ds + (c - u) * cstride, carry);
+        const float d = expf(dec[u]);
+#pragma unroll
+        for (int i = 0; i < V; ++i) carry[i] = fmaf(d, carry[i], loc[u][i]);
+      }
+  }
+  st_vec<V>(p.ws + (s * H + h) * PN + el, carry);
+  if (r >= 0 && p.droots != nullptr) st_vec<V>(p.droots + (r * H + h) * PN + el, carry);
 }
 
 // ---- ddecay[c, h] = <s[c], ds_leave[c]>: block per (c, h), fixed-order tree reduction -----------
@@ -322,9 +387,19 @@ int ssd_bwd_local(const BwdParams& p, void* stream) {
   return launched();
 }
 int ssd_bwd_state_pass(const BwdParams& p, int64_t begin, int64_t count, void* stream) {
-  const int64_t n = count * p.heads * p.head_dim * p.state_dim;
-  if (n == 0) return 0;
-  state_pass_kernel<<<blocks_for(n, kThreads), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(p, begin, count);
+  const int64_t PN = p.head_dim * p.state_dim;
+  if (count * p.heads * PN == 0) return 0;
+  const auto aligned = [](const void* q) { return reinterpret_cast<uintptr_t>(q) % 16 == 0; };
+  const bool vec = PN % 4 == 0 && aligned(p.ds) && aligned(p.ws) && (p.droots == nullptr || aligned(p.droots));
+  const int V = vec ? 4 : 1;
+  const int64_t ys = (PN / V + kThreads - 1) / kThreads, xs = count * p.heads;
+  if (xs > 0x7fffffffLL || ys > 65535 || p.heads > 0xffffffffLL) return static_cast<int>(cudaErrorInvalidConfiguration);
+  const dim3 grid(static_cast<unsigned>(xs), static_cast<unsigned>(ys));
+  const auto st = static_cast<cudaStream_t>(stream);
+  if (vec)
+    state_pass_kernel<4><<<grid, kThreads, 0, st>>>(p, begin);
+  else
+    state_pass_kernel<1><<<grid, kThreads, 0, st>>>(p, begin);
   return launched();
 }
 int ssd_bwd_ddecay(const BwdParams& p, void* stream) {
