@@ -152,36 +152,6 @@ __global__ void __launch_bounds__(kDqkThreads) dqk_kernel(GdnBwdParams p) {
 // row dots' parts keep their global tile slots; rank 1 stores its parts and its <h, dS>, kd sums in
 // rank 0's shared memory (DSMEM), and rank 0 writes dG: the row sums are the same as the one-CTA
 // kernel's; <h, dS> and the kd sum are (own half) + (rank 1's half), a fixed order.
-__device__ __forceinline__ unsigned cluster_rank() {
-  unsigned r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-  return r;
-}
-__device__ __forceinline__ void cluster_arrive_relaxed() { asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory"); }
-__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
-__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
-// *local_ptr's twin in CTA `rank` of the cluster = v.
-__device__ __forceinline__ void store_remote(float* local_ptr, unsigned rank, float v) {
-  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(local_ptr));
-  unsigned ra;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(ra) : "r"(a), "r"(rank));
-  asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(ra), "f"(v) : "memory");
-}
-// C x kwp tile (pitch ld) of columns k0 .. k0 + kw - 1 of token rows (row stride D); zero for tok < 0
-// and for columns kw..kwp-1.
-template <typename T>
-__device__ inline void async_token_cols(T* dst, int ld, const T* src, const int64_t* tok_of_row, int64_t heads,
-                                        int64_t head, int D, int k0, int kw, int kwp) {
-  const int per_row = kwp / 8;
-  for (int idx = threadIdx.x; idx < C * per_row; idx += blockDim.x) {
-    const int r = idx / per_row, c8 = (idx % per_row) * 8;
-    const int64_t t = tok_of_row[r];
-    const bool ok = t >= 0 && c8 < kw;
-    const T* g = ok ? src + (t * heads + head) * static_cast<int64_t>(D) + k0 + c8 : src;
-    mma::cp_async_16(dst + r * ld + c8, g, ok ? 16 : 0);
-  }
-}
-
 template <typename T>
 __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(kDqkThreads, 2) dqk_split_kernel(GdnBwdParams p) {
   extern __shared__ __align__(16) char smem_raw[];
