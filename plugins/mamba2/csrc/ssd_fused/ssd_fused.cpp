@@ -4,7 +4,11 @@
 // Backward: fused::backward, unless TREE_RECURRENCE_SSD_FUSED_BWD is "0": then the interim fallback
 // recomputes the ATen composite (ssd_chunked.h, composite_scan) under autograd from the saved inputs
 // and backpropagates through it, so every gradient (x, dt, B, C, A, D, dt_bias, z, initial_state) is
-// exactly the composite's.
+// exactly the composite's. The composite's state pass (chunk_state_pass) takes chunks up to
+// kChunkStateMaxChunk (64): with the variable "0", a grad-mode forward at a larger chunk is refused
+// (ValueError, before any backward: an error thrown from the recompute inside the autograd engine's
+// backward thread crashed the process in GPU run 3); a variable set to "0" only after such a forward
+// leaves its backward on fused::backward (one warning).
 //
 // The op keeps ssd_tree_scan's contract: the output is fp32 (T, H, P) (the kernels write the
 // in-type, which is widened exactly), so a grad_out arrives in fp32 (handed to fused::backward in
@@ -21,6 +25,7 @@
 
 #include "../ssd_chunked.h"
 #include "kernels/params.h"
+#include "tree_recurrence/kernels/chunk_state_pass.h"  // kChunkStateMaxChunk
 
 namespace tree_recurrence::ssd::fused {
 namespace {
@@ -130,7 +135,15 @@ struct ScanFn : public torch::autograd::Function<ScanFn> {
     if (!g.defined()) g = at::zeros(a.x.sizes(), a.x.options().dtype(at::kFloat));
 
     variable_list out(12);
-    if (!env_is_zero("TREE_RECURRENCE_SSD_FUSED_BWD")) {
+    bool interim = env_is_zero("TREE_RECURRENCE_SSD_FUSED_BWD");
+    if (interim && t.gather.size(1) > tree_recurrence::kernels::kChunkStateMaxChunk) {
+      // only when the variable was set after the forward (scan() refuses this in grad mode)
+      TORCH_WARN_ONCE("ssd_tree_scan: TREE_RECURRENCE_SSD_FUSED_BWD=0 ignored for chunk ", t.gather.size(1),
+                      " (the interim backward's composite takes chunk <= ",
+                      tree_recurrence::kernels::kChunkStateMaxChunk, "): fused backward used");
+      interim = false;
+    }
+    if (!interim) {
       const Saved saved{sv[9], sv[10], sv[11], sv[12]};
       const Grads gr = fused::backward(g.to(a.x.scalar_type()), a, t, saved);
       out[0] = gr.dx, out[1] = gr.ddt, out[2] = gr.dB, out[3] = gr.dC, out[4] = gr.dA;
@@ -175,6 +188,15 @@ at::Tensor scan(const Args& a, const Tables& t) {
     for (const at::Tensor* v : {&a.x, &a.dt, &a.B, &a.C, &a.A}) grad = grad || v->requires_grad();
     for (const auto* o : {&a.D, &a.dt_bias, &a.z, &a.initial_state}) grad = grad || (*o && (*o)->requires_grad());
   }
+  // The interim backward recomputes the composite, whose state pass takes chunk <= 64: refuse here,
+  // not in the backward (an error thrown there, in the autograd engine's thread, crashed the process).
+  const int64_t chunk = t.gather.dim() == 2 ? t.gather.size(1) : 0;
+  TORCH_CHECK_VALUE(!grad || !env_is_zero("TREE_RECURRENCE_SSD_FUSED_BWD") ||
+                        chunk <= tree_recurrence::kernels::kChunkStateMaxChunk,
+                    "ssd_tree_scan: TREE_RECURRENCE_SSD_FUSED_BWD=0 (the interim backward through the ATen composite) "
+                    "takes chunk <= ", tree_recurrence::kernels::kChunkStateMaxChunk, ", got chunk ", chunk,
+                    ": unset it (the fused backward takes this chunk) or plan the row with chunk <= ",
+                    tree_recurrence::kernels::kChunkStateMaxChunk);
   return ScanFn::apply(a.x, a.dt, a.B, a.C, a.A, present(a.D), present(a.dt_bias), present(a.z), present(a.initial_state),
                        &a, &t, /*save_y=*/grad);
 }
