@@ -270,3 +270,12 @@ def test_through_ssd_tree_scan_autograd(chunk):
           " ".join(f"{k}={v:.2e}" for k, v in errors.items()))
     bad = {k: v for k, v in errors.items() if not v <= 2e-2}
     assert not bad, bad
+
+
+@pytest.mark.parametrize("trie", ["mixed", "wide"])
+def test_state_pass_scalar_fallback(trie):
+    """P N = 35 (not a multiple of 4): the reverse state pass's one-element-per-thread variant (every other
+    case runs its 16-byte variant); fp32 CUDA-core path (chunk 128), per-root initial states (d_roots),
+    2 children (mixed: a partial batch of the 4 children loaded together) and 12 (wide)."""
+    seg, par = MIXED if trie == "mixed" else WIDE
+    run_case(seg, par, chunk=128, dtype=torch.float32, H=4, P=5, G=2, N=7, name=f"state pass scalar P5 N7 {trie}")
