@@ -5,10 +5,11 @@
 // recomputes the ATen composite (ssd_chunked.h, composite_scan) under autograd from the saved inputs
 // and backpropagates through it, so every gradient (x, dt, B, C, A, D, dt_bias, z, initial_state) is
 // exactly the composite's. The composite's state pass (chunk_state_pass) takes chunks up to
-// kChunkStateMaxChunk (64): with the variable "0", a grad-mode forward at a larger chunk is refused
-// (ValueError, before any backward: an error thrown from the recompute inside the autograd engine's
-// backward thread crashed the process in GPU run 3); a variable set to "0" only after such a forward
-// leaves its backward on fused::backward (one warning).
+// kChunkStateMaxChunk (64): at a larger chunk the variable is ignored and the backward stays on
+// fused::backward (one warning). It is not refused with an error: on the H200 an error thrown on this
+// CUDA path (from the recompute in the backward thread, GPU run 3, and from a check in scan() before
+// Function::apply, GPU run 4) ended the process with a segmentation fault instead of raising; that
+// crash is an open bug (docs/kernels.md).
 //
 // The op keeps ssd_tree_scan's contract: the output is fp32 (T, H, P) (the kernels write the
 // in-type, which is widened exactly), so a grad_out arrives in fp32 (handed to fused::backward in
@@ -137,7 +138,7 @@ struct ScanFn : public torch::autograd::Function<ScanFn> {
     variable_list out(12);
     bool interim = env_is_zero("TREE_RECURRENCE_SSD_FUSED_BWD");
     if (interim && t.gather.size(1) > tree_recurrence::kernels::kChunkStateMaxChunk) {
-      // only when the variable was set after the forward (scan() refuses this in grad mode)
+      // the composite takes chunk <= 64: keep the fused backward (one warning)
       TORCH_WARN_ONCE("ssd_tree_scan: TREE_RECURRENCE_SSD_FUSED_BWD=0 ignored for chunk ", t.gather.size(1),
                       " (the interim backward's composite takes chunk <= ",
                       tree_recurrence::kernels::kChunkStateMaxChunk, "): fused backward used");
@@ -188,15 +189,6 @@ at::Tensor scan(const Args& a, const Tables& t) {
     for (const at::Tensor* v : {&a.x, &a.dt, &a.B, &a.C, &a.A}) grad = grad || v->requires_grad();
     for (const auto* o : {&a.D, &a.dt_bias, &a.z, &a.initial_state}) grad = grad || (*o && (*o)->requires_grad());
   }
-  // The interim backward recomputes the composite, whose state pass takes chunk <= 64: refuse here,
-  // not in the backward (an error thrown there, in the autograd engine's thread, crashed the process).
-  const int64_t chunk = t.gather.dim() == 2 ? t.gather.size(1) : 0;
-  TORCH_CHECK_VALUE(!grad || !env_is_zero("TREE_RECURRENCE_SSD_FUSED_BWD") ||
-                        chunk <= tree_recurrence::kernels::kChunkStateMaxChunk,
-                    "ssd_tree_scan: TREE_RECURRENCE_SSD_FUSED_BWD=0 (the interim backward through the ATen composite) "
-                    "takes chunk <= ", tree_recurrence::kernels::kChunkStateMaxChunk, ", got chunk ", chunk,
-                    ": unset it (the fused backward takes this chunk) or plan the row with chunk <= ",
-                    tree_recurrence::kernels::kChunkStateMaxChunk);
   return ScanFn::apply(a.x, a.dt, a.B, a.C, a.A, present(a.D), present(a.dt_bias), present(a.z), present(a.initial_state),
                        &a, &t, /*save_y=*/grad);
 }
