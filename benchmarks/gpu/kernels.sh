@@ -11,6 +11,8 @@
 #                  only: --kernel-name kns=tree_recurrence) on a few small cases of the four fused GPU
 #                  test files, one sanitizer run per family and tool (SAN_S seconds each, default 150)
 #   Order: fused tests, bench, large, profile, models, ncu, sanitize_py (later parts get the time left).
+#   "diag" runs benchmarks/gpu/diag_throw.py (errors on the CUDA paths raise, not crash); "modelbench" the
+#   whole-model `python -m tree_recurrence bench --prompts 2048` for BENCH_MODELS (qwen3_5 nemotron_h).
 #   "models" also runs the Mamba2-family GPU model tests (test_mamba2_models.py -k test_gpu_: fp32 and
 #   bf16, the split seams and the fused seam); both model files
 #   need trl (importorskip: carried as .whl/ wheels, see scripts/gpu-build.sh) or they skip.
@@ -123,6 +125,21 @@ if has profile; then
   stamp "profile (per kernel, torch.profiler)"
   timeout $(( $(left) < 90 ? $(left) : 90 )) python3 benchmarks/profile_kernels.py --repeats 3 >"$LOGS/profile.txt" 2>&1
   echo "  profile exit $?"; grep -E "^==|^ +[0-9.]+ +[0-9]+ +[0-9.]+ " "$LOGS/profile.txt" | cut -c1-170 | head -40
+fi
+if has diag && [ -f benchmarks/gpu/diag_throw.py ]; then  # errors raised on the CUDA paths: raise or crash?
+  stamp "diag_throw"
+  timeout $(( $(left) < 120 ? $(left) : 120 )) python3 benchmarks/gpu/diag_throw.py >"$LOGS/diag_throw.txt" 2>&1
+  echo "  diag exit $?"; tail -${DIAG_TAIL:-40} "$LOGS/diag_throw.txt" | cut -c1-220
+fi
+if has modelbench; then  # the whole-model bench (issues 19, 20): tree vs chains vs flat at prompt 2048
+  for m in ${BENCH_MODELS:-qwen3_5 nemotron_h}; do
+    l=$(left); [ "$l" -lt 60 ] && { stamp "model bench $m skipped"; continue; }
+    stamp "model bench $m"
+    timeout $(( l < ${MB_S:-180} ? l : ${MB_S:-180} )) python3 -m tree_recurrence bench --model "$m" --prompts 2048 \
+      --checkpointing off --warmup 1 --repeat 2 --no-plot --out "$LOGS/modelbench_$m" >"$LOGS/modelbench_$m.txt" 2>&1
+    echo "  exit $?"; tail -14 "$LOGS/modelbench_$m.txt" | cut -c1-200
+    [ -f "$LOGS/modelbench_$m/bench.json" ] && cp "$LOGS/modelbench_$m/bench.json" "$OUT/modelbench_$m.json"
+  done
 fi
 has models && pytest_part gpu_models ${MODELS_S:-100} tests/python/test_gpu.py
 has models && pytest_part mamba2_models_gpu ${MODELS_S:-100} tests/python/test_mamba2_models.py -k test_gpu_
