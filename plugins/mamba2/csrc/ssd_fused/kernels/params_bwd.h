@@ -84,6 +84,12 @@ struct BwdParams {
   // tensor-core path only: dx written in this type (x's), rounded once from fp32 (dx above unused)
   void* dx_out = nullptr;
   BwdType dx_type = BwdType::Float32;
+  // H4 (ssd_local_bwd.cu, folded ddecay): ddecay_part (NC, H, ddecay_parts) fp32, one partial of
+  // <s[c], ds_leave[c]> per warp of the state pass (ssd_bwd_ddecay_parts says how many); when set, the
+  // state pass writes the partials and ssd_bwd_ddecay_finish sums them in order into ddecay (the
+  // ddecay kernel's re-read of ds is not run). Null: the ddecay kernel.
+  float* ddecay_part = nullptr;
+  int64_t ddecay_parts = 0;
 };
 
 constexpr int64_t kBwdMaxChunk = 256;
@@ -100,6 +106,15 @@ int ssd_bwd_rows(const BwdParams& p, void* stream);        // dx, ddt_direct, q,
 int ssd_bwd_dbdc(const BwdParams& p, void* stream);        // dB, dC (needs dyx untouched)
 int ssd_bwd_dtA(const BwdParams& p, void* stream);         // d_dtA, ddt, ddt_raw, dA_part (overwrites dyx)
 const char* ssd_bwd_error_string(int error);
+// Folded ddecay (ssd_bwd.cu): partials per (chunk, head) written by the state pass, then summed.
+int64_t ssd_bwd_ddecay_parts(const BwdParams& p);         // partials per (chunk, head)
+int ssd_bwd_ddecay_finish(const BwdParams& p, void* stream);  // ddecay from ddecay_part
+
+// bf16 / fp16 local state gradient (ssd_local_bwd.cu, round 3): ds = (e^Lam . dy)^T C with dy = dout
+// silu(z) computed from dout and z (p.dy unused), one bf16 / fp16 MMA per product. Chunk 64, P and N
+// in 1..128 multiples of 8, C / dout / z of one 16-bit type, 16-byte aligned pointers.
+bool ssd_bwd_local_bf16_supported(const BwdParams& p);
+int ssd_bwd_local_bf16(const BwdParams& p, void* stream);  // ds = local (reads dout, z; not dy)
 
 // Tensor-core path (ssd_tc_bwd.cu), chunk 64 with P, N <= 128 and its shared-memory plan within the
 // device's opt-in limit (P, N <= 64 or so; ssd_bwd_tc_supported says). Order: gate -> local_tc ->

@@ -1,0 +1,197 @@
+// Fused SSD (Mamba2) backward, local entering-state gradient on bf16 / fp16 tensor cores (round 3, H4):
+//   ds_local[c, h] = (e^Lam . dy)^T C      (P x N, fp32 out), dy = dout silu(z) (= dout without z)
+// with dy computed on the fly from dout and z (no gate kernel, no fp32 dy buffer). Block per
+// (chunk, head), 4 warps; heads of a group are neighbours in the grid, so their C tile is an L2 hit.
+//   * C (L x N, the input dtype) -> shared memory by 16-byte cp.async (pad rows / columns zero-filled);
+//   * dout, z -> 16-byte loads, dy_i = dout z sigmoid(z) (the gate's formula) times e^{Lam_i} in fp32,
+//     rounded ONCE to the input dtype into shared memory (stored (L x P), so it is the A operand
+//     transposed: ldmatrix.trans);
+//   * one mma.sync m16n8k16 per product (bf16 or fp16 operands, fp32 accumulation), warp tiles of
+//     32 x 64 (P x N) over the zero-padded (ceil32(P) x ceil64(N)) output, K = L = 64 in 4 steps;
+//   * fp32 accumulators stored straight from the fragments (8-byte stores, every 32-byte sector full).
+// Shared memory: 64 x (ceil32(P) + 8) + 64 x (ceil64(N) + 8) elements + 64 int64 + 64 floats; at
+// P 64 / N 128: 9.2 + 17.4 + 0.75 KB = 27.4 KB (P, N 128: 35.6 KB) -> 4 CTAs/SM by the launch bound.
+// Fixed mma order: two runs give identical bits; no atomics. 64-bit global indexing.
+// Requirements (ssd_bwd_local_bf16_supported): chunk 64, P and N in 1..128 and multiples of 8, C, dout
+// (and z) of one 16-bit type, the pointers 16-byte aligned.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "params_bwd.h"
+#include "tree_recurrence/kernels/mma.cuh"
+
+namespace tree_recurrence::ssd::fused::kernels {
+namespace {
+
+namespace mm = tree_recurrence::kernels::mma;
+
+constexpr int kL = 64;
+constexpr int kWarps = 4, kThreads = kWarps * 32;
+constexpr int kMaxDim = 128;
+
+__host__ __device__ constexpr int ceil_to(int64_t v, int m) { return static_cast<int>((v + m - 1) / m * m); }
+
+struct Plan {
+  int Pp, Np, DP, CP;                 // padded P (32), padded N (64), pitches (elements)
+  int64_t off_dy, off_C, bytes;       // byte offsets (after 64 int64 tokens + 64 floats)
+  __host__ __device__ explicit Plan(int64_t P, int64_t N) {
+    Pp = ceil_to(P, 32);
+    Np = ceil_to(N, 64);
+    DP = Pp + 8;
+    CP = Np + 8;
+    int64_t o = kL * 8 + kL * 4;      // tokens, e^Lam
+    off_dy = o; o += static_cast<int64_t>(kL) * DP * 2;
+    off_C = o; o += static_cast<int64_t>(kL) * CP * 2;
+    bytes = o;
+  }
+};
+
+template <typename T>
+__device__ __forceinline__ float2 unpack2(uint32_t v);
+template <>
+__device__ __forceinline__ float2 unpack2<__nv_bfloat16>(uint32_t v) {
+  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v));
+}
+template <>
+__device__ __forceinline__ float2 unpack2<__half>(uint32_t v) {
+  return __half22float2(*reinterpret_cast<const __half2*>(&v));
+}
+
+template <typename T, bool HAS_Z>
+__global__ void __launch_bounds__(kThreads, 4) local_bf16_kernel(BwdParams p) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int64_t H = p.heads, P = p.head_dim, N = p.state_dim, G = p.groups;
+  const int64_t ch = blockIdx.x, c = ch / H, h = ch % H, g = h / (H / G);
+  const Plan pl(P, N);
+  int64_t* tok = reinterpret_cast<int64_t*>(smem);
+  float* el = reinterpret_cast<float*>(smem + kL * 8);
+  T* dys = reinterpret_cast<T*>(smem + pl.off_dy);
+  T* Cs = reinterpret_cast<T*>(smem + pl.off_C);
+  const int tid = static_cast<int>(threadIdx.x), warp = tid >> 5;
+
+  if (tid < kL) {
+    tok[tid] = p.gather[c * kL + tid];
+    el[tid] = expf(p.Lam[ch * kL + tid]);
+  }
+  __syncthreads();
+
+  // C rows of the group: cp.async 16-byte pieces (8 elements), zero-filled outside the data
+  const T* Cg = static_cast<const T*>(p.C);
+  const int cq = pl.Np / 8;
+  for (int e = tid; e < kL * cq; e += kThreads) {
+    const int i = e / cq, n0 = (e % cq) * 8;
+    const int64_t t = tok[i];
+    const bool in = t >= 0 && n0 < N;
+    const T* src = in ? Cg + (t * G + g) * N + n0 : Cg;
+    mm::cp_async_16(Cs + i * pl.CP + n0, src, in ? 16 : 0);
+  }
+  mm::cp_async_commit();
+
+  // dy rows, scaled by e^Lam and rounded once
+  const T* dout = static_cast<const T*>(p.dout);
+  const T* zz = static_cast<const T*>(p.z);
+  const int dq = pl.Pp / 8;
+  for (int e = tid; e < kL * dq; e += kThreads) {
+    const int i = e / dq, p0 = (e % dq) * 8;
+    const int64_t t = tok[i];
+    uint4 o = make_uint4(0u, 0u, 0u, 0u);
+    if (t >= 0 && p0 < P) {
+      const int64_t off = (t * H + h) * P + p0;
+      const uint4 gv = *reinterpret_cast<const uint4*>(dout + off);
+      const uint32_t gw[4] = {gv.x, gv.y, gv.z, gv.w};
+      uint32_t zw[4] = {0u, 0u, 0u, 0u};
+      if constexpr (HAS_Z) {
+        const uint4 zv = *reinterpret_cast<const uint4*>(zz + off);
+        zw[0] = zv.x, zw[1] = zv.y, zw[2] = zv.z, zw[3] = zv.w;
+      }
+      const float s = el[i];
+      uint32_t ow[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        float2 d = unpack2<T>(gw[k]);
+        if constexpr (HAS_Z) {
+          const float2 zf = unpack2<T>(zw[k]);
+          const float s0 = 1.f / (1.f + expf(-zf.x)), s1 = 1.f / (1.f + expf(-zf.y));
+          d.x = d.x * zf.x * s0;  // the gate kernel's dy = g z sigmoid(z), then the e^Lam scale
+          d.y = d.y * zf.y * s1;
+        }
+        ow[k] = mm::Elem<T>::pack(s * d.x, s * d.y);
+      }
+      o = make_uint4(ow[0], ow[1], ow[2], ow[3]);
+    }
+    *reinterpret_cast<uint4*>(dys + i * pl.DP + p0) = o;
+  }
+  mm::cp_async_wait<0>();
+  __syncthreads();
+
+  const int mtiles = pl.Pp / 32, ntiles = pl.Np / 64;
+  float* out = p.ds + ch * P * N;
+  const int lane = tid & 31;
+  for (int b = warp; b < mtiles * ntiles; b += kWarps) {
+    const int r0 = (b / ntiles) * 32, n0 = (b % ntiles) * 64;
+    mm::FragC acc[2][8];
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) acc[mt][nt].zero();
+    // A(r = p, k = i) = dys[i][p] (stored transposed), B(k = i, n) = Cs[i][n]
+    mm::warp_gemm<T, 2, 8, kL / 16, false, true>(acc, dys + r0, pl.DP, Cs + n0, pl.CP);
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) {
+        const int n = n0 + nt * 8 + mm::c_col(lane, 0);
+        if (n >= N) continue;  // N % 8 == 0: n + 1 < N as well
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const int r = r0 + mt * 16 + mm::c_row(lane, 2 * hh);
+          if (r < P)
+            *reinterpret_cast<float2*>(out + static_cast<int64_t>(r) * N + n) =
+                make_float2(acc[mt][nt].x[2 * hh], acc[mt][nt].x[2 * hh + 1]);
+        }
+      }
+  }
+}
+
+bool aligned16(const void* q) { return reinterpret_cast<uintptr_t>(q) % 16 == 0; }
+bool half_type(BwdType t) { return t == BwdType::BFloat16 || t == BwdType::Float16; }
+
+template <typename T>
+int launch(const BwdParams& p, cudaStream_t st) {
+  const int bytes = static_cast<int>(Plan(p.head_dim, p.state_dim).bytes);
+  const int64_t n = p.num_chunks * p.heads;
+  if (p.z != nullptr) {
+    cudaError_t e = cudaFuncSetAttribute(local_bf16_kernel<T, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    if (e != cudaSuccess) return static_cast<int>(e);
+    local_bf16_kernel<T, true><<<static_cast<unsigned>(n), kThreads, bytes, st>>>(p);
+  } else {
+    cudaError_t e = cudaFuncSetAttribute(local_bf16_kernel<T, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    if (e != cudaSuccess) return static_cast<int>(e);
+    local_bf16_kernel<T, false><<<static_cast<unsigned>(n), kThreads, bytes, st>>>(p);
+  }
+  return static_cast<int>(cudaGetLastError());
+}
+
+}  // namespace
+
+bool ssd_bwd_local_bf16_supported(const BwdParams& p) {
+  if (p.chunk != kL || p.head_dim < 1 || p.head_dim > kMaxDim || p.state_dim < 1 || p.state_dim > kMaxDim) return false;
+  if (p.head_dim % 8 != 0 || p.state_dim % 8 != 0) return false;
+  if (p.groups < 1 || p.heads % p.groups != 0) return false;
+  if (!half_type(p.bc_type) || p.dout_type != p.bc_type) return false;
+  if (p.z != nullptr && p.z_type != p.bc_type) return false;
+  if (p.num_chunks * p.heads > 0x7fffffffLL) return false;
+  return aligned16(p.C) && aligned16(p.dout) && (p.z == nullptr || aligned16(p.z)) && aligned16(p.ds);
+}
+
+int ssd_bwd_local_bf16(const BwdParams& p, void* stream) {
+  if (p.num_chunks * p.heads == 0) return 0;
+  if (!ssd_bwd_local_bf16_supported(p)) return static_cast<int>(cudaErrorInvalidValue);
+  const auto st = static_cast<cudaStream_t>(stream);
+  return p.bc_type == BwdType::BFloat16 ? launch<__nv_bfloat16>(p, st) : launch<__half>(p, st);
+}
+
+}  // namespace tree_recurrence::ssd::fused::kernels
