@@ -127,13 +127,49 @@ __device__ __forceinline__ void st_vec(float* dst, const float (&v)[V]) {
   }
 }
 
+// states (in-type) widened: V consecutive elements (V = 4: one 8-byte load for 16-bit types, 16 for fp32)
+template <int V>
+__device__ __forceinline__ void ld_states(const void* base, BwdType t, int64_t i, float (&v)[V]) {
+  if constexpr (V == 4) {
+    if (t == BwdType::Float32) {
+      ld_vec<4>(static_cast<const float*>(base) + i, v);
+    } else {
+      const uint2 w = *reinterpret_cast<const uint2*>(static_cast<const uint16_t*>(base) + i);
+      float2 a, b;
+      if (t == BwdType::BFloat16) {
+        a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w.x));
+        b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w.y));
+      } else {
+        a = __half22float2(*reinterpret_cast<const __half2*>(&w.x));
+        b = __half22float2(*reinterpret_cast<const __half2*>(&w.y));
+      }
+      v[0] = a.x, v[1] = a.y, v[2] = b.x, v[3] = b.y;
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < V; ++k) v[k] = ld(base, t, i + k);
+  }
+}
+__device__ __forceinline__ float warp_sum(float v) {  // xor butterfly: fixed order, every lane the sum
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+constexpr int kWarpsPerBlock = kThreads / 32;
+
+// Folded ddecay (p.ddecay_part set): per chunk, each warp's partial of <s[c], ds_leave[c]> over its
+// 32 V elements (fma in element order, then the xor butterfly) is written to
+// ddecay_part[(c H + h) parts + blockIdx.y warps + warp]; ssd_bwd_ddecay_finish sums them in order.
+// Lanes past PN then stay (with zeros) for the shuffles instead of returning.
 template <int V>
 __global__ void __launch_bounds__(kThreads) state_pass_kernel(BwdParams p, int64_t begin) {
   const int64_t H = p.heads, PN = p.head_dim * p.state_dim, L = p.chunk;
   const unsigned bx = blockIdx.x, hu = static_cast<unsigned>(H);
   const int64_t k = bx / hu, h = bx % hu;
   const int64_t el = (static_cast<int64_t>(blockIdx.y) * kThreads + threadIdx.x) * V;
-  if (el >= PN) return;  // PN % V == 0: a thread's V elements are all in or all out
+  const bool fold = p.ddecay_part != nullptr;
+  const bool on = el < PN;  // PN % V == 0: a thread's V elements are all in or all out
+  if (!on && !fold) return;
   const int64_t s = p.level_segments[begin + k];
   const int64_t q0 = p.child_offsets[s], q1 = p.child_offsets[s + 1];
   const int64_t c0 = p.seg_chunk_offsets[s], c1 = p.seg_chunk_offsets[s + 1];
@@ -142,44 +178,74 @@ __global__ void __launch_bounds__(kThreads) state_pass_kernel(BwdParams p, int64
   float carry[V];
 #pragma unroll
   for (int i = 0; i < V; ++i) carry[i] = 0.f;
-  for (int64_t q = q0; q < q1; q += kKids) {
-    int64_t kid[kKids];
+  if (on)
+    for (int64_t q = q0; q < q1; q += kKids) {
+      int64_t kid[kKids];
 #pragma unroll
-    for (int j = 0; j < kKids; ++j) kid[j] = q + j < q1 ? p.children[q + j] : 0;
-    float w[kKids][V];
+      for (int j = 0; j < kKids; ++j) kid[j] = q + j < q1 ? p.children[q + j] : 0;
+      float w[kKids][V];
 #pragma unroll
-    for (int j = 0; j < kKids; ++j)
-      if (q + j < q1) ld_vec<V>(p.ws + (kid[j] * H + h) * PN + el, w[j]);
+      for (int j = 0; j < kKids; ++j)
+        if (q + j < q1) ld_vec<V>(p.ws + (kid[j] * H + h) * PN + el, w[j]);
 #pragma unroll
-    for (int j = 0; j < kKids; ++j)
-      if (q + j < q1) {
+      for (int j = 0; j < kKids; ++j)
+        if (q + j < q1) {
 #pragma unroll
-        for (int i = 0; i < V; ++i) carry[i] += w[j][i];
-      }
-  }
+          for (int i = 0; i < V; ++i) carry[i] += w[j][i];
+        }
+    }
 
   const int64_t cstride = H * PN, lstride = H * L;
   float* ds = p.ds + h * PN + el;               // + c * cstride: element el of (c, h)
   const float* lam = p.Lam + h * L + (L - 1);   // + c * lstride: Lam_last of (c, h)
+  const int64_t sel = h * PN + el;              // + c * cstride: the state element
+  const int64_t slot = static_cast<int64_t>(blockIdx.y) * kWarpsPerBlock + (threadIdx.x >> 5);
   for (int64_t c = c1 - 1; c >= c0; c -= kAhead) {
-    float loc[kAhead][V], dec[kAhead];
+    float loc[kAhead][V], dec[kAhead], sv[kAhead][V];
 #pragma unroll
     for (int u = 0; u < kAhead; ++u)
       if (c - u >= c0) {
-        ld_vec<V>(ds + (c - u) * cstride, loc[u]);
+        if (on) {
+          ld_vec<V>(ds + (c - u) * cstride, loc[u]);
+          if (fold) ld_states<V>(p.states, p.states_type, sel + (c - u) * cstride, sv[u]);
+        }
         dec[u] = lam[(c - u) * lstride];
       }
 #pragma unroll
     for (int u = 0; u < kAhead; ++u)
       if (c - u >= c0) {
-        st_vec<V>(ds + (c - u) * cstride, carry);
-        const float d = expf(dec[u]);
+        if (fold) {
+          float part = 0.f;
+          if (on) {
 #pragma unroll
-        for (int i = 0; i < V; ++i) carry[i] = fmaf(d, carry[i], loc[u][i]);
+            for (int i = 0; i < V; ++i) part = fmaf(sv[u][i], carry[i], part);
+          }
+          part = warp_sum(part);
+          if ((threadIdx.x & 31) == 0) p.ddecay_part[((c - u) * H + h) * p.ddecay_parts + slot] = part;
+        }
+        if (on) {
+          st_vec<V>(ds + (c - u) * cstride, carry);
+          const float d = expf(dec[u]);
+#pragma unroll
+          for (int i = 0; i < V; ++i) carry[i] = fmaf(d, carry[i], loc[u][i]);
+        }
       }
   }
+  if (!on) return;
   st_vec<V>(p.ws + (s * H + h) * PN + el, carry);
   if (r >= 0 && p.droots != nullptr) st_vec<V>(p.droots + (r * H + h) * PN + el, carry);
+}
+
+// ---- folded ddecay: warp per (c, h), its partials summed lane-strided then by the butterfly -------
+__global__ void __launch_bounds__(kThreads) ddecay_finish_kernel(BwdParams p) {
+  const int64_t w = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
+  if (w >= p.num_chunks * p.heads) return;  // whole warps
+  const int lane = static_cast<int>(threadIdx.x & 31);
+  const float* part = p.ddecay_part + w * p.ddecay_parts;
+  float acc = 0.f;
+  for (int64_t j = lane; j < p.ddecay_parts; j += 32) acc += part[j];
+  acc = warp_sum(acc);
+  if (lane == 0) p.ddecay[w] = acc;
 }
 
 // ---- ddecay[c, h] = <s[c], ds_leave[c]>: block per (c, h), fixed-order tree reduction -----------
@@ -386,20 +452,40 @@ int ssd_bwd_local(const BwdParams& p, void* stream) {
   local_kernel<<<blocks_for(n, kThreads), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(p);
   return launched();
 }
+// V = 4 (16-byte) variant when PN % 4 == 0 and the buffers (states included: the folded ddecay reads
+// them) are 16-byte aligned, else V = 1
+static bool state_pass_vec(const BwdParams& p) {
+  const auto aligned = [](const void* q) { return reinterpret_cast<uintptr_t>(q) % 16 == 0; };
+  const int64_t PN = p.head_dim * p.state_dim;
+  return PN % 4 == 0 && aligned(p.ds) && aligned(p.ws) && (p.droots == nullptr || aligned(p.droots)) &&
+         aligned(p.states);
+}
+static int64_t state_pass_blocks_y(const BwdParams& p) {
+  const int V = state_pass_vec(p) ? 4 : 1;
+  return (p.head_dim * p.state_dim / V + kThreads - 1) / kThreads;
+}
 int ssd_bwd_state_pass(const BwdParams& p, int64_t begin, int64_t count, void* stream) {
   const int64_t PN = p.head_dim * p.state_dim;
   if (count * p.heads * PN == 0) return 0;
-  const auto aligned = [](const void* q) { return reinterpret_cast<uintptr_t>(q) % 16 == 0; };
-  const bool vec = PN % 4 == 0 && aligned(p.ds) && aligned(p.ws) && (p.droots == nullptr || aligned(p.droots));
-  const int V = vec ? 4 : 1;
-  const int64_t ys = (PN / V + kThreads - 1) / kThreads, xs = count * p.heads;
+  const bool vec = state_pass_vec(p);
+  const int64_t ys = state_pass_blocks_y(p), xs = count * p.heads;
   if (xs > 0x7fffffffLL || ys > 65535 || p.heads > 0xffffffffLL) return static_cast<int>(cudaErrorInvalidConfiguration);
+  if (p.ddecay_part != nullptr && p.ddecay_parts != ys * kWarpsPerBlock) return static_cast<int>(cudaErrorInvalidValue);
   const dim3 grid(static_cast<unsigned>(xs), static_cast<unsigned>(ys));
   const auto st = static_cast<cudaStream_t>(stream);
   if (vec)
     state_pass_kernel<4><<<grid, kThreads, 0, st>>>(p, begin);
   else
     state_pass_kernel<1><<<grid, kThreads, 0, st>>>(p, begin);
+  return launched();
+}
+// the pointers the V choice looks at must be set before this is asked (ds, ws, droots, states)
+int64_t ssd_bwd_ddecay_parts(const BwdParams& p) { return state_pass_blocks_y(p) * kWarpsPerBlock; }
+int ssd_bwd_ddecay_finish(const BwdParams& p, void* stream) {
+  const int64_t n = p.num_chunks * p.heads;
+  if (n == 0) return 0;
+  if (p.ddecay_part == nullptr || p.ddecay_parts < 1) return static_cast<int>(cudaErrorInvalidValue);
+  ddecay_finish_kernel<<<blocks_for(n, kWarpsPerBlock), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(p);
   return launched();
 }
 int ssd_bwd_ddecay(const BwdParams& p, void* stream) {
