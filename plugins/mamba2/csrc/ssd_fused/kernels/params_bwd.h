@@ -90,6 +90,13 @@ struct BwdParams {
   // ddecay kernel's re-read of ds is not run). Null: the ddecay kernel.
   float* ddecay_part = nullptr;
   int64_t ddecay_parts = 0;
+  // H3 (ssd_post_bwd.cu, bf16 / fp16 post kernel): post_dy_from_dout computes dy = dout silu(z) (dout
+  // without z) on the fly from dout, z, y (p.dy unused) and then writes dz_out (T, H, P) in z's type
+  // (when z and dz_out are set); false reads the precomputed fp32 p.dy. dD_part (NC, H, P) fp32 or
+  // null: per (chunk, head, p) the partial sum over the chunk's tokens of dy x (ATen sums chunks).
+  bool post_dy_from_dout = false;
+  void* dz_out = nullptr;
+  float* dD_part = nullptr;
 };
 
 constexpr int64_t kBwdMaxChunk = 256;
@@ -115,6 +122,13 @@ int ssd_bwd_ddecay_finish(const BwdParams& p, void* stream);  // ddecay from dde
 // in 1..128 multiples of 8, C / dout / z of one 16-bit type, 16-byte aligned pointers.
 bool ssd_bwd_local_bf16_supported(const BwdParams& p);
 int ssd_bwd_local_bf16(const BwdParams& p, void* stream);  // ds = local (reads dout, z; not dy)
+
+// bf16 / fp16 post kernel (ssd_post_bwd.cu, round 3): post_tc's outputs (cb if set, dx in dx_type, q, v,
+// ddt_direct, d_dtA, ddt, ddt_raw, dA_part, dB, dC) and, per the fields above, dz_out and dD_part; one
+// bf16 / fp16 MMA per product, ldmatrix fragments. Chunk 64, P and N in 1..128 multiples of 8, x / B / C
+// / dout / states (/ z / y) of one 16-bit type, 16-byte aligned pointers (ssd_bwd_post_bf16_supported).
+bool ssd_bwd_post_bf16_supported(const BwdParams& p);
+int ssd_bwd_post_bf16(const BwdParams& p, void* stream);  // needs ds_leave, ddecay
 
 // Tensor-core path (ssd_tc_bwd.cu), chunk 64 with P, N <= 128 and its shared-memory plan within the
 // device's opt-in limit (P, N <= 64 or so; ssd_bwd_tc_supported says). Order: gate -> local_tc ->
