@@ -58,6 +58,14 @@ bool tc_enabled() {
   return v == nullptr || std::strcmp(v, "0") != 0;
 }
 
+// TREE_RECURRENCE_SSD_BWD_V1=1 selects the round-2 kernels: gate + local_tc (fp32 dy), the separate
+// ddecay kernel (re-reads ds_leave). Otherwise (round 3, H4): bf16 / fp16 inputs take the local kernel
+// of ssd_local_bwd.cu (dy from dout / z on the fly) and the ddecay is folded into the state pass.
+bool v1_selected() {
+  const char* v = std::getenv("TREE_RECURRENCE_SSD_BWD_V1");
+  return v != nullptr && std::strcmp(v, "1") == 0;
+}
+
 void check_launch(int err, const char* what) {
   TORCH_CHECK(err == 0, "fused SSD backward: the ", what, " kernel failed to launch: ", k::ssd_bwd_error_string(err));
 }
@@ -134,8 +142,6 @@ Stages run(const at::Tensor& grad_out, const Args& a, const Tables& t, const Sav
   const at::Tensor gather = t.gather.contiguous();
 
   Stages st;
-  st.dy = at::empty({T, H, P}, f32);
-  if (a.z) st.dz = at::empty({T, H, P}, f32);
   st.cb = at::empty({NC, G, L, L}, f32);
   st.ds_leave = at::empty({NC, H, P, N}, f32);
   at::Tensor ws = at::empty({std::max<int64_t>(S, 1), H, P, N}, f32);
@@ -165,7 +171,6 @@ Stages run(const at::Tensor& grad_out, const Args& a, const Tables& t, const Sav
     p.y_type = bwd_type(y, "saved y");
     p.z = z.data_ptr();
     p.y = y.data_ptr();
-    p.dz = st.dz.data_ptr<float>();
   }
   p.dt_raw = dt_raw.data_ptr<float>();
   p.A = A.data_ptr<float>();
@@ -185,7 +190,6 @@ Stages run(const at::Tensor& grad_out, const Args& a, const Tables& t, const Sav
   p.level_segments = lsegs.data_ptr<int64_t>();
   p.child_offsets = coff.data_ptr<int64_t>();
   p.children = kids.data_ptr<int64_t>();
-  p.dy = st.dy.data_ptr<float>();
   p.cb = st.cb.data_ptr<float>();
   const bool tc = tc_enabled() && k::ssd_bwd_tc_supported(p);
   at::Tensor dyx, dx;
@@ -214,8 +218,36 @@ Stages run(const at::Tensor& grad_out, const Args& a, const Tables& t, const Sav
   p.dC = dC.data_ptr<float>();
   p.dA_part = st.dA_part.data_ptr<float>();
 
-  check_launch(k::ssd_bwd_gate(p, stream), "gate (dy, dz)");
-  if (tc) {
+  const bool v1 = v1_selected();
+  // the bf16 / fp16 local kernel (dy on the fly): it needs p.ds set (alignment), done above
+  const bool local_new = tc && !v1 && k::ssd_bwd_local_bf16_supported(p);
+  // H3: true when the new post kernel runs with dy computed on the fly from dout / z; it then writes
+  // dz in z's dtype into dz_out and the (NC, H, P) fp32 partials of dD = sum_t dy x into dD_part.
+  const bool post_new = false;
+  at::Tensor dz_out, dD_part;
+  // the gate's fp32 dy / dz: only when a kernel still reads dy, or for the stage op's dy / dz outputs
+  const bool need_gate = !(local_new && post_new) || keep_stages;
+  if (need_gate) {
+    st.dy = at::empty({T, H, P}, f32);
+    p.dy = st.dy.data_ptr<float>();
+    if (a.z) {
+      st.dz = at::empty({T, H, P}, f32);
+      p.dz = st.dz.data_ptr<float>();
+    }
+  }
+  // folded ddecay: per-warp partials written by the state pass (parts depends on the pointers above)
+  at::Tensor ddecay_part;
+  if (!v1) {
+    const int64_t parts = k::ssd_bwd_ddecay_parts(p);
+    ddecay_part = at::empty({NC, H, parts}, f32);
+    p.ddecay_part = ddecay_part.data_ptr<float>();
+    p.ddecay_parts = parts;
+  }
+
+  if (need_gate) check_launch(k::ssd_bwd_gate(p, stream), "gate (dy, dz)");
+  if (local_new) {
+    check_launch(k::ssd_bwd_local_bf16(p, stream), "bf16 / fp16 local state gradient (dy on the fly)");
+  } else if (tc) {
     check_launch(k::ssd_bwd_local_tc(p, stream), "tensor-core local state gradient");
   } else {
     check_launch(k::ssd_bwd_cb(p, stream), "C B^T");
@@ -228,7 +260,10 @@ Stages run(const at::Tensor& grad_out, const Args& a, const Tables& t, const Sav
     TORCH_CHECK_VALUE(count >= 0 && begin >= 0 && begin + count <= S, "fused SSD backward: level_offsets ", lv, " is out of range");
     check_launch(k::ssd_bwd_state_pass(p, begin, count, stream), "reverse state pass");
   }
-  check_launch(k::ssd_bwd_ddecay(p, stream), "ddecay");
+  if (p.ddecay_part != nullptr)
+    check_launch(k::ssd_bwd_ddecay_finish(p, stream), "ddecay (sum of the state pass's partials)");
+  else
+    check_launch(k::ssd_bwd_ddecay(p, stream), "ddecay");
   if (tc) {
     check_launch(k::ssd_bwd_post_tc(p, stream), "tensor-core chunk gradients (cb, dx, ddt, dB, dC, d(dt A))");
   } else {
@@ -244,11 +279,24 @@ Stages run(const at::Tensor& grad_out, const Args& a, const Tables& t, const Sav
   g.dC = dC.to(a.C.scalar_type());
   g.dA = st.dA_part.sum(0).to(a.A.scalar_type());
   if (a.D) {
-    const at::Tensor xy = st.dy * x.to(at::kFloat);
-    g.dD = (a.D->dim() == 1 ? xy.sum(at::IntArrayRef{0, 2}) : xy.sum(0)).to(a.D->scalar_type());
+    if (dD_part.defined()) {  // (NC, H[, P]) partials: fixed-order ATen sums of NC x H [x P] floats
+      const at::Tensor hp = dD_part.sum(0);
+      g.dD = (a.D->dim() == 1 && hp.dim() == 2 ? hp.sum(1) : hp).to(a.D->scalar_type());
+    } else {
+      TORCH_CHECK(st.dy.defined(), "fused SSD backward: dD needs dy or the post kernel's dD partials");
+      const at::Tensor xy = st.dy * x.to(at::kFloat);
+      g.dD = (a.D->dim() == 1 ? xy.sum(at::IntArrayRef{0, 2}) : xy.sum(0)).to(a.D->scalar_type());
+    }
   }
   if (a.dt_bias) g.ddt_bias = st.ddt_raw.sum(0).to(a.dt_bias->scalar_type());
-  if (a.z) g.dz = st.dz.to(a.z->scalar_type());
+  if (a.z) {
+    if (dz_out.defined()) {
+      g.dz = dz_out.to(a.z->scalar_type());  // written in z's dtype: no copy
+    } else {
+      TORCH_CHECK(st.dz.defined(), "fused SSD backward: dz needs the gate or the post kernel's dz");
+      g.dz = st.dz.to(a.z->scalar_type());
+    }
+  }
   if (a.initial_state) {
     g.d_initial_state = shared_h0 ? st.d_roots.narrow(0, 0, std::max<int64_t>(R, 1)).sum(0).reshape(a.initial_state->sizes())
                                   : st.d_roots;
