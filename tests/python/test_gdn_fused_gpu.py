@@ -18,6 +18,7 @@ Run: .venv/bin/python -m pytest tests/python/test_gdn_fused_gpu.py -q -s   (-s s
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -211,3 +212,72 @@ def test_interim_backward_is_the_composites(name, monkeypatch):
         e = rel_rms(g_fused[n], g_comp[n])
         print(f"  d{n}: fused-interim vs composite rel RMS {e:.3e}, bitwise {torch.equal(g_fused[n], g_comp[n])}")
         assert e <= 1e-6, f"d{n} differs from the composite's gradient: {e:.3e}"
+
+
+# ------------------------------------------------------------------------------------------------
+# CUDA: version 2 of prep_fwd (16 x 16 block inverse) and out_fwd (pipelined loads) against
+# version 1 (TREE_RECURRENCE_GDN_PREP_V1=1 / TREE_RECURRENCE_GDN_OUT_V1=1, read once per process:
+# the old versions run in a subprocess)
+# ------------------------------------------------------------------------------------------------
+
+_V1_SCRIPT = r"""
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+from test_gdn_fused_gpu import make_case, call_stages, DTYPES
+out = {}
+for key in sys.argv[3].split(","):
+    name, dt = key.split(":")
+    c = make_case(name, DTYPES[dt], seed=5)
+    out[key] = {n: t.cpu() for n, t in call_stages(c).items()}
+torch.save(out, sys.argv[2])
+"""
+
+V1_CASES = ["around_chunk_strong:bf16", "long_8k_strong:bf16", "k24_v88_groups3:fp16", "wide_k16:bf16",
+            "odd_dims_none:fp16", "deep_k128:fp16"]
+PREP_SAME = ["G", "kd", "decay", "rq", "rk"]  # phases the versions share: bit for bit
+
+
+def _run_versions(tmp_path, env_extra):
+    import os
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = str(tmp_path / ("v1_" + "_".join(sorted(env_extra)) + ".pt"))
+    env = dict(os.environ, **env_extra)
+    res = subprocess.run([sys.executable, "-c", _V1_SCRIPT, here, path, ",".join(V1_CASES)], env=env, cwd=here,
+                         capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, f"version-1 subprocess failed ({env_extra}):\n{res.stdout}\n{res.stderr}"
+    return torch.load(path)
+
+
+@cuda
+def test_v2_kernels_against_v1(tmp_path):
+    for n in ("TREE_RECURRENCE_GDN_PREP_V1", "TREE_RECURRENCE_GDN_OUT_V1"):
+        assert os.environ.get(n) is None, f"unset {n} to run this test (the new kernels run in this process)"
+    both_v1 = _run_versions(tmp_path, {"TREE_RECURRENCE_GDN_PREP_V1": "1", "TREE_RECURRENCE_GDN_OUT_V1": "1"})
+    prep_v1 = _run_versions(tmp_path, {"TREE_RECURRENCE_GDN_PREP_V1": "1"})  # out version 2 on prep version 1
+    bad = []
+    for key in V1_CASES:
+        name, dt = key.split(":")
+        c = make_case(name, DTYPES[dt], seed=5)
+        new = {n: t.cpu() for n, t in call_stages(c).items()}
+        old, mixed = both_v1[key], prep_v1[key]
+        # out version 2 vs 1 on the same prep (version 1): the same math in the same order, bit for bit
+        o_same = torch.equal(mixed["o"], old["o"])
+        print(f"\n{key}: out v2 vs v1 (prep v1) bitwise {o_same}, rel RMS {rel_rms(mixed['o'], old['o']):.3e}")
+        if not o_same:
+            bad.append((key, "out v2 != out v1"))
+        for n in STAGES:
+            e = rel_rms(new[n], old[n])
+            same = torch.equal(new[n], old[n])
+            print(f"  {n:12s} v2 vs v1 rel RMS {e:.3e}  bitwise {same}")
+            if n in PREP_SAME and not same:
+                bad.append((key, n, "not bitwise"))
+            elif e > EXACT_TOL[n]:  # rounding flips of Ainv / w / u and what follows from them
+                bad.append((key, n, e))
+        # and the new versions against float64 (the other tests do this on every case too)
+        report = stage_report({n: t.cuda() for n, t in new.items()}, c, DTYPES[dt])
+        print_report(f"{key} v2", report)
+        bad += [(key, n, r) for n, r in report.items() if r[0] > EXACT_TOL[n] or r[1] > LOCAL_TOL[n]]
+    assert not bad, f"version 2 vs version 1: {bad}"

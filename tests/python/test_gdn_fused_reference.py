@@ -84,3 +84,51 @@ def test_output_stage_alone_matches():
     st = ref.stages(x["q"], x["k"], x["v"], x["g"], x["beta"], tabs, x["h0"][0], 0.3, True)
     o = ref.outputs(x["q"], x["k"], st["G"], st["h"], st["v_new"], tabs, 0.3, True)
     assert rel_err(o, st["o"]) <= 1e-12
+
+
+def _block_inverse_emulated(A, garbage):
+    """prep_fwd.cu's block_inverse (version 2) index for index on one 64 x 64 strictly lower A: the
+    buffer M holds A^T in its strict upper triangle and garbage below; returns M's lower triangle
+    (with the diagonal), the kernel's Ainv."""
+    M = garbage.clone()
+    r, c = torch.tril_indices(64, 64, -1)
+    M[c, r] = A[r, c]
+    for b in range(4):  # 4a
+        o = 16 * b
+        for cc in range(16):
+            x = [0.0] * 16
+            for rr in range(16):
+                acc = 1.0 if rr == cc else 0.0
+                for m in range(rr):
+                    acc -= M[o + m, o + rr].item() * x[m]
+                x[rr] = acc if rr >= cc else 0.0
+            for rr in range(cc, 16):
+                M[o + rr, o + cc] = x[rr]
+    for d in range(1, 4):  # 4b
+        for j in range(4 - d):
+            i = j + d
+            Y = torch.zeros(16, 16, dtype=A.dtype)
+            for k in range(j, i):
+                At = M[16 * k:16 * k + 16, 16 * i:16 * i + 16].T  # A(16i + r, 16k + m) = M[16k + m, 16i + r]
+                X = M[16 * k:16 * k + 16, 16 * j:16 * j + 16].clone()
+                if k == j:
+                    X = torch.tril(X)  # columns past m masked
+                Y += At @ X
+            M[16 * i:16 * i + 16, 16 * j:16 * j + 16] = Y
+            D = torch.tril(M[16 * i:16 * i + 16, 16 * i:16 * i + 16], -1) + torch.eye(16, dtype=A.dtype)
+            M[16 * i:16 * i + 16, 16 * j:16 * j + 16] = -(D @ Y)
+    return torch.tril(M)
+
+
+@pytest.mark.parametrize("strong", [False, True])
+def test_prep_block_inverse_algorithm(strong):
+    # the CUDA prep kernel's 16 x 16 block inverse (version 2), emulated in float64 on the CPU
+    g = torch.Generator().manual_seed(7 + strong)
+    kk = torch.nn.functional.normalize(torch.randn(64, 32, generator=g, dtype=torch.float64), dim=-1)
+    beta = torch.rand(64, generator=g, dtype=torch.float64)
+    G = torch.cumsum(-torch.rand(64, generator=g, dtype=torch.float64) * (4.0 if strong else 0.3), 0)
+    A = torch.tril(beta[:, None] * torch.exp(G[:, None] - G[None, :]) * (kk @ kk.T), -1)
+    garbage = torch.randn(64, 64, generator=g, dtype=torch.float64) * 1e3
+    got = _block_inverse_emulated(A, garbage)
+    want = torch.linalg.inv(torch.eye(64, dtype=torch.float64) + A)
+    assert rel_err(got, want) <= 1e-12

@@ -14,6 +14,8 @@
 // Shared memory is reused across phases: the q rows (phase 1), A (3-4) and the two scaled Ainv
 // operands (5) share one buffer.
 // Every exponent is min(., 0) (G is non-increasing, so this only guards against g > 0 input).
+#include <cstdlib>
+
 #include "fwd_common.cuh"
 
 namespace tree_recurrence::gdn::fused::kernels {
@@ -92,7 +94,110 @@ __device__ __forceinline__ void store_rows(T* __restrict__ dst, const T* src, in
   }
 }
 
-template <typename T>
+// Phase 4 of version 2: Ainv = (I + A)^-1 by 16 x 16 blocks, fp32 on CUDA cores, all 128 threads.
+// On entry the buffer M (pitch kLdA) holds A transposed in its strict upper triangle (M[c][r] =
+// A(r, c), c < r); on exit its lower triangle with the diagonal holds X = Ainv (M[r][c] = X(r, c),
+// c <= r; the upper triangle still holds A^T). Blocks (16 x 16; D_b = X_bb):
+//   4a. D_b = (I + A_bb)^-1 by forward substitution (thread per (b, column), 16 rows);
+//   4b. level d = 1..3, blocks (i, j = i - d) independent: Y = sum_{k=j}^{i-1} A_ik X_kj (written
+//       to block (i, j)), then X_ij = -D_i Y (in registers, a barrier, then over Y).
+// Every sum runs in a fixed order (deterministic); each thread owns 1 x 4 strips (row r, columns
+// 4q..4q+3) of a block.
+__device__ __forceinline__ void block_inverse(float* M, int tid) {
+  if (tid < kChunk) {  // 4a
+    const int b = tid >> 4, cc = tid & 15, o = b * 16;
+    float x[16];
+#pragma unroll
+    for (int r = 0; r < 16; ++r) {
+      float acc = r == cc ? 1.f : 0.f;
+#pragma unroll
+      for (int m = 0; m < r; ++m) acc = fmaf(-M[(o + m) * kLdA + o + r], x[m], acc);  // A(o + r, o + m)
+      x[r] = r >= cc ? acc : 0.f;
+    }
+#pragma unroll
+    for (int r = 0; r < 16; ++r)
+      if (r >= cc) M[(o + r) * kLdA + o + cc] = x[r];
+  }
+  __syncthreads();
+#pragma unroll
+  for (int d = 1; d < 4; ++d) {
+    const int strips = (4 - d) * 64;
+    float4 y[2];
+    // Y = sum_k A_ik X_kj (k = j: X_jj = D_j, lower triangular: columns past m masked)
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+      const int s = tid + n * kThreads;
+      if (s < strips) {
+        const int j = s >> 6, i = j + d, r = (s >> 2) & 15, q4 = (s & 3) * 4;
+        float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+        for (int k = j; k < i; ++k) {
+#pragma unroll
+          for (int m = 0; m < 16; ++m) {
+            const float* row = M + (k * 16 + m) * kLdA;
+            const float a = row[i * 16 + r];  // A(16i + r, 16k + m)
+            float4 x4 = *reinterpret_cast<const float4*>(row + j * 16 + q4);
+            if (k == j) {
+              if (q4 + 0 > m) x4.x = 0.f;
+              if (q4 + 1 > m) x4.y = 0.f;
+              if (q4 + 2 > m) x4.z = 0.f;
+              if (q4 + 3 > m) x4.w = 0.f;
+            }
+            a0 = fmaf(a, x4.x, a0);
+            a1 = fmaf(a, x4.y, a1);
+            a2 = fmaf(a, x4.z, a2);
+            a3 = fmaf(a, x4.w, a3);
+          }
+        }
+        y[n] = make_float4(a0, a1, a2, a3);
+      }
+    }
+    // block (i, j) is read by no other strip of this level: Y goes there at once
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+      const int s = tid + n * kThreads;
+      if (s < strips) {
+        const int j = s >> 6, i = j + d, r = (s >> 2) & 15, q4 = (s & 3) * 4;
+        *reinterpret_cast<float4*>(M + (i * 16 + r) * kLdA + j * 16 + q4) = y[n];
+      }
+    }
+    __syncthreads();
+    // X_ij = -D_i Y (D_i(r, m) at M[16i + r][16i + m], m < r; D_i(r, r) = 1)
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+      const int s = tid + n * kThreads;
+      if (s < strips) {
+        const int j = s >> 6, i = j + d, r = (s >> 2) & 15, q4 = (s & 3) * 4;
+        const float* Drow = M + (i * 16 + r) * kLdA + i * 16;
+        float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+#pragma unroll
+        for (int m = 0; m < 16; ++m) {
+          const float dm = m < r ? Drow[m] : (m == r ? 1.f : 0.f);
+          const float4 y4 = *reinterpret_cast<const float4*>(M + (i * 16 + m) * kLdA + j * 16 + q4);
+          a0 = fmaf(dm, y4.x, a0);
+          a1 = fmaf(dm, y4.y, a1);
+          a2 = fmaf(dm, y4.z, a2);
+          a3 = fmaf(dm, y4.w, a3);
+        }
+        y[n] = make_float4(-a0, -a1, -a2, -a3);
+      }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+      const int s = tid + n * kThreads;
+      if (s < strips) {
+        const int j = s >> 6, i = j + d, r = (s >> 2) & 15, q4 = (s & 3) * 4;
+        *reinterpret_cast<float4*>(M + (i * 16 + r) * kLdA + j * 16 + q4) = y[n];
+      }
+    }
+    __syncthreads();
+  }
+}
+
+// V2 selects phase 4 (and the transposed A layout it needs): false = version 1 (the column-wise
+// forward substitution, TREE_RECURRENCE_GDN_PREP_V1=1), true = block_inverse. Every other phase is
+// the same code.
+template <typename T, bool V2>
 __global__ void __launch_bounds__(kThreads, 4) prep_fwd_kernel(const PrepParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   PrepSmem<T>& s = *reinterpret_cast<PrepSmem<T>*>(smem_raw);
@@ -170,7 +275,10 @@ __global__ void __launch_bounds__(kThreads, 4) prep_fwd_kernel(const PrepParams 
       for (int e = 0; e < 4; ++e) {
         const int r = warp * 16 + mm::c_row(lane, e), col = nt * 8 + mm::c_col(lane, e);
         const float val = col < r ? s.beta[r] * exp_nonpos(s.G[r] - s.G[col]) * acc[nt].x[e] : 0.f;
-        s.u.A[r * kLdA + col] = val;
+        if (!V2)
+          s.u.A[r * kLdA + col] = val;
+        else if (col < r)
+          s.u.A[col * kLdA + r] = val;  // transposed, strict upper triangle only
       }
   }
   // 3b. kd_j = exp(G_63 - G_j) k^_j (16-byte stores)
@@ -190,43 +298,83 @@ __global__ void __launch_bounds__(kThreads, 4) prep_fwd_kernel(const PrepParams 
   }
   __syncthreads();
 
-  // 4. Ainv = (I + A)^-1: thread `col` solves (I + A) x = e_col top-down, x in registers; row i's
-  // sum in four partial sums (j = 0, 1, 2, 3 mod 4) added as (p0 + p1) + (p2 + p3).
-  float x[kChunk];
-  if (tid < kChunk) {
-    const int col = tid;
-#pragma unroll
-    for (int i = 0; i < kChunk; ++i) {
-      float p0 = i == col ? 1.f : 0.f, p1 = 0.f, p2 = 0.f, p3 = 0.f;
-      const float* Ai = s.u.A + i * kLdA;
-#pragma unroll
-      for (int j = 0; j + 3 < i; j += 4) {
-        const float4 a4 = *reinterpret_cast<const float4*>(Ai + j);
-        p0 = fmaf(-a4.x, x[j], p0);
-        p1 = fmaf(-a4.y, x[j + 1], p1);
-        p2 = fmaf(-a4.z, x[j + 2], p2);
-        p3 = fmaf(-a4.w, x[j + 3], p3);
+  if (!V2) {
+    // 4. Ainv = (I + A)^-1: thread `col` solves (I + A) x = e_col top-down, x in registers; row i's
+    // sum in four partial sums (j = 0, 1, 2, 3 mod 4) added as (p0 + p1) + (p2 + p3).
+    float x[kChunk];
+    if (tid < kChunk) {
+      const int col = tid;
+  #pragma unroll
+      for (int i = 0; i < kChunk; ++i) {
+        float p0 = i == col ? 1.f : 0.f, p1 = 0.f, p2 = 0.f, p3 = 0.f;
+        const float* Ai = s.u.A + i * kLdA;
+  #pragma unroll
+        for (int j = 0; j + 3 < i; j += 4) {
+          const float4 a4 = *reinterpret_cast<const float4*>(Ai + j);
+          p0 = fmaf(-a4.x, x[j], p0);
+          p1 = fmaf(-a4.y, x[j + 1], p1);
+          p2 = fmaf(-a4.z, x[j + 2], p2);
+          p3 = fmaf(-a4.w, x[j + 3], p3);
+        }
+        const int jt = i & ~3;
+        if (jt < i) p0 = fmaf(-Ai[jt], x[jt], p0);
+        if (jt + 1 < i) p1 = fmaf(-Ai[jt + 1], x[jt + 1], p1);
+        if (jt + 2 < i) p2 = fmaf(-Ai[jt + 2], x[jt + 2], p2);
+        x[i] = (p0 + p1) + (p2 + p3);
       }
-      const int jt = i & ~3;
-      if (jt < i) p0 = fmaf(-Ai[jt], x[jt], p0);
-      if (jt + 1 < i) p1 = fmaf(-Ai[jt + 1], x[jt + 1], p1);
-      if (jt + 2 < i) p2 = fmaf(-Ai[jt + 2], x[jt + 2], p2);
-      x[i] = (p0 + p1) + (p2 + p3);
     }
-  }
-  __syncthreads();  // every thread is done reading A (the operands take its place)
-  if (tid < kChunk) {
-    const int col = tid;
-    const float b = s.beta[col], bg = b * exp_nonpos(s.G[col]);
-    T* dst = static_cast<T*>(p.Ainv) + tile * kChunk * kChunk + col;  // row i: 64 threads, 128 contiguous bytes
+    __syncthreads();  // every thread is done reading A (the operands take its place)
+    if (tid < kChunk) {
+      const int col = tid;
+      const float b = s.beta[col], bg = b * exp_nonpos(s.G[col]);
+      T* dst = static_cast<T*>(p.Ainv) + tile * kChunk * kChunk + col;  // row i: 64 threads, 128 contiguous bytes
+  #pragma unroll
+      for (int i = 0; i < kChunk; ++i) {
+        dst[i * kChunk] = mm::Elem<T>::from_float(x[i]);
+        s.u.op.ab[i * kLdI + col] = mm::Elem<T>::from_float(x[i] * b);
+        s.u.op.abg[i * kLdI + col] = mm::Elem<T>::from_float(x[i] * bg);
+      }
+    }
+    __syncthreads();
+  } else {
+    // 4. (version 2) Ainv by 16 x 16 blocks in place; then each thread takes 32 entries of a row
+    // (row tid % 64, columns 32 (tid / 64)..) into registers, stores them to global (16-byte
+    // stores) and, after a barrier (the operands overlay A), the two scaled operands.
+    block_inverse(s.u.A, tid);
+    const int r = tid & 63, c0 = (tid >> 6) * 32;
+    float xr[32];
 #pragma unroll
-    for (int i = 0; i < kChunk; ++i) {
-      dst[i * kChunk] = mm::Elem<T>::from_float(x[i]);
-      s.u.op.ab[i * kLdI + col] = mm::Elem<T>::from_float(x[i] * b);
-      s.u.op.abg[i * kLdI + col] = mm::Elem<T>::from_float(x[i] * bg);
+    for (int e = 0; e < 32; e += 4) {
+      const float4 x4 = *reinterpret_cast<const float4*>(s.u.A + r * kLdA + c0 + e);
+      xr[e] = c0 + e <= r ? x4.x : 0.f;
+      xr[e + 1] = c0 + e + 1 <= r ? x4.y : 0.f;
+      xr[e + 2] = c0 + e + 2 <= r ? x4.z : 0.f;
+      xr[e + 3] = c0 + e + 3 <= r ? x4.w : 0.f;
     }
+    T* dst = static_cast<T*>(p.Ainv) + tile * kChunk * kChunk + r * kChunk + c0;
+#pragma unroll
+    for (int e = 0; e < 32; e += 8) {
+      float f[8];
+#pragma unroll
+      for (int m = 0; m < 8; ++m) f[m] = xr[e + m];
+      *reinterpret_cast<uint4*>(dst + e) = pack8<T>(f);
+    }
+    __syncthreads();  // every thread is done reading A (the operands take its place)
+#pragma unroll
+    for (int e = 0; e < 32; e += 8) {
+      float fb[8], fg[8];
+#pragma unroll
+      for (int m = 0; m < 8; ++m) {
+        const int col = c0 + e + m;
+        const float b = s.beta[col], bg = b * exp_nonpos(s.G[col]);
+        fb[m] = xr[e + m] * b;
+        fg[m] = xr[e + m] * bg;
+      }
+      *reinterpret_cast<uint4*>(s.u.op.ab + r * kLdI + c0 + e) = pack8<T>(fb);
+      *reinterpret_cast<uint4*>(s.u.op.abg + r * kLdI + c0 + e) = pack8<T>(fg);
+    }
+    __syncthreads();
   }
-  __syncthreads();
 
   // 5. w, u
   mm::FragC acc[16];
@@ -241,15 +389,29 @@ __global__ void __launch_bounds__(kThreads, 4) prep_fwd_kernel(const PrepParams 
   store_rows<T>(static_cast<T*>(p.u) + tile * kChunk * V, s.v, V);
 }
 
+// TREE_RECURRENCE_GDN_PREP_V1=1 (read once): version 1's phase 4 (column-wise substitution).
+bool use_v1() {
+  static const bool on = [] {
+    const char* e = std::getenv("TREE_RECURRENCE_GDN_PREP_V1");
+    return e != nullptr && e[0] == '1';
+  }();
+  return on;
+}
+
+template <typename T, bool V2>
+const char* launch_v(const PrepParams& p, cudaStream_t stream) {
+  const int smem = static_cast<int>(sizeof(PrepSmem<T>));
+  cudaError_t e = cudaFuncSetAttribute(prep_fwd_kernel<T, V2>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (e != cudaSuccess) return cudaGetErrorString(e);
+  const dim3 grid(static_cast<unsigned>(p.num_chunks), static_cast<unsigned>(p.value_heads));
+  prep_fwd_kernel<T, V2><<<grid, kThreads, smem, stream>>>(p);
+  return launch_error(cudaGetLastError());
+}
+
 template <typename T>
 const char* launch(const PrepParams& p, cudaStream_t stream) {
   if (p.num_chunks == 0) return "";
-  const int smem = static_cast<int>(sizeof(PrepSmem<T>));
-  cudaError_t e = cudaFuncSetAttribute(prep_fwd_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  if (e != cudaSuccess) return cudaGetErrorString(e);
-  const dim3 grid(static_cast<unsigned>(p.num_chunks), static_cast<unsigned>(p.value_heads));
-  prep_fwd_kernel<T><<<grid, kThreads, smem, stream>>>(p);
-  return launch_error(cudaGetLastError());
+  return use_v1() ? launch_v<T, false>(p, stream) : launch_v<T, true>(p, stream);
 }
 
 }  // namespace
