@@ -9,6 +9,10 @@
 //   4. Ainv = (I + A)^-1 by forward substitution in fp32 (one thread per column, the column in
 //      registers, each row's sum in four interleaved partial sums added in a fixed order:
 //      deterministic, a dependency chain a quarter as long); Ainv goes to global from registers;
+//      That is version 1 (TREE_RECURRENCE_GDN_PREP_V1=1). Version 2 (the default, block_inverse):
+//      A is written transposed (strict upper triangle), the 16 x 16 diagonal blocks are inverted
+//      by substitution, the off-diagonal blocks by fp32 block products (3 levels, all 128 threads),
+//      in place; Ainv and the operands leave with 16-byte stores;
 //   5. w = (Ainv diag(beta exp G)) k^, u = (Ainv diag(beta)) v on tensor cores (operands rounded to
 //      the input type, fp32 acc), staged in shared memory and stored with 16-byte writes.
 // Shared memory is reused across phases: the q rows (phase 1), A (3-4) and the two scaled Ainv
@@ -402,6 +406,9 @@ template <typename T, bool V2>
 const char* launch_v(const PrepParams& p, cudaStream_t stream) {
   const int smem = static_cast<int>(sizeof(PrepSmem<T>));
   cudaError_t e = cudaFuncSetAttribute(prep_fwd_kernel<T, V2>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (e != cudaSuccess) return cudaGetErrorString(e);
+  // the largest shared-memory carveout (a hint: 3 / 4 blocks per SM need it)
+  e = cudaFuncSetAttribute(prep_fwd_kernel<T, V2>, cudaFuncAttributePreferredSharedMemoryCarveout, 100);
   if (e != cudaSuccess) return cudaGetErrorString(e);
   const dim3 grid(static_cast<unsigned>(p.num_chunks), static_cast<unsigned>(p.value_heads));
   prep_fwd_kernel<T, V2><<<grid, kThreads, smem, stream>>>(p);
