@@ -1,0 +1,693 @@
+// Fused SSD (Mamba2) backward, the post-state-pass kernel on bf16 / fp16 tensor cores (round 3, H3).
+// Same math and stage outputs as post_tc (ssd_tc_bwd.cu; params_bwd.h has the layouts):
+//   block per (chunk, group), 8 warps, the group's heads in order:
+//     cb = C B^T (lower) once; per head: CS = C s^T -> q partials, dC += (e^Lam . dy) s,
+//     g = M^T dy + wlast . (B dS^T) -> dx, ddt_direct, v partials, dB += (wlast dt . x) dS,
+//     dyx = dy x^T -> dCB (summed over heads) and W = cb . dCB -> the d(dt A) scan, ddt, ddt_raw, dA;
+//     at the end dC += (sum dCB) B, dB += (sum dCB)^T C.
+// Differences from post_tc:
+//   * every operand is a bf16 / fp16 (the input type) tile in shared memory, pitch = width + 8 elements
+//     (16-byte aligned rows, conflict-free ldmatrix); fragments by ldmatrix; ONE mma per product;
+//     fp32 accumulators; the d(dt A) scan, ddt and dA sums in fp32 on CUDA cores (as post_tc);
+//   * dy = dout silu(z) (dout without z) computed on the fly from 16-byte loads of dout, z, y when
+//     p.post_dy_from_dout (then dz = dout y silu'(z) is written to dz_out in z's type), else read from
+//     the fp32 p.dy (the gate kernel's); dy is rounded once to the input type for the products and the
+//     D dy term of dx; dD_part[c, h, p] = sum_i dy_i,p x_i,p (fp32, fixed order) when set;
+//   * cb and sum_h dCB are kept in fp32 in "fragment order" (the 10 lower 16x16 blocks of L x L, each
+//     warp its own blocks, float4 per lane): 10 KB each instead of L x L tiles;
+//   * W (fp32 L x L) lives over the dead M^T and scaled-operand tiles (dyx is computed last per head).
+// Shared memory at P 64, N 128 (bytes): tokens 512, B / C 2 x 17408, cb / sum dCB 2 x 10240,
+// dy / x 2 x 9216, s then dS 17408, M^T + scaled operand (W over them) 18432, small 4864: 114944 B
+// (112.25 KiB) -> 2 CTAs per SM (2 x (112.25 + 1) KiB <= 228 KiB). P, N 128: 150 KB, 1 CTA/SM.
+// Bytes per (chunk, group) at P 64 N 128, 16 heads: B, C 32 KB once; per head x, dout, z, y 8 KB each,
+// s (bf16) 16 KB, dS (fp32) 32 KB read; dx, dz 8 KB each written: ~1.4 MB, ~1.05 GB... per chunk
+// group, ~8.3 GB over NC 768 x G 8 (vs post_tc: + the fp32 dy read 16 KB per head, no dz / z / y).
+// Deterministic: fixed mma order, xor shuffles and fixed-order partial sums, heads in order; no
+// atomics. 64-bit global indexing. Requirements: ssd_bwd_post_bf16_supported.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "params_bwd.h"
+#include "tree_recurrence/kernels/mma.cuh"
+
+namespace tree_recurrence::ssd::fused::kernels {
+namespace {
+
+namespace mm = tree_recurrence::kernels::mma;
+
+constexpr int kL = 64;
+constexpr int kLW = kL + 4;  // fp32 L x L pitch (floats)
+constexpr int kLT = kL + 8;  // 16-bit L x L pitch (elements)
+constexpr int kWarps = 8, kThreads = kWarps * 32;
+constexpr int kMaxDim = 128;
+constexpr int kLowBlocks = 10;  // lower 16x16 blocks of an L x L matrix
+constexpr int kMaxAcc = 4;      // L x N 16x16 accumulator blocks per warp (N <= 128)
+
+__host__ __device__ constexpr int pad16(int64_t v) { return static_cast<int>((v + 15) / 16 * 16); }
+
+struct Plan {
+  int Pp, Np, PT, NT, ncolP;  // padded dims, 16-bit pitches (elements), 16-column tiles of P
+  int off_B, off_C, off_cbf, off_sdf, off_dy, off_x, off_mat, off_wr, off_sc, off_small, bytes;  // bytes
+  __host__ __device__ explicit Plan(int64_t P, int64_t N) {
+    Pp = pad16(P);
+    Np = pad16(N);
+    PT = Pp + 8;
+    NT = Np + 8;
+    ncolP = Pp / 16;
+    int o = kL * 8;  // int64 tokens
+    off_B = o; o += kL * NT * 2;
+    off_C = o; o += kL * NT * 2;
+    off_cbf = o; o += kLowBlocks * 256 * 4;
+    off_sdf = o; o += kLowBlocks * 256 * 4;
+    off_dy = o; o += kL * PT * 2;
+    off_x = o; o += kL * PT * 2;
+    off_mat = o; o += Pp * NT * 2;
+    // W region: M^T (L x kLT) then the scaled operand (L x PT); fp32 W (L x kLW) and the dD partials
+    // (<= 8 KB, over M^T) and at the end sum dCB in the input type (L x kLT) over them
+    off_wr = o;
+    off_sc = o + kL * kLT * 2;
+    const int e1 = off_sc + kL * PT * 2, e2 = o + kL * kLW * 4;
+    o = e1 > e2 ? e1 : e2;
+    off_small = o; o += (7 * kL + 3 * ncolP * kL) * 4;
+    bytes = o;
+  }
+};
+
+__device__ __forceinline__ float exp_le0(float v) { return expf(fminf(v, 0.f)); }
+
+template <typename T>
+__device__ __forceinline__ float2 unpack2(uint32_t v);
+template <>
+__device__ __forceinline__ float2 unpack2<__nv_bfloat16>(uint32_t v) {
+  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v));
+}
+template <>
+__device__ __forceinline__ float2 unpack2<__half>(uint32_t v) {
+  return __half22float2(*reinterpret_cast<const __half2*>(&v));
+}
+template <typename T>
+__device__ __forceinline__ void unpack8(const uint4& v, float (&f)[8]) {
+  const float2 a = unpack2<T>(v.x), b = unpack2<T>(v.y), c = unpack2<T>(v.z), d = unpack2<T>(v.w);
+  f[0] = a.x; f[1] = a.y; f[2] = b.x; f[3] = b.y; f[4] = c.x; f[5] = c.y; f[6] = d.x; f[7] = d.y;
+}
+template <typename T>
+__device__ __forceinline__ uint4 pack8(const float (&f)[8]) {
+  uint4 v;
+  v.x = mm::Elem<T>::pack(f[0], f[1]);
+  v.y = mm::Elem<T>::pack(f[2], f[3]);
+  v.z = mm::Elem<T>::pack(f[4], f[5]);
+  v.w = mm::Elem<T>::pack(f[6], f[7]);
+  return v;
+}
+__device__ __forceinline__ uint4 ld16(const void* p) { return __ldg(static_cast<const uint4*>(p)); }
+
+// lower block blk (0..9) -> (row block, column block)
+__device__ __forceinline__ void low_block(int blk, int& rb, int& cbk) {
+  rb = blk < 1 ? 0 : (blk < 3 ? 1 : (blk < 6 ? 2 : 3));
+  cbk = blk - rb * (rb + 1) / 2;
+}
+
+template <typename T, bool kFly, bool kZ>
+__global__ void __launch_bounds__(kThreads, 2) post_bf16_kernel(BwdParams p) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int H = static_cast<int>(p.heads), P = static_cast<int>(p.head_dim), N = static_cast<int>(p.state_dim),
+            G = static_cast<int>(p.groups), hpg = H / G;
+  const int64_t c = blockIdx.x / G;
+  const int g = static_cast<int>(blockIdx.x % G);
+  const Plan pl(P, N);
+  const int PT = pl.PT, NT = pl.NT, Pp = pl.Pp, Np = pl.Np, ncolP = pl.ncolP, ncolN = Np / 16;
+  int64_t* tok = reinterpret_cast<int64_t*>(smem);
+  T* Bs = reinterpret_cast<T*>(smem + pl.off_B);
+  T* Cs = reinterpret_cast<T*>(smem + pl.off_C);
+  float* cbf = reinterpret_cast<float*>(smem + pl.off_cbf);
+  float* sdf = reinterpret_cast<float*>(smem + pl.off_sdf);
+  T* dys = reinterpret_cast<T*>(smem + pl.off_dy);
+  T* xs = reinterpret_cast<T*>(smem + pl.off_x);
+  T* mat = reinterpret_cast<T*>(smem + pl.off_mat);  // s (P x N), then dS
+  T* Mt = reinterpret_cast<T*>(smem + pl.off_wr);     // M[i][j] (lower), then sum dCB at the end
+  float* Wm = reinterpret_cast<float*>(smem + pl.off_wr);
+  float* dDred = reinterpret_cast<float*>(smem + pl.off_wr);
+  T* sc = reinterpret_cast<T*>(smem + pl.off_sc);  // e^Lam . dy, then wlast dt . x
+  float* lam = reinterpret_cast<float*>(smem + pl.off_small);
+  float* dts = lam + kL;
+  float* el = dts + kL;
+  float* wl = el + kL;
+  float* qs = wl + kL;
+  float* vs = qs + kL;
+  float* red = vs + kL;
+  float* qpart = red + kL;  // [col tile][row]
+  float* dpart = qpart + ncolP * kL;
+  float* vpart = dpart + ncolP * kL;
+  const int tid = static_cast<int>(threadIdx.x), warp = tid >> 5, lane = tid & 31, tq = lane & 3;
+  const T* gB = static_cast<const T*>(p.B);
+  const T* gC = static_cast<const T*>(p.C);
+  const T* gx = static_cast<const T*>(p.x);
+  const T* gst = static_cast<const T*>(p.states);
+
+  if (tid < kL) tok[tid] = p.gather[c * kL + tid];
+  __syncthreads();
+  const int cprN = Np / 8;  // 16-byte chunks per N row
+  for (int e = tid; e < kL * cprN; e += kThreads) {
+    const int i = e / cprN, cc = e % cprN;
+    const int64_t t = tok[i];
+    const bool ok = t >= 0 && cc * 8 < N;
+    const int64_t off = ok ? (t * G + g) * N + cc * 8 : 0;
+    mm::cp_async_16(Bs + i * NT + cc * 8, gB + off, ok ? 16 : 0);
+    mm::cp_async_16(Cs + i * NT + cc * 8, gC + off, ok ? 16 : 0);
+  }
+  mm::cp_async_commit();
+  for (int e = tid; e < kLowBlocks * 256; e += kThreads) sdf[e] = 0.f;
+  mm::cp_async_wait<0>();
+  __syncthreads();
+
+  // cb = C B^T, lower blocks, fp32 in fragment order (and the stage output when asked)
+  #pragma unroll 1
+  for (int blk = warp; blk < kLowBlocks; blk += kWarps) {
+    int rb, cbk;
+    low_block(blk, rb, cbk);
+    const int r0 = rb * 16, c0 = cbk * 16;
+    mm::FragC acc[2];
+    acc[0].zero();
+    acc[1].zero();
+    #pragma unroll 1
+    for (int k0 = 0; k0 < Np; k0 += 16) {
+      const mm::FragA a = mm::load_a_row(Cs + r0 * NT + k0, NT);
+      mm::FragB b0, b1;
+      mm::load_b_nk(b0, b1, Bs + c0 * NT + k0, NT);
+      mm::mma<T>(acc[0], a, b0);
+      mm::mma<T>(acc[1], a, b1);
+    }
+    float* cbo = p.cb != nullptr ? p.cb + (c * G + g) * kL * kL : nullptr;
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = r0 + mm::c_row(lane, e), j = c0 + nt * 8 + mm::c_col(lane, e);
+        acc[nt].x[e] = j <= r ? acc[nt].x[e] : 0.f;
+        if (cbo != nullptr) cbo[r * kL + j] = acc[nt].x[e];
+      }
+      *reinterpret_cast<float4*>(cbf + ((blk * 2 + nt) * 32 + lane) * 4) =
+          make_float4(acc[nt].x[0], acc[nt].x[1], acc[nt].x[2], acc[nt].x[3]);
+    }
+  }
+  if (p.cb != nullptr) {
+    float* cbo = p.cb + (c * G + g) * kL * kL;
+    for (int e = tid; e < kL * kL; e += kThreads)
+      if ((e % kL) / 16 > (e / kL) / 16) cbo[e] = 0.f;
+  }
+
+  // the group's dC / dB accumulators: row strip r0s, column blocks half * nbh + u
+  const int r0s = (warp >> 1) * 16, half = warp & 1, nbh = (ncolN + 1) / 2;
+  mm::FragC accC[kMaxAcc][2], accB[kMaxAcc][2];
+#pragma unroll
+  for (int u = 0; u < kMaxAcc; ++u)
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      accC[u][nt].zero();
+      accB[u][nt].zero();
+    }
+  // acc[u] += A (rows r0s.., A(r, k) at A[r * lda + k]) * Bm (B(k, n) at Bm[k * ldb + n]), k in [kb, ke)
+  auto acc_gemm = [&](mm::FragC (&acc)[kMaxAcc][2], const T* A, int lda, const T* Bm, int ldb, int kb, int ke) {
+    #pragma unroll 1
+    for (int k0 = kb; k0 < ke; k0 += 16) {
+      const mm::FragA a = mm::load_a_row(A + r0s * lda + k0, lda);
+#pragma unroll
+      for (int u = 0; u < kMaxAcc; ++u) {
+        const int cb = half * nbh + u;
+        if (u < nbh && cb < ncolN) {
+          mm::FragB b0, b1;
+          mm::load_b_kn(b0, b1, Bm + k0 * ldb + cb * 16, ldb);
+          mm::mma<T>(acc[u][0], a, b0);
+          mm::mma<T>(acc[u][1], a, b1);
+        }
+      }
+    }
+  };
+
+  constexpr bool fly = kFly, hasz = kZ;  // dy on the fly; z present (p.post_dy_from_dout, p.z)
+  const T* gdo = static_cast<const T*>(p.dout);
+  const T* gz = static_cast<const T*>(p.z);
+  const T* gy = static_cast<const T*>(p.y);
+  T* gdz = static_cast<T*>(p.dz_out);
+  T* gdx = static_cast<T*>(p.dx_out);
+  const int cpr = Pp / 8, rpp = kThreads / cpr;  // 16-byte chunks per P row, rows per pass
+  const int lcc = tid % cpr, lrow0 = tid / cpr;
+  const int ncolPblk = 4 * ncolP;
+  __syncthreads();
+
+  #pragma unroll 1
+  for (int hh = 0; hh < hpg; ++hh) {
+    const int h = g * hpg + hh;
+    const int64_t ch = c * H + h, chl = ch * kL;
+    if (tid < kL) {
+      const float lv = p.Lam[chl + tid];
+      lam[tid] = lv;
+      dts[tid] = p.dt[chl + tid];
+      el[tid] = expf(lv);
+      wl[tid] = exp_le0(p.Lam[chl + kL - 1] - lv);
+    }
+    // s -> mat (cp.async, the input type)
+    const int64_t sbase = ch * P * static_cast<int64_t>(N);
+    for (int e = tid; e < Pp * cprN; e += kThreads) {
+      const int pp = e / cprN, cc = e % cprN;
+      const bool ok = pp < P && cc * 8 < N;
+      mm::cp_async_16(mat + pp * NT + cc * 8, gst + (ok ? sbase + pp * N + cc * 8 : 0), ok ? 16 : 0);
+    }
+    mm::cp_async_commit();
+    // dy (on the fly or from p.dy), x, e^Lam . dy; dz; dD partials
+    if (lrow0 < rpp) {
+      #pragma unroll 1
+      for (int i = lrow0; i < kL; i += rpp) {
+        const int64_t t = tok[i];
+        const bool ok = t >= 0 && lcc * 8 < P;
+        const int64_t off = (t * H + h) * P + lcc * 8;
+        uint4 xr = make_uint4(0u, 0u, 0u, 0u), dr = xr, zr = xr, yr = xr;
+        float4 fa = make_float4(0.f, 0.f, 0.f, 0.f), fb = fa;
+        if (ok) {
+          xr = ld16(gx + off);
+          if constexpr (fly) {
+            dr = ld16(gdo + off);
+            if constexpr (hasz) {
+              zr = ld16(gz + off);
+              yr = ld16(gy + off);
+            }
+          } else {
+            fa = *reinterpret_cast<const float4*>(p.dy + off);
+            fb = *reinterpret_cast<const float4*>(p.dy + off + 4);
+          }
+        }
+        const float ei = expf(p.Lam[chl + i]);
+        const uint32_t xw4[4] = {xr.x, xr.y, xr.z, xr.w}, dw4[4] = {dr.x, dr.y, dr.z, dr.w};
+        const uint32_t zw4[4] = {zr.x, zr.y, zr.z, zr.w}, yw4[4] = {yr.x, yr.y, yr.z, yr.w};
+        const float fy[8] = {fa.x, fa.y, fa.z, fa.w, fb.x, fb.y, fb.z, fb.w};
+        uint32_t dzw[4] = {0u, 0u, 0u, 0u};
+        float* dDr = dDred + lrow0 * Pp + lcc * 8;
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+          float2 dy2;
+          if constexpr (fly) {
+            dy2 = unpack2<T>(dw4[w]);
+            if constexpr (hasz) {
+              const float2 z2 = unpack2<T>(zw4[w]), y2 = unpack2<T>(yw4[w]);
+              const float s0 = 1.f / (1.f + expf(-z2.x)), s1 = 1.f / (1.f + expf(-z2.y));
+              dzw[w] = mm::Elem<T>::pack(dy2.x * y2.x * s0 * (1.f + z2.x * (1.f - s0)),
+                                         dy2.y * y2.y * s1 * (1.f + z2.y * (1.f - s1)));
+              dy2.x = dy2.x * z2.x * s0;
+              dy2.y = dy2.y * z2.y * s1;
+            }
+          } else {
+            dy2 = make_float2(fy[2 * w], fy[2 * w + 1]);
+          }
+          reinterpret_cast<uint32_t*>(dys + i * PT + lcc * 8)[w] = mm::Elem<T>::pack(dy2.x, dy2.y);
+          reinterpret_cast<uint32_t*>(sc + i * PT + lcc * 8)[w] = mm::Elem<T>::pack(ei * dy2.x, ei * dy2.y);
+          if (p.dD_part != nullptr) {  // this thread's slot: its rows in order
+            const float2 x2 = unpack2<T>(xw4[w]);
+            const float a0 = dy2.x * x2.x, a1 = dy2.y * x2.y;
+            dDr[2 * w] = i == lrow0 ? a0 : dDr[2 * w] + a0;
+            dDr[2 * w + 1] = i == lrow0 ? a1 : dDr[2 * w + 1] + a1;
+          }
+        }
+        if (fly && hasz && ok && gdz != nullptr)
+          *reinterpret_cast<uint4*>(gdz + off) = make_uint4(dzw[0], dzw[1], dzw[2], dzw[3]);
+        *reinterpret_cast<uint4*>(xs + i * PT + lcc * 8) = xr;
+      }
+    }
+    mm::cp_async_wait<0>();
+    __syncthreads();
+
+    // dD partial (fixed order over the row slots)
+    if (p.dD_part != nullptr && tid < P) {
+      float s = 0.f;
+      for (int r = 0; r < rpp; ++r) s += dDred[r * Pp + tid];
+      p.dD_part[ch * P + tid] = s;
+    }
+    // CS = C s^T (L x P): q partials <dy_r, CS_r> per column tile
+    #pragma unroll 1
+    for (int b = warp; b < ncolPblk; b += kWarps) {
+      const int r0 = (b / ncolP) * 16, ct = b % ncolP, p0 = ct * 16;
+      mm::FragC acc[2];
+      acc[0].zero();
+      acc[1].zero();
+      #pragma unroll 1
+    for (int k0 = 0; k0 < Np; k0 += 16) {
+        const mm::FragA a = mm::load_a_row(Cs + r0 * NT + k0, NT);
+        mm::FragB b0, b1;
+        mm::load_b_nk(b0, b1, mat + p0 * NT + k0, NT);
+        mm::mma<T>(acc[0], a, b0);
+        mm::mma<T>(acc[1], a, b1);
+      }
+      float s0 = 0.f, s1 = 0.f;
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = r0 + mm::c_row(lane, e), col = p0 + nt * 8 + mm::c_col(lane, e);
+          const float v = acc[nt].x[e] * mm::Elem<T>::to_float(dys[r * PT + col]);
+          if (e < 2) s0 += v; else s1 += v;
+        }
+      s0 += __shfl_xor_sync(0xffffffffu, s0, 1);
+      s0 += __shfl_xor_sync(0xffffffffu, s0, 2);
+      s1 += __shfl_xor_sync(0xffffffffu, s1, 1);
+      s1 += __shfl_xor_sync(0xffffffffu, s1, 2);
+      if (tq == 0) {
+        qpart[ct * kL + r0 + mm::c_row(lane, 0)] = s0;
+        qpart[ct * kL + r0 + mm::c_row(lane, 2)] = s1;
+      }
+    }
+    // dC head term: (e^Lam . dy) s
+    acc_gemm(accC, sc, PT, mat, NT, 0, Pp);
+    __syncthreads();
+
+    // dS -> mat (input type); wlast dt . x -> sc; M (lower) -> Mt
+    {
+      const float* dsb = p.ds + sbase;
+      for (int e = tid; e < Pp * cprN; e += kThreads) {
+        const int pp = e / cprN, cc = e % cprN;
+        float f[8];
+        if (pp < P && cc * 8 < N) {
+          const float4 a = *reinterpret_cast<const float4*>(dsb + pp * N + cc * 8);
+          const float4 b = *reinterpret_cast<const float4*>(dsb + pp * N + cc * 8 + 4);
+          f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w; f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
+        } else {
+#pragma unroll
+          for (int k = 0; k < 8; ++k) f[k] = 0.f;
+        }
+        *reinterpret_cast<uint4*>(mat + pp * NT + cc * 8) = pack8<T>(f);
+      }
+      for (int e = tid; e < kL * cpr; e += kThreads) {
+        const int i = e / cpr, cc = e % cpr;
+        const float w = wl[i] * dts[i];
+        float f[8];
+        unpack8<T>(*reinterpret_cast<const uint4*>(xs + i * PT + cc * 8), f);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) f[k] *= w;
+        *reinterpret_cast<uint4*>(sc + i * PT + cc * 8) = pack8<T>(f);
+      }
+      #pragma unroll 1
+      for (int blk = warp; blk < kLowBlocks; blk += kWarps) {
+        int rb, cbk;
+        low_block(blk, rb, cbk);
+        const int r0 = rb * 16, c0 = cbk * 16;
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+          const float4 cv = *reinterpret_cast<const float4*>(cbf + ((blk * 2 + nt) * 32 + lane) * 4);
+          const float cvs[4] = {cv.x, cv.y, cv.z, cv.w};
+          float m[4];
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int i = r0 + mm::c_row(lane, e), j = c0 + nt * 8 + mm::c_col(lane, e);
+            m[e] = j <= i ? cvs[e] * exp_le0(lam[i] - lam[j]) : 0.f;
+          }
+          const int i0 = r0 + mm::c_row(lane, 0), j0 = c0 + nt * 8 + mm::c_col(lane, 0);
+          *reinterpret_cast<uint32_t*>(Mt + i0 * kLT + j0) = mm::Elem<T>::pack(m[0], m[1]);
+          *reinterpret_cast<uint32_t*>(Mt + (i0 + 8) * kLT + j0) = mm::Elem<T>::pack(m[2], m[3]);
+        }
+      }
+    }
+    __syncthreads();
+
+    // g = M^T dy + wlast . (B dS^T); dx, ddt_direct and v partials
+    const float* Dh = p.D != nullptr ? p.D + h * P : nullptr;
+    #pragma unroll 1
+    for (int b = warp; b < ncolPblk; b += kWarps) {
+      const int k = b / ncolP, ct = b % ncolP, p0 = ct * 16;
+      const int strip = k == 2 ? 3 : (k == 3 ? 2 : k);  // warps pair strips 0 + 3, 1 + 2 (balanced M^T work)
+      const int r0 = strip * 16;
+      mm::FragC aS[2], aG[2];
+      aS[0].zero();
+      aS[1].zero();
+      aG[0].zero();
+      aG[1].zero();
+      #pragma unroll 1
+    for (int k0 = 0; k0 < Np; k0 += 16) {
+        const mm::FragA a = mm::load_a_row(Bs + r0 * NT + k0, NT);
+        mm::FragB b0, b1;
+        mm::load_b_nk(b0, b1, mat + p0 * NT + k0, NT);
+        mm::mma<T>(aS[0], a, b0);
+        mm::mma<T>(aS[1], a, b1);
+      }
+      #pragma unroll 1
+      for (int k0 = r0; k0 < kL; k0 += 16) {
+        const mm::FragA a = mm::load_a_col(Mt + k0 * kLT + r0, kLT);
+        mm::FragB b0, b1;
+        mm::load_b_kn(b0, b1, dys + k0 * PT + p0, PT);
+        mm::mma<T>(aG[0], a, b0);
+        mm::mma<T>(aG[1], a, b1);
+      }
+      float d0 = 0.f, d1 = 0.f, v0 = 0.f, v1 = 0.f;
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {  // accumulator rows g and g + 8
+          const int j = r0 + mm::c_row(lane, 2 * hr), pc = p0 + nt * 8 + mm::c_col(lane, 0);
+          float dxv[2];
+#pragma unroll
+          for (int q = 0; q < 2; ++q) {
+            const int e = 2 * hr + q;
+            const float gv = aG[nt].x[e] + wl[j] * aS[nt].x[e];
+            const float xv = mm::Elem<T>::to_float(xs[j * PT + pc + q]);
+            dxv[q] = dts[j] * gv +
+                     (Dh != nullptr && pc + q < P ? Dh[pc + q] * mm::Elem<T>::to_float(dys[j * PT + pc + q]) : 0.f);
+            if (hr == 0) {
+              d0 += xv * gv;
+              v0 += xv * aS[nt].x[e];
+            } else {
+              d1 += xv * gv;
+              v1 += xv * aS[nt].x[e];
+            }
+          }
+          const int64_t t = tok[j];
+          if (t >= 0 && pc < P)
+            *reinterpret_cast<uint32_t*>(gdx + (t * H + h) * P + pc) = mm::Elem<T>::pack(dxv[0], dxv[1]);
+        }
+      }
+#pragma unroll
+      for (int m = 1; m <= 2; m <<= 1) {
+        d0 += __shfl_xor_sync(0xffffffffu, d0, m);
+        d1 += __shfl_xor_sync(0xffffffffu, d1, m);
+        v0 += __shfl_xor_sync(0xffffffffu, v0, m);
+        v1 += __shfl_xor_sync(0xffffffffu, v1, m);
+      }
+      if (tq == 0) {
+        dpart[ct * kL + r0 + mm::c_row(lane, 0)] = d0;
+        dpart[ct * kL + r0 + mm::c_row(lane, 2)] = d1;
+        vpart[ct * kL + r0 + mm::c_row(lane, 0)] = v0;
+        vpart[ct * kL + r0 + mm::c_row(lane, 2)] = v1;
+      }
+    }
+    // dB head term: (wlast dt . x) dS
+    acc_gemm(accB, sc, PT, mat, NT, 0, Pp);
+    __syncthreads();
+
+    // dyx = dy x^T (lower blocks) -> dCB (summed over heads in sdf) and W = cb . dCB (fp32, over Mt / sc)
+    #pragma unroll 1
+    for (int blk = warp; blk < kLowBlocks; blk += kWarps) {
+      int rb, cbk;
+      low_block(blk, rb, cbk);
+      const int r0 = rb * 16, c0 = cbk * 16;
+      mm::FragC acc[2];
+      acc[0].zero();
+      acc[1].zero();
+      #pragma unroll 1
+      for (int k0 = 0; k0 < Pp; k0 += 16) {
+        const mm::FragA a = mm::load_a_row(dys + r0 * PT + k0, PT);
+        mm::FragB b0, b1;
+        mm::load_b_nk(b0, b1, xs + c0 * PT + k0, PT);
+        mm::mma<T>(acc[0], a, b0);
+        mm::mma<T>(acc[1], a, b1);
+      }
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        float4* cp4 = reinterpret_cast<float4*>(cbf + ((blk * 2 + nt) * 32 + lane) * 4);
+        float4* sp4 = reinterpret_cast<float4*>(sdf + ((blk * 2 + nt) * 32 + lane) * 4);
+        const float4 cv = *cp4;
+        float4 sv = *sp4;
+        const float cvs[4] = {cv.x, cv.y, cv.z, cv.w};
+        float d[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int i = r0 + mm::c_row(lane, e), j = c0 + nt * 8 + mm::c_col(lane, e);
+          d[e] = j <= i ? exp_le0(lam[i] - lam[j]) * dts[j] * acc[nt].x[e] : 0.f;
+        }
+        sv.x += d[0];
+        sv.y += d[1];
+        sv.z += d[2];
+        sv.w += d[3];
+        *sp4 = sv;
+        const int i0 = r0 + mm::c_row(lane, 0), j0 = c0 + nt * 8 + mm::c_col(lane, 0);
+        *reinterpret_cast<float2*>(Wm + i0 * kLW + j0) = make_float2(cvs[0] * d[0], cvs[1] * d[1]);
+        *reinterpret_cast<float2*>(Wm + (i0 + 8) * kLW + j0) = make_float2(cvs[2] * d[2], cvs[3] * d[3]);
+      }
+    }
+    __syncthreads();
+    // row-exclusive prefixes of W (lower part: j <= i)
+    if (tid < kL) {
+      float run = 0.f;
+      for (int j = 0; j <= tid; ++j) {
+        const float w = Wm[tid * kLW + j];
+        Wm[tid * kLW + j] = run;
+        run += w;
+      }
+    }
+    __syncthreads();
+
+    // rows: q, v, ddt_direct, then the d(dt A) scan (post_tc's order)
+    float dpairs = 0.f, dd = 0.f;
+    if (tid < kL) {
+      const int k = tid;
+      float q = 0.f, v = 0.f;
+      for (int ct = 0; ct < ncolP; ++ct) {
+        q += qpart[ct * kL + k];
+        dd += dpart[ct * kL + k];
+        v += vpart[ct * kL + k];
+      }
+      q *= el[k];
+      v *= dts[k] * wl[k];
+      qs[k] = q;
+      vs[k] = v;
+      p.q[chl + k] = q;
+      p.v[chl + k] = v;
+      p.ddt_direct[chl + k] = dd;
+      for (int i = k; i < kL; ++i) dpairs += Wm[i * kLW + k];
+    }
+    __syncthreads();
+    if (tid < kL) {
+      const int k = tid;
+      float qsum = 0.f, vsum = 0.f;
+      for (int m = kL - 1; m >= k; --m) qsum += qs[m];
+      for (int j = 0; j < k; ++j) vsum += vs[j];
+      const float d = dpairs + qsum + vsum + el[kL - 1] * p.ddecay[ch];
+      p.d_dtA[chl + k] = d;
+      red[k] = dts[k] * d;
+      const int64_t t = tok[k];
+      if (t >= 0) {
+        const float ddt = dd + p.A[h] * d;
+        p.ddt[t * H + h] = ddt;
+        const float v = p.dt_raw[t * H + h] + (p.dt_bias != nullptr ? p.dt_bias[h] : 0.f);
+        float deriv = 1.f, pre = v;
+        if (p.dt_softplus && v <= 20.f) {
+          pre = fmaxf(v, 0.f) + log1pf(expf(-fabsf(v)));
+          deriv = 1.f / (1.f + expf(-v));
+        }
+        const bool pass = pre >= p.dt_min && pre <= p.dt_max;
+        p.ddt_raw[t * H + h] = pass ? ddt * deriv : 0.f;
+      }
+    }
+    __syncthreads();
+    if (tid == 0) {
+      float s = 0.f;
+      for (int k = 0; k < kL; ++k) s += red[k];
+      p.dA_part[ch] = s;
+    }
+    // the next head overwrites lam, dts, dys, xs, mat, the W region, the partials
+    __syncthreads();
+  }
+
+  // sum dCB (lower) in the input type over the W region, then dC += (sum dCB) B, dB += (sum dCB)^T C
+  #pragma unroll 1
+  for (int blk = warp; blk < kLowBlocks; blk += kWarps) {
+    int rb, cbk;
+    low_block(blk, rb, cbk);
+    const int r0 = rb * 16, c0 = cbk * 16;
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      const float4 sv = *reinterpret_cast<const float4*>(sdf + ((blk * 2 + nt) * 32 + lane) * 4);
+      const int i0 = r0 + mm::c_row(lane, 0), j0 = c0 + nt * 8 + mm::c_col(lane, 0);
+      *reinterpret_cast<uint32_t*>(Mt + i0 * kLT + j0) = mm::Elem<T>::pack(sv.x, sv.y);
+      *reinterpret_cast<uint32_t*>(Mt + (i0 + 8) * kLT + j0) = mm::Elem<T>::pack(sv.z, sv.w);
+    }
+  }
+  __syncthreads();
+  acc_gemm(accC, Mt, kLT, Bs, NT, 0, r0s + 16);
+  #pragma unroll 1
+  for (int k0 = r0s; k0 < kL; k0 += 16) {
+    const mm::FragA a = mm::load_a_col(Mt + k0 * kLT + r0s, kLT);
+#pragma unroll
+    for (int u = 0; u < kMaxAcc; ++u) {
+      const int cb = half * nbh + u;
+      if (u < nbh && cb < ncolN) {
+        mm::FragB b0, b1;
+        mm::load_b_kn(b0, b1, Cs + k0 * NT + cb * 16, NT);
+        mm::mma<T>(accB[u][0], a, b0);
+        mm::mma<T>(accB[u][1], a, b1);
+      }
+    }
+  }
+#pragma unroll
+  for (int u = 0; u < kMaxAcc; ++u) {
+    const int cb = half * nbh + u;
+    if (u < nbh && cb < ncolN) {
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+          const int r = r0s + mm::c_row(lane, 2 * hr), n = cb * 16 + nt * 8 + mm::c_col(lane, 0);
+          const int64_t t = tok[r];
+          if (t >= 0 && n < N) {
+            const int64_t o = (t * G + g) * N + n;
+            *reinterpret_cast<float2*>(p.dC + o) = make_float2(accC[u][nt].x[2 * hr], accC[u][nt].x[2 * hr + 1]);
+            *reinterpret_cast<float2*>(p.dB + o) = make_float2(accB[u][nt].x[2 * hr], accB[u][nt].x[2 * hr + 1]);
+          }
+        }
+    }
+  }
+}
+
+int max_smem_optin() {
+  int dev = 0, v = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return 0;
+  if (cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess) return 0;
+  return v;
+}
+
+bool half_type(BwdType t) { return t == BwdType::BFloat16 || t == BwdType::Float16; }
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+template <typename T, bool kFly, bool kZ>
+int launch3(const BwdParams& p, cudaStream_t st) {
+  const int bytes = Plan(p.head_dim, p.state_dim).bytes;
+  auto* kern = post_bf16_kernel<T, kFly, kZ>;
+  cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (e != cudaSuccess) return static_cast<int>(e);
+  e = cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
+  if (e != cudaSuccess) return static_cast<int>(e);
+  kern<<<static_cast<unsigned>(p.num_chunks * p.groups), kThreads, bytes, st>>>(p);
+  return static_cast<int>(cudaGetLastError());
+}
+template <typename T>
+int launch(const BwdParams& p, cudaStream_t st) {
+  if (p.post_dy_from_dout)
+    return p.z != nullptr ? launch3<T, true, true>(p, st) : launch3<T, true, false>(p, st);
+  return launch3<T, false, false>(p, st);  // dy precomputed (z already folded in by the gate kernel)
+}
+
+}  // namespace
+
+bool ssd_bwd_post_bf16_supported(const BwdParams& p) {
+  if (p.chunk != kL || p.head_dim < 8 || p.head_dim > kMaxDim || p.state_dim < 8 || p.state_dim > kMaxDim) return false;
+  if (p.head_dim % 8 != 0 || p.state_dim % 8 != 0) return false;
+  if (p.groups < 1 || p.heads % p.groups != 0) return false;
+  const BwdType t = p.x_type;
+  if (!half_type(t) || p.bc_type != t || p.dout_type != t || p.states_type != t || p.dx_type != t) return false;
+  if (p.z != nullptr && (p.z_type != t || p.y_type != t || p.y == nullptr)) return false;
+  if (p.num_chunks * p.groups > 0x7fffffffLL) return false;
+  if (!aligned16(p.x) || !aligned16(p.B) || !aligned16(p.C) || !aligned16(p.dout) || !aligned16(p.states) ||
+      !aligned16(p.ds) || !aligned16(p.dx_out) || p.dx_out == nullptr)
+    return false;
+  if (p.z != nullptr && (!aligned16(p.z) || !aligned16(p.y) || !aligned16(p.dz_out))) return false;
+  if (!p.post_dy_from_dout && (p.dy == nullptr || !aligned16(p.dy))) return false;
+  if ((reinterpret_cast<uintptr_t>(p.dB) & 7u) != 0 || (reinterpret_cast<uintptr_t>(p.dC) & 7u) != 0) return false;
+  return Plan(p.head_dim, p.state_dim).bytes <= max_smem_optin();
+}
+
+int ssd_bwd_post_bf16(const BwdParams& p, void* stream) {
+  if (p.num_chunks * p.groups == 0) return 0;
+  if (!ssd_bwd_post_bf16_supported(p)) return static_cast<int>(cudaErrorInvalidValue);
+  const auto st = static_cast<cudaStream_t>(stream);
+  return p.x_type == BwdType::BFloat16 ? launch<__nv_bfloat16>(p, st) : launch<__half>(p, st);
+}
+
+}  // namespace tree_recurrence::ssd::fused::kernels
