@@ -15,7 +15,8 @@ without CUDA.
   grad-mode forward with a ValueError), and absent optionals' gradient slots;
 * the fused chunk-state + state-pass kernel (default) against the three-kernel path
   (TREE_RECURRENCE_SSD_FWD_FUSED_PASS=0), and the per-group chunk scan
-  (TREE_RECURRENCE_SSD_FWD_SCAN=group, chunk 64) bitwise against the per-head one.
+  (TREE_RECURRENCE_SSD_FWD_SCAN=group, chunk 64) bitwise against the per-head one;
+* the v2 chunk scan (default) against float64 per stage and against v1 (TREE_RECURRENCE_SSD_FWD_SCAN=v1).
 
 Run on the GPU:  .venv/bin/python -m pytest tests/python/test_ssd_fused_gpu.py -q -x -s
 """
@@ -146,6 +147,60 @@ def test_stages_dims(dtype, dims):
     H, P, G, N = dims
     off, par = random_trie(1, 12, 300)
     check_stages(off, par, chunk=128, dtype=dtype, H=H, P=P, G=G, N=N, label=f"H{H}P{P}G{G}N{N}", D_per_channel=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("chunk", [64, 128, 256])
+@pytest.mark.parametrize("dims", [(16, 64, 2, 128), (4, 128, 1, 256), (4, 128, 2, 64), (2, 8, 2, 8), (8, 24, 4, 40),
+                                  (6, 32, 3, 64)],
+                         ids=["H16P64G2N128", "P128N256", "P128N64", "P8N8", "P24N40", "H6P32G3"])
+def test_scan_v2_vs_v1(dims, chunk, dtype, monkeypatch):
+    """The v2 chunk scan (default: head-fastest grid, 16-byte epilogue through shared memory) and the v1 kernel
+    (TREE_RECURRENCE_SSD_FWD_SCAN=v1): each against the float64 stage reference, then out / y of v2 against v1
+    (same arithmetic: expected bitwise, asserted within 1e-3 rel RMS and printed); z in-type and fp32, D (H, P)
+    and none, per-root h0. P128N256 is over v2's shared-memory bound: both runs take v1 (bitwise equal)."""
+    H, P, G, N = dims
+    off, par = CRAFTED["around_chunks"]
+    for use, z_fp32 in ((("D", "dt_bias", "z", "h0"), False), (("dt_bias", "z"), True), (("D", "h0"), False)):
+        runs = {}
+        for variant in ("v1", "v2"):
+            monkeypatch.setenv("TREE_RECURRENCE_SSD_FWD_SCAN", variant)
+            roots = sum(p < 0 for p in par)
+            ins = make(off[-1], dtype=dtype, roots=roots, H=H, P=P, G=G, N=N, D_per_channel=True, seed=4)
+            if z_fp32:
+                ins["z"] = ins["z"].float()
+            tabs = chunk_tables(off, par, chunk, "cuda")
+            got = dict(zip(STAGES, call(_ops().ssd_fused_stages, ins, tabs, use)))
+            want = reference(ins, tabs, use)
+            errors = {k: rel_rms(got[k], want[k]) for k in ("out", "y") if got[k].numel()}
+            print(f"\n[scan {variant} {dims} L={chunk} {dtype} use={use} z_fp32={z_fp32}] vs float64: "
+                  + " ".join(f"{k}={v:.2e}" for k, v in errors.items()))
+            assert all(torch.isfinite(got[k].float()).all() for k in ("out", "y")), variant
+            bad = {k: v for k, v in errors.items() if not v <= STAGE_TOL[dtype][k]}
+            assert not bad, (variant, bad)
+            runs[variant] = got
+        diff = {k: rel_rms(runs["v2"][k], runs["v1"][k]) for k in ("out", "y") if runs["v1"][k].numel()}
+        same = {k: torch.equal(runs["v2"][k], runs["v1"][k]) for k in ("out", "y")}
+        print(f"[scan v2 vs v1 {dims} L={chunk} {dtype}] rel diff {diff} bitwise {same}")
+        assert all(v <= 1e-3 for v in diff.values()), diff
+        assert runs["v2"]["y"].shape == runs["v1"]["y"].shape
+
+
+def test_scan_v2_through_the_op(monkeypatch):
+    """The op (v2 scan, default) on the benchmark's argument pattern: forward + fused backward vs float64; the
+    op's output with v2 equals the one with v1 up to 1e-3 rel RMS."""
+    monkeypatch.delenv("TREE_RECURRENCE_SSD_FWD_SCAN", raising=False)
+    test_benchmark_argument_pattern(64, "1", monkeypatch)
+    off, par = random_trie(9, 30, 300)
+    roots = sum(p < 0 for p in par)
+    ins = make(off[-1], roots=roots, H=16, P=64, G=2, N=128)
+    tabs = chunk_tables(off, par, 64, "cuda")
+    a = call(_ops().ssd_tree_scan, ins, tabs)
+    monkeypatch.setenv("TREE_RECURRENCE_SSD_FWD_SCAN", "v1")
+    b = call(_ops().ssd_tree_scan, ins, tabs)
+    e = rel_rms(a, b)
+    print(f"\n[op v2 vs v1] rel diff {e:.2e} bitwise {torch.equal(a, b)}")
+    assert e <= 1e-3
 
 
 @pytest.mark.parametrize("variant", ["no_optionals", "no_z", "dt_limit", "shared_h0", "no_softplus_z_fp32"])
@@ -405,7 +460,7 @@ def test_group_scan_bitwise_equals_per_head(dtype, dims, monkeypatch):
     H, P, G, N = dims
     off, par = random_trie(3, 16, 200)
     for use in (("D", "dt_bias", "z", "h0"), ("dt_bias",)):
-        monkeypatch.setenv("TREE_RECURRENCE_SSD_FWD_SCAN", "per_head")
+        monkeypatch.setenv("TREE_RECURRENCE_SSD_FWD_SCAN", "v1")
         _, _, base = check_stages(off, par, chunk=64, dtype=dtype, use=use, H=H, P=P, G=G, N=N,
                                   label=f"per-head scan H{H}P{P}G{G}N{N}")
         monkeypatch.setenv("TREE_RECURRENCE_SSD_FWD_SCAN", "group")

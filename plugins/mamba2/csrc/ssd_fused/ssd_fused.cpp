@@ -36,6 +36,16 @@ bool env_is_zero(const char* name) {
   return v && std::string(v) == "0";
 }
 
+// Diagnosis of the open crash-on-throw bug (benchmarks/gpu/diag_throw.py): with
+// TREE_RECURRENCE_SSD_DIAG_THROW set to "scan", "forward" or "backward", a ValueError is thrown at that
+// point of the fused path (in scan() before Function::apply, inside ScanFn::forward, inside
+// ScanFn::backward in the autograd thread), as the refusals of GPU runs 3 and 4 were. Unset: nothing.
+void diag_throw(const char* where) {
+  const char* v = std::getenv("TREE_RECURRENCE_SSD_DIAG_THROW");
+  TORCH_CHECK_VALUE(!(v && std::string(v) == where), "ssd_tree_scan: TREE_RECURRENCE_SSD_DIAG_THROW=", where,
+                    ": diagnostic throw in the fused path's ", where);
+}
+
 // Why the fused kernels do not take this call, or "" when they do.
 std::string unsupported(const Args& a, const Tables& t) {
   if (env_is_zero("TREE_RECURRENCE_SSD_FUSED")) return "TREE_RECURRENCE_SSD_FUSED=0";
@@ -95,6 +105,7 @@ struct ScanFn : public torch::autograd::Function<ScanFn> {
                             const std::optional<at::Tensor>& dt_bias, const std::optional<at::Tensor>& z,
                             const std::optional<at::Tensor>& h0, const Args* args, const Tables* tables,
                             bool save_y) {
+    diag_throw("forward");
     auto [out, saved] = fused::forward(*args, *tables, save_y);
     ctx->save_for_backward({x, dt, B, C, A, opt(D), opt(dt_bias), opt(z), opt(h0), saved.dt, saved.Lam, saved.states,
                             saved.y});
@@ -115,6 +126,7 @@ struct ScanFn : public torch::autograd::Function<ScanFn> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    diag_throw("backward");
     const variable_list sv = ctx->get_saved_variables();
     Args a;
     a.x = sv[0], a.dt = sv[1], a.B = sv[2], a.C = sv[3], a.A = sv[4];
@@ -184,6 +196,7 @@ bool supported(const Args& a, const Tables& t) { return unsupported(a, t).empty(
 at::Tensor scan(const Args& a, const Tables& t) {
   // Absent optionals as std::nullopt (also a defined-less optional would be dropped the same way).
   const auto present = [](const std::optional<at::Tensor>& v) { return some(opt(v)); };
+  diag_throw("scan");
   bool grad = false;
   if (at::GradMode::is_enabled()) {
     for (const at::Tensor* v : {&a.x, &a.dt, &a.B, &a.C, &a.A}) grad = grad || v->requires_grad();

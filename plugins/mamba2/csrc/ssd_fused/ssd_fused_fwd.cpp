@@ -5,6 +5,9 @@
 //            <= 64 chunks (fused_pass_enabled); else, or with TREE_RECURRENCE_SSD_FWD_FUSED_PASS=0,
 //            the three-kernel path (chunk state -> fp32 chunk_states -> state pass -> chunk scan);
 //            TREE_RECURRENCE_SSD_FWD_FUSED_PASS=1 forces the fused pass.
+//   chunk scan: the per-head v2 kernel (ssd_chunk_scan_fwd.cu: head-fastest grid, 16-byte epilogue)
+//            where ssd_chunk_scan_v2_supported holds, else the v1 per-head kernel;
+//            TREE_RECURRENCE_SSD_FWD_SCAN=v1 forces v1 (the fallback until the GPU confirms v2);
 //   TREE_RECURRENCE_SSD_FWD_SCAN=group (opt-in for now): at chunk 64, the chunk scan with C B^T shared
 //            per (chunk, group) (ssd_chunk_scan_group_fwd.cu, bitwise equal to the per-head kernel);
 //            other chunks keep the per-head kernel.
@@ -64,9 +67,11 @@ bool fused_pass_enabled(int64_t num_chunks, int64_t num_segments) {
   return num_chunks <= 64 * std::max<int64_t>(num_segments, 1);
 }
 
-bool group_scan_requested() {
+// TREE_RECURRENCE_SSD_FWD_SCAN: "group" the per-(chunk, group) scan (chunk 64), "v1" the first
+// per-head kernel; anything else (unset) the per-head v2 kernel where it is supported, else v1.
+std::string scan_variant() {
   const char* v = std::getenv("TREE_RECURRENCE_SSD_FWD_SCAN");
-  return v && std::string(v) == "group";
+  return v ? std::string(v) : std::string();
 }
 
 // with_chunk_states: also compute the transient fp32 chunk states (forward_stages).
@@ -155,10 +160,13 @@ Stages run(const Args& a, const Tables& t, bool with_chunk_states, bool save_y) 
     check_launch(kernels::ssd_chunk_state_pass_fwd(p, stream), "fused chunk state + state pass");
   else
     check_launch(kernels::ssd_state_pass_fwd(p, stream), "state pass");
-  if (group_scan_requested() && kernels::ssd_chunk_scan_group_supported(p))
+  const std::string scan = scan_variant();
+  if (scan == "group" && kernels::ssd_chunk_scan_group_supported(p))
     check_launch(kernels::ssd_chunk_scan_group_fwd(p, stream), "chunk scan (per group)");
+  else if (scan != "v1" && kernels::ssd_chunk_scan_v2_supported(p))
+    check_launch(kernels::ssd_chunk_scan_fwd_v2(p, stream), "chunk scan (v2)");
   else
-    check_launch(kernels::ssd_chunk_scan_fwd(p, stream), "chunk scan");
+    check_launch(kernels::ssd_chunk_scan_fwd(p, stream), "chunk scan (v1)");
   return o;
 #endif
 }

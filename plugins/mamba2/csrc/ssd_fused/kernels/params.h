@@ -74,6 +74,12 @@ int ssd_state_pass_fwd(const FwdParams& p, void* stream);
 int ssd_chunk_state_pass_fwd(const FwdParams& p, void* stream);
 // d: the chunk scan (C s^T, C B^T masked and decayed times dt x, D x, z gate), tensor cores.
 int ssd_chunk_scan_fwd(const FwdParams& p, void* stream);
+// d, v2 (the default; ssd_chunk_scan_fwd.cu): same arithmetic as ssd_chunk_scan_fwd (expected
+// bitwise equal), head-fastest grid (C / B rows shared through L2 by a group's heads), all first-block
+// operands in flight at once, 16-byte epilogue; supported when its shared memory fits (<= 110 KB:
+// P 64 / N 128 takes 62 KB) and the x / z / y / out pointers are 16-byte aligned.
+bool ssd_chunk_scan_v2_supported(const FwdParams& p);
+int ssd_chunk_scan_fwd_v2(const FwdParams& p, void* stream);
 // d for chunk 64 with C B^T computed once per (chunk, group) (ssd_chunk_scan_group_fwd.cu), bitwise
 // equal to ssd_chunk_scan_fwd; supported: chunk 64 and H a multiple of G.
 bool ssd_chunk_scan_group_supported(const FwdParams& p);
