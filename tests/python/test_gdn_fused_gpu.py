@@ -281,3 +281,60 @@ def test_v2_kernels_against_v1(tmp_path):
         print_report(f"{key} v2", report)
         bad += [(key, n, r) for n, r in report.items() if r[0] > EXACT_TOL[n] or r[1] > LOCAL_TOL[n]]
     assert not bad, f"version 2 vs version 1: {bad}"
+
+
+_DV_SCRIPT = r"""
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+from test_gdn_fused_gpu import DV_CASES, make_case, bwd_stages, DTYPES
+out = {}
+for key in DV_CASES:
+    name, dt = key.split(":")
+    out[key] = [t.cpu() for t in bwd_stages(make_case(name, DTYPES[dt], seed=6))]
+torch.save(out, sys.argv[2])
+"""
+
+DV_CASES = ["around_chunk_strong:bf16", "k24_v88_groups3:fp16", "wide_k16:bf16", "deep_k128:bf16", "forest_no_l2:fp16"]
+
+
+def bwd_stages(c):
+    """gdn_fused_backward_stages (the fused backward's stage outputs, dv_local, q_g, do_c first) on the
+    fused forward's own saved buffers."""
+    x = c["x"]
+    st = call_stages(c)
+    return _ops().gdn_fused_backward_stages(x["grad"], x["q"], x["k"], x["v"], x["g"], x["beta"], *c["tabs"], c["init"],
+                                            c["scale"], c["l2norm"], st["G"], st["Ainv"], st["w"], st["kd"], st["h"],
+                                            st["v_new"], st["rq"], st["rk"])
+
+
+@cuda
+def test_dv_local_v2_against_v1(tmp_path):
+    # dv_local version 2 (default) vs version 1 (TREE_RECURRENCE_GDN_DV_V1=1, in a subprocess): the same
+    # math in the same order, so every backward stage is bit for bit the same
+    import subprocess
+    import sys
+
+    if not hasattr(_ops(), "gdn_fused_backward_stages"):
+        pytest.skip("this build has no gdn_fused_backward_stages op")
+    assert os.environ.get("TREE_RECURRENCE_GDN_DV_V1") is None, "unset TREE_RECURRENCE_GDN_DV_V1 to run this test"
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = str(tmp_path / "dv_v1.pt")
+    env = dict(os.environ, TREE_RECURRENCE_GDN_DV_V1="1")
+    res = subprocess.run([sys.executable, "-c", _DV_SCRIPT, here, path], env=env, cwd=here, capture_output=True,
+                         text=True, timeout=900)
+    assert res.returncode == 0, f"version-1 subprocess failed:\n{res.stdout}\n{res.stderr}"
+    old_all = torch.load(path)
+    bad = []
+    for key in DV_CASES:
+        name, dt = key.split(":")
+        new = [t.cpu() for t in bwd_stages(make_case(name, DTYPES[dt], seed=6))]
+        old = old_all[key]
+        for i, (a, b) in enumerate(zip(new, old)):
+            if a.numel() == 0 and b.numel() == 0:
+                continue
+            same = torch.equal(a, b)
+            label = ["dv_local", "q_g", "do_c"][i] if i < 3 else f"stage {i}"
+            print(f"{key} {label:10s} v2 vs v1 bitwise {same}  rel RMS {rel_rms(a, b):.3e}")
+            if not same:
+                bad.append((key, label))
+    assert not bad, f"dv_local v2 differs from v1: {bad}"
