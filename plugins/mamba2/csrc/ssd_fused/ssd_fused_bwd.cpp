@@ -223,8 +223,29 @@ Stages run(const at::Tensor& grad_out, const Args& a, const Tables& t, const Sav
   const bool local_new = tc && !v1 && k::ssd_bwd_local_bf16_supported(p);
   // H3: true when the new post kernel runs with dy computed on the fly from dout / z; it then writes
   // dz in z's dtype into dz_out and the (NC, H, P) fp32 partials of dD = sum_t dy x into dD_part.
-  const bool post_new = false;
+  // TREE_RECURRENCE_SSD_POST_DY=buffer: the new post kernel reads the gate's fp32 dy instead (switch-over
+  // check; dz / dD then come from the gate / ATen as before).
+  const char* pdy = std::getenv("TREE_RECURRENCE_SSD_POST_DY");
+  const bool post_dy_buffer = pdy != nullptr && std::strcmp(pdy, "buffer") == 0;
+  bool post_new = false;
   at::Tensor dz_out, dD_part;
+  if (tc && !v1 && !post_dy_buffer) {
+    p.post_dy_from_dout = true;
+    if (a.z) {
+      dz_out = at::empty({T, H, P}, z.options());
+      p.dz_out = dz_out.data_ptr();
+    }
+    post_new = k::ssd_bwd_post_bf16_supported(p);
+    if (post_new && a.D) {
+      dD_part = at::empty({NC, H, P}, f32);
+      p.dD_part = dD_part.data_ptr<float>();
+    }
+    if (!post_new) {
+      p.post_dy_from_dout = false;
+      p.dz_out = nullptr;
+      dz_out = at::Tensor();
+    }
+  }
   // the gate's fp32 dy / dz: only when a kernel still reads dy, or for the stage op's dy / dz outputs
   const bool need_gate = !(local_new && post_new) || keep_stages;
   if (need_gate) {
@@ -264,7 +285,11 @@ Stages run(const at::Tensor& grad_out, const Args& a, const Tables& t, const Sav
     check_launch(k::ssd_bwd_ddecay_finish(p, stream), "ddecay (sum of the state pass's partials)");
   else
     check_launch(k::ssd_bwd_ddecay(p, stream), "ddecay");
-  if (tc) {
+  // H3's bf16 / fp16 post kernel (ssd_post_bwd.cu): dy on the fly (post_new) or from the gate's dy
+  const bool post_bf16 = post_new || (tc && !v1 && post_dy_buffer && k::ssd_bwd_post_bf16_supported(p));
+  if (post_bf16) {
+    check_launch(k::ssd_bwd_post_bf16(p, stream), "bf16 / fp16 chunk gradients (cb, dx, dz, ddt, dB, dC, d(dt A), dD)");
+  } else if (tc) {
     check_launch(k::ssd_bwd_post_tc(p, stream), "tensor-core chunk gradients (cb, dx, ddt, dB, dC, d(dt A))");
   } else {
     check_launch(k::ssd_bwd_rows(p, stream), "rows (dx, ddt)");
