@@ -106,7 +106,9 @@ def case_ssd_cpu_check():
     T = _setup()
     seg, par = T.BENCH_TRIE
     tabs = T.chunk_tables(seg, par, 64, "cpu")
-    ins = {k: v.detach().cpu().float() for k, v in T.bench_inputs(seg[-1]).items()}
+    n, H, P, G, N = seg[-1], 4, 32, 2, 16
+    ins = dict(x=torch.randn(n, H, P), dt=torch.randn(n, H), B=torch.randn(n, G, N), C=torch.randn(n, G, N),
+               z=torch.randn(n, H, P), D=torch.rand(H), dt_bias=torch.zeros(H))
     ins["A"] = torch.zeros(3)  # (H) expected, H = 4
     T.bench_call(ins, tabs)
 
@@ -252,6 +254,23 @@ CASES = [n[len("case_"):] for n in list(globals()) if n.startswith("case_")]
 PYTEST_CASES = {"pytest_diag_scan", "pytest_diag_backward", "pytest_after_stages"}
 
 
+def print_loaded_libraries():
+    """The C++ runtime / unwinder / CUDA runtime copies mapped in this process (two copies of libstdc++,
+    libgcc_s or libcudart would be a candidate cause: an exception thrown through one, caught by another)."""
+    keys = ("libstdc++", "libgcc_s", "libcudart", "libc10.so", "libtorch_python", "libtree_recurrence", "libunwind")
+    seen = {}
+    try:
+        for line in open("/proc/self/maps"):
+            parts = line.split()
+            if len(parts) >= 6 and any(k in parts[5] for k in keys):
+                seen.setdefault(os.path.basename(parts[5]).split(".so")[0], set()).add(parts[5])
+    except OSError:
+        return
+    for k, paths in sorted(seen.items()):
+        flag = "  <-- MORE THAN ONE COPY" if len(paths) > 1 else ""
+        print(f"loaded {k}: {', '.join(sorted(paths))}{flag}")
+
+
 def child(name):
     fn = globals()["case_" + name]
     if name in PYTEST_CASES:
@@ -271,6 +290,7 @@ def child(name):
         torch.ones(8, device="cuda").sum().item()
         torch.cuda.synchronize()
     print("DIAG_RESULT healthy", flush=True)
+    print_loaded_libraries()
     sys.stdout.flush()
     sys.exit(status)
 
