@@ -104,50 +104,6 @@ __device__ inline void async_matrix(T* dst, int ld, const T* src, int rows, int 
     mma::cp_async_16(dst + r * ld + c8, g, ok ? 16 : 0);
   }
 }
-// Thread block clusters (sm_90): rank in the cluster, the cluster barrier in its two halves, a store
-// into another CTA's shared memory (DSMEM) at the same offset as local_ptr.
-__device__ __forceinline__ unsigned cluster_rank() {
-  unsigned r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-  return r;
-}
-__device__ __forceinline__ void cluster_arrive_relaxed() { asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory"); }
-__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
-__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
-__device__ __forceinline__ void store_remote(float* local_ptr, unsigned rank, float v) {
-  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(local_ptr));
-  unsigned ra;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(ra) : "r"(a), "r"(rank));
-  asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(ra), "f"(v) : "memory");
-}
-// C x kwp tile (pitch ld) of columns k0 .. k0 + kw - 1 of token rows (row stride D); zero for tok < 0
-// and for columns kw..kwp-1.
-template <typename T>
-__device__ inline void async_token_cols(T* dst, int ld, const T* src, const int64_t* tok_of_row, int64_t heads,
-                                        int64_t head, int D, int k0, int kw, int kwp) {
-  const int per_row = kwp / 8;
-  for (int idx = threadIdx.x; idx < C * per_row; idx += blockDim.x) {
-    const int r = idx / per_row, c8 = (idx % per_row) * 8;
-    const int64_t t = tok_of_row[r];
-    const bool ok = t >= 0 && c8 < kw;
-    const T* g = ok ? src + (t * heads + head) * static_cast<int64_t>(D) + k0 + c8 : src;
-    mma::cp_async_16(dst + r * ld + c8, g, ok ? 16 : 0);
-  }
-}
-
-// rows x cwp tile (pitch ld) of columns col0 .. col0 + cw - 1 of a row-major matrix (row stride D);
-// columns cw..cwp-1 and rows past `rows` up to `rows_p` zero.
-template <typename T>
-__device__ inline void async_matrix_cols(T* dst, int ld, const T* src, int rows, int rows_p, int D, int col0, int cw,
-                                         int cwp) {
-  const int per_row = cwp / 8;
-  for (int idx = threadIdx.x; idx < rows_p * per_row; idx += blockDim.x) {
-    const int r = idx / per_row, c8 = (idx % per_row) * 8;
-    const bool ok = r < rows && c8 < cw;
-    const T* g = ok ? src + static_cast<int64_t>(r) * D + col0 + c8 : src;
-    mma::cp_async_16(dst + r * ld + c8, g, ok ? 16 : 0);
-  }
-}
 // Row r of a C x Dp tile times row_scale[r] (in place, 8 elements per step).
 template <typename T>
 __device__ inline void scale_rows(T* dst, int ld, int Dp, const float* row_scale) {

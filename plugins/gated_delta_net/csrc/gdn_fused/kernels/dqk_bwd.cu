@@ -4,8 +4,6 @@
 //   dk^  = exp(G_last - G) (v_new dS^T) + dP^T q^  (dS: gradient of the state leaving the chunk)
 //   dG_i = <dq^_i, q^_i> - <dk^_i, k^_i>, and dG_last += exp(G_last) <h, dS> + sum_j <kd part_j, k^_j>
 // dq^, dk^ (fp32, chunk-major per value head) and dG go to workspaces; (c) adds the WY terms.
-#include <cstdlib>
-
 #include "common_bwd.cuh"
 
 namespace tree_recurrence::gdn::fused::kernels {
@@ -145,179 +143,6 @@ __global__ void __launch_bounds__(kDqkThreads) dqk_kernel(GdnBwdParams p) {
   }
 }
 
-// Split variant (opt-in: TREE_RECURRENCE_GDN_DQK_SPLIT=1, only when Kp >= 32): the (chunk, value
-// head) tile's K columns split over a cluster of 2 CTAs (rank 0: column tiles [0, n0), rank 1: [n0,
-// Kp / 16), n0 = ceil(Kp / 32)); each CTA loads dO, v_new (dP recomputed, same bits in both) and
-// only its columns of q^, k^ and its rows of h, dS: ~102 KB of shared memory, 2 CTAs per SM. The
-// row dots' parts keep their global tile slots; rank 1 stores its parts and its <h, dS>, kd sums in
-// rank 0's shared memory (DSMEM), and rank 0 writes dG: the row sums are the same as the one-CTA
-// kernel's; <h, dS> and the kd sum are (own half) + (rank 1's half), a fixed order.
-template <typename T>
-__global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(kDqkThreads, 2) dqk_split_kernel(GdnBwdParams p) {
-  extern __shared__ __align__(16) char smem_raw[];
-  cluster_arrive_relaxed();  // paired with the wait before rank 1's remote stores (rank 0 has started)
-  const unsigned rank = cluster_rank();
-  const int64_t c = blockIdx.x / 2, hv = blockIdx.y;
-  const int64_t HV = p.hv, HK = p.hk, hk = hv / (HV / HK);
-  const int K = static_cast<int>(p.k_dim), V = static_cast<int>(p.v_dim);
-  const int Kp = round16(K), Vp = round16(V), ldv = pitch_of(Vp);
-  const int ntile = Kp / 16, n0 = (ntile + 1) / 2;
-  const int tile0 = rank == 0 ? 0 : n0, nloc = rank == 0 ? n0 : ntile - n0;
-  const int k0 = tile0 * 16, kwp = nloc * 16, kw = K - k0 < kwp ? K - k0 : kwp;
-  const int ldk = pitch_of(n0 * 16);  // both ranks: rank 0's width (the larger)
-  Smem sm{smem_raw};
-  T* qh = sm.take<T>(C * ldk);
-  T* kh = sm.take<T>(C * ldk);
-  T* dO = sm.take<T>(C * ldv);
-  T* vn = sm.take<T>(C * ldv);
-  T* h = sm.take<T>(n0 * 16 * ldv);
-  T* dS = sm.take<T>(n0 * 16 * ldv);
-  T* dP = sm.take<T>(C * kPitchC);
-  float* G = sm.take<float>(C);
-  float* partQ = sm.take<float>(C * 8);
-  float* partK = sm.take<float>(C * 8);
-  float* red = sm.take<float>(kDqkThreads + 1);
-  float* rqs = sm.take<float>(C);
-  float* rks = sm.take<float>(C);
-  int64_t* tok = sm.take<int64_t>(C);
-  float* other = sm.take<float>(4);  // rank 0: rank 1's <h, dS> and kd sums
-
-  const int64_t ch = c * HV + hv;
-  for (int i = threadIdx.x; i < C; i += blockDim.x) {
-    G[i] = p.G[ch * C + i];
-    const int64_t t = p.gather[c * C + i];
-    tok[i] = t;
-    rqs[i] = t >= 0 ? p.rq[t * HK + hk] * p.scale : 0.f;
-    rks[i] = t >= 0 ? p.rk[t * HK + hk] * 1.f : 0.f;
-  }
-  __syncthreads();
-  async_matrix<T>(dO, ldv, static_cast<const T*>(p.do_c) + ch * C * V, C, C, V, Vp);
-  async_matrix<T>(vn, ldv, static_cast<const T*>(p.v_new) + ch * C * V, C, C, V, Vp);
-  mma::cp_async_commit();
-  async_token_cols<T>(qh, ldk, static_cast<const T*>(p.q), tok, HK, hk, K, k0, kw, kwp);
-  async_token_cols<T>(kh, ldk, static_cast<const T*>(p.k), tok, HK, hk, K, k0, kw, kwp);
-  const int64_t hrow0 = ch * static_cast<int64_t>(K) + k0;
-  async_matrix<T>(h, ldv, static_cast<const T*>(p.h) + hrow0 * V, kw, kwp, V, Vp);
-  async_matrix<T>(dS, ldv, static_cast<const T*>(p.grad_state_out) + hrow0 * V, kw, kwp, V, Vp);
-  mma::cp_async_commit();
-  mma::cp_async_wait<1>();
-  __syncthreads();
-
-  const int warp = threadIdx.x / 32;
-  for (int t = warp; t < (C / 16) * (C / 16); t += kDqkWarps) {
-    const int r0 = (t / (C / 16)) * 16, c0 = (t % (C / 16)) * 16;
-    FragC acc[1][2];
-    zero(acc);
-    if (r0 + 15 >= c0) tile_mma<T, true, false>(acc, dO, ldv, vn, ldv, r0, c0, Vp / 16);
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int i = el_row(r0, e), j = el_col(c0, nt, e);
-        dP[i * kPitchC + j] = mma::Elem<T>::from_float(j <= i ? acc[0][nt].x[e] * expf(G[i] - G[j]) : 0.f);
-      }
-  }
-  mma::cp_async_wait<0>();
-  __syncthreads();
-  scale_rows<T>(qh, ldk, kwp, rqs);
-  scale_rows<T>(kh, ldk, kwp, rks);
-  float hds = 0.f;
-  for (int idx = threadIdx.x; idx < kw * V; idx += blockDim.x) {
-    const int r = idx / V, col = idx % V;
-    hds += mma::Elem<T>::to_float(h[r * ldv + col]) * mma::Elem<T>::to_float(dS[r * ldv + col]);
-  }
-  __syncthreads();
-
-  const float g_last = G[C - 1];
-  float* dq_out = p.dq_hv + ch * C * K + k0;
-  float* dk_out = p.dk_hv + ch * C * K + k0;
-  float kd_sum = 0.f;
-  for (int t = warp; t < (C / 16) * nloc; t += kDqkWarps) {
-    const int r0 = (t / nloc) * 16, c0 = (t % nloc) * 16;  // c0 local; global tile tile0 + c0 / 16
-    FragC acc[1][2];
-    zero(acc);
-    tile_mma<T, true, false>(acc, dO, ldv, h, ldv, r0, c0, Vp / 16);
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[0][nt].x[e] *= expf(G[el_row(r0, e)]);
-    tile_mma<T, true, true>(acc, dP, kPitchC, kh, ldk, r0, c0, C / 16);
-    float s[2] = {0.f, 0.f};
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int i = el_row(r0, e), col = el_col(c0, nt, e);
-        s[e >> 1] += acc[0][nt].x[e] * mma::Elem<T>::to_float(qh[i * ldk + col]);
-        if (col < kw) dq_out[i * K + col] = acc[0][nt].x[e];
-      }
-    tile_rowdot_store(s[0], s[1], partQ, r0, k0 + c0);
-
-    zero(acc);
-    tile_mma<T, true, false>(acc, vn, ldv, dS, ldv, r0, c0, Vp / 16);
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int j = el_row(r0, e), col = el_col(c0, nt, e);
-        acc[0][nt].x[e] *= expf(g_last - G[j]);
-        kd_sum += acc[0][nt].x[e] * mma::Elem<T>::to_float(kh[j * ldk + col]);
-      }
-    tile_mma<T, false, true>(acc, dP, kPitchC, qh, ldk, r0, c0, C / 16);
-    s[0] = s[1] = 0.f;
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int j = el_row(r0, e), col = el_col(c0, nt, e);
-        s[e >> 1] += acc[0][nt].x[e] * mma::Elem<T>::to_float(kh[j * ldk + col]);
-        if (col < kw) dk_out[j * K + col] = acc[0][nt].x[e];
-      }
-    tile_rowdot_store(s[0], s[1], partK, r0, k0 + c0);
-  }
-  const float hds_own = block_sum<kDqkThreads>(hds, red);  // (contains __syncthreads: parts are complete after it)
-  const float kd_own = block_sum<kDqkThreads>(kd_sum, red);
-  cluster_wait();  // rank 0 has started: its shared memory can be written
-  if (rank == 1) {
-    const int n1 = ntile - n0;
-    for (int idx = threadIdx.x; idx < C * n1; idx += blockDim.x) {
-      const int off = (idx / n1) * 8 + n0 + idx % n1;
-      store_remote(partQ + off, 0, partQ[off]);
-      store_remote(partK + off, 0, partK[off]);
-    }
-    if (threadIdx.x == 0) {
-      store_remote(other, 0, hds_own);
-      store_remote(other + 1, 0, kd_own);
-    }
-  }
-  cluster_arrive();
-  cluster_wait();  // rank 1's stores are visible to rank 0
-  if (rank == 0) {
-    const float hds_all = hds_own + other[0], kd_all = kd_own + other[1];
-    for (int i = threadIdx.x; i < C; i += blockDim.x) {
-      float d = row_parts(partQ, i, ntile) - row_parts(partK, i, ntile);
-      if (i == C - 1) d += expf(g_last) * hds_all + kd_all;
-      p.dG[ch * C + i] = d;
-    }
-  }
-}
-
-size_t dqk_split_smem(const GdnBwdParams& p) {
-  const int Kp = round16(static_cast<int>(p.k_dim)), ldv = pitch_of(round16(static_cast<int>(p.v_dim)));
-  const int w0 = ((Kp / 16) + 1) / 2 * 16, ldk = pitch_of(w0);
-  return 2 * smem_bytes<uint16_t>(C * ldk) + 2 * smem_bytes<uint16_t>(C * ldv) + 2 * smem_bytes<uint16_t>(w0 * ldv) +
-         smem_bytes<uint16_t>(C * kPitchC) + smem_bytes<float>(C) + 2 * smem_bytes<float>(C * 8) +
-         smem_bytes<float>(kDqkThreads + 1) + 2 * smem_bytes<float>(C) + smem_bytes<int64_t>(C) + smem_bytes<float>(4);
-}
-
-bool use_split(const GdnBwdParams& p) {
-  static const bool on = [] {
-    const char* e = std::getenv("TREE_RECURRENCE_GDN_DQK_SPLIT");
-    return e != nullptr && e[0] == '1';
-  }();
-  return on && round16(static_cast<int>(p.k_dim)) >= 32;
-}
-
 size_t dqk_smem(const GdnBwdParams& p) {
   const int Kp = round16(static_cast<int>(p.k_dim)), ldk = pitch_of(Kp), ldv = pitch_of(round16(static_cast<int>(p.v_dim)));
   return 2 * smem_bytes<uint16_t>(C * ldk) + 2 * smem_bytes<uint16_t>(C * ldv) + 2 * smem_bytes<uint16_t>(Kp * ldv) +
@@ -328,18 +153,6 @@ size_t dqk_smem(const GdnBwdParams& p) {
 template <typename T>
 const char* launch(const GdnBwdParams& p, void* stream) {
   if (p.num_chunks == 0) return "";
-  if (use_split(p)) {
-    const size_t bytes = dqk_split_smem(p);
-    cudaError_t e =
-        cudaFuncSetAttribute(dqk_split_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
-    if (e != cudaSuccess) return cudaGetErrorString(e);
-    e = cudaFuncSetAttribute(dqk_split_kernel<T>, cudaFuncAttributePreferredSharedMemoryCarveout,
-                             static_cast<int>(cudaSharedmemCarveoutMaxShared));
-    if (e != cudaSuccess) return cudaGetErrorString(e);
-    dqk_split_kernel<T><<<dim3(static_cast<unsigned>(2 * p.num_chunks), static_cast<unsigned>(p.hv)), kDqkThreads, bytes,
-                          static_cast<cudaStream_t>(stream)>>>(p);
-    return launch_error();
-  }
   const size_t bytes = dqk_smem(p);
   cudaError_t e = cudaFuncSetAttribute(dqk_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
   if (e != cudaSuccess) return cudaGetErrorString(e);

@@ -11,9 +11,6 @@
 //   gdn_bwd_finalize  (d)  dq, dk at the tokens: value heads of a key head summed in order, scale,
 //                          l2norm backward (one warp per (token, key head))
 // Everything deterministic (fixed reduction order, no atomics); 64-bit offsets.
-// Opt-in (read once per process): TREE_RECURRENCE_GDN_DQK_SPLIT=1 / TREE_RECURRENCE_GDN_WY_SPLIT=1 run
-// (b) / (c) as clusters of 2 CTAs splitting the K (and V) columns, ~102 / 112 KB of shared memory,
-// 2 CTAs per SM (only when K, V pad to >= 32); grid (2 NC, HV).
 #pragma once
 
 #include <cstdint>
