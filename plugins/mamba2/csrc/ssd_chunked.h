@@ -22,7 +22,11 @@
 //   A (H); dt_limit (lo, hi); D (H) or (H, P) or None; dt_bias (H) or None; dt <- clamp(softplus?(dt
 //   + dt_bias)) computed in fp32 (mamba-ssm's kernels); z like x or (1, T, H, P) or None.
 // Computes in fp32 (float64 for float64 x; bf16 and fp16 inputs are widened); the state is fp32.
-// Returns y (T, H, P) in fp32 (float64 for float64 x), as transformers' torch reference does.
+// Returns y (T, H, P) in fp32 (float64 for float64 x), as transformers' torch reference does; except
+// on the fused CUDA path (bf16 / fp16 x where fused::supported holds, ssd_fused/ssd_fused.h): there y
+// is in x's dtype, as mamba-ssm's mamba_chunk_scan_combined returns it (the kernels round y to the
+// input dtype; widening it only cost a (T, H, P) fp32 buffer and a cast). Callers that need one dtype
+// cast (the family adapter does y.to(x.dtype)).
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -11,9 +11,11 @@
 // Function::apply, GPU run 4) ended the process with a segmentation fault instead of raising; that
 // crash is an open bug (docs/kernels.md).
 //
-// The op keeps ssd_tree_scan's contract: the output is fp32 (T, H, P) (the kernels write the
-// in-type, which is widened exactly), so a grad_out arrives in fp32 (handed to fused::backward in
-// the in-type, to the fallback as it is).
+// Output dtype: x's (bf16 / fp16), as the kernels write it (mamba-ssm's chunk scan rounds its output
+// to the input dtype too). Until this change the op widened it to fp32 (exactly), a 1.6 GB buffer and
+// a cast at GRPO that the consumers narrowed right back (the family adapter: y.to(x.dtype)). The
+// composite (every other path) still returns fp32 (ssd_chunked.h). A grad_out arriving in any dtype
+// is handed to fused::backward in the in-type, to the interim fallback in the composite's fp32.
 #include "ssd_fused.h"
 
 #include <ATen/ATen.h>
@@ -122,7 +124,7 @@ struct ScanFn : public torch::autograd::Function<ScanFn> {
     ctx->saved_data["level_offsets"] = t.level_offsets;
     ctx->saved_data["child_offsets"] = t.child_offsets;
     ctx->saved_data["children"] = t.children;
-    return out.to(at::kFloat);
+    return out;  // x's dtype (ssd_chunked.h: the fused path's output contract)
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {

@@ -52,7 +52,9 @@ struct Saved {
 // P and N multiples of 8 with P <= 128 and N <= 256, and TREE_RECURRENCE_SSD_FUSED not "0".
 bool supported(const Args& a, const Tables& t);
 
-// The op with autograd (a torch::autograd::Function around forward() and backward()).
+// The op with autograd (a torch::autograd::Function around forward() and backward()). Returns out
+// (T, H, P) in x's dtype (bf16 / fp16: the kernels' own rounding, no fp32 widening); the composite
+// returns fp32 (ssd_chunked.h).
 at::Tensor scan(const Args& a, const Tables& t);
 
 // Forward kernels (ssd_fused_fwd.cpp): out (T, H, P) in x's dtype, and the saved buffers (with
