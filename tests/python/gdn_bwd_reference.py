@@ -13,7 +13,12 @@ for j <= i, else 0; M = E without the diagonal mask of A, i.e. A uses j < i):
   b.  dP = E * (dO v_new^T)
       dq^ = exp(G) (dO h^T) + dP k^
       dk^ = dP^T q^ + exp(G_last - G) (v_new dS^T)
-      dG  = <dq^, q^> - <dk^, k^>  (rows),  dG_last += decay <h, dS> + sum_j <exp(G_last-G_j)(v_new dS^T)_j, k^_j>
+      dG, directly (no O(1) parts that cancel; L = the chunk's last row holding a token, C - 1 when none;
+      D = strictly lower part of dP * (q^ k^T); T_j = <exp(G_last - G_j)(v_new dS^T)_j, k^_j>):
+      dG_i = <exp(G_i)(dO h^T)_i, q^_i> + rowsum(D)_i - colsum(D)_i - [i != L] T_i
+             + [i == L] (decay <h, dS> + sum_{j != L} T_j)
+      (formula="identity": FLA's dG = <dq^, q^> - <dk^, k^>, dG_{C-1} += decay <h, dS> + sum_j T_j, equal in
+      exact arithmetic at the tokens, but the difference of two O(1) terms: it loses dG under extreme decays)
   c.  (WY) dw = -dv_total h^T, du = dv_total, kb = beta exp(G) k^, vb = beta v, u = Ainv vb
       dkb = Ainv^T dw, dvb = Ainv^T du, dA = -(dkb w^T + dvb u^T) strictly lower
       W2 = dA * E * (k^ k^T)  (strictly lower),  dKK = beta * dA * E
@@ -65,7 +70,7 @@ def inputs(grad_o, q, k, v, g, beta, tables, scale=0.0, use_qk_l2norm=True):
     rep = lambda t: t.repeat_interleave(groups, dim=1)  # noqa: E731
     gather = gather.to(q.device)
     return dict(
-        qc=_chunks(rep(q * rq.unsqueeze(-1) * sc), gather), kc=_chunks(rep(k * rk.unsqueeze(-1)), gather),
+        qc=_chunks(rep(q * rq.unsqueeze(-1) * sc), gather), kc=_chunks(rep(k * rk.unsqueeze(-1)), gather), valid=gather >= 0,
         vc=_chunks(v, gather), bc=_chunks(beta, gather), dOc=_chunks(grad_o, gather), rq=rq, rk=rk, scale=sc,
         groups=groups, q=q, k=k, use_qk_l2norm=use_qk_l2norm)
 
@@ -117,20 +122,43 @@ def stage_pass(dv_local, q_g, dOc, w, kd, G, tables, initial_state=None, round_t
     return dict(grad_state_out=gso, dv_total=dvt, d_root=d_root, d_initial_state=d_init)
 
 
-def stage_b(qc, kc, G, dOc, h, v_new, gso):
-    C = G.shape[-1]
-    lower_eq, _ = _masks(C, G.device)
+def last_rows(valid, C, dev):
+    """(NC,) index of each chunk's last row holding a token (C - 1 when none or when valid is None)."""
+    if valid is None:
+        return None
+    valid = valid.to(dev)
+    idx = torch.arange(C, device=dev).expand_as(valid)
+    last = torch.where(valid, idx, torch.full_like(idx, -1)).amax(-1)
+    return torch.where(last < 0, torch.full_like(last, C - 1), last)
+
+
+def stage_b(qc, kc, G, dOc, h, v_new, gso, valid=None, formula="direct"):
+    """valid: (NC, C) bool, rows holding a token (None: all). formula: "direct" (the kernels') or "identity"."""
+    NC, HV, C = G.shape
+    lower_eq, strict = _masks(C, G.device)
     E = _E(G, lower_eq)
     dP = E * (dOc @ v_new.transpose(-1, -2))
     eG = torch.exp(G).unsqueeze(-1)
-    dq = eG * (dOc @ h.transpose(-1, -2)) + dP @ kc
+    dq_inter = eG * (dOc @ h.transpose(-1, -2))
+    dq = dq_inter + dP @ kc
     to_last = torch.exp(G[..., -1:] - G).unsqueeze(-1)
     dk_kd = to_last * (v_new @ gso.transpose(-1, -2))
     dk = dP.transpose(-1, -2) @ qc + dk_kd
-    dG = (dq * qc).sum(-1) - (dk * kc).sum(-1)
-    last = torch.exp(G[..., -1]) * (h * gso).sum((-1, -2)) + (dk_kd * kc).sum((-1, -2))
-    dG = dG.clone()
-    dG[..., -1] += last
+    decay_term = torch.exp(G[..., -1]) * (h * gso).sum((-1, -2))
+    if formula == "identity":
+        dG = (dq * qc).sum(-1) - (dk * kc).sum(-1)
+        dG = dG.clone()
+        dG[..., -1] += decay_term + (dk_kd * kc).sum((-1, -2))
+        return dict(dq_hv=dq, dk_b=dk, dG_b=dG)
+    L = last_rows(valid, C, G.device)
+    if L is None:
+        L = torch.full((NC,), C - 1, dtype=torch.int64, device=G.device)
+    D = (dP * (qc @ kc.transpose(-1, -2))).masked_fill(~strict, 0.0)
+    Tj = (dk_kd * kc).sum(-1)  # (NC, HV, C)
+    at_last = torch.nn.functional.one_hot(L, C).to(torch.bool).unsqueeze(1)  # (NC, 1, C)
+    Tj = Tj.masked_fill(at_last, 0.0)
+    dG = (dq_inter * qc).sum(-1) + D.sum(-1) - D.sum(-2) - Tj
+    dG = dG + at_last.to(dG.dtype) * (decay_term + Tj.sum(-1)).unsqueeze(-1)
     return dict(dq_hv=dq, dk_b=dk, dG_b=dG)
 
 
@@ -196,7 +224,7 @@ def backward(grad_o, q, k, v, g, beta, tables, fwd, initial_state=None, scale=0.
     out = {}
     out.update(stage_a(inp["qc"], inp["kc"], G, inp["dOc"]))
     out.update(stage_pass(out["dv_local"], out["q_g"], inp["dOc"], w, kd, G, tables, initial_state, round_to))
-    out.update(stage_b(inp["qc"], inp["kc"], G, inp["dOc"], h, v_new, out["grad_state_out"]))
+    out.update(stage_b(inp["qc"], inp["kc"], G, inp["dOc"], h, v_new, out["grad_state_out"], inp["valid"]))
     out.update(stage_c(inp["kc"], inp["vc"], inp["bc"], G, Ainv, w, h, out["dv_total"], out["dk_b"], out["dG_b"]))
     out.update(stage_d(out["dq_hv"], out["dk_hv"], out["dG"], out["dv_c"], out["dbeta_c"], tables[1], inp))
     out["dOc"] = inp["dOc"]
