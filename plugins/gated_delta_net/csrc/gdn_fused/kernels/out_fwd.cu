@@ -177,9 +177,9 @@ __global__ void __launch_bounds__(kThreads, 2) out_fwd_kernel(const OutParams p)
 
 // Version 2 (the default; TREE_RECURRENCE_GDN_OUT_V1=1 gives version 1 above): the same math in
 // the same order (bit for bit the same o), 70 KB of shared memory and at most 80 registers (3 blocks
-// per SM, 24 warps): h is staged 64 rows at a time. Rows 0..63 of h and v_new are copied first,
-// then q, k; after S = q^ k^T the k rows are dead and rows 64..127 of h are copied there
-// (cp.async) while O = q^ h[0:64] runs; then O += q^ h[64:128], O *= exp(G_i), O += S v_new; o is
+// per SM, 24 warps): h is staged 64 rows at a time. Rows 0..63 of h, q, k are copied first, v_new
+// in a second group (waited for with rows 64.. of h); after S = q^ k^T the k rows are dead and
+// rows 64..127 of h are copied there (cp.async) while O = q^ h[0:64] runs; then O += q^ h[64:128], O *= exp(G_i), O += S v_new; o is
 // staged in the q rows (after a barrier) and written with 16-byte stores. S is kept as four A
 // fragments (rounded to the input type right after gating: the same rounding c_to_a does in
 // version 1).
@@ -223,7 +223,16 @@ __global__ void __launch_bounds__(kThreads, 3) out_fwd_kernel_v2(const OutParams
   const int64_t tile = c * HV + hv;
   const T* hp = static_cast<const T*>(p.h) + tile * static_cast<int64_t>(K) * V;
 
+  // groups: (rows 0..63 of h, q, k), then v_new (waited for only before S v_new)
   cp_h_rows<T>(s.h, hp, 0, kb_lo * 16, K, V);
+  if (tid < kChunk) {
+    s.tok[tid] = p.gather[c * kChunk + tid];
+    s.G[tid] = p.G[tile * kChunk + tid];
+  }
+  __syncthreads();
+  cp_rows_async<T>(s.q, kLdX, static_cast<const T*>(p.q), s.tok, HK, hk, K);
+  cp_rows_async<T>(s.k, kLdX, static_cast<const T*>(p.k), s.tok, HK, hk, K);
+  mm::cp_async_commit();
   {
     const T* vp = static_cast<const T*>(p.v_new) + tile * static_cast<int64_t>(kChunk) * V;
     for (int i = tid; i < kChunk * (kMaxDim / 8); i += kThreads) {
@@ -233,15 +242,8 @@ __global__ void __launch_bounds__(kThreads, 3) out_fwd_kernel_v2(const OutParams
       mm::cp_async_16(s.vn + r * kLdX + c8 * 8, src, ok ? 16 : 0);
     }
   }
-  if (tid < kChunk) {
-    s.tok[tid] = p.gather[c * kChunk + tid];
-    s.G[tid] = p.G[tile * kChunk + tid];
-  }
-  __syncthreads();
-  cp_rows_async<T>(s.q, kLdX, static_cast<const T*>(p.q), s.tok, HK, hk, K);
-  cp_rows_async<T>(s.k, kLdX, static_cast<const T*>(p.k), s.tok, HK, hk, K);
   mm::cp_async_commit();
-  mm::cp_async_wait<0>();
+  mm::cp_async_wait<1>();  // h rows 0..63, q, k landed
   __syncthreads();
   scale_rows_smem<T, kWarps>(s.q, kLdX, s.tok, HK, hk, p.use_qk_l2norm, p.scale, nullptr, true);
   scale_rows_smem<T, kWarps>(s.k, kLdX, s.tok, HK, hk, p.use_qk_l2norm, 1.f, nullptr, true);
@@ -299,7 +301,7 @@ __global__ void __launch_bounds__(kThreads, 3) out_fwd_kernel_v2(const OutParams
     }
   }
   mm::cp_async_wait<0>();
-  __syncthreads();  // rows 64.. of h visible to every warp
+  __syncthreads();  // rows 64.. of h and v_new visible to every warp
   if (vb16 > 0) {
     for (int kt = 4; kt < kb16; ++kt) {
       const mm::FragA a = mm::load_a_row(s.q + rw * 16 * kLdX + kt * 16, kLdX);

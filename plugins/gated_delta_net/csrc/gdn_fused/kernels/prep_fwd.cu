@@ -223,10 +223,15 @@ __global__ void __launch_bounds__(kThreads, 4) prep_fwd_kernel(const PrepParams 
 
   // 1. rows: one batch of cp.async copies, then the norms in place
   const bool writer = hv % groups == 0;
+  // (version 2: k, q in the first group, v in a second one, waited for only before phase 5)
   cp_rows_async<T>(s.k, kLdX, static_cast<const T*>(p.k), s.tok, HK, hk, K);
-  cp_rows_async<T>(s.v, kLdX, static_cast<const T*>(p.v), s.tok, HV, hv, V);
+  if (!V2) cp_rows_async<T>(s.v, kLdX, static_cast<const T*>(p.v), s.tok, HV, hv, V);
   if (writer) cp_rows_async<T>(s.u.q, kLdX, static_cast<const T*>(p.q), s.tok, HK, hk, K);
   mm::cp_async_commit();
+  if (V2) {
+    cp_rows_async<T>(s.v, kLdX, static_cast<const T*>(p.v), s.tok, HV, hv, V);
+    mm::cp_async_commit();
+  }
   // 2. the chunk-local cumsum (sequential: exactly non-increasing for g <= 0), while the copies fly
   if (tid == 0) {
     float gr[kChunk];
@@ -248,7 +253,10 @@ __global__ void __launch_bounds__(kThreads, 4) prep_fwd_kernel(const PrepParams 
     for (int i = 0; i < kChunk; i += 4) *reinterpret_cast<float4*>(s.G + i) = make_float4(gr[i], gr[i + 1], gr[i + 2], gr[i + 3]);
     p.decay[tile] = exp_nonpos(acc);
   }
-  mm::cp_async_wait<0>();
+  if (V2)
+    mm::cp_async_wait<1>();  // k, q landed; v may still fly
+  else
+    mm::cp_async_wait<0>();
   __syncthreads();
   scale_rows_smem<T, kThreads / 32>(s.k, kLdX, s.tok, HK, hk, p.use_qk_l2norm, 1.f, writer ? p.rk : nullptr, true);
   if (writer)  // q is read here only for its norms (the out stage recomputes q^ itself)
@@ -380,6 +388,10 @@ __global__ void __launch_bounds__(kThreads, 4) prep_fwd_kernel(const PrepParams 
     __syncthreads();
   }
 
+  if (V2) {  // v's rows
+    mm::cp_async_wait<0>();
+    __syncthreads();
+  }
   // 5. w, u
   mm::FragC acc[16];
   lower_times<T>(acc, s.u.op.abg, s.k, warp, kb16);
