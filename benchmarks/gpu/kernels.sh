@@ -95,16 +95,6 @@ has gdn && pytest_part gdn_fwd 100 tests/python/test_gdn_fused_gpu.py
 has gdn && pytest_part gdn_bwd 120 tests/python/test_gdn_fused_bwd_gpu.py
 has ssd && pytest_part ssd_fwd 100 tests/python/test_ssd_fused_gpu.py
 has ssd && pytest_part ssd_bwd 120 tests/python/test_ssd_fused_bwd_gpu.py
-if has gdn_split; then  # the opt-in split wy / dqk backward kernels (2 CTAs of a cluster per tile)
-  export TREE_RECURRENCE_GDN_DQK_SPLIT=1 TREE_RECURRENCE_GDN_WY_SPLIT=1
-  pytest_part gdn_bwd_split 100 tests/python/test_gdn_fused_bwd_gpu.py
-  if grep -qE "^[0-9]+ passed" "$LOGS/gdn_bwd_split.log" && ! grep -qE "failed|error" "$LOGS/gdn_bwd_split.log"; then
-    stamp "gdn bench, split backward"
-    timeout 100 python3 benchmarks/gdn_bench.py --cases tree,flat --out "$OUT/gdn_bench_split.json" >"$LOGS/gdn_bench_split.txt" 2>&1
-    echo "  bench exit $?"; grep -E "^(tree|flat) " "$LOGS/gdn_bench_split.txt" | cut -c1-120
-  fi
-  unset TREE_RECURRENCE_GDN_DQK_SPLIT TREE_RECURRENCE_GDN_WY_SPLIT
-fi
 if has bench; then
   for b in gdn ssd; do
     l=$(left); [ "$l" -lt 40 ] && { stamp "$b bench skipped"; continue; }
