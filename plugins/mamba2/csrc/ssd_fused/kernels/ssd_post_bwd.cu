@@ -57,7 +57,7 @@ struct Plan {
     PT = Pp + 8;
     NT = Np + 8;
     ncolP = Pp / 16;
-    int o = kL * 8;  // int64 tokens
+    int o = kL * 8;  // int32 tokens (the room of int64 ones kept: 16-byte alignment)
     off_B = o; o += kL * NT * 2;
     off_C = o; o += kL * NT * 2;
     off_cbf = o; o += kLowBlocks * 256 * 4;
@@ -102,6 +102,9 @@ __device__ __forceinline__ uint4 pack8(const float (&f)[8]) {
   v.w = mm::Elem<T>::pack(f[6], f[7]);
   return v;
 }
+// sigmoid by the fast exp / division (MUFU; relative error ~1e-7, far below the 16-bit rounding of dy / dz);
+// z -> -inf: 1 / inf = 0
+__device__ __forceinline__ float sigm(float z) { return __fdividef(1.f, 1.f + __expf(-z)); }
 __device__ __forceinline__ uint4 ld16(const void* p) { return __ldg(static_cast<const uint4*>(p)); }
 
 // lower block blk (0..9) -> (row block, column block)
@@ -119,7 +122,7 @@ __global__ void __launch_bounds__(kThreads, 2) post_bf16_kernel(BwdParams p) {
   const int g = static_cast<int>(blockIdx.x % G);
   const Plan pl(P, N);
   const int PT = pl.PT, NT = pl.NT, Pp = pl.Pp, Np = pl.Np, ncolP = pl.ncolP, ncolN = Np / 16;
-  int64_t* tok = reinterpret_cast<int64_t*>(smem);
+  int* tok = reinterpret_cast<int*>(smem);  // token of each row, -1 = pad (T < 2^31: supported() checks)
   T* Bs = reinterpret_cast<T*>(smem + pl.off_B);
   T* Cs = reinterpret_cast<T*>(smem + pl.off_C);
   float* cbf = reinterpret_cast<float*>(smem + pl.off_cbf);
@@ -147,14 +150,14 @@ __global__ void __launch_bounds__(kThreads, 2) post_bf16_kernel(BwdParams p) {
   const T* gx = static_cast<const T*>(p.x);
   const T* gst = static_cast<const T*>(p.states);
 
-  if (tid < kL) tok[tid] = p.gather[c * kL + tid];
+  if (tid < kL) tok[tid] = static_cast<int>(p.gather[c * kL + tid]);
   __syncthreads();
   const int cprN = Np / 8;  // 16-byte chunks per N row
   for (int e = tid; e < kL * cprN; e += kThreads) {
     const int i = e / cprN, cc = e % cprN;
-    const int64_t t = tok[i];
+    const int t = tok[i];
     const bool ok = t >= 0 && cc * 8 < N;
-    const int64_t off = ok ? (t * G + g) * N + cc * 8 : 0;
+    const int64_t off = ok ? (static_cast<int64_t>(t) * G + g) * N + cc * 8 : 0;
     mm::cp_async_16(Bs + i * NT + cc * 8, gB + off, ok ? 16 : 0);
     mm::cp_async_16(Cs + i * NT + cc * 8, gC + off, ok ? 16 : 0);
   }
@@ -261,19 +264,16 @@ __global__ void __launch_bounds__(kThreads, 2) post_bf16_kernel(BwdParams p) {
     if (lrow0 < rpp) {
       #pragma unroll 1
       for (int i = lrow0; i < kL; i += rpp) {
-        const int64_t t = tok[i];
+        const int t = tok[i];
         const bool ok = t >= 0 && lcc * 8 < P;
-        const int64_t off = (t * H + h) * P + lcc * 8;
-        uint4 xr = make_uint4(0u, 0u, 0u, 0u), dr = xr, zr = xr, yr = xr;
+        const int64_t off = (static_cast<int64_t>(t) * H + h) * P + lcc * 8;
+        uint4 xr = make_uint4(0u, 0u, 0u, 0u), dr = xr, zr = xr;
         float4 fa = make_float4(0.f, 0.f, 0.f, 0.f), fb = fa;
         if (ok) {
           xr = ld16(gx + off);
           if constexpr (fly) {
             dr = ld16(gdo + off);
-            if constexpr (hasz) {
-              zr = ld16(gz + off);
-              yr = ld16(gy + off);
-            }
+            if constexpr (hasz) zr = ld16(gz + off);
           } else {
             fa = *reinterpret_cast<const float4*>(p.dy + off);
             fb = *reinterpret_cast<const float4*>(p.dy + off + 4);
@@ -281,9 +281,8 @@ __global__ void __launch_bounds__(kThreads, 2) post_bf16_kernel(BwdParams p) {
         }
         const float ei = expf(p.Lam[chl + i]);
         const uint32_t xw4[4] = {xr.x, xr.y, xr.z, xr.w}, dw4[4] = {dr.x, dr.y, dr.z, dr.w};
-        const uint32_t zw4[4] = {zr.x, zr.y, zr.z, zr.w}, yw4[4] = {yr.x, yr.y, yr.z, yr.w};
+        const uint32_t zw4[4] = {zr.x, zr.y, zr.z, zr.w};
         const float fy[8] = {fa.x, fa.y, fa.z, fa.w, fb.x, fb.y, fb.z, fb.w};
-        uint32_t dzw[4] = {0u, 0u, 0u, 0u};
         float* dDr = dDred + lrow0 * Pp + lcc * 8;
 #pragma unroll
         for (int w = 0; w < 4; ++w) {
@@ -291,12 +290,9 @@ __global__ void __launch_bounds__(kThreads, 2) post_bf16_kernel(BwdParams p) {
           if constexpr (fly) {
             dy2 = unpack2<T>(dw4[w]);
             if constexpr (hasz) {
-              const float2 z2 = unpack2<T>(zw4[w]), y2 = unpack2<T>(yw4[w]);
-              const float s0 = 1.f / (1.f + expf(-z2.x)), s1 = 1.f / (1.f + expf(-z2.y));
-              dzw[w] = mm::Elem<T>::pack(dy2.x * y2.x * s0 * (1.f + z2.x * (1.f - s0)),
-                                         dy2.y * y2.y * s1 * (1.f + z2.y * (1.f - s1)));
-              dy2.x = dy2.x * z2.x * s0;
-              dy2.y = dy2.y * z2.y * s1;
+              const float2 z2 = unpack2<T>(zw4[w]);
+              dy2.x = dy2.x * z2.x * sigm(z2.x);
+              dy2.y = dy2.y * z2.y * sigm(z2.y);
             }
           } else {
             dy2 = make_float2(fy[2 * w], fy[2 * w + 1]);
@@ -310,9 +306,30 @@ __global__ void __launch_bounds__(kThreads, 2) post_bf16_kernel(BwdParams p) {
             dDr[2 * w + 1] = i == lrow0 ? a1 : dDr[2 * w + 1] + a1;
           }
         }
-        if (fly && hasz && ok && gdz != nullptr)
-          *reinterpret_cast<uint4*>(gdz + off) = make_uint4(dzw[0], dzw[1], dzw[2], dzw[3]);
         *reinterpret_cast<uint4*>(xs + i * PT + lcc * 8) = xr;
+      }
+      // dz = dout y silu'(z) in z's type (a second pass: dout / z again from L2, fewer live registers)
+      if constexpr (fly && hasz) {
+        if (gdz != nullptr) {
+#pragma unroll 1
+          for (int i = lrow0; i < kL; i += rpp) {
+            const int t = tok[i];
+            if (t < 0 || lcc * 8 >= P) continue;
+            const int64_t off = (static_cast<int64_t>(t) * H + h) * P + lcc * 8;
+            const uint4 dr = ld16(gdo + off), zr = ld16(gz + off), yr = ld16(gy + off);
+            const uint32_t dw4[4] = {dr.x, dr.y, dr.z, dr.w}, zw4[4] = {zr.x, zr.y, zr.z, zr.w},
+                           yw4[4] = {yr.x, yr.y, yr.z, yr.w};
+            uint32_t dzw[4];
+#pragma unroll
+            for (int w = 0; w < 4; ++w) {
+              const float2 g2 = unpack2<T>(dw4[w]), z2 = unpack2<T>(zw4[w]), y2 = unpack2<T>(yw4[w]);
+              const float s0 = sigm(z2.x), s1 = sigm(z2.y);
+              dzw[w] = mm::Elem<T>::pack(g2.x * y2.x * s0 * (1.f + z2.x * (1.f - s0)),
+                                         g2.y * y2.y * s1 * (1.f + z2.y * (1.f - s1)));
+            }
+            *reinterpret_cast<uint4*>(gdz + off) = make_uint4(dzw[0], dzw[1], dzw[2], dzw[3]);
+          }
+        }
       }
     }
     mm::cp_async_wait<0>();
@@ -321,7 +338,7 @@ __global__ void __launch_bounds__(kThreads, 2) post_bf16_kernel(BwdParams p) {
     // dD partial (fixed order over the row slots)
     if (p.dD_part != nullptr && tid < P) {
       float s = 0.f;
-      for (int r = 0; r < rpp; ++r) s += dDred[r * Pp + tid];
+      for (int r = 0; r < rpp && r < kL; ++r) s += dDred[r * Pp + tid];  // the slots that saw rows
       p.dD_part[ch * P + tid] = s;
     }
     // CS = C s^T (L x P): q partials <dy_r, CS_r> per column tile
@@ -459,9 +476,9 @@ __global__ void __launch_bounds__(kThreads, 2) post_bf16_kernel(BwdParams p) {
               v1 += xv * aS[nt].x[e];
             }
           }
-          const int64_t t = tok[j];
+          const int t = tok[j];
           if (t >= 0 && pc < P)
-            *reinterpret_cast<uint32_t*>(gdx + (t * H + h) * P + pc) = mm::Elem<T>::pack(dxv[0], dxv[1]);
+            *reinterpret_cast<uint32_t*>(gdx + (static_cast<int64_t>(t) * H + h) * P + pc) = mm::Elem<T>::pack(dxv[0], dxv[1]);
         }
       }
 #pragma unroll
@@ -562,18 +579,18 @@ __global__ void __launch_bounds__(kThreads, 2) post_bf16_kernel(BwdParams p) {
       const float d = dpairs + qsum + vsum + el[kL - 1] * p.ddecay[ch];
       p.d_dtA[chl + k] = d;
       red[k] = dts[k] * d;
-      const int64_t t = tok[k];
+      const int t = tok[k];
       if (t >= 0) {
         const float ddt = dd + p.A[h] * d;
-        p.ddt[t * H + h] = ddt;
-        const float v = p.dt_raw[t * H + h] + (p.dt_bias != nullptr ? p.dt_bias[h] : 0.f);
+        p.ddt[static_cast<int64_t>(t) * H + h] = ddt;
+        const float v = p.dt_raw[static_cast<int64_t>(t) * H + h] + (p.dt_bias != nullptr ? p.dt_bias[h] : 0.f);
         float deriv = 1.f, pre = v;
         if (p.dt_softplus && v <= 20.f) {
           pre = fmaxf(v, 0.f) + log1pf(expf(-fabsf(v)));
           deriv = 1.f / (1.f + expf(-v));
         }
         const bool pass = pre >= p.dt_min && pre <= p.dt_max;
-        p.ddt_raw[t * H + h] = pass ? ddt * deriv : 0.f;
+        p.ddt_raw[static_cast<int64_t>(t) * H + h] = pass ? ddt * deriv : 0.f;
       }
     }
     __syncthreads();
@@ -625,9 +642,9 @@ __global__ void __launch_bounds__(kThreads, 2) post_bf16_kernel(BwdParams p) {
 #pragma unroll
         for (int hr = 0; hr < 2; ++hr) {
           const int r = r0s + mm::c_row(lane, 2 * hr), n = cb * 16 + nt * 8 + mm::c_col(lane, 0);
-          const int64_t t = tok[r];
+          const int t = tok[r];
           if (t >= 0 && n < N) {
-            const int64_t o = (t * G + g) * N + n;
+            const int64_t o = (static_cast<int64_t>(t) * G + g) * N + n;
             *reinterpret_cast<float2*>(p.dC + o) = make_float2(accC[u][nt].x[2 * hr], accC[u][nt].x[2 * hr + 1]);
             *reinterpret_cast<float2*>(p.dB + o) = make_float2(accB[u][nt].x[2 * hr], accB[u][nt].x[2 * hr + 1]);
           }
@@ -673,7 +690,7 @@ bool ssd_bwd_post_bf16_supported(const BwdParams& p) {
   const BwdType t = p.x_type;
   if (!half_type(t) || p.bc_type != t || p.dout_type != t || p.states_type != t || p.dx_type != t) return false;
   if (p.z != nullptr && (p.z_type != t || p.y_type != t || p.y == nullptr)) return false;
-  if (p.num_chunks * p.groups > 0x7fffffffLL) return false;
+  if (p.num_chunks * p.groups > 0x7fffffffLL || p.tokens > 0x7fffffffLL) return false;
   if (!aligned16(p.x) || !aligned16(p.B) || !aligned16(p.C) || !aligned16(p.dout) || !aligned16(p.states) ||
       !aligned16(p.ds) || !aligned16(p.dx_out) || p.dx_out == nullptr)
     return false;
