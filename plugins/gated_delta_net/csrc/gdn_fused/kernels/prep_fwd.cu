@@ -12,7 +12,8 @@
 //      That is version 1 (TREE_RECURRENCE_GDN_PREP_V1=1). Version 2 (the default, block_inverse):
 //      A is written transposed (strict upper triangle), the 16 x 16 diagonal blocks are inverted
 //      by substitution, the off-diagonal blocks by fp32 block products (3 levels, all 128 threads),
-//      in place; Ainv and the operands leave with 16-byte stores;
+//      in place; Ainv and the operands leave with 16-byte stores; v in a second cp.async group;
+//      phase 5 by column blocks per warp (balanced; lower_times_cols);
 //   5. w = (Ainv diag(beta exp G)) k^, u = (Ainv diag(beta)) v on tensor cores (operands rounded to
 //      the input type, fp32 acc), staged in shared memory and stored with 16-byte writes.
 // Shared memory is reused across phases: the q rows (phase 1), A (3-4) and the two scaled Ainv
@@ -84,6 +85,54 @@ __device__ __forceinline__ void lower_times(mm::FragC (&acc)[16], const T* op, c
       }
     }
   }
+}
+
+// Version 2 of phase 5: the warp owns 16-column blocks warp and warp + 4 of X (all 64 rows) instead of
+// a row block, so the lower-triangular work is the same for every warp (10 row-block x k-block
+// steps each). acc[rb * 4 + 2 n + h] = rows 16 rb.., columns 16 (warp + 4 n) + 8 h..; each output's
+// sum over k blocks 0..rb runs in the same order as lower_times (bit for bit the same result).
+// The warp reads only its own columns of X, so it may stash over them without a block barrier.
+template <typename T>
+__device__ __forceinline__ void lower_times_cols(mm::FragC (&acc)[16], const T* op, const T* X, int warp, int nblocks16) {
+#pragma unroll
+  for (int i = 0; i < 16; ++i) acc[i].zero();
+#pragma unroll
+  for (int rb = 0; rb < 4; ++rb) {
+#pragma unroll
+    for (int kt = 0; kt <= rb; ++kt) {
+      const mm::FragA a = mm::load_a_row(op + rb * 16 * kLdI + kt * 16, kLdI);
+#pragma unroll
+      for (int n = 0; n < 2; ++n) {
+        const int np = warp + 4 * n;
+        if (np < nblocks16) {
+          mm::FragB b0, b1;
+          mm::load_b_kn(b0, b1, X + kt * 16 * kLdX + np * 16, kLdX);
+          mm::mma<T>(acc[rb * 4 + 2 * n], a, b0);
+          mm::mma<T>(acc[rb * 4 + 2 * n + 1], a, b1);
+        }
+      }
+    }
+  }
+}
+template <typename T>
+__device__ __forceinline__ void stash_cols(T* dst, const mm::FragC (&acc)[16], int warp, int nblocks16) {
+  const int l = mm::lane_id();
+#pragma unroll
+  for (int rb = 0; rb < 4; ++rb)
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+      const int np = warp + 4 * n;
+      if (np < nblocks16) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const mm::FragC& f = acc[rb * 4 + 2 * n + h];
+          const int col = np * 16 + h * 8 + mm::c_col(l, 0);
+          const int r0 = rb * 16 + mm::c_row(l, 0), r1 = rb * 16 + mm::c_row(l, 2);
+          *reinterpret_cast<uint32_t*>(dst + r0 * kLdX + col) = mm::Elem<T>::pack(f.x[0], f.x[1]);
+          *reinterpret_cast<uint32_t*>(dst + r1 * kLdX + col) = mm::Elem<T>::pack(f.x[2], f.x[3]);
+        }
+      }
+    }
 }
 
 // 64 rows x ncols (multiple of 8) from shared (pitch kLdX) to global rows of pitch ncols, 16 bytes
@@ -394,12 +443,21 @@ __global__ void __launch_bounds__(kThreads, 4) prep_fwd_kernel(const PrepParams 
   }
   // 5. w, u
   mm::FragC acc[16];
-  lower_times<T>(acc, s.u.op.abg, s.k, warp, kb16);
-  __syncthreads();  // every warp is done reading k^
-  stash<T>(s.k, acc, warp, kb16);
-  lower_times<T>(acc, s.u.op.ab, s.v, warp, vb16);
-  __syncthreads();  // every warp is done reading v
-  stash<T>(s.v, acc, warp, vb16);
+  if (!V2) {
+    lower_times<T>(acc, s.u.op.abg, s.k, warp, kb16);
+    __syncthreads();  // every warp is done reading k^
+    stash<T>(s.k, acc, warp, kb16);
+    lower_times<T>(acc, s.u.op.ab, s.v, warp, vb16);
+    __syncthreads();  // every warp is done reading v
+    stash<T>(s.v, acc, warp, vb16);
+  } else {  // column blocks per warp: no barrier until the stores
+    lower_times_cols<T>(acc, s.u.op.abg, s.k, warp, kb16);
+    __syncwarp();
+    stash_cols<T>(s.k, acc, warp, kb16);
+    lower_times_cols<T>(acc, s.u.op.ab, s.v, warp, vb16);
+    __syncwarp();
+    stash_cols<T>(s.v, acc, warp, vb16);
+  }
   __syncthreads();
   store_rows<T>(static_cast<T*>(p.w) + tile * kChunk * K, s.k, K);
   store_rows<T>(static_cast<T*>(p.u) + tile * kChunk * V, s.v, V);
