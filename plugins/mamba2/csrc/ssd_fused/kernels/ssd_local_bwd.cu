@@ -31,6 +31,7 @@ namespace mm = tree_recurrence::kernels::mma;
 constexpr int kL = 64;
 constexpr int kWarps = 4, kThreads = kWarps * 32;
 constexpr int kMaxDim = 128;
+constexpr int kBatch = 4;  // dout / z pieces loaded ahead per thread
 
 __host__ __device__ constexpr int ceil_to(int64_t v, int m) { return static_cast<int>((v + m - 1) / m * m); }
 
@@ -90,24 +91,36 @@ __global__ void __launch_bounds__(kThreads, 4) local_bf16_kernel(BwdParams p) {
   }
   mm::cp_async_commit();
 
-  // dy rows, scaled by e^Lam and rounded once
+  // dy rows, scaled by e^Lam and rounded once. kBatch 16-byte pieces per thread are loaded (__ldg:
+  // global, read-only) before any of them is converted and stored, so each thread keeps kBatch x 32
+  // bytes in flight (at P 64 a thread's whole share: 4 pieces).
   const T* dout = static_cast<const T*>(p.dout);
   const T* zz = static_cast<const T*>(p.z);
-  const int dq = pl.Pp / 8;
-  for (int e = tid; e < kL * dq; e += kThreads) {
-    const int i = e / dq, p0 = (e % dq) * 8;
-    const int64_t t = tok[i];
-    uint4 o = make_uint4(0u, 0u, 0u, 0u);
-    if (t >= 0 && p0 < P) {
-      const int64_t off = (t * H + h) * P + p0;
-      const uint4 gv = *reinterpret_cast<const uint4*>(dout + off);
-      const uint32_t gw[4] = {gv.x, gv.y, gv.z, gv.w};
-      uint32_t zw[4] = {0u, 0u, 0u, 0u};
-      if constexpr (HAS_Z) {
-        const uint4 zv = *reinterpret_cast<const uint4*>(zz + off);
-        zw[0] = zv.x, zw[1] = zv.y, zw[2] = zv.z, zw[3] = zv.w;
+  const int dq = pl.Pp / 8, total = kL * dq;
+  for (int e0 = tid; e0 < total; e0 += kBatch * kThreads) {
+    uint4 gv[kBatch], zv[kBatch];
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int e = e0 + u * kThreads;
+      gv[u] = zv[u] = make_uint4(0u, 0u, 0u, 0u);
+      if (e < total) {
+        const int i = e / dq, p0 = (e % dq) * 8;
+        const int64_t t = tok[i];
+        if (t >= 0 && p0 < P) {
+          const int64_t off = (t * H + h) * P + p0;
+          gv[u] = __ldg(reinterpret_cast<const uint4*>(dout + off));
+          if constexpr (HAS_Z) zv[u] = __ldg(reinterpret_cast<const uint4*>(zz + off));
+        }
       }
-      const float s = el[i];
+    }
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int e = e0 + u * kThreads;
+      if (e >= total) break;
+      const int i = e / dq, p0 = (e % dq) * 8;
+      const float s = el[i];  // pad rows and columns: zero pieces stay zero
+      const uint32_t gw[4] = {gv[u].x, gv[u].y, gv[u].z, gv[u].w};
+      const uint32_t zw[4] = {zv[u].x, zv[u].y, zv[u].z, zv[u].w};
       uint32_t ow[4];
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
@@ -120,9 +133,8 @@ __global__ void __launch_bounds__(kThreads, 4) local_bf16_kernel(BwdParams p) {
         }
         ow[k] = mm::Elem<T>::pack(s * d.x, s * d.y);
       }
-      o = make_uint4(ow[0], ow[1], ow[2], ow[3]);
+      *reinterpret_cast<uint4*>(dys + i * pl.DP + p0) = make_uint4(ow[0], ow[1], ow[2], ow[3]);
     }
-    *reinterpret_cast<uint4*>(dys + i * pl.DP + p0) = o;
   }
   mm::cp_async_wait<0>();
   __syncthreads();
