@@ -10,6 +10,11 @@ whatever the forward kernels do.
 * test_final_gradients: dq, dk, dv, dg, dbeta, d_initial_state (and dA_log, ddt_bias when g comes
   from them as in Qwen3.5) against float64 autograd through the token oracle gdn_token_scan.
   bf16: relative RMS <= 2e-2 for every gradient.
+* test_extreme_gates: Qwen3.5-like extreme decays (log-gates -8..-26 per token; 1-token, 63/64/65-token
+  segments, a tree, K = V = 32 and 128): the gate-gradient cancellation fix. Stage (b)'s dG against its
+  float64 twin fed the kernel's own in-type q^, k^ (sharp: 2e-3; FLA's identity misses this by orders),
+  dg / dA_log-like sums against the float64 emulation of the kernels' bf16 roundings
+  (test_gdn_bwd_gate_grad.emulate_backward), and the final gradients against float64 autograd.
 * test_bitwise_deterministic: two runs give identical bits.
 * test_through_the_op: gdn_tree_scan's autograd on CUDA bf16 (fused forward + fused backward) vs the
   oracle: the integration with the forward engineer's saved buffers.
@@ -148,7 +153,8 @@ def test_stages(name):
                            init64)
     rows += [("pass", n, rel_rms(got[n], want[n]), STAGE_TOL) for n in ("grad_state_out", "dv_total", "d_root")]
 
-    want = bref.stage_b(inp["qc"], inp["kc"], G, c64(got["do_c"]), sv["h"], sv["v_new"], c64(got["grad_state_out"]))
+    want = bref.stage_b(inp["qc"], inp["kc"], G, c64(got["do_c"]), sv["h"], sv["v_new"], c64(got["grad_state_out"]),
+                        inp["valid"])
     rows += [("b", n, rel_rms(got[m], want[n]), STAGE_TOL) for n, m in (("dq_hv", "dq_hv"), ("dk_b", "dk_b"),
                                                                        ("dG_b", "dG_b"))]
 
@@ -268,3 +274,85 @@ def test_through_the_op(name):
         rows.append(("op", f"d{n}", rel_rms(gr, w), TOL))
     bad = report(name + "/op", rows)
     assert not bad, f"{name}: gdn_tree_scan gradients over tolerance: {bad}"
+
+
+# ---- extreme decays (the gate-gradient cancellation; tests/python/test_gdn_bwd_gate_grad.py is the CPU twin)
+
+EXTREME = {
+    "x_one_token": dict(spec="one_token", mode="qwen"),
+    "x_seg63": dict(spec="seg63", mode="qwen"),
+    "x_seg64": dict(spec="seg64", mode="qwen"),
+    "x_seg65": dict(spec="seg65", mode="qwen"),
+    "x_tree": dict(spec="tree", mode="qwen"),
+    "x_tree_uniform": dict(spec="tree", mode="uniform"),
+    "x_tree_128": dict(spec="tree", mode="qwen", HK=1, HV=2, K=128, V=128),
+}
+
+
+def setup_extreme(name, dtype=torch.bfloat16):
+    import test_gdn_bwd_gate_grad as gg
+    cfg = dict(EXTREME[name])
+    spec = gg.SPECS[cfg.pop("spec")]
+    x64, seg_offsets, parents = gg.extreme_inputs(spec, cfg.pop("mode"), dtype=dtype, **cfg)
+    tabs_cpu = chunk_tables(seg_offsets, parents, 64, "cpu")
+    tabs = chunk_tables(seg_offsets, parents, 64, "cuda")
+    fwd = fref.stages(x64["q"], x64["k"], x64["v"], x64["g"], x64["beta"], tabs_cpu, None, 0.0, True, round_to=dtype)
+    dev = {n: (t.to(dtype) if n in ("q", "k", "v", "grad") else t.float()).cuda() for n, t in x64.items()}
+    saved = dict(G=fwd["G"].float().cuda(), Ainv=fwd["Ainv"].to(dtype).cuda(), w=fwd["w"].to(dtype).cuda(),
+                 kd=fwd["kd"].to(dtype).cuda(), h=fwd["h"].to(dtype).cuda(), v_new=fwd["v_new"].to(dtype).cuda(),
+                 rq=fwd["rq"].float().cuda(), rk=fwd["rk"].float().cuda())
+    return dict(seg_offsets=seg_offsets, parents=parents, ins=x64, x64=x64, dev=dev, tabs=tabs, tabs_cpu=tabs_cpu,
+                fwd=fwd, saved=saved, h0="none", l2norm=True, dtype=dtype)
+
+
+def kernel_rows(x, r, scale, HV, gather, dtype):
+    """q^ / k^ exactly as the kernels' scale_rows forms them (in-type of fp32 x * fp32 row scale), chunk-major
+    per value head, float64."""
+    T, HK, K = x.shape
+    s = r.float().cpu() * torch.tensor(scale, dtype=torch.float32)
+    y = (x.float() * s.unsqueeze(-1)).to(dtype).double()
+    return fref._chunks(y.repeat_interleave(HV // HK, dim=1), gather)
+
+
+@pytest.mark.parametrize("name", sorted(EXTREME))
+def test_extreme_gates(name):
+    import test_gdn_bwd_gate_grad as gg
+    case = setup_extreme(name)
+    got = run_stages(case)
+    x = case["x64"]
+    tabs = case["tabs_cpu"]
+    inp = bref.inputs(x["grad"], x["q"], x["k"], x["v"], x["g"], x["beta"], tabs, 0.0, True)
+    G = c64(case["saved"]["G"])
+    sv = {n: c64(t) for n, t in case["saved"].items()}
+    HV = x["v"].shape[1]
+    qk = kernel_rows(x["q"], sv["rq"], inp["scale"], HV, tabs[0], case["dtype"])
+    kk = kernel_rows(x["k"], sv["rk"], 1.0, HV, tabs[0], case["dtype"])
+    rows = []
+    # (b) fed its own inputs (in-type q^, k^ as the kernel rounds them): only fp32 arithmetic is left
+    want = bref.stage_b(qk, kk, G, c64(got["do_c"]), sv["h"], sv["v_new"], c64(got["grad_state_out"]), inp["valid"])
+    rows += [("b", "dq_hv", rel_rms(got["dq_hv"], want["dq_hv"]), STAGE_TOL),
+             ("b", "dk_b", rel_rms(got["dk_b"], want["dk_b"]), STAGE_TOL),
+             ("b", "dG_b", rel_rms(got["dG_b"], want["dG_b"]), 2e-3)]
+    want_c = bref.stage_c(kk, inp["vc"], inp["bc"], G, sv["Ainv"], sv["w"], sv["h"], c64(got["dv_total"]),
+                          c64(got["dk_b"]), c64(got["dG_b"]))
+    scatter = tabs[1]
+    rows += [("c", "dG", rel_rms(got["dG"], want_c["dG"]), STAGE_TOL),
+             ("c", "dbeta", rel_rms(got["dbeta"], bref._tokens(want_c["dbeta_c"], scatter)), STAGE_TOL),
+             ("c", "dv", rel_rms(got["dv"], bref._tokens(want_c["dv_c"], scatter)), STAGE_TOL)]
+    # against the float64 emulation of the kernels' roundings (same bf16 storage, exact arithmetic)
+    emu = gg.emulate_backward(x, tabs, dt=torch.float64, round_to=case["dtype"])
+    oracle = gg.oracle_dg(x, case["seg_offsets"], case["parents"])
+    g = x["g"]
+    gA, eA, wA = gg.dA_log(g, c64(got["dg"])), gg.dA_log(g, emu["dg"]), gg.dA_log(g, oracle["g"])
+    per_head = lambda a, b: ((a - b).abs() / b.abs()).max().item()  # noqa: E731
+    rows += [("emu", "dg", rel_rms(got["dg"], emu["dg"]), 1e-2),
+             ("emu", "dA_log-like", per_head(gA, eA), 1e-2)]
+    # final gradients against float64 autograd; dg / dA_log: at least the bf16-storage floor (the
+    # emulation's own distance to autograd) times 1.25
+    floor_dg, floor_dA = rel_rms(emu["dg"], oracle["g"]), per_head(eA, wA)
+    print(f"  (info) bf16-storage floor vs autograd: dg {floor_dg:.2e}, dA_log-like {floor_dA:.2e}")
+    rows += [("final", f"d{n}", rel_rms(got[f"d{n}"], oracle[n]), TOL) for n in ("q", "k", "v", "beta")]
+    rows += [("final", "dg", rel_rms(got["dg"], oracle["g"]), max(TOL, 1.25 * floor_dg)),
+             ("final", "dA_log-like", per_head(gA, wA), max(TOL, 1.25 * floor_dA))]
+    bad = report(name, rows)
+    assert not bad, f"{name}: extreme-gate gradients over tolerance: {bad}"
