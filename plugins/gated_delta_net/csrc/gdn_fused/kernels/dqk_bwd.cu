@@ -18,14 +18,17 @@ namespace tree_recurrence::gdn::fused::kernels {
 namespace bwd {
 namespace {
 
-// 16 warps per CTA (one CTA per SM at K = V = 128: latency-bound); tiles by cp.async, dP's
-// operands (dO, v_new) in the first group, q^, k^, h, dS in the second.
+// 16 warps per CTA, two CTAs per SM (~101 KB of shared memory at K = V = 128): two tile buffers
+// are reused across the phases, all loads by cp.async:
+//   A (C x V):            dO (dP, dq^)                 -> v_new (dk^)
+//   X (max(K, C) x V):    v_new (dP) -> h (dq^)         -> dS (dk^)
+// v_new is loaded twice and dS is read once more from global memory for <h, dS> (while h is in X).
 constexpr int kDqkWarps = 16;
 constexpr int kDqkThreads = kDqkWarps * 32;
 static_assert((C / 16) * (C / 16) == kDqkWarps, "dqk: one C x C tile of dP / D per warp");
 
 template <typename T>
-__global__ void __launch_bounds__(kDqkThreads) dqk_kernel(GdnBwdParams p) {
+__global__ void __launch_bounds__(kDqkThreads, 2) dqk_kernel(GdnBwdParams p) {
   extern __shared__ __align__(16) char smem_raw[];
   const int64_t c = blockIdx.x, hv = blockIdx.y;
   const int64_t HV = p.hv, HK = p.hk, hk = hv / (HV / HK);
@@ -34,17 +37,15 @@ __global__ void __launch_bounds__(kDqkThreads) dqk_kernel(GdnBwdParams p) {
   Smem sm{smem_raw};
   T* qh = sm.take<T>(C * ldk);
   T* kh = sm.take<T>(C * ldk);
-  T* dO = sm.take<T>(C * ldv);
-  T* vn = sm.take<T>(C * ldv);
-  T* h = sm.take<T>(Kp * ldv);
-  T* dS = sm.take<T>(Kp * ldv);
+  T* A = sm.take<T>(C * ldv);
+  T* X = sm.take<T>((Kp > C ? Kp : C) * ldv);
   T* dP = sm.take<T>(C * kPitchC);
   float* G = sm.take<float>(C);
   float* partQ = sm.take<float>(C * 8);
   float* partT = sm.take<float>(C * 8);  // row parts of T (by K column tile)
   float* partD = sm.take<float>(C * 8);  // row parts of D (slots 0..3, by column tile), column parts (4..7, by row tile)
   int* lastRow = sm.take<int>(4);
-  float* red = sm.take<float>(kDqkThreads + 1);
+  float* red = sm.take<float>(kDqkWarps + 1);
   float* rqs = sm.take<float>(C);  // rq scale of the row's token (0 for padding rows)
   float* rks = sm.take<float>(C);
   int64_t* tok = sm.take<int64_t>(C);
@@ -67,13 +68,14 @@ __global__ void __launch_bounds__(kDqkThreads) dqk_kernel(GdnBwdParams p) {
       }
     *lastRow = L;
   }
-  async_matrix<T>(dO, ldv, static_cast<const T*>(p.do_c) + ch * C * V, C, C, V, Vp);
-  async_matrix<T>(vn, ldv, static_cast<const T*>(p.v_new) + ch * C * V, C, C, V, Vp);
+  const T* vn_g = static_cast<const T*>(p.v_new) + ch * C * V;
+  const T* h_g = static_cast<const T*>(p.h) + ch * static_cast<int64_t>(K) * V;
+  const T* dS_g = static_cast<const T*>(p.grad_state_out) + ch * static_cast<int64_t>(K) * V;
+  async_matrix<T>(A, ldv, static_cast<const T*>(p.do_c) + ch * C * V, C, C, V, Vp);  // A = dO
+  async_matrix<T>(X, ldv, vn_g, C, C, V, Vp);                                          // X = v_new
   mma::cp_async_commit();
   async_token_rows<T>(qh, ldk, static_cast<const T*>(p.q), tok, HK, hk, K, Kp);
   async_token_rows<T>(kh, ldk, static_cast<const T*>(p.k), tok, HK, hk, K, Kp);
-  async_matrix<T>(h, ldv, static_cast<const T*>(p.h) + ch * static_cast<int64_t>(K) * V, K, Kp, V, Vp);
-  async_matrix<T>(dS, ldv, static_cast<const T*>(p.grad_state_out) + ch * static_cast<int64_t>(K) * V, K, Kp, V, Vp);
   mma::cp_async_commit();
   mma::cp_async_wait<1>();
   __syncthreads();
@@ -86,7 +88,7 @@ __global__ void __launch_bounds__(kDqkThreads) dqk_kernel(GdnBwdParams p) {
   {
     FragC acc[1][2];
     zero(acc);
-    if (dr0 + 15 >= dc0) tile_mma<T, true, false>(acc, dO, ldv, vn, ldv, dr0, dc0, Vp / 16);
+    if (dr0 + 15 >= dc0) tile_mma<T, true, false>(acc, A, ldv, X, ldv, dr0, dc0, Vp / 16);
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
@@ -96,7 +98,10 @@ __global__ void __launch_bounds__(kDqkThreads) dqk_kernel(GdnBwdParams p) {
         dP[i * kPitchC + j] = mma::Elem<T>::from_float(dpf[nt][e]);
       }
   }
-  mma::cp_async_wait<0>();
+  __syncthreads();  // every warp is done with X = v_new
+  async_matrix<T>(X, ldv, h_g, K, Kp, V, Vp);  // X = h
+  mma::cp_async_commit();
+  mma::cp_async_wait<1>();  // q^, k^ are here (h may still be in flight)
   __syncthreads();
   scale_rows<T>(qh, ldk, Kp, rqs);  // q^ = scale rq q
   scale_rows<T>(kh, ldk, Kp, rks);  // k^ = rk k
@@ -139,13 +144,20 @@ __global__ void __launch_bounds__(kDqkThreads) dqk_kernel(GdnBwdParams p) {
         for (int b = 0; b < 2; ++b) partD[(dc0 + nt * 8 + 2 * l + b) * 8 + 4 + dr0 / 16] = cs[nt][b];
     }
   }
-  // <h, dS> (fixed per-thread order, then block_sum).
+  mma::cp_async_wait<0>();
+  __syncthreads();  // X = h
+  // <h, dS>: h from X, dS straight from global memory, 8 elements per step (fixed per-thread order,
+  // then block_sum).
   float hds = 0.f;
-  for (int idx = threadIdx.x; idx < K * V; idx += blockDim.x) {
-    const int r = idx / V, col = idx % V;
-    hds += mma::Elem<T>::to_float(h[r * ldv + col]) * mma::Elem<T>::to_float(dS[r * ldv + col]);
+  for (int idx = threadIdx.x; idx < K * (V / 8); idx += blockDim.x) {
+    const int r = idx / (V / 8), c8 = (idx % (V / 8)) * 8;
+    const uint4 gv = *reinterpret_cast<const uint4*>(dS_g + static_cast<int64_t>(r) * V + c8);
+    const uint4 sv = *reinterpret_cast<const uint4*>(X + r * ldv + c8);
+    const T* ge = reinterpret_cast<const T*>(&gv);
+    const T* se = reinterpret_cast<const T*>(&sv);
+#pragma unroll
+    for (int m = 0; m < 8; ++m) hds += mma::Elem<T>::to_float(se[m]) * mma::Elem<T>::to_float(ge[m]);
   }
-  __syncthreads();
 
   const float g_last = G[C - 1];
   float* dq_out = p.dq_hv + ch * C * K;
@@ -155,7 +167,7 @@ __global__ void __launch_bounds__(kDqkThreads) dqk_kernel(GdnBwdParams p) {
     // dq^ = exp(G) (dO h^T) + dP k^; partQ: <exp(G_i) (dO h^T)_i, q^_i> (the inter-chunk term)
     FragC acc[1][2];
     zero(acc);
-    tile_mma<T, true, false>(acc, dO, ldv, h, ldv, r0, c0, Vp / 16);
+    tile_mma<T, true, false>(acc, A, ldv, X, ldv, r0, c0, Vp / 16);
     float s[2] = {0.f, 0.f};
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt)
@@ -174,11 +186,20 @@ __global__ void __launch_bounds__(kDqkThreads) dqk_kernel(GdnBwdParams p) {
         const int i = el_row(r0, e), col = el_col(c0, nt, e);
         if (col < K) dq_out[i * K + col] = acc[0][nt].x[e];
       }
-
+  }
+  __syncthreads();  // every warp is done with A = dO and X = h
+  async_matrix<T>(X, ldv, dS_g, K, Kp, V, Vp);  // X = dS
+  async_matrix<T>(A, ldv, vn_g, C, C, V, Vp);   // A = v_new
+  mma::cp_async_commit();
+  mma::cp_async_wait<0>();
+  __syncthreads();
+  for (int t = warp; t < (C / 16) * (Kp / 16); t += kDqkWarps) {
+    const int r0 = (t / (Kp / 16)) * 16, c0 = (t % (Kp / 16)) * 16;
     // dk^ = exp(G_last - G) (v_new dS^T) + dP^T q^; partT: T_j
+    FragC acc[1][2];
     zero(acc);
-    tile_mma<T, true, false>(acc, vn, ldv, dS, ldv, r0, c0, Vp / 16);
-    s[0] = s[1] = 0.f;
+    tile_mma<T, true, false>(acc, A, ldv, X, ldv, r0, c0, Vp / 16);
+    float s[2] = {0.f, 0.f};
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
@@ -221,9 +242,9 @@ __global__ void __launch_bounds__(kDqkThreads) dqk_kernel(GdnBwdParams p) {
 
 size_t dqk_smem(const GdnBwdParams& p) {
   const int Kp = round16(static_cast<int>(p.k_dim)), ldk = pitch_of(Kp), ldv = pitch_of(round16(static_cast<int>(p.v_dim)));
-  return 2 * smem_bytes<uint16_t>(C * ldk) + 2 * smem_bytes<uint16_t>(C * ldv) + 2 * smem_bytes<uint16_t>(Kp * ldv) +
+  return 2 * smem_bytes<uint16_t>(C * ldk) + smem_bytes<uint16_t>(C * ldv) + smem_bytes<uint16_t>((Kp > C ? Kp : C) * ldv) +
          smem_bytes<uint16_t>(C * kPitchC) + smem_bytes<float>(C) + 3 * smem_bytes<float>(C * 8) + smem_bytes<int>(4) +
-         smem_bytes<float>(kDqkThreads + 1) + 2 * smem_bytes<float>(C) + smem_bytes<int64_t>(C);
+         smem_bytes<float>(kDqkWarps + 1) + 2 * smem_bytes<float>(C) + smem_bytes<int64_t>(C);
 }
 
 template <typename T>
@@ -231,6 +252,9 @@ const char* launch(const GdnBwdParams& p, void* stream) {
   if (p.num_chunks == 0) return "";
   const size_t bytes = dqk_smem(p);
   cudaError_t e = cudaFuncSetAttribute(dqk_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+  if (e != cudaSuccess) return cudaGetErrorString(e);
+  e = cudaFuncSetAttribute(dqk_kernel<T>, cudaFuncAttributePreferredSharedMemoryCarveout,
+                           static_cast<int>(cudaSharedmemCarveoutMaxShared));
   if (e != cudaSuccess) return cudaGetErrorString(e);
   dqk_kernel<T><<<dim3(static_cast<unsigned>(p.num_chunks), static_cast<unsigned>(p.hv)), kDqkThreads, bytes,
                   static_cast<cudaStream_t>(stream)>>>(p);
