@@ -50,28 +50,29 @@ __host__ __device__ constexpr int pad16(int64_t v) { return static_cast<int>((v 
 
 struct Plan {
   int Pp, Np, PT, NT, ncolP;  // padded dims, 16-bit pitches (elements), 16-column tiles of P
-  int off_B, off_C, off_cbf, off_sdf, off_dy, off_x, off_mat, off_wr, off_sc, off_small, bytes;  // bytes
+  int off_B, off_C, off_cbf, off_sdf, off_dy, off_x, off_mat, off_wr, off_sc, off_small, off_parts, bytes;  // bytes
   __host__ __device__ explicit Plan(int64_t P, int64_t N) {
     Pp = pad16(P);
     Np = pad16(N);
     PT = Pp + 8;
     NT = Np + 8;
     ncolP = Pp / 16;
-    int o = kL * 8;  // int32 tokens (the room of int64 ones kept: 16-byte alignment)
+    // dims-independent arrays first (compile-time offsets in the kernel: no address registers), then the rest
+    off_cbf = kL * 8;  // after the int32 tokens (room of int64 ones: 16-byte alignment)
+    off_sdf = off_cbf + kLowBlocks * 256 * 4;
+    off_small = off_sdf + kLowBlocks * 256 * 4;  // lam, dt, e^Lam, wlast, q, v, red (7 x L floats)
+    // W region: M^T (L x kLT) then the scaled operand (L x PT, at least 8 KB): fp32 W (L x kLW) and the dD
+    // partials (<= 8 KB, over M^T) and at the end sum dCB in the input type (L x kLT) over them
+    off_wr = off_small + 7 * kL * 4;
+    off_sc = off_wr + kL * kLT * 2;
+    const int sc_bytes = kL * PT * 2 > kL * kLW * 4 - kL * kLT * 2 ? kL * PT * 2 : kL * kLW * 4 - kL * kLT * 2;
+    int o = off_sc + sc_bytes;
     off_B = o; o += kL * NT * 2;
     off_C = o; o += kL * NT * 2;
-    off_cbf = o; o += kLowBlocks * 256 * 4;
-    off_sdf = o; o += kLowBlocks * 256 * 4;
     off_dy = o; o += kL * PT * 2;
     off_x = o; o += kL * PT * 2;
     off_mat = o; o += Pp * NT * 2;
-    // W region: M^T (L x kLT) then the scaled operand (L x PT); fp32 W (L x kLW) and the dD partials
-    // (<= 8 KB, over M^T) and at the end sum dCB in the input type (L x kLT) over them
-    off_wr = o;
-    off_sc = o + kL * kLT * 2;
-    const int e1 = off_sc + kL * PT * 2, e2 = o + kL * kLW * 4;
-    o = e1 > e2 ? e1 : e2;
-    off_small = o; o += (7 * kL + 3 * ncolP * kL) * 4;
+    off_parts = o; o += 3 * ncolP * kL * 4;  // q, ddt_direct, v partials [col tile][row]
     bytes = o;
   }
 };
@@ -125,23 +126,26 @@ __global__ void __launch_bounds__(kThreads, 2) post_bf16_kernel(BwdParams p) {
   int* tok = reinterpret_cast<int*>(smem);  // token of each row, -1 = pad (T < 2^31: supported() checks)
   T* Bs = reinterpret_cast<T*>(smem + pl.off_B);
   T* Cs = reinterpret_cast<T*>(smem + pl.off_C);
-  float* cbf = reinterpret_cast<float*>(smem + pl.off_cbf);
-  float* sdf = reinterpret_cast<float*>(smem + pl.off_sdf);
+  // the compile-time offsets of Plan
+  constexpr int kOffCbf = kL * 8, kOffSdf = kOffCbf + kLowBlocks * 1024, kOffSmall = kOffSdf + kLowBlocks * 1024,
+                kOffWr = kOffSmall + 7 * kL * 4, kOffSc = kOffWr + kL * kLT * 2;
+  float* cbf = reinterpret_cast<float*>(smem + kOffCbf);
+  float* sdf = reinterpret_cast<float*>(smem + kOffSdf);
   T* dys = reinterpret_cast<T*>(smem + pl.off_dy);
   T* xs = reinterpret_cast<T*>(smem + pl.off_x);
   T* mat = reinterpret_cast<T*>(smem + pl.off_mat);  // s (P x N), then dS
-  T* Mt = reinterpret_cast<T*>(smem + pl.off_wr);     // M[i][j] (lower), then sum dCB at the end
-  float* Wm = reinterpret_cast<float*>(smem + pl.off_wr);
-  float* dDred = reinterpret_cast<float*>(smem + pl.off_wr);
-  T* sc = reinterpret_cast<T*>(smem + pl.off_sc);  // e^Lam . dy, then wlast dt . x
-  float* lam = reinterpret_cast<float*>(smem + pl.off_small);
+  T* Mt = reinterpret_cast<T*>(smem + kOffWr);     // M[i][j] (lower), then sum dCB at the end
+  float* Wm = reinterpret_cast<float*>(smem + kOffWr);
+  float* dDred = reinterpret_cast<float*>(smem + kOffWr);
+  T* sc = reinterpret_cast<T*>(smem + kOffSc);  // e^Lam . dy, then wlast dt . x
+  float* lam = reinterpret_cast<float*>(smem + kOffSmall);
   float* dts = lam + kL;
   float* el = dts + kL;
   float* wl = el + kL;
   float* qs = wl + kL;
   float* vs = qs + kL;
   float* red = vs + kL;
-  float* qpart = red + kL;  // [col tile][row]
+  float* qpart = reinterpret_cast<float*>(smem + pl.off_parts);  // [col tile][row]
   float* dpart = qpart + ncolP * kL;
   float* vpart = dpart + ncolP * kL;
   const int tid = static_cast<int>(threadIdx.x), warp = tid >> 5, lane = tid & 31, tq = lane & 3;
