@@ -297,6 +297,20 @@ Stages run(const at::Tensor& grad_out, const Args& a, const Tables& t, const Sav
     check_launch(k::ssd_bwd_dtA(p, stream), "d(dt A)");
   }
 
+  if (!keep_stages) {
+    // the kernels' workspaces are dead now: give them back to the caching allocator before the ATen
+    // tail allocates (ds_leave alone is 3.2 GB at GRPO; the stream order keeps the reuse safe)
+    st.ds_leave = at::Tensor();
+    st.cb = at::Tensor();
+    st.q = at::Tensor();
+    st.v = at::Tensor();
+    st.ddt_direct = at::Tensor();
+    st.d_dtA = at::Tensor();
+    st.ddecay = at::Tensor();
+    ws = at::Tensor();
+    dyx = at::Tensor();
+    ddecay_part = at::Tensor();
+  }
   Grads& g = st.grads;
   g.dx = dx.to(a.x.scalar_type());
   g.ddt = st.ddt_raw.to(a.dt.scalar_type());
