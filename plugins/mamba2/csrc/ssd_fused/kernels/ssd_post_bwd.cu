@@ -16,12 +16,15 @@
 //   * cb and sum_h dCB are kept in fp32 in "fragment order" (the 10 lower 16x16 blocks of L x L, each
 //     warp its own blocks, float4 per lane): 10 KB each instead of L x L tiles;
 //   * W (fp32 L x L) lives over the dead M^T and scaled-operand tiles (dyx is computed last per head).
-// Shared memory at P 64, N 128 (bytes): tokens 512, B / C 2 x 17408, cb / sum dCB 2 x 10240,
-// dy / x 2 x 9216, s then dS 17408, M^T + scaled operand (W over them) 18432, small 4864: 114944 B
-// (112.25 KiB) -> 2 CTAs per SM (2 x (112.25 + 1) KiB <= 228 KiB). P, N 128: 150 KB, 1 CTA/SM.
-// Bytes per (chunk, group) at P 64 N 128, 16 heads: B, C 32 KB once; per head x, dout, z, y 8 KB each,
-// s (bf16) 16 KB, dS (fp32) 32 KB read; dx, dz 8 KB each written: ~1.4 MB, ~1.05 GB... per chunk
-// group, ~8.3 GB over NC 768 x G 8 (vs post_tc: + the fp32 dy read 16 KB per head, no dz / z / y).
+// Shared memory at P 64, N 128 (bytes): tokens 512, cb / sum dCB 2 x 10240, small 1792, M^T + scaled
+// operand (W over them) 18432, B / C 2 x 17408, dy / x 2 x 9216, s then dS 17408, q / ddt / v partials
+// 3072: 114944 B (112.25 KiB) -> 2 CTAs per SM (2 x (112.25 + 1) KiB <= 228 KiB); 8 warps, 128 registers
+// (launch bound; ptxas: a 4-byte spill). P, N 128: ~150 KB, 1 CTA/SM.
+// Registers: the group's dC and dB accumulators (2 x 64 x N fp32 over 256 threads = 64 per thread) stay
+// live over the 16 heads; everything else fits in the other 64.
+// Bytes per (chunk, group) at P 64, N 128, 16 heads: B, C 32 KB once; per head x, dout, z, y 8 KB each,
+// s (bf16) 16 KB, dS (fp32) 32 KB read, dx, dz 8 KB each written (+ dout, z re-read from L2 by the dz
+// pass): ~1.5 MB per CTA, ~9.6 GB over NC 768 x G 8 (~2 ms of HBM at GRPO); ~1.2k mma per head.
 // Deterministic: fixed mma order, xor shuffles and fixed-order partial sums, heads in order; no
 // atomics. 64-bit global indexing. Requirements: ssd_bwd_post_bf16_supported.
 #include <cuda_bf16.h>
