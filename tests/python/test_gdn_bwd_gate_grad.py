@@ -135,11 +135,10 @@ def emulate_backward(x, tabs, dt=torch.float32, round_to=torch.bfloat16, formula
     dG_b = dG.clone()
     # (c) wy_bwd.cu
     eG = torch.exp(G)
-    dw = rnd(-(dvt @ h.transpose(-1, -2)), "dw")
     AiT = Ai.transpose(-1, -2)
     dvb = rnd(AiT @ dvt, "dvb")
     u = rnd(Ai @ rnd(vc * bc.unsqueeze(-1), "vb"), "u")
-    dkb = rnd(AiT @ dw, "dkb")
+    dkb = rnd(-(dvb @ h.transpose(-1, -2)), "dkb")  # = Ainv^T dw, dw = -dv_total h^T
     dA = -(dkb @ w.transpose(-1, -2) + dvb @ u.transpose(-1, -2))
     dae = (dA * bref._E(G, strict)).masked_fill(~strict, 0.0)
     W2 = dae * (kh @ kh.transpose(-1, -2))
