@@ -5,8 +5,6 @@ v 1.1e-3, ddt_direct 2.2e-3, d_dtA 1.7e-3, dx 2.9e-3, dB / dC 2.4e-3 (P 64, N 12
 tests (test_ssd_post_bwd_gpu.py) allow 2e-2 / 5e-3 per stage, so a failure there is a kernel bug, not rounding.
 """
 
-import sys
-
 import torch
 
 import ssd_bwd_reference as ref
