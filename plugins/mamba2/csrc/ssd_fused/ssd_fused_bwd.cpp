@@ -288,6 +288,7 @@ Stages run(const at::Tensor& grad_out, const Args& a, const Tables& t, const Sav
   // H3's bf16 / fp16 post kernel (ssd_post_bwd.cu): dy on the fly (post_new) or from the gate's dy
   const bool post_bf16 = post_new || (tc && !v1 && post_dy_buffer && k::ssd_bwd_post_bf16_supported(p));
   if (post_bf16) {
+    if (!keep_stages) p.cb = nullptr;  // C B^T stays in shared memory (no 100 MB stage write at GRPO)
     check_launch(k::ssd_bwd_post_bf16(p, stream), "bf16 / fp16 chunk gradients (cb, dx, dz, ddt, dB, dC, d(dt A), dD)");
   } else if (tc) {
     check_launch(k::ssd_bwd_post_tc(p, stream), "tensor-core chunk gradients (cb, dx, ddt, dB, dC, d(dt A))");
