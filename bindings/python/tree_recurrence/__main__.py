@@ -1,4 +1,6 @@
-"""Command line: ``python -m tree_recurrence doctor`` (plugins, fingerprints, kernels, coverage).
+"""Command line: ``python -m tree_recurrence doctor`` (plugins, fingerprints, kernels, coverage, and
+the route ``auto`` takes per family on the GPU it sees, with the measured numbers: ``_routes.py``;
+``doctor --gpu NAME`` answers as if on that GPU).
 
 ``bench``: whole-model training-step benchmark of tree rows against chains and a flat row
 (tree_recurrence/bench.py; ``bench --help``).
@@ -17,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from . import __version__, _core, plugins
+from . import __version__, _core, _routes, plugins
 
 
 def _module_present(name: str) -> bool:
@@ -27,8 +29,10 @@ def _module_present(name: str) -> bool:
         return False
 
 
-def doctor_report() -> dict:
+def doctor_report(gpu: str | None = None) -> dict:
+    """``gpu``: the GPU name whose measured routes to show (default: torch.cuda's, None without one)."""
     records = plugins.discover(rescan=True)
+    seen = torch.cuda.get_device_name() if torch.cuda.is_available() else None
     report = {
         "version": __version__,
         "abi_version": _core.ABI_VERSION,
@@ -38,6 +42,7 @@ def doctor_report() -> dict:
         "plugin_folders": plugins.plugin_folders(),
         "plugins": [],
         "refused": [],
+        "routes_gpu": gpu or seen,
     }
     for r in records:
         if not r["loaded"]:
@@ -51,8 +56,13 @@ def doctor_report() -> dict:
             "library": r["library_path"], "fingerprint": r["fingerprint"],
             "kernels": [{"name": k, "device": d, "available": ok} for k, d, ok in r["kernels"]],
             "seams": sorted(r["manifest"]["seams"]), "models": models,
+            "routes": _routes.report(r, gpu or seen) if _has_native_scan(r) else [],
         })
     return report
+
+
+def _has_native_scan(record: dict) -> bool:
+    return any(isinstance(spec, dict) and spec.get("native") for spec in (record["manifest"].get("seams") or {}).values())
 
 
 def print_doctor(report: dict) -> None:
@@ -71,6 +81,16 @@ def print_doctor(report: dict) -> None:
         for m in p["models"]:
             state = "covered" if m["installed"] else "not in this transformers"
             print(f"    {m['model_type']:<20} {'/'.join(m['mixers']):<28} layer_types {m['layer_types']}  ({state})")
+        if p.get("routes"):
+            print(f"    auto's route on {report.get('routes_gpu') or 'this machine (no GPU)'}:")
+            for row in p["routes"]:
+                if "shape" not in row:
+                    print(f"      rule: {row['reason']}")
+                    continue
+                peer = row["library"] + ("" if row["library_installed"] else " not installed") + \
+                    ("" if row["backward_usable"] or row["phase"] == "fwd" else ", its backward unusable here")
+                print(f"      {row['shape']:<6} {row['tokens']:>7} tokens {row['phase']:<7} -> "
+                      f"{row['route'] or 'rule'} ({peer}): {row['reason']}")
     print(f"\nplugins refused: {len(report['refused'])}")
     for r in report["refused"]:
         print(f"  {r['family']}: {r['reason']}")
@@ -97,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     doctor = sub.add_parser("doctor", help="plugins found, ABI and build fingerprints, kernels, model coverage")
     doctor.add_argument("--json", action="store_true", help="print the report as JSON")
+    doctor.add_argument("--gpu", default=None, help="show auto's measured routes as on the GPU of this name "
+                        "(default: the one torch.cuda sees)")
     sdk = sub.add_parser("sdk", help="where the installed SDK is, to build a family plugin out of tree (docs/plugins.md)")
     where = sdk.add_mutually_exclusive_group(required=True)
     where.add_argument("--cmake-dir", action="store_true", help="the folder holding TreeRecurrenceSDKConfig.cmake "
@@ -112,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "sdk":
         return print_sdk_dir("cmake" if args.cmake_dir else "include")
     if args.command == "doctor":
-        report = doctor_report()
+        report = doctor_report(args.gpu)
         if args.json:
             json.dump(report, sys.stdout, indent=2)
             print()

@@ -36,7 +36,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import plugins
+from . import _routes, plugins
 from . import _scan_strategies as strategies
 from ._bound_kernels import bound_implementation, instance_forward, takes_keyword
 from ._plan import TREE_FIELDS, TreePlan
@@ -320,8 +320,45 @@ def _decide_scan(call: SeamCall, backend: str, policy: Policy, device: torch.dev
         strategy, reason = "native", "backend native"
     else:
         strategy, reason = policy.choose(call.plan, native and backend == "auto", fork)
+        if strategy == "native" and backend == "auto" and policy.strategy == "auto":
+            # auto never picks a slower route: the family's measured routes (or a timed trial) decide
+            measured, why = _measured_route(call, device, op_name, implementation, is_library, fork, varlen, kernel)
+            if measured is not None:
+                strategy, reason = measured, why
+            elif why:
+                reason = f"{reason} ({why})"
     op = getattr(plugins.ops(call.family), op_name) if strategy == "native" else None
     return Route(strategy, reason, op, varlen, is_library, kernel)
+
+
+def _trial_copy(call: SeamCall, kernel: Any) -> SeamCall:
+    """``call`` on detached copies of its tensors (a timed trial's inputs: its graph is its own)."""
+    def copy(v):
+        if isinstance(v, torch.Tensor):
+            return v.detach().requires_grad_(v.requires_grad and v.is_floating_point())
+        return v
+
+    return SeamCall(call.family, call.seam, call.spec, kernel or call.original, call.plan,
+                    {k: copy(v) for k, v in call.named.items()}, {k: copy(v) for k, v in call.rest.items()},
+                    call.positional, call.row)
+
+
+def _measured_route(call: SeamCall, device: torch.device, op_name: str, implementation: Any, is_library: bool,
+                    fork: bool, varlen: bool, kernel: Any) -> tuple[str | None, str]:
+    """(strategy, reason) by the family's measured routes (``_routes``), or (None, why they did not decide)."""
+    first = call.named[call.spec["sequence"][0]]
+
+    def trial(route: str) -> float:
+        def run():
+            copy = _trial_copy(call, kernel if route != "native" else None)
+            if route == "native":
+                return strategies.scan_native(copy, getattr(plugins.ops(call.family), op_name))
+            return (strategies.scan_fork if route == "fork" else strategies.scan_rescan)(copy, varlen)
+
+        return _routes.time_route(run, device)
+
+    return _routes.decide(call.family, plugins.families().get(call.family), call.plan, device, first.dtype,
+                          implementation, is_library, {"fork": fork, "rescan": True}, trial, call.seam)
 
 
 _DECIDE = {"conv": _decide_conv, "scan": _decide_scan}

@@ -104,7 +104,8 @@ def _confined_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The records with each loaded plugin whose Python escapes its folder turned into a refusal."""
     out = []
     for record in records:
-        reason = (python_escape(record) or _seam_spec_error(record)) if record.get("loaded") else None
+        reason = (python_escape(record) or _seam_spec_error(record) or _load_check_error(record)) \
+            if record.get("loaded") else None
         out.append({**record, "loaded": False, "error": reason} if reason else record)
     return out
 
@@ -117,6 +118,21 @@ def _seam_spec_error(record: dict[str, Any]) -> str | None:
                                            (record.get("manifest") or {}).get("seams"))
     except SpecError as error:
         return f"invalid seam spec: {error}"
+    return None
+
+
+def _load_check_error(record: dict[str, Any]) -> str | None:
+    """A loaded plugin's native ops against the schema the driver calls them by (``_native_schema``), and
+    its measured routes table (``_routes``): the error naming the manifest, seam / key and op, or None."""
+    from . import _native_schema, _routes
+
+    problem = _native_schema.check_record(record)
+    if problem:
+        return f"native op schema: {problem}"
+    try:
+        _routes.family_table(record)
+    except _routes.RoutesError as error:
+        return f"invalid routes table: {error}"
     return None
 
 
@@ -321,6 +337,12 @@ def register_family(name: str, model_types: str | Iterable[str], mixer_classes: 
             raise ValueError(f"register_family: ops='{ops}' names no loaded family (loaded: {sorted(families())})")
         kernels = list(provider["kernels"])
         namespace = provider.get("op_namespace") or f"tree_recurrence_{ops}"
+        from . import _native_schema
+
+        for seam, spec in seam_specs.items():  # the native ops it names: registered, with the driver's schema
+            problem = _native_schema.check(f"register_family('{name}')", seam, spec, namespace)
+            if problem:
+                raise ValueError(problem)
     if detect is None:
         claimed = set(mixers)
 

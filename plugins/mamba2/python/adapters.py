@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tree_recurrence import driver, plugins
+from tree_recurrence import _routes, driver, plugins
 
 __all__ = ["split_conv1d_scan", "rms_norm_gated"]
 
@@ -66,6 +66,12 @@ def _decide(call, backend: str, policy, device: torch.device) -> driver.Route:
                          f"{device.type} in this build")
     if backend not in ("auto", "native") or not native:
         return driver.Route("rescan", "fused seam: the bound kernel over every path as a padded batch")
+    if backend == "auto" and policy.strategy == "auto":  # auto never picks a slower route (manifest's routes:)
+        implementation, _, is_library = driver.bound_implementation(call.original)
+        strategy, reason = _routes.decide(call.family, record, call.plan, device, call.named["zxbcdt"].dtype,
+                                          implementation, is_library, {"rescan": True}, None, call.seam)
+        if strategy == "rescan":
+            return driver.Route("rescan", f"fused seam over every path as a padded batch: {reason}")
     return driver.Route("native", "fused seam over the trie: tree conv, chunked SSD tree scan, gated norm, out_proj",
                         plugins.ops(call.family).ssd_tree_scan)
 
