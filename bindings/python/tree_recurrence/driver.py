@@ -163,12 +163,12 @@ class SeamCall:
 def run(family: str, seam: str, spec: dict, kernel: Callable, plan: TreePlan, args: tuple, kwargs: dict,
         backend: str, policy: Policy):
     """One seam call over the trie, as the seam wrappers make it: ``kernel`` is what the seam replaced
-    (backend ``"reference"``: this package's reference in its place, when the family has one); the row
+    (backend ``"stand_ins"``: the family's library stand-in in its place, when it has one); the row
     is trimmed to the plan's tokens, the manifest's adapter runs, and the result is padded back."""
-    if backend == "reference":
-        from .reference import reference_seam
+    if backend == "stand_ins":
+        from .stand_ins import stand_in_seam
 
-        kernel = reference_seam(family, seam, kernel) or kernel
+        kernel = stand_in_seam(family, seam, kernel) or kernel
     call = SeamCall.bind(family, seam, spec, kernel, plan, args, kwargs)
     call.trim_row()
     return call.pad_row(ADAPTERS[spec["adapter"]](call, backend, policy))
