@@ -270,7 +270,9 @@ def test_module_is_restored_when_the_last_installed_model_is_collected():
 
 
 def test_tree_row_without_use_cache_false_builds_no_cache(installed, caplog):
-    from tree_recurrence import install as install_mod
+    import importlib
+
+    install_mod = importlib.import_module("tree_recurrence.install")  # the module: the package's `install` is the function
 
     model = M.make_model(MODEL_TYPE)
     model.config.use_cache = True  # transformers' default: the forward would build a cache
