@@ -185,7 +185,7 @@ def _warn_reference(call: SeamCall, is_library: bool) -> None:
 @dataclass(frozen=True)
 class Route:
     """What a seam call does, decided once per (plan, family, seam, spec, device, backend) and cached on
-    the plan (``TreePlan.routes``): the strategy and why, the native op's handle, whether the bound
+    the plan (``TreePlan.cached``): the strategy and why, the native op's handle, whether the bound
     kernel takes ``cu_seqlens`` and whether it is a library kernel. A seam call after the first is a
     dictionary lookup plus the op."""
 
@@ -207,15 +207,10 @@ def decide_route(call: SeamCall, backend: str, policy: Policy, device: torch.dev
     decide = decide or _DECIDE[call.spec["adapter"]]
     if call.family == PYTHON_FAMILY:  # a caller's kernel and spec, maybe new objects each call: not cached
         return decide(call, backend, policy, device)
-    key = (call.family, call.seam, id(call.spec), device, backend)
-    entry = call.plan.routes.get(key)
     forward = instance_forward(call.original)  # kernelize may swap it: decide again then
-    if (entry is not None and entry[0] is policy and entry[1] is call.original and entry[2] is call.spec
-            and entry[4] is forward):
-        return entry[3]
-    route = decide(call, backend, policy, device)
-    call.plan.routes[key] = (policy, call.original, call.spec, route, forward)
-    return route
+    return call.plan.cached(("route", call.family, call.seam, id(call.spec), device, backend),
+                            lambda: decide(call, backend, policy, device),
+                            depends=(policy, call.original, call.spec, forward))
 
 
 # --------------------------------------------------------------------------------------------
