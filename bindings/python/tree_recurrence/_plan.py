@@ -41,7 +41,8 @@ class CacheEntry(NamedTuple):
 
     value: Any
     depends: tuple
-    stamps: tuple  # ((tensor, version), ...)
+    stamps: tuple  # ((tensor, version), ...); inference tensors have no version (nor in-place writes outside
+    # inference mode): their identity is what counts
 
 
 class TreePlan:
@@ -59,12 +60,21 @@ class TreePlan:
         the same object (identity) and no tensor among them or in the value (tuples, lists and dicts
         are looked into) has been written in place since (its version counter)."""
         entry = self.cache.get(key)
-        if (entry is not None and len(entry.depends) == len(depends)
-                and all(a is b for a, b in zip(entry.depends, depends))
-                and all(_version(t) == v for t, v in entry.stamps)):
-            return entry.value
+        if entry is not None:  # explicit loops: this is every seam call's path
+            value, built_from, stamps = entry
+            if len(built_from) == len(depends):
+                for old, new in zip(built_from, depends):
+                    if old is not new:
+                        break
+                else:
+                    for tensor, version in stamps:
+                        if tensor._version != version:
+                            break
+                    else:
+                        return value
         value = build()
-        self.cache[key] = CacheEntry(value, tuple(depends), tuple((t, _version(t)) for t in _tensors((value, depends))))
+        self.cache[key] = CacheEntry(value, tuple(depends), tuple((t, t._version) for t in _tensors((value, depends))
+                                                                  if not t.is_inference()))
         return value
 
     # counts
