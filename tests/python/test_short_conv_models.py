@@ -88,7 +88,7 @@ def test_rescan_runs_every_path_as_a_row_of_the_bound_kernel(env, decisions, mon
         batches.append((x.shape[0], x.shape[2], kwargs.get("seq_idx")))
         return real(x, *args, **kwargs)
 
-    monkeypatch.setattr(reference, "causal_conv1d_fn", spy)
+    monkeypatch.setattr(stand_ins, "causal_conv1d_fn", spy)
     env.bind(SHORT_CONV.module("lfm2"), [CONV])
     tree = M.pack_forest("groups")
     model = make_model("lfm2")

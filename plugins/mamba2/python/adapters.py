@@ -18,6 +18,7 @@ transformers' torch fallback (which answers None, so the samples alone take the 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from tree_recurrence import driver, plugins
 
