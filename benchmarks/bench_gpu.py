@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -30,25 +29,16 @@ import torch.nn.functional as F
 import tree_recurrence
 from tree_recurrence import driver, plugins
 
+from timing import median_ms  # benchmarks/ is the script's folder, first on sys.path
+
 
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def timed(fn, warmup=3, repeat=10) -> float:
-    """Median milliseconds of fn() on the current stream."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeat):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+def timed(fn) -> float:
+    """Median milliseconds of fn() (timing.median_ms)."""
+    return median_ms(fn, 10)[0]
 
 
 def forest(groups: int, prompt: int, rollouts: int, completion: int, device) -> dict:

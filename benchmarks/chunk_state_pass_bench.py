@@ -15,13 +15,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import time
 
 import torch
 
 import tree_recurrence as tr
 from tree_recurrence import plugins
+
+from timing import median_ms  # benchmarks/ is the script's folder, first on sys.path
 
 HBM_BYTES_PER_S = 4.3e12
 FP32_FLOPS = 60e12
@@ -50,23 +51,6 @@ def workloads(small):
     }
 
 
-def time_ms(fn, repeat, warmup=3):
-    for _ in range(warmup):
-        fn()
-    if not torch.cuda.is_available():  # --device cpu: a dry run of this script
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e3, 0.0
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeat):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times), min(times)
 
 
 def main():
@@ -103,15 +87,15 @@ def main():
             bwd = lambda: ops.chunk_state_pass_backward(gh, gv, w, kd, decay, h, v_new, h0, *args_t)  # noqa: E731
             sync()
             t0 = time.perf_counter()
-            fwd_ms, fwd_min = time_ms(fwd, repeat)
-            bwd_ms, bwd_min = time_ms(bwd, repeat)
+            fwd_ms, fwd_min = median_ms(fwd, repeat)
+            bwd_ms, bwd_min = median_ms(bwd, repeat)
             # The backward's ATen part alone (grad_w, grad_kd, grad_decay from the kernel's fp32 outputs).
             gu32 = torch.randn(NC, H, C, V, device=dev)
             ds32 = torch.randn_like(h)
             mm = torch.float32 if dtype == torch.float32 else dtype  # as chunk_state_op.h
             post = lambda: (torch.matmul(gu32.to(mm), h.to(mm).transpose(-1, -2)).neg_().to(dtype),  # noqa: E731
                             torch.matmul(v_new.to(mm), ds32.to(mm).transpose(-1, -2)).to(dtype), gu32.to(dtype))
-            post_ms, _ = time_ms(post, repeat)
+            post_ms, _ = median_ms(post, repeat)
             del gu32, ds32
             bwd_peak = 0
             if dev.type == "cuda":

@@ -29,7 +29,6 @@ imports from the environment, else from /tmp/peers, /tmp/site or $TREE_RECURRENC
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -37,7 +36,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import peers  # noqa: E402
-from timing import Runner, Shape, cu_seqlens, device_name, plan_of, print_table, ratio, save, target  # noqa: E402
+from timing import (Runner, Shape, bench_arguments, bench_result, cu_seqlens, parse_bench_arguments, peak_ratio,  # noqa: E402
+                    modes, peer_skipped, plan_of, print_table, ratio, save, target, tokens_per_ms)
 
 from tree_recurrence import plugins  # noqa: E402
 
@@ -71,20 +71,8 @@ def ours(layout, dims, dtype, device):
         return op(ins["q"], ins["k"], ins["v"], ins["g"], ins["beta"], tables.gather, tables.scatter,
                   *tables.state_args(), None, 0.0, True)
 
-    def fwd():
-        with torch.no_grad():
-            run()
-
-    cast = {}
-
-    def fwd_bwd():
-        o = run()
-        if o.dtype not in cast:  # the output's dtype is the op's choice: cast the weights once, untimed after warm-up
-            cast[o.dtype] = w.to(o.dtype)
-        torch.autograd.grad(o, leaves, cast[o.dtype])
-
     info = {"tokens": T, "segments": len(lengths), "chunks": int(tables.num_chunks), "impl": "ours (gdn_tree_scan)"}
-    return info, {"fwd": fwd, "fwd_bwd": fwd_bwd}
+    return info, modes(run, leaves, w)
 
 
 class Fla:
@@ -165,10 +153,8 @@ class Fla:
 
 def summarize(result):
     c = result["cases"]
-    tok = lambda name, mode: (c[name]["tokens"] / c[name][mode]["median_ms"]  # noqa: E731
-                              if isinstance(c.get(name, {}).get(mode), dict) and "median_ms" in c[name][mode] else None)
-    pk = lambda n: c.get(n, {}).get("fwd_bwd", {}).get("peak_gib") if isinstance(c.get(n, {}).get("fwd_bwd"), dict) else None  # noqa: E731
-    pr = lambda a, b: pk(a) / pk(b) if pk(a) is not None and pk(b) else None  # noqa: E731
+    tok = lambda name, mode: tokens_per_ms(c, name, mode)  # noqa: E731
+    pr = lambda a, b: peak_ratio(c, a, b)  # noqa: E731
     result["summary"] = {
         "tree / FLA fork": target(ratio(c, "tree", "fla_fork"), 1.0, "<="),
         "tree / FLA chains": target(ratio(c, "tree", "fla_chains"), round(1 / 3, 3), "<="),
@@ -185,37 +171,20 @@ def summarize(result):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="benchmarks/results/gdn_bench.json")
-    ap.add_argument("--small", action="store_true")
-    ap.add_argument("--repeats", type=int, default=10)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--case-budget-s", type=float, default=3.0,
-                    help="fewer timed runs (>= 3) when --repeats would take longer than this per mode")
-    ap.add_argument("--budget-s", type=float, default=110.0, help="later cases are skipped after this many seconds")
-    ap.add_argument("--cases", default="", help="comma-separated names or globs (default: all)")
-    ap.add_argument("--peers", default="auto", choices=["auto", "on", "off"],
-                    help="time FLA (auto: on CUDA unless --small)")
+    ap = bench_arguments(__doc__, "benchmarks/results/gdn_bench.json", 3, "time FLA (auto: on CUDA unless --small)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    args = ap.parse_args()
-    if args.small:  # a smoke run: each mode once after one warm-up
-        args.repeats, args.warmup, args.budget_s = min(args.repeats, 1), min(args.warmup, 1), max(args.budget_s, 900.0)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    args, device, shape, use_peers = parse_bench_arguments(ap)
     dims = (2, 4, 16, 16) if args.small else (16, 32, 128, 128)
     dtype = getattr(torch, args.dtype)
-    shape = Shape(args.small)
-    use_peers = args.peers == "on" or (args.peers == "auto" and device.type == "cuda" and not args.small)
-    result = {"title": "GDN core (gdn_tree_scan) beside FLA", "device": device_name(device), "torch": torch.__version__,
-              "dims": dict(zip(("HK", "HV", "dk", "dv"), dims)), "dtype": args.dtype, "chunk": CHUNK,
-              "shape": shape.describe(), "small": args.small, "repeats": args.repeats, "warmup": args.warmup,
-              "case_budget_s": args.case_budget_s, "l2norm_in_kernel": True}
+    result = bench_result("GDN core (gdn_tree_scan) beside FLA", device, args, shape,
+                          dict(zip(("HK", "HV", "dk", "dv"), dims)), chunk=CHUNK, l2norm_in_kernel=True)
     fla = None
     if use_peers:
         fn, info = peers.fla_gdn()
         result["fla"] = info
         fla = Fla(fn, info) if fn is not None else None
     else:
-        result["fla"] = {"skipped": "--peers off" if args.peers == "off" else "--small or no CUDA"}
+        result["fla"] = peer_skipped(args)
     print("FLA:", result["fla"], flush=True)
     runner = Runner(result, args.out, args.cases, args.budget_s, device)
     L = shape.layouts()

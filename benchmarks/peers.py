@@ -41,18 +41,19 @@ def _import(module):
     return None, first
 
 
+def _version(package: str) -> str:
+    try:
+        return getattr(importlib.import_module(package), "__version__", "?")
+    except ImportError:
+        return "?"
+
+
 def fla_gdn():
     """(chunk_gated_delta_rule, info) or (None, info with 'skipped')."""
     mod, err = _import("fla.ops.gated_delta_rule")
     if mod is None:
         return None, {"skipped": err}
-    try:
-        import fla
-
-        version = getattr(fla, "__version__", "?")
-    except ImportError:
-        version = "?"
-    info = {"fla": version, "fla_path": os.path.dirname(getattr(mod, "__file__", "") or ""),
+    info = {"fla": _version("fla"), "fla_path": os.path.dirname(getattr(mod, "__file__", "") or ""),
             "tilelang": importlib.util.find_spec("tilelang") is not None,
             "backward": "FLA's own (tilelang on Hopper, or Triton >= 3.7.1)"}
     try:
@@ -85,11 +86,5 @@ def mamba_ssd():
     mod, err = _import("mamba_ssm.ops.triton.ssd_combined")
     if mod is None:
         return None, {"skipped": err}
-    try:
-        import mamba_ssm
-
-        version = getattr(mamba_ssm, "__version__", "?")
-    except ImportError:
-        version = "?"
-    return mod.mamba_chunk_scan_combined, {"mamba_ssm": version,
+    return mod.mamba_chunk_scan_combined, {"mamba_ssm": _version("mamba_ssm"),
                                           "mamba_path": os.path.dirname(getattr(mod, "__file__", "") or "")}

@@ -105,9 +105,9 @@ def main() -> dict:
                     return out
 
                 out = v[0].new_zeros(v.shape[1:])
-                for key, entry in list(plan.routes.items()):
-                    if key[:2] == (FAMILY, "chunk_rule"):
-                        plan.routes[key] = (*entry[:3], dataclasses.replace(entry[3], op=stub), *entry[4:])
+                for key, entry in list(plan.cache.items()):
+                    if key[:3] == ("route", FAMILY, "chunk_rule"):
+                        plan.cache[key] = entry._replace(value=dataclasses.replace(entry.value, op=stub))
                 engine = median_us(call, args.calls)
                 a, kw = captured["call"]
                 op_us = median_us(lambda: op(*a, **kw), max(50, args.calls // 10))

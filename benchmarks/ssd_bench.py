@@ -30,7 +30,6 @@ $TREE_RECURRENCE_PEERS (peers.py).
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -38,7 +37,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import peers  # noqa: E402
-from timing import Runner, Shape, device_name, plan_of, print_table, ratio, save, target  # noqa: E402
+from timing import (Runner, Shape, bench_arguments, bench_result, parse_bench_arguments, peak_ratio, peer_skipped,  # noqa: E402
+                    modes, plan_of, print_table, ratio, save, target, tokens_per_ms)
 
 from tree_recurrence import plugins  # noqa: E402
 
@@ -71,21 +71,9 @@ def ours(layout, dims, dtype, device, chunk):
                   A=ins["A"], dt_limit=[0.0, float("inf")], D=ins["D"], dt_bias=ins["dt_bias"], dt_softplus=True,
                   z=ins["z"])
 
-    def fwd():
-        with torch.no_grad():
-            run()
-
-    cast = {}
-
-    def fwd_bwd():
-        y = run()
-        if y.dtype not in cast:  # the output's dtype is the op's choice: cast the weights once, untimed after warm-up
-            cast[y.dtype] = w.to(y.dtype)
-        torch.autograd.grad(y, leaves, cast[y.dtype])
-
     info = {"tokens": T, "segments": len(lengths), "chunks": int(tables.num_chunks), "chunk": chunk,
             "impl": "ours (ssd_tree_scan)"}
-    return info, {"fwd": fwd, "fwd_bwd": fwd_bwd}
+    return info, modes(run, leaves, w)
 
 
 class Mamba:
@@ -155,10 +143,8 @@ class Mamba:
 
 def summarize(result):
     c = result["cases"]
-    tok = lambda name, mode: (c[name]["tokens"] / c[name][mode]["median_ms"]  # noqa: E731
-                              if isinstance(c.get(name, {}).get(mode), dict) and "median_ms" in c[name][mode] else None)
-    pk = lambda n: c.get(n, {}).get("fwd_bwd", {}).get("peak_gib") if isinstance(c.get(n, {}).get("fwd_bwd"), dict) else None  # noqa: E731
-    pr = lambda a, b: pk(a) / pk(b) if pk(a) is not None and pk(b) else None  # noqa: E731
+    tok = lambda name, mode: tokens_per_ms(c, name, mode)  # noqa: E731
+    pr = lambda a, b: peak_ratio(c, a, b)  # noqa: E731
     chains = [n for n in ("mamba_chains_batch", "mamba_chains_seq") if ratio(c, n, n) is not None]
     best = min(chains, key=lambda n: c[n]["fwd_bwd"]["median_ms"]) if chains else "mamba_chains_batch"
     result["summary"] = {
@@ -177,40 +163,23 @@ def summarize(result):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="benchmarks/results/ssd_bench.json")
-    ap.add_argument("--small", action="store_true")
-    ap.add_argument("--repeats", type=int, default=10)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--case-budget-s", type=float, default=3.0,
-                    help="fewer timed runs (>= 3) when --repeats would take longer than this per mode")
-    ap.add_argument("--budget-s", type=float, default=110.0, help="later cases are skipped after this many seconds")
-    ap.add_argument("--cases", default="", help="comma-separated names or globs (default: all)")
-    ap.add_argument("--peers", default="auto", choices=["auto", "on", "off"],
-                    help="time mamba-ssm (auto: on CUDA unless --small)")
+    ap = bench_arguments(__doc__, "benchmarks/results/ssd_bench.json", 2, "time mamba-ssm (auto: on CUDA unless --small)")
     ap.add_argument("--chunk", type=int, default=64, help="our chunk tables' width (64, 128 or 256)")
     ap.add_argument("--mamba-chunk", type=int, default=128)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    args = ap.parse_args()
-    if args.small:  # a smoke run: each mode once after one warm-up
-        args.repeats, args.warmup, args.budget_s = min(args.repeats, 1), min(args.warmup, 1), max(args.budget_s, 900.0)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    args, device, shape, use_peers = parse_bench_arguments(ap)
     dims = (8, 16, 2, 16) if args.small else (128, 64, 8, 128)
     dtype = getattr(torch, args.dtype)
-    shape = Shape(args.small)
-    use_peers = args.peers == "on" or (args.peers == "auto" and device.type == "cuda" and not args.small)
-    result = {"title": "SSD core (ssd_tree_scan) beside mamba-ssm", "device": device_name(device),
-              "torch": torch.__version__, "dims": dict(zip(("H", "P", "G", "N"), dims)), "dtype": args.dtype,
-              "chunk": args.chunk, "mamba_chunk": args.mamba_chunk, "shape": shape.describe(), "small": args.small,
-              "repeats": args.repeats, "warmup": args.warmup, "case_budget_s": args.case_budget_s,
-              "z_gate": True, "dt_softplus": True, "D": "(H,)"}
+    result = bench_result("SSD core (ssd_tree_scan) beside mamba-ssm", device, args, shape,
+                          dict(zip(("H", "P", "G", "N"), dims)), chunk=args.chunk, mamba_chunk=args.mamba_chunk,
+                          z_gate=True, dt_softplus=True, D="(H,)")
     mamba = None
     if use_peers:
         fn, info = peers.mamba_ssd()
         result["mamba_ssm"] = info
         mamba = Mamba(fn, info, args.mamba_chunk) if fn is not None else None
     else:
-        result["mamba_ssm"] = {"skipped": "--peers off" if args.peers == "off" else "--small or no CUDA"}
+        result["mamba_ssm"] = peer_skipped(args)
     print("mamba-ssm:", result["mamba_ssm"], flush=True)
     runner = Runner(result, args.out, args.cases, args.budget_s, device)
     L = shape.layouts()

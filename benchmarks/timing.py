@@ -2,10 +2,12 @@
 (CUDA events, warm-up, median of the timed runs, peak memory above what was allocated before each run;
 wall clock on the CPU, where only the script itself is checked), the case runner (one failing or
 out-of-memory case records its error and the rest still run; a --cases filter; a time budget), the
-GRPO trie's shapes, the table printed at the end, the device's name and JSON writing."""
+GRPO trie's shapes, the command line and result header both scripts take, the summary's measures,
+the table printed at the end, the device's name and JSON writing."""
 
 from __future__ import annotations
 
+import argparse
 import fnmatch
 import gc
 import json
@@ -110,6 +112,32 @@ def time_it(fn, repeats, device, warmup=3, budget_s=None):
             "peak_gib": max(peaks) if peaks else None, "warmup_ms": last * 1e3}
 
 
+def modes(run, leaves, weights):
+    """The two timed modes of an op call ``run()``: {"fwd": forward under no_grad, "fwd_bwd": forward
+    and the gradients of ``leaves`` against ``weights`` (cast once to the output's dtype, the op's
+    choice: untimed after the warm-up)}."""
+    def fwd():
+        with torch.no_grad():
+            run()
+
+    cast = {}
+
+    def fwd_bwd():
+        out = run()
+        if out.dtype not in cast:
+            cast[out.dtype] = weights.to(out.dtype)
+        torch.autograd.grad(out, leaves, cast[out.dtype])
+
+    return {"fwd": fwd, "fwd_bwd": fwd_bwd}
+
+
+def median_ms(fn, repeats=10, warmup=3):
+    """(median, min) milliseconds of ``fn()``: CUDA events when CUDA is there, else the wall clock (the
+    other benchmark scripts' timer)."""
+    r = time_it(fn, repeats, torch.device("cuda" if torch.cuda.is_available() else "cpu"), warmup)
+    return r["median_ms"], r["min_ms"]
+
+
 def error_text(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0][:300] if text else ''}"
@@ -212,6 +240,52 @@ def ratio(cases, a, b, mode="fwd_bwd"):
 def peak(cases, name, mode="fwd_bwd"):
     m = cases.get(name, {}).get(mode) if isinstance(cases.get(name), dict) else None
     return m.get("peak_gib") if isinstance(m, dict) else None
+
+
+def tokens_per_ms(cases, name, mode="fwd_bwd"):
+    m = cases.get(name, {}).get(mode) if isinstance(cases.get(name), dict) else None
+    return cases[name]["tokens"] / m["median_ms"] if isinstance(m, dict) and "median_ms" in m else None
+
+
+def peak_ratio(cases, a, b, mode="fwd_bwd"):
+    x, y = peak(cases, a, mode), peak(cases, b, mode)
+    return x / y if x is not None and y else None
+
+
+def bench_arguments(doc, out, warmup, peer_help):
+    """The options both op benchmarks take; the caller adds its own, then calls parse_bench_arguments."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=out)
+    ap.add_argument("--small", action="store_true")
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=warmup)
+    ap.add_argument("--case-budget-s", type=float, default=3.0,
+                    help="fewer timed runs (>= 3) when --repeats would take longer than this per mode")
+    ap.add_argument("--budget-s", type=float, default=110.0, help="later cases are skipped after this many seconds")
+    ap.add_argument("--cases", default="", help="comma-separated names or globs (default: all)")
+    ap.add_argument("--peers", default="auto", choices=["auto", "on", "off"], help=peer_help)
+    return ap
+
+
+def parse_bench_arguments(ap):
+    """(args, device, shape, use_peers); --small is a smoke run: each mode once after one warm-up."""
+    args = ap.parse_args()
+    if args.small:
+        args.repeats, args.warmup, args.budget_s = min(args.repeats, 1), min(args.warmup, 1), max(args.budget_s, 900.0)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    use_peers = args.peers == "on" or (args.peers == "auto" and device.type == "cuda" and not args.small)
+    return args, device, Shape(args.small), use_peers
+
+
+def bench_result(title, device, args, shape, dims, **fields):
+    """The result's header: what ran, on what, how often."""
+    return {"title": title, "device": device_name(device), "torch": torch.__version__, "dims": dims,
+            "dtype": args.dtype, **fields, "shape": shape.describe(), "small": args.small, "repeats": args.repeats,
+            "warmup": args.warmup, "case_budget_s": args.case_budget_s}
+
+
+def peer_skipped(args) -> dict:
+    return {"skipped": "--peers off" if args.peers == "off" else "--small or no CUDA"}
 
 
 def target(value, bound, kind):

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from pathlib import Path
 
 import torch
@@ -23,6 +22,8 @@ import torch.nn.functional as F
 
 import tree_recurrence
 from tree_recurrence import driver
+
+from timing import median_ms  # benchmarks/ is the script's folder, first on sys.path
 
 FAMILY = "gated_delta_net"  # any family that ships the shared tree conv op
 COPY_RATE = 4.3e12  # H200 copy bandwidth, bytes/s
@@ -44,19 +45,9 @@ def chain(n, device="cuda") -> dict:
     return {"tree_cu_seqlens_q": torch.tensor([0, n], device=device), "tree_segment_parents": torch.tensor([-1], device=device)}
 
 
-def timed(fn, warmup=3, repeat=20) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeat):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+def timed(fn) -> float:
+    """Median milliseconds of fn() (timing.median_ms)."""
+    return median_ms(fn, 20)[0]
 
 
 def measure(name, forward, x, w, gy, n, c, elem) -> dict:

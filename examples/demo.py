@@ -16,7 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 import tree_recurrence
 from tree_recurrence import driver  # noqa: F401  (decisions)
 from tree_recurrence.attention import register_tree_attention
-from tree_recurrence.reference import bind_reference_kernels
+from tree_recurrence.stand_ins import bind_stand_ins
 
 
 def tiny_qwen3_5(attn_implementation: str, dtype: torch.dtype):
@@ -59,7 +59,7 @@ def main() -> None:
                         help="float64 (default) makes gradient comparisons sharp: the A_log/dt_bias gradients are "
                              "sums of many cancelling terms, so fp32 rounding alone moves them by ~1e-5 absolute")
     parser.add_argument("--installed-kernels", action="store_true",
-                        help="keep whatever kernels transformers bound (FLA, causal-conv1d) instead of the references")
+                        help="keep whatever kernels transformers bound (FLA, causal-conv1d) instead of the stand-ins")
     args = parser.parse_args()
     from trl.experimental.async_grpo.packing import TreeRow
 
@@ -68,11 +68,11 @@ def main() -> None:
     model = tiny_qwen3_5(register_tree_attention(), dtype).to(args.device).train()
     modeling = importlib.import_module(type(model).__module__)
     if not args.installed_kernels:
-        # The comparison must be exact, so this package's reference kernels stand in for FLA and
+        # The comparison must be exact, so the families' library stand-ins replace FLA and
         # causal-conv1d, bound exactly as transformers binds the libraries (varlen, per-sequence
         # states, float64-capable, and a backward on every GPU).
-        bind_reference_kernels(modeling)
-        print("kernels: tree_recurrence.reference stands in for FLA / causal-conv1d (--installed-kernels to keep them)")
+        bind_stand_ins(modeling)
+        print("kernels: tree_recurrence.stand_ins replace FLA / causal-conv1d (--installed-kernels to keep them)")
     backends = None if args.strategy in ("auto", "native") else {"gated_delta_net": "kernel"}
     support = tree_recurrence.install(model, policy=tree_recurrence.Policy(strategy=args.strategy), backends=backends)
     print(f"install: mode={support.mode} families={support.families} layers={len(support.layers)}")

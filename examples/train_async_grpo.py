@@ -22,7 +22,7 @@ then the trainer (one GPU here; ``accelerate launch`` for several)::
         --dataset trl-lib/DeepMath-103K --token-budget 4096 --max-steps 100
 
 ``--attn tree_sdpa`` replaces TRL's ``tree_fa3`` (flash-attention 3 from the kernels hub) by
-tree_recurrence's reference tree attention (any device, slower).
+tree_recurrence's dense-mask tree attention (any device, slower).
 
 ``--smoke`` runs without a server, model download or GPU: a tiny random Qwen3.5 saved locally,
 rollouts made up in the script and fed through the trainer's own queue, two optimizer steps on

@@ -5,8 +5,9 @@
 #include "csrc/gdn_chunked.h"
 #include "csrc/gdn_fused/gdn_fused.h"
 #include "csrc/gdn_fused/gdn_fused_bwd.h"
-#include "csrc/gdn_token_scan.h"
+#include "csrc/gdn_token_oracle.h"
 #include "tree_recurrence/sdk/chunk_state_op.h"
+#include "tree_recurrence/sdk/test_ops.h"
 #include "tree_recurrence/sdk/tree_conv_op.h"
 
 namespace tree_recurrence::gdn {
@@ -19,21 +20,23 @@ void register_ops() {
       .def("gdn_tree_scan(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor gather, Tensor scatter, "
            "Tensor seg_chunk_offsets, Tensor parents, Tensor root_index, Tensor level_segments, int[] level_offsets, "
            "Tensor child_offsets, Tensor children, Tensor? initial_state, float scale, bool use_qk_l2norm) -> Tensor");
-  // Its token-by-token oracle over the plan's host arrays (tests only; csrc/gdn_token_scan.h).
+  auto& composite = op_library(torch::Library::IMPL, c10::DispatchKey::CompositeImplicitAutograd);
+  composite.impl("gdn_tree_scan", &chunked_scan);
+  if (!test_ops_enabled()) return;  // the test-only ops below: TREE_RECURRENCE_TEST_OPS=1 (sdk/test_ops.h)
+  // Its float64 token-by-token oracle over the plan's host arrays (csrc/gdn_token_oracle.h).
   op_library(torch::Library::FRAGMENT)
       .def("gdn_token_scan(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor seg_offsets, Tensor parents, "
            "Tensor? initial_state, float scale, bool use_qk_l2norm) -> Tensor");
-  // The fused CUDA forward's stages (tests only; csrc/gdn_fused/gdn_fused.h: fused::stages).
+  // The fused CUDA forward's stages (csrc/gdn_fused/gdn_fused.h: fused::stages).
   op_library(torch::Library::FRAGMENT)
       .def("gdn_fused_stages(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor gather, Tensor scatter, "
            "Tensor seg_chunk_offsets, Tensor parents, Tensor root_index, Tensor level_segments, int[] level_offsets, "
            "Tensor child_offsets, Tensor children, Tensor? initial_state, float scale, bool use_qk_l2norm) -> Tensor[]");
-  // The fused CUDA backward's stages from given saved buffers (tests only; csrc/gdn_fused/gdn_fused_bwd.h).
+  // The fused CUDA backward's stages from given saved buffers (csrc/gdn_fused/gdn_fused_bwd.h).
   fused::register_backward_stages_op();
-  auto& composite = op_library(torch::Library::IMPL, c10::DispatchKey::CompositeImplicitAutograd);
-  composite.impl("gdn_tree_scan", &chunked_scan);
-  composite.impl("gdn_token_scan", &token_scan);
-  composite.impl("gdn_fused_stages", &fused::stages);
+  auto& test_composite = op_library(torch::Library::IMPL, c10::DispatchKey::CompositeImplicitAutograd);
+  test_composite.impl("gdn_token_scan", &token_oracle);
+  test_composite.impl("gdn_fused_stages", &fused::stages);
 }
 
 }  // namespace tree_recurrence::gdn

@@ -1,14 +1,16 @@
 // Torch ops of the mamba2 family (namespace tree_recurrence_mamba2): the shared tree conv, the
-// chunked tree SSD scan (ssd_tree_scan, the seam's native op) and its float64 oracle
-// (ssd_token_scan), registered when the family is created (sdk/op_library.h says why: a bad
+// chunked tree SSD scan (ssd_tree_scan, the seam's native op), and for tests only
+// (TREE_RECURRENCE_TEST_OPS=1, sdk/test_ops.h) its float64 oracle ssd_token_scan and the fused
+// kernels' stage ops, registered when the family is created (sdk/op_library.h says why: a bad
 // schema must refuse the plugin, not terminate the process while its library loads).
 #include "ops.h"
 
 #include "csrc/ssd_chunked.h"
 #include "csrc/ssd_fused/ssd_fused.h"
 #include "csrc/ssd_fused/ssd_fused_bwd.h"
-#include "csrc/ssd_token_scan.h"
+#include "csrc/ssd_token_oracle.h"
 #include "tree_recurrence/sdk/chunk_state_op.h"
+#include "tree_recurrence/sdk/test_ops.h"
 #include "tree_recurrence/sdk/tree_conv_op.h"
 
 namespace tree_recurrence::ssd {
@@ -21,10 +23,14 @@ void register_ops() {
            "Tensor parents, Tensor root_index, Tensor level_segments, int[] level_offsets, Tensor child_offsets, "
            "Tensor children, Tensor? initial_state, Tensor A, float[] dt_limit, Tensor? D=None, Tensor? dt_bias=None, "
            "bool dt_softplus=False, Tensor? z=None) -> Tensor");
+  auto& composite = op_library(torch::Library::IMPL, c10::DispatchKey::CompositeImplicitAutograd);
+  composite.impl("ssd_tree_scan", &chunked_scan);
+  if (!test_ops_enabled()) return;
+  // the float64 token-by-token oracle (csrc/ssd_token_oracle.h)
   op_library(torch::Library::FRAGMENT)
       .def("ssd_token_scan(Tensor x, Tensor dt, Tensor B, Tensor C, Tensor seg_offsets, Tensor parents, Tensor? initial_state, "
            "Tensor A, float[] dt_limit, Tensor? D=None, Tensor? dt_bias=None, bool dt_softplus=False, Tensor? z=None) -> Tensor");
-  // test-only: the fused CUDA forward's stages {out, dt, Lam, chunk_states, states, y} (ssd_fused.h)
+  // the fused CUDA forward's stages {out, dt, Lam, chunk_states, states, y} (ssd_fused.h)
   op_library(torch::Library::FRAGMENT)
       .def("ssd_fused_stages(Tensor x, Tensor dt, Tensor B, Tensor C, Tensor gather, Tensor scatter, Tensor seg_chunk_offsets, "
            "Tensor parents, Tensor root_index, Tensor level_segments, int[] level_offsets, Tensor child_offsets, "
@@ -33,10 +39,8 @@ void register_ops() {
 #ifdef TREE_RECURRENCE_WITH_CUDA
   op_library(torch::Library::IMPL, c10::DispatchKey::CUDA).impl("ssd_fused_stages", &fused::stages_op);
 #endif
-  fused::register_backward_stages_op();  // test-only: the fused backward's stages (ssd_fused_bwd.h)
-  auto& composite = op_library(torch::Library::IMPL, c10::DispatchKey::CompositeImplicitAutograd);
-  composite.impl("ssd_tree_scan", &chunked_scan);
-  composite.impl("ssd_token_scan", &token_scan);
+  fused::register_backward_stages_op();  // the fused backward's stages (ssd_fused_bwd.h)
+  op_library(torch::Library::IMPL, c10::DispatchKey::CompositeImplicitAutograd).impl("ssd_token_scan", &token_oracle);
 }
 
 }  // namespace tree_recurrence::ssd

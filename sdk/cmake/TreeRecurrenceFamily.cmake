@@ -5,7 +5,7 @@
 # against LibTorch, stamps it with the build fingerprint the registry checks (torch version,
 # _GLIBCXX_USE_CXX11_ABI from torch's flags, CUDA version and archs), and places its manifest next
 # to it. The op namespace is `tree_recurrence_<name>`, passed as TREE_RECURRENCE_OP_NAMESPACE so it
-# is never typed twice. PYTHON names the family's Python folder (reference kernels, component adapters:
+# is never typed twice. PYTHON names the family's Python folder (library stand-ins, component adapters:
 # the manifest's `python:` modules); its *.py files go next to the manifest as the folder <name>/, where
 # the engine imports them from.
 function(tree_recurrence_fingerprint_definitions target)

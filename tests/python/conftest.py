@@ -7,8 +7,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import os
 import sys
-import types
+
+# The families' test-only ops (float64 token oracles, the fused kernels' stage ops) are registered
+# only with this set before a plugin loads (sdk/include/tree_recurrence/sdk/test_ops.h).
+os.environ["TREE_RECURRENCE_TEST_OPS"] = "1"
 
 import pytest
 import torch
@@ -109,44 +113,14 @@ class KernelSpy:
         return [c for c in self.calls if c["kind"] == kind]
 
 
-@contextlib.contextmanager
-def _fake_packages(package: str, func_name: str, fn):
-    """Makes ``package`` importable with ``fn`` at transformers' internal path for ``func_name``
-    (``_KERNELS_INTERNAL_PATH_MAPPINGS``), e.g. fla.ops.gated_delta_rule.chunk_gated_delta_rule."""
-    from transformers.integrations import hub_kernels
-
-    internal = hub_kernels._KERNELS_INTERNAL_PATH_MAPPINGS.get(func_name)
-    parts = [package] + (internal.split(".") if internal else [])
-    fakes = []
-    for i in range(len(parts)):
-        mod = types.ModuleType(".".join(parts[: i + 1]))
-        mod.__path__ = []  # a package
-        fakes.append(mod)
-    for parent, child, attr in zip(fakes, fakes[1:], parts[1:]):
-        setattr(parent, attr, child)
-    setattr(fakes[-1], func_name, fn)
-    saved = {m.__name__: sys.modules.get(m.__name__) for m in fakes}
-    sys.modules.update({m.__name__: m for m in fakes})
-    try:
-        yield
-    finally:
-        for name, previous in saved.items():
-            if previous is None:
-                sys.modules.pop(name, None)
-            else:
-                sys.modules[name] = previous
-
-
 def bind_library(module, seam: str, hub_key: str, package: str, fn):
     """Re-decorates ``module.<seam>``'s torch function with transformers' own
     ``use_kernel_func_from_hub_with_fallback(hub_key, package)`` while a stand-in ``package``
     exposes ``fn``: the result is what the modeling module would hold had the library been
     installed at import. Returns the new seam object."""
-    from transformers.integrations.hub_kernels import use_kernel_func_from_hub_with_fallback
+    from tree_recurrence.stand_ins import wrap_as_library
 
-    torch_function = pristine_seams_by_module(module)[seam].__wrapped__
-    with _fake_packages(package, hub_key, fn):
-        bound = use_kernel_func_from_hub_with_fallback(hub_key, package)(torch_function)
+    bound = wrap_as_library(pristine_seams_by_module(module)[seam].__wrapped__, package, hub_key, fn)
     setattr(module, seam, bound)
     return bound
 
@@ -168,10 +142,10 @@ BINDINGS = {
 
 @pytest.fixture
 def bind_kernels():
-    """``bind_kernels(model_type, binding)`` binds tree_recurrence.reference's FLA / causal-conv1d
+    """``bind_kernels(model_type, binding)`` binds tree_recurrence.stand_ins' FLA / causal-conv1d
     stand-ins into the model type's modeling module (call it before install) and returns a
     KernelSpy of their calls; the module's seams are restored at teardown."""
-    from tree_recurrence import reference
+    from tree_recurrence import stand_ins
 
     restore = []
 
@@ -182,10 +156,10 @@ def bind_kernels():
         restore.append((module, {s: getattr(module, s) for s in ("causal_conv1d_fn", "torch_chunk_gated_delta_rule")}))
         if fla:
             bind_library(module, "torch_chunk_gated_delta_rule", "chunk_gated_delta_rule", "fla",
-                         spy.wrap("gdr", reference.chunk_gated_delta_rule))
+                         spy.wrap("gdr", stand_ins.chunk_gated_delta_rule))
         if conv:
             bind_library(module, "causal_conv1d_fn", "causal_conv1d_fn", "causal_conv1d",
-                         spy.wrap("conv", reference.causal_conv1d_fn))
+                         spy.wrap("conv", stand_ins.causal_conv1d_fn))
         return spy
 
     yield bind
@@ -254,7 +228,7 @@ def alone_reference():
 
 @pytest.fixture
 def env(decisions):
-    """The family harness's Env: ``env.bind(module, seams)`` binds tree_recurrence.reference's
+    """The family harness's Env: ``env.bind(module, seams)`` binds tree_recurrence.stand_ins'
     library stand-ins into the modeling module as transformers binds the libraries;
     ``env.install(model, **kw)`` installs. Teardown uninstalls first, then restores the seams."""
     import family_harness as H
@@ -262,3 +236,19 @@ def env(decisions):
     e = H.Env()
     yield e
     e.close()
+
+
+@pytest.fixture
+def gdn_follows_chains(monkeypatch):
+    """The loaded gated_delta_net family as if its manifest entries said ``follows: chains``."""
+    import copy
+
+    from tree_recurrence import plugins
+
+    real = plugins.families
+    record = dict(real()["gated_delta_net"])
+    record["manifest"] = copy.deepcopy(record["manifest"])
+    for entry in record["manifest"]["models"]:
+        entry["follows"] = "chains"
+    monkeypatch.setattr(plugins, "families", lambda: {**real(), "gated_delta_net": record})
+    return record

@@ -28,7 +28,7 @@ import torch
 
 import models as M
 import tree_recurrence as tr
-from tree_recurrence import reference, seams
+from tree_recurrence import stand_ins, seams
 
 # parameter-name suffixes and the uniform range they are re-drawn from (in parameter order), so that
 # every head decays differently and the state carried across a segment boundary matters
@@ -97,7 +97,7 @@ def _unpatched(module_name: str):
 
 
 class Env:
-    """``bind(module, seams)`` binds tree_recurrence.reference's library stand-ins into a modeling
+    """``bind(module, seams)`` binds tree_recurrence.stand_ins' library stand-ins into a modeling
     module as transformers binds the libraries; ``install(model, **kw)`` installs. ``close()``
     uninstalls first, then restores the seams."""
 
@@ -105,7 +105,7 @@ class Env:
         self.models, self.restores = [], []
 
     def bind(self, module, names):
-        self.restores.append(reference.bind_reference_kernels(module, seams=names))
+        self.restores.append(stand_ins.bind_stand_ins(module, seams=names))
 
     def install(self, model, **kw):
         self.models.append(model)

@@ -370,3 +370,20 @@ def assert_matches(tree: Result, alone: Result, model=None, what: str = "",
                     assert n in alone.grads and float(alone.grads[n].abs().max()) > 0, f"{n}: no gradient reaches it"
         bad = {n: e for n, e in grad_errors(tree, alone).items() if e[0] > e[1]}
         assert not bad, f"{what}: gradients differ: " + ", ".join(f"{n} {e:.2e}>{t:.2e}" for n, (e, t) in sorted(bad.items()))
+
+
+def assert_rewritten_kwargs_run_alike(model_type: str, rewrite, forest: str = "fan") -> None:
+    """A fresh model with the hooks installed gives bitwise the same logits on ``forest``'s row with its
+    tree kwargs as they are and as ``rewrite(kwargs)`` gives them (int lists, padding, ...)."""
+    import tree_recurrence as tr
+
+    model = make_model(model_type)
+    tr.install(model)
+    try:
+        tree = pack_forest(forest)
+        with torch.no_grad():
+            logits = [model(input_ids=tree.input_ids, position_ids=tree.position_ids, use_cache=False, **kwargs).logits
+                      for kwargs in (tree.rich_kwargs(), rewrite(tree.rich_kwargs()))]
+        torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=0)
+    finally:
+        tr.uninstall(model)

@@ -15,7 +15,7 @@ import torch
 import models as M
 import tree_recurrence as tr
 from conftest import bind_library
-from tree_recurrence import reference
+from tree_recurrence import stand_ins
 
 pytestmark = pytest.mark.usefixtures("gdn_modules_pristine")
 
@@ -48,17 +48,24 @@ def _install(model, strategy="fork"):
     return support
 
 
-def _expected(tree, strategy="fork"):
-    """The same row with FLA's reference bound the ordinary way (named cu_seqlens)."""
-    module = _module()
-    saved = getattr(module, SCAN)
-    bind_library(module, SCAN, "chunk_gated_delta_rule", "fla", reference.chunk_gated_delta_rule)
-    model = M.make_model(MODEL_TYPE)
+def _run_installed(tree, strategy="fork", model=None):
+    """The row's logits through a (fresh) model with the hooks installed for the call only."""
+    model = model if model is not None else M.make_model(MODEL_TYPE)
     _install(model, strategy)
     try:
         return _run(model, tree)
     finally:
         tr.uninstall(model)
+
+
+def _expected(tree, strategy="fork"):
+    """The same row with FLA's stand-in bound the ordinary way (named cu_seqlens)."""
+    module = _module()
+    saved = getattr(module, SCAN)
+    bind_library(module, SCAN, "chunk_gated_delta_rule", "fla", stand_ins.chunk_gated_delta_rule)
+    try:
+        return _run_installed(tree, strategy)
+    finally:
         setattr(module, SCAN, saved)
 
 
@@ -73,7 +80,7 @@ def _fla_kwargs_style(calls):
     def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                                use_qk_l2norm_in_kernel=False, **kwargs):
         calls.append(kwargs.get("cu_seqlens"))
-        return reference.chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+        return stand_ins.chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                                                 output_final_state=output_final_state,
                                                 use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                                                 cu_seqlens=kwargs.get("cu_seqlens"))
@@ -85,7 +92,7 @@ def _keyword_only_style(calls):
     def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
                                use_qk_l2norm_in_kernel=False, cu_seqlens=None):
         calls.append(cu_seqlens)
-        return reference.chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+        return stand_ins.chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                                                 output_final_state=output_final_state,
                                                 use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens)
 
@@ -98,12 +105,7 @@ def test_varlen_kernel_taking_cu_seqlens_through_kwargs_or_keyword_only(style, r
     expected = _expected(tree)
     calls = []
     bind_library(restore_scan, SCAN, "chunk_gated_delta_rule", "fla", style(calls))
-    model = M.make_model(MODEL_TYPE)
-    _install(model)
-    try:
-        out = _run(model, tree)
-    finally:
-        tr.uninstall(model)
+    out = _run_installed(tree)
     assert calls and all(cu is not None for cu in calls), "the varlen kernel got padded batches"
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
@@ -117,7 +119,7 @@ def _no_final_states(calls):
     def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                                use_qk_l2norm_in_kernel=False, cu_seqlens=None):
         calls.append({"cu_seqlens": cu_seqlens, "output_final_state": output_final_state, "batch": q.shape[0]})
-        out, _ = reference.chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+        out, _ = stand_ins.chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                                                   use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens)
         return out, None  # a kernel that never returns final states
 
@@ -136,12 +138,7 @@ def test_one_level_plan_is_one_plain_varlen_call(forest, strategy, restore_scan)
     expected = _expected(tree, strategy)
     calls = []
     bind_library(restore_scan, SCAN, "chunk_gated_delta_rule", "fla", _no_final_states(calls))
-    model = M.make_model(MODEL_TYPE)
-    _install(model, strategy)
-    try:
-        out = _run(model, tree)
-    finally:
-        tr.uninstall(model)
+    out = _run_installed(tree, strategy)
     plan = tr.tree_plan(tree.trl_kwargs())
     assert len(calls) == 1, calls  # one GDN layer, one call
     assert calls[0]["batch"] == 1 and not calls[0]["output_final_state"]
@@ -174,10 +171,10 @@ def test_instance_forward_swapped_by_kernelize_is_seen(restore_scan):
     try:
         before = _run(model, tree)
 
-        @functools.wraps(reference.chunk_gated_delta_rule)
+        @functools.wraps(stand_ins.chunk_gated_delta_rule)
         def hub_kernel(*args, **kwargs):  # kernelize: a library kernel on the seam's instance
             calls.append(kwargs.get("cu_seqlens"))
-            return reference.chunk_gated_delta_rule(*args, **kwargs)
+            return stand_ins.chunk_gated_delta_rule(*args, **kwargs)
 
         seam.forward = hub_kernel
         after = _run(model, tree)
@@ -192,11 +189,7 @@ def test_profiler_around_the_torch_reference_is_not_taken_for_a_varlen_kernel(re
     through it, so the manifest's varlen word (for library kernels) does not apply: padded batches."""
     tree = M.pack_forest("fan")
     model = M.make_model(MODEL_TYPE)
-    _install(model)
-    try:
-        expected = _run(model, tree)
-    finally:
-        tr.uninstall(model)
+    expected = _run_installed(tree, model=model)
     inner = getattr(restore_scan, SCAN)
     calls = []
 
@@ -205,10 +198,6 @@ def test_profiler_around_the_torch_reference_is_not_taken_for_a_varlen_kernel(re
         return inner(*args, **kwargs)
 
     setattr(restore_scan, SCAN, profiler)
-    _install(model)
-    try:
-        out = _run(model, tree)
-    finally:
-        tr.uninstall(model)
+    out = _run_installed(tree, model=model)
     assert calls and all(cu is None for cu in calls)
     torch.testing.assert_close(out, expected, rtol=0, atol=0)

@@ -6,92 +6,15 @@ the tolerance is tight (1e-9 relative max error): a wrong formula shows as O(1).
 
 from __future__ import annotations
 
-import math
 import random
 
 import pytest
 import torch
+from tries import chunk_tables, rand_spec, rel_err, trie
+from tries import gdn_inputs as make_inputs
 
 import gdn_bwd_reference as bref
 import gdn_chunk_reference as fref
-
-# copies of tests/python/test_gdn_chunked.py helpers (that file imports the built package)
-CHUNK = 64
-
-
-def trie(spec):
-    """seg_offsets, parents from [(parent, length), ...] in segment order (parents first)."""
-    offsets, parents = [0], []
-    for parent, length in spec:
-        parents.append(parent)
-        offsets.append(offsets[-1] + length)
-    return offsets, parents
-
-
-def chunk_tables(seg_offsets, parents, chunk=CHUNK, device="cpu"):
-    """TreePlan.chunk_tables' contract, built by a plain loop (an independent check of the plan's)."""
-    so, par = list(seg_offsets), list(parents)
-    S, T = len(par), so[-1]
-    counts = [max(1, math.ceil((so[s + 1] - so[s]) / chunk)) for s in range(S)]
-    sco = [0]
-    for n in counts:
-        sco.append(sco[-1] + n)
-    gather = torch.full((sco[-1], chunk), -1, dtype=torch.int64)
-    scatter = torch.empty(T, dtype=torch.int64)
-    for s in range(S):
-        for i in range(counts[s]):
-            c, lo = sco[s] + i, so[s] + i * chunk
-            hi = min(so[s + 1], lo + chunk)
-            gather[c, : hi - lo] = torch.arange(lo, hi)
-            scatter[lo:hi] = c * chunk + torch.arange(hi - lo)
-    level = []
-    for p in par:
-        level.append(0 if p < 0 else level[p] + 1)
-    order = sorted(range(S), key=lambda s: (level[s], s))
-    level_offsets = [0] * (max(level) + 2)
-    for lv in level:
-        level_offsets[lv + 1] += 1
-    for i in range(1, len(level_offsets)):
-        level_offsets[i] += level_offsets[i - 1]
-    roots = [s for s in range(S) if par[s] < 0]
-    root_index = [roots.index(s) if par[s] < 0 else -1 for s in range(S)]
-    kids = [[c for c in range(S) if par[c] == s] for s in range(S)]
-    child_offsets = [0]
-    for k in kids:
-        child_offsets.append(child_offsets[-1] + len(k))
-    t = lambda v: torch.tensor(v, dtype=torch.int64, device=device)  # noqa: E731
-    return (gather.to(device), scatter.to(device), t(sco), t(par), t(root_index), t(order), level_offsets,
-            t(child_offsets), t([c for k in kids for c in k]))
-
-
-def make_inputs(T, HK=2, HV=4, K=8, V=6, roots=1, strong=False, l2norm=True, seed=0):
-    """float64 leaf tensors; keys are kept at norm <= 1 without l2norm (the recurrence is stable)."""
-    gen = torch.Generator().manual_seed(seed)
-    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
-    q, k = r(T, HK, K), r(T, HK, K)
-    if not l2norm:
-        k = k / k.norm(dim=-1, keepdim=True).clamp_min(1.0) * torch.rand(T, HK, 1, generator=gen, dtype=torch.float64)
-    A = torch.rand(HV, generator=gen, dtype=torch.float64) * (16.0 if strong else 1.0)
-    if strong:
-        A[0] = 16.0
-    g = -A * torch.nn.functional.softplus(r(T, HV) + (1.0 if strong else -1.0))
-    return dict(q=q, k=k, v=r(T, HV, V), g=g, beta=torch.sigmoid(r(T, HV)), h0=r(roots, HV, K, V) * 0.5,
-                grad=r(T, HV, V))
-
-
-def rand_spec(rng, shape):
-    """Tries used below. shape: 'deep' (20 levels, a branch at each), 'wide' (64 children)."""
-    if shape == "deep":
-        spec = [(-1, rng.randint(1, 70))]
-        for level in range(1, 20):
-            parent = len(spec) - 1
-            spec.append((parent, rng.randint(1, 70)))
-            if level % 3 == 0:
-                spec.append((parent, rng.choice([1, 63, 64, 65])))
-        # the spine must stay parents-first: the side branches hang off the previous spine node
-        return spec
-    return [(-1, 100)] + [(0, rng.choice([1, 2, 17, 63, 64, 65, 66])) for _ in range(64)]
-
 
 def token_oracle(q, k, v, g, beta, seg_offsets, parents, init, scale, l2norm):
     """S <- exp(g) S; S <- S + k (beta (v - S^T k))^T; o = S^T (scale q), every segment from its
@@ -122,11 +45,6 @@ def token_oracle(q, k, v, g, beta, seg_offsets, parents, init, scale, l2norm):
         finals.append(S)
     return torch.stack(outs)
 
-
-def rel_err(got, want):
-    got, want = got.detach().double(), want.detach().double()
-    assert torch.isfinite(got).all(), "non-finite values"
-    return ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
 
 CASES = {
     "one_token": dict(spec=[(-1, 1), (0, 1), (1, 1), (1, 1), (0, 1), (4, 3)], h0="shared"),

@@ -248,7 +248,7 @@ def test_conv_seam_over_causal_conv1d_keeps_activation_a_keyword(bind_kernels, t
     causal-conv1d bound (signature ``x, weight, bias, seq_idx, ..., activation``) the driver's
     rescan conv must pass activation as a keyword, as the model does, not 4th positionally (where
     it would land in seq_idx)."""
-    from tree_recurrence import reference
+    from tree_recurrence import stand_ins
 
     spy = bind_kernels("qwen3_5_text", "fla+causal_conv1d")
     module = GDN.module("qwen3_5_text")
@@ -265,7 +265,7 @@ def test_conv_seam_over_causal_conv1d_keeps_activation_a_keyword(bind_kernels, t
         assert calls and all(c["nargs"] <= 3 and "activation" in c["keywords"] for c in calls), calls
     expected = torch.zeros_like(y)
     for pos in tree.sample_positions:
-        expected[0][:, pos] = reference.causal_conv1d_fn(x[:, :, pos], w, None, activation="silu")[0]
+        expected[0][:, pos] = stand_ins.causal_conv1d_fn(x[:, :, pos], w, None, activation="silu")[0]
     torch.testing.assert_close(y, expected)
 
 

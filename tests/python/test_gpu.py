@@ -12,7 +12,7 @@ import torch
 import tree_recurrence
 from tree_recurrence import driver, plugins
 from tree_recurrence.attention import register_tree_attention
-from tree_recurrence.reference import bind_reference_kernels
+from tree_recurrence.stand_ins import bind_stand_ins
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the device machine)")
 
@@ -84,7 +84,7 @@ def test_fp32_qwen3_5_tree_equals_samples_alone_on_gpu():
     torch.manual_seed(0)
     model = tiny_qwen(torch.float32).train()
     modeling = importlib.import_module(type(model).__module__)
-    restore = bind_reference_kernels(modeling, seams=["torch_chunk_gated_delta_rule"])
+    restore = bind_stand_ins(modeling, seams=["torch_chunk_gated_delta_rule"])
     packed = trl_row(torch.Generator().manual_seed(1))
     kw = {k: packed[k].cuda() for k in ("tree_kv_index", "tree_cu_seqlens_q", "tree_cu_seqlens_k")}
     ids = packed["input_ids"].cuda()
@@ -120,7 +120,7 @@ def test_bf16_qwen3_5_tree_matches_samples_alone():
     torch.manual_seed(0)
     model = tiny_qwen(torch.float32).train()
     modeling = importlib.import_module(type(model).__module__)
-    restore = bind_reference_kernels(modeling, seams=["torch_chunk_gated_delta_rule"])  # fwd+bwd on any GPU
+    restore = bind_stand_ins(modeling, seams=["torch_chunk_gated_delta_rule"])  # fwd+bwd on any GPU
     packed = trl_row(torch.Generator().manual_seed(1))
     kw = {k: packed[k].cuda() for k in ("tree_kv_index", "tree_cu_seqlens_q", "tree_cu_seqlens_k")}
     ids = packed["input_ids"].cuda()

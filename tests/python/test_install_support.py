@@ -13,7 +13,6 @@ branches raises a ValueError naming the layer.
 
 from __future__ import annotations
 
-import copy
 import importlib
 import json
 import os
@@ -256,7 +255,7 @@ def test_set_backend_swaps_at_run_time_with_equal_outputs(installed, decisions):
 def test_unknown_backend_and_family_list_the_choices(installed):
     model = M.make_model(MODEL_TYPE)
     with pytest.raises(ValueError, match=r"unknown backend 'fast' for family 'gated_delta_net', choose one of "
-                                         r"\['auto', 'native', 'kernel', 'reference', 'trl'\]"):
+                                         r"\['auto', 'native', 'kernel', 'stand_ins', 'trl'\]"):
         installed(model, backends={FAMILY: "fast"})
     with pytest.raises(ValueError, match=r"unknown family 'gdn', loaded families: \['gated_delta_net', 'mamba2', "
                                          r"'short_conv'\]"):
@@ -265,7 +264,7 @@ def test_unknown_backend_and_family_list_the_choices(installed):
     with pytest.raises(ValueError, match="call install"):
         tr.set_backend(model, FAMILY, "kernel")
     installed(model)
-    with pytest.raises(ValueError, match=r"choose one of \['auto', 'native', 'kernel', 'reference', 'trl'\]"):
+    with pytest.raises(ValueError, match=r"choose one of \['auto', 'native', 'kernel', 'stand_ins', 'trl'\]"):
         tr.set_backend(model, FAMILY, "fast")
     with pytest.raises(ValueError, match=r"no layer of family 'mamba2' \(has \['gated_delta_net'\]\)"):
         tr.set_backend(model, "mamba2", "kernel")
@@ -399,18 +398,6 @@ def test_unknown_follows_value_is_none(installed, chain_family):
         entry["follows"] = "sideways"
     support = installed(ChainLM())
     assert support.mode == "none" and "follows 'sideways'" in support.reason and "['tree', 'chains']" in support.reason
-
-
-@pytest.fixture
-def gdn_follows_chains(monkeypatch):
-    """The loaded gated_delta_net family as if its manifest entries said ``follows: chains``."""
-    real = plugins.families
-    record = dict(real()[FAMILY])
-    record["manifest"] = copy.deepcopy(record["manifest"])
-    for entry in record["manifest"]["models"]:
-        entry["follows"] = "chains"
-    monkeypatch.setattr(plugins, "families", lambda: {**real(), FAMILY: record})
-    return record
 
 
 def test_manifest_family_following_chains(installed, gdn_follows_chains):

@@ -1,5 +1,5 @@
 """The layout shows the architecture: the engine (bindings/) names no family; each family's knowledge
-(manifest, kernels under csrc/, Python references and component adapters under python/) lives in its
+(manifest, kernels under csrc/, Python library stand-ins and component adapters under python/) lives in its
 own folder. Family names, native op names, model types and mixer classes are read from every manifest
 of the repository (plugins/*/family.yaml, sdk/examples/*/family.yaml)."""
 
@@ -59,7 +59,7 @@ def test_engine_names_no_family():
 @pytest.mark.parametrize("manifest", MANIFESTS, ids=lambda p: p.parent.name)
 def test_family_folder_holds_its_python_and_kernels(manifest):
     """Every module the manifest names under ``python:`` is a file of the family's python/ folder, every
-    seam's library reference resolves to a module of the family or an importable one, and native kernels
+    seam's library stand-in resolves to a module of the family or an importable one, and native kernels
     live under csrc/."""
     folder = manifest.parent
     spec = yaml.safe_load(manifest.read_text())
@@ -69,7 +69,7 @@ def test_family_folder_holds_its_python_and_kernels(manifest):
     for seam, seam_spec in spec["seams"].items():
         library = seam_spec.get("library")
         if library:
-            module = library["reference"].rpartition(".")[0]
+            module = library["stand_in"].rpartition(".")[0]
             assert module in modules or module.startswith("tree_recurrence."), (seam, library)
     stray = [p.name for p in folder.glob("*") if p.suffix in (".cu", ".cuh") or p.name.endswith(("_scan.cpp", "_scan.h"))]
     assert not stray, f"kernels outside {folder.name}/csrc: {stray}"

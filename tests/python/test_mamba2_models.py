@@ -6,7 +6,7 @@ is forwarded once with the tree kwargs, and every token of every sample must get
 gets when the sample runs alone, and the gradient of every parameter (A_log, dt_bias, D, conv1d
 weight and bias included) must equal the sum of the samples' gradients. Each strategy runs
 separately (the native tree SSD scan + tree conv; rescan over transformers' torch reference;
-rescan over tree_recurrence.reference's mamba-ssm / causal-conv1d stand-ins bound the way
+rescan over tree_recurrence.stand_ins' mamba-ssm / causal-conv1d stand-ins bound the way
 transformers binds the libraries), with gradient checkpointing on and off.
 
 Also here: the oracle op (ssd_token_scan) against transformers' torch ``mamba2_chunk_scan`` (the semantics it
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 import family_harness as H
 import models as M
 import tree_recurrence as tr
-from tree_recurrence import driver, plugins, reference
+from tree_recurrence import driver, plugins, stand_ins
 
 CONV, SCAN, FUSED = "causal_conv1d_fn", "mamba2_chunk_scan", "mamba2_split_conv1d_scan_combined"
 
@@ -95,7 +95,7 @@ def check_tree_run(model_type, forest, strategy, binding, env, decisions, checkp
     implementation, _, is_library = driver.bound_implementation(run.bound[SCAN])
     assert is_library == (binding != "torch")
     if is_library:
-        assert implementation is reference.mamba_chunk_scan_combined
+        assert implementation is stand_ins.mamba_chunk_scan_combined
     for name in ssm_parameter_names(run.model):
         assert float(run.alone.grads[name].abs().max()) > 0, f"{name}: no gradient reaches it"
     assert any(n.endswith(".D") for n in ssm_parameter_names(run.model))
@@ -171,10 +171,10 @@ class _Spy:
 def test_fused_seam_rescanned_with_tree_original_without(model_type, env, decisions, monkeypatch):
     """With mamba-ssm's fused kernel bound and backend 'kernel': a tree row runs it over every path
     (a padded batch; the split seams not at all); an ordinary batch calls it as it is."""
-    fused = _Spy(reference.mamba_split_conv1d_scan_combined)
-    scan = _Spy(reference.mamba_chunk_scan_combined)
-    monkeypatch.setattr(reference.family_reference(FAMILY), "mamba_split_conv1d_scan_combined", fused.fn)
-    monkeypatch.setattr(reference.family_reference(FAMILY), "mamba_chunk_scan_combined", scan.fn)
+    fused = _Spy(stand_ins.mamba_split_conv1d_scan_combined)
+    scan = _Spy(stand_ins.mamba_chunk_scan_combined)
+    monkeypatch.setattr(stand_ins.family_stand_ins(FAMILY), "mamba_split_conv1d_scan_combined", fused.fn)
+    monkeypatch.setattr(stand_ins.family_stand_ins(FAMILY), "mamba_chunk_scan_combined", scan.fn)
     env.bind(_module(model_type), [CONV, SCAN, FUSED])
     _, params, is_library = driver.bound_implementation(getattr(_module(model_type), FUSED))
     assert is_library and "seq_idx" in params
@@ -229,7 +229,7 @@ def test_transformers_fused_and_split_paths_differ_with_groups(model_type, env):
     for groups, differs in ((2, True), (1, False)):
         model = make_model(model_type, **{GROUPS_KEY[model_type]: groups})
         split = model(input_ids=ids, use_cache=False).logits
-        restore = reference.bind_reference_kernels(_module(model_type), seams=[CONV, SCAN, FUSED])
+        restore = stand_ins.bind_stand_ins(_module(model_type), seams=[CONV, SCAN, FUSED])
         try:
             fused = model(input_ids=ids, use_cache=False).logits
         finally:
@@ -371,7 +371,7 @@ def test_native_op_forks_every_segment_from_its_parent():
     for leaf, segs in paths.items():
         tokens = torch.cat([torch.arange(int(offsets[s]), int(offsets[s + 1])) for s in segs])
         root = 0 if segs[0] == 0 else 1
-        want = reference.mamba_chunk_scan_combined(x[:, tokens], dt[:, tokens], A, B[:, tokens], C[:, tokens], 8,
+        want = stand_ins.mamba_chunk_scan_combined(x[:, tokens], dt[:, tokens], A, B[:, tokens], C[:, tokens], 8,
                                                    D=D2, dt_bias=dt_bias, initial_states=h0[root:root + 1],
                                                    dt_softplus=True)
         torch.testing.assert_close(y[tokens], want[0], atol=2e-5, rtol=1e-5)
@@ -383,7 +383,7 @@ def test_native_op_z_gate_and_errors():
     off, par = torch.tensor([0, 7]), torch.tensor([-1])
     y = _op()(x[0], dt[0], B[0], C[0], off, par, None, A=A, dt_limit=[0.0, 1e9], D=D, dt_bias=dt_bias, dt_softplus=True,
               z=z)
-    want = reference.mamba_chunk_scan_combined(x, dt, A, B, C, 8, D=D, z=z, dt_bias=dt_bias, dt_softplus=True)
+    want = stand_ins.mamba_chunk_scan_combined(x, dt, A, B, C, 8, D=D, z=z, dt_bias=dt_bias, dt_softplus=True)
     torch.testing.assert_close(y, want[0], atol=2e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="B and C"):
         _op()(x[0], dt[0], B[0], C[0, :, :1], off, par, None, A=A, dt_limit=[0.0, 1.0])
@@ -396,22 +396,22 @@ def test_native_op_z_gate_and_errors():
 
 
 # ------------------------------------------------------------------------------------------------
-# tree_recurrence.reference: mamba-ssm's APIs
+# tree_recurrence.stand_ins: mamba-ssm's APIs
 # ------------------------------------------------------------------------------------------------
 
 
-def test_reference_chunk_scan_matches_transformers_and_separates_seq_idx():
+def test_stand_in_chunk_scan_matches_transformers_and_separates_seq_idx():
     x, dt, A, B, C, D, dt_bias = _ssd_inputs(T=21)
     h0 = torch.randn(1, 4, 6, 5)
     kw = dict(D=D, dt_bias=dt_bias, dt_softplus=True)
-    y, final = reference.mamba_chunk_scan_combined(x, dt, A, B, C, 8, initial_states=h0, return_final_states=True, **kw)
+    y, final = stand_ins.mamba_chunk_scan_combined(x, dt, A, B, C, 8, initial_states=h0, return_final_states=True, **kw)
     want, want_final = _hf_scan(x, dt, A, B, C, chunk_size=8, initial_states=h0, return_final_states=True, **kw)
     torch.testing.assert_close(y, want, atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(final, want_final, atol=2e-5, rtol=1e-5)
     # three packed sequences: each starts from zeros (the first from the initial state)
     cu = [0, 5, 6, 21]
     seq_idx = torch.repeat_interleave(torch.arange(3, dtype=torch.int32), torch.tensor(cu[1:]) - torch.tensor(cu[:-1]))[None]
-    y, final, varlen = reference.mamba_chunk_scan_combined(
+    y, final, varlen = stand_ins.mamba_chunk_scan_combined(
         x, dt, A, B, C, 8, initial_states=h0, seq_idx=seq_idx, cu_seqlens=torch.tensor(cu), return_final_states=True,
         return_varlen_states=True, **kw)
     for i in range(3):
@@ -422,11 +422,11 @@ def test_reference_chunk_scan_matches_transformers_and_separates_seq_idx():
         torch.testing.assert_close(varlen[i:i + 1], want_final, atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(final, varlen[-1:])
     with pytest.raises(AssertionError, match="cu_seqlens"):
-        reference.mamba_chunk_scan_combined(x, dt, A, B, C, 8, return_varlen_states=True)
+        stand_ins.mamba_chunk_scan_combined(x, dt, A, B, C, 8, return_varlen_states=True)
 
 
-def test_reference_split_conv1d_scan_matches_the_split_path_and_seq_idx():
-    """The fused reference = conv (+silu) then scan then grouped gated RMSNorm then out_proj,
+def test_stand_in_split_conv1d_scan_matches_the_split_path_and_seq_idx():
+    """The fused stand-in = conv (+silu) then scan then grouped gated RMSNorm then out_proj,
     computed step by step here; with seq_idx, packed sequences equal sequences run alone."""
     g = torch.Generator().manual_seed(4)
     H, P, G, N, W, T = 4, 6, 2, 5, 4, 13
@@ -436,7 +436,7 @@ def test_reference_split_conv1d_scan_matches_the_split_path_and_seq_idx():
     dt_bias, A, D = torch.randn(H, generator=g), -torch.rand(H, generator=g) - 0.2, torch.randn(H, generator=g)
     norm_w, out_w = torch.randn(dim, generator=g), torch.randn(7, dim, generator=g)
     kw = dict(rmsnorm_weight=norm_w, rmsnorm_eps=1e-5, outproj_weight=out_w, headdim=P, ngroups=G, norm_before_gate=False)
-    out = reference.mamba_split_conv1d_scan_combined(zxbcdt, conv_w, conv_b, dt_bias, A, D, 8, **kw)
+    out = stand_ins.mamba_split_conv1d_scan_combined(zxbcdt, conv_w, conv_b, dt_bias, A, D, 8, **kw)
     z, xBC, dt = torch.split(zxbcdt, [dim, dim + 2 * G * N, H], dim=-1)
     xBC = F.silu(F.conv1d(xBC.transpose(1, 2), conv_w[:, None], conv_b, padding=W - 1, groups=xBC.shape[-1])[..., :T])
     x, B, C = torch.split(xBC.transpose(1, 2), [dim, G * N, G * N], dim=-1)
@@ -447,9 +447,9 @@ def test_reference_split_conv1d_scan_matches_the_split_path_and_seq_idx():
     torch.testing.assert_close(out, y @ out_w.T, atol=1e-4, rtol=1e-4)
     # packed: two sequences in one row, separated by seq_idx
     seq_idx = torch.tensor([[0] * 6 + [1] * 7], dtype=torch.int32)
-    packed = reference.mamba_split_conv1d_scan_combined(zxbcdt, conv_w, conv_b, dt_bias, A, D, 8, seq_idx=seq_idx, **kw)
+    packed = stand_ins.mamba_split_conv1d_scan_combined(zxbcdt, conv_w, conv_b, dt_bias, A, D, 8, seq_idx=seq_idx, **kw)
     torch.testing.assert_close(packed[:, :6], out[:, :6])
-    second = reference.mamba_split_conv1d_scan_combined(zxbcdt[:, 6:], conv_w, conv_b, dt_bias, A, D, 8, **kw)
+    second = stand_ins.mamba_split_conv1d_scan_combined(zxbcdt[:, 6:], conv_w, conv_b, dt_bias, A, D, 8, **kw)
     torch.testing.assert_close(packed[:, 6:], second, atol=1e-5, rtol=1e-5)
 
 

@@ -31,7 +31,8 @@ def outside_module(root: Path) -> Path:
     return outside
 
 
-def refused_through_discover(monkeypatch, record: dict) -> dict:
+def discover_only(monkeypatch, record: dict) -> dict:
+    """plugins.discover over ``record`` alone (no other plugin, no runtime check): its result."""
     monkeypatch.setattr(plugins._core, "discover_plugins", lambda folders: [])
     monkeypatch.setattr(plugins._core, "plugin_records", lambda: [record])
     monkeypatch.setattr(plugins, "runtime_mismatch", lambda: None)
@@ -40,13 +41,18 @@ def refused_through_discover(monkeypatch, record: dict) -> dict:
     monkeypatch.setattr(plugins, "_python_packages", {})
     monkeypatch.delenv(plugins.DISABLE_ENV, raising=False)
     (result,) = plugins.discover(rescan=True)
+    return result
+
+
+def refused_through_discover(monkeypatch, record: dict) -> dict:
+    result = discover_only(monkeypatch, record)
     assert record["family"] not in plugins.families()
-    assert plugins.family_python(record["family"], "reference") is None  # an absent family has no Python
+    assert plugins.family_python(record["family"], "stand_ins") is None  # an absent family has no Python
     return result
 
 
 def test_symlinked_python_folder_pointing_outside_is_refused(tmp_path, monkeypatch):
-    record = plugin(tmp_path, "linked", {"reference": "evil"})
+    record = plugin(tmp_path, "linked", {"stand_ins": "evil"})
     (tmp_path / "plugins" / "linked").symlink_to(outside_module(tmp_path), target_is_directory=True)
     result = refused_through_discover(monkeypatch, record)
     assert result["loaded"] is False
@@ -61,42 +67,35 @@ def test_symlinked_python_folder_pointing_outside_is_refused(tmp_path, monkeypat
 @pytest.mark.parametrize("module", ["..outside.evil", "../outside/evil", "/abs/evil", "evil/../../x"])
 def test_python_entry_with_dots_or_a_path_is_refused(tmp_path, monkeypatch, module):
     outside_module(tmp_path)
-    record = plugin(tmp_path, "dotted", {"reference": module})
+    record = plugin(tmp_path, "dotted", {"stand_ins": module})
     (tmp_path / "plugins" / "dotted").mkdir()
     result = refused_through_discover(monkeypatch, record)
     assert result["loaded"] is False
-    assert "plugin 'dotted'" in result["error"] and "python: reference" in result["error"]
+    assert "plugin 'dotted'" in result["error"] and "python: stand_ins" in result["error"]
     assert module in result["error"]
     assert not (tmp_path / "imported").exists()
 
 
 def test_symlinked_module_file_pointing_outside_is_refused(tmp_path, monkeypatch):
     outside = outside_module(tmp_path)
-    record = plugin(tmp_path, "modlink", {"reference": "reference"})
+    record = plugin(tmp_path, "modlink", {"stand_ins": "stand_ins"})
     (tmp_path / "plugins" / "modlink").mkdir()
-    (tmp_path / "plugins" / "modlink" / "reference.py").symlink_to(outside / "evil.py")
+    (tmp_path / "plugins" / "modlink" / "stand_ins.py").symlink_to(outside / "evil.py")
     result = refused_through_discover(monkeypatch, record)
-    assert "plugin 'modlink'" in result["error"] and "reference.py" in result["error"]
+    assert "plugin 'modlink'" in result["error"] and "stand_ins.py" in result["error"]
     assert str(outside / "evil.py") in result["error"]
     assert not (tmp_path / "imported").exists()
 
 
 def test_python_inside_the_plugin_folder_still_loads(tmp_path, monkeypatch):
-    record = plugin(tmp_path, "fine_family", {"reference": "reference"})
+    record = plugin(tmp_path, "fine_family", {"stand_ins": "stand_ins"})
     (tmp_path / "plugins" / "real").mkdir()
-    (tmp_path / "plugins" / "real" / "reference.py").write_text("VALUE = 7\n")
+    (tmp_path / "plugins" / "real" / "stand_ins.py").write_text("VALUE = 7\n")
     (tmp_path / "plugins" / "fine_family").symlink_to(tmp_path / "plugins" / "real", target_is_directory=True)
-    monkeypatch.setattr(plugins._core, "discover_plugins", lambda folders: [])
-    monkeypatch.setattr(plugins._core, "plugin_records", lambda: [record])
-    monkeypatch.setattr(plugins, "runtime_mismatch", lambda: None)
-    monkeypatch.setattr(plugins, "_scan", None)
-    monkeypatch.setattr(plugins, "python_families", {})
-    monkeypatch.setattr(plugins, "_python_packages", {})
-    monkeypatch.delenv(plugins.DISABLE_ENV, raising=False)
-    (result,) = plugins.discover(rescan=True)
+    result = discover_only(monkeypatch, record)
     assert result["loaded"] is True and plugins.python_escape(record) is None
     try:
-        assert plugins.family_python("fine_family", "reference").VALUE == 7
+        assert plugins.family_python("fine_family", "stand_ins").VALUE == 7
     finally:
-        sys.modules.pop("tree_recurrence_family_fine_family.reference", None)
+        sys.modules.pop("tree_recurrence_family_fine_family.stand_ins", None)
         sys.modules.pop("tree_recurrence_family_fine_family", None)

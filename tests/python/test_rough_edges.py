@@ -136,18 +136,7 @@ def test_int_lists_are_validated_like_tensors():
 
 
 def test_int_lists_run_the_model_like_tensors():
-    model = M.make_model(MODEL_TYPE)
-    tr.install(model)
-    try:
-        tree = M.pack_forest("fan")
-        with torch.no_grad():
-            expected = model(input_ids=tree.input_ids, position_ids=tree.position_ids, use_cache=False,
-                             **tree.rich_kwargs()).logits
-            got = model(input_ids=tree.input_ids, position_ids=tree.position_ids, use_cache=False,
-                        **_as_lists(tree.rich_kwargs())).logits
-        torch.testing.assert_close(got, expected, rtol=0, atol=0)
-    finally:
-        tr.uninstall(model)
+    M.assert_rewritten_kwargs_run_alike(MODEL_TYPE, _as_lists)
 
 
 def test_tree_kwargs_from_batch_takes_int_lists():

@@ -18,7 +18,7 @@ import torch
 
 import models as M
 import tree_recurrence as tr
-from tree_recurrence import _routes, components, driver, plugins, reference
+from tree_recurrence import _routes, components, driver, plugins, stand_ins
 
 GDN = "gated_delta_net"
 SEAM = "torch_chunk_gated_delta_rule"
@@ -134,12 +134,12 @@ def test_the_shipped_tables_parse_and_name_the_h200():
 
 
 def fake_peer_kernel(module: str = "fakepeer.ops.gated_delta_rule"):
-    """The reference GDN kernel, looking like a library's (its ``__module__``), counting its calls."""
+    """The stand-in GDN kernel, looking like a library's (its ``__module__``), counting its calls."""
 
-    @functools.wraps(reference.chunk_gated_delta_rule)
+    @functools.wraps(stand_ins.chunk_gated_delta_rule)
     def kernel(*args, **kwargs):
         kernel.calls += 1
-        return reference.chunk_gated_delta_rule(*args, **kwargs)
+        return stand_ins.chunk_gated_delta_rule(*args, **kwargs)
 
     kernel.calls = 0
     kernel.__module__ = module
@@ -187,7 +187,7 @@ def run_gdn(plan, inputs, kernel, policy=None):
 def check_against_alone(tree, inputs, out):
     q, k, v, g, beta = (t.detach() for t in inputs)
     for pos in tree.sample_positions:
-        o, _ = reference.chunk_gated_delta_rule(q[:, pos], k[:, pos], v[:, pos], g[:, pos], beta[:, pos])
+        o, _ = stand_ins.chunk_gated_delta_rule(q[:, pos], k[:, pos], v[:, pos], g[:, pos], beta[:, pos])
         assert (o[0] - out[0, pos]).abs().max() < 1e-10
 
 

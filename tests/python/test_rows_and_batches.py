@@ -48,18 +48,7 @@ def test_padded_tree_fields_are_ignored(fmt, padding):
 
 
 def test_padded_row_runs_like_the_unpadded_row():
-    model = M.make_model(MODEL_TYPE)
-    tr.install(model)
-    try:
-        tree = M.pack_forest("fan")
-        with torch.no_grad():
-            expected = model(input_ids=tree.input_ids, position_ids=tree.position_ids, use_cache=False,
-                             **tree.rich_kwargs()).logits
-            padded = model(input_ids=tree.input_ids, position_ids=tree.position_ids, use_cache=False,
-                           **_pad(tree.rich_kwargs(), 0)).logits
-        torch.testing.assert_close(padded, expected, rtol=0, atol=0)
-    finally:
-        tr.uninstall(model)
+    M.assert_rewritten_kwargs_run_alike(MODEL_TYPE, lambda kwargs: _pad(kwargs, 0))
 
 
 def test_padding_that_is_not_padding_is_still_refused():

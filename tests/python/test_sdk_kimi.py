@@ -152,16 +152,16 @@ def installed(model, **kw):
 
 @contextlib.contextmanager
 def bound(binding: str):
-    """'torch': transformers' own seams (torch references; KDA computes in fp32 inside). 'reference':
-    tree_recurrence.reference's FLA chunk_kda (varlen, float64-exact) and causal-conv1d bound as
+    """'torch': transformers' own seams (torch references; KDA computes in fp32 inside). 'stand_ins':
+    tree_recurrence.stand_ins' FLA chunk_kda (varlen, float64-exact) and causal-conv1d bound as
     transformers binds the libraries."""
     module = importlib.import_module(KIMI_MODULE)
     if binding == "torch":
         yield module
         return
-    from tree_recurrence.reference import bind_reference_kernels
+    from tree_recurrence.stand_ins import bind_stand_ins
 
-    restore = bind_reference_kernels(module, seams=KIMI_SEAMS)
+    restore = bind_stand_ins(module, seams=KIMI_SEAMS)
     try:
         yield module
     finally:
@@ -218,19 +218,19 @@ def _kda_inputs(n: int, heads: int = 2, dim: int = 8, dtype=torch.float64, seed:
     return [t.requires_grad_() for t in (q, k, v, g, beta)]
 
 
-def test_kda_op_matches_transformers_and_fla_reference_on_a_chain(kimi_family):
-    from tree_recurrence import reference
+def test_kda_op_matches_transformers_and_the_fla_stand_in_on_a_chain(kimi_family):
+    from tree_recurrence import stand_ins
 
     module = importlib.import_module(KIMI_MODULE)
     torch_kda = getattr(module.chunk_kimi_delta_attention, "__wrapped__", module.chunk_kimi_delta_attention)
     q, k, v, g, beta = _kda_inputs(70)  # crosses the torch reference's 64-token chunks
     seg, parents = torch.tensor([0, 70]), torch.tensor([-1])
     ours = torch.ops.tree_recurrence_kimi_linear.kda_tree_scan(q[0], k[0], v[0], g[0], beta[0], seg, parents, None, 0.0, True)
-    fla, _ = reference.chunk_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
+    fla, _ = stand_ins.chunk_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
     assert (ours - fla[0]).abs().max() < 1e-12
     theirs, _ = torch_kda(q.float(), k.float(), v.float(), g.float(), beta.float(), use_qk_l2norm_in_kernel=True)
     assert (ours.float() - theirs[0]).abs().max() < 1e-4
-    # gradients reach every input, equal to the reference's
+    # gradients reach every input, equal to the stand-in's
     w = torch.randn_like(ours)
     grads = torch.autograd.grad((ours * w).sum(), (q, k, v, g, beta))
     ref = torch.autograd.grad((fla[0] * w).sum(), (q, k, v, g, beta))
@@ -253,10 +253,10 @@ def test_kda_op_rejects_bad_input(kimi_family):
 @pytest.mark.parametrize("backend", ["native", "kernel"])
 @pytest.mark.parametrize("forest", ["tiny", "groups"])
 def test_kda_scan_component_equals_every_path_alone(kimi_family, backend, forest):
-    """components.kda_scan over a TRL-packed trie == reference chunk_kda on every sample alone (outputs and
-    input gradients): native op, or fork / rescan over the reference kernel."""
+    """components.kda_scan over a TRL-packed trie == the stand-in chunk_kda on every sample alone (outputs and
+    input gradients): native op, or fork / rescan over the stand-in."""
     import tree_recurrence as tr
-    from tree_recurrence import components, driver, reference
+    from tree_recurrence import components, driver, stand_ins
 
     tree = M.pack_forest(forest)
     plan = tr.tree_plan(tree.trl_kwargs())
@@ -269,13 +269,13 @@ def test_kda_scan_component_equals_every_path_alone(kimi_family, backend, forest
         w = torch.randn_like(out)
         got = torch.autograd.grad((out * w).sum(), inputs)
         for pos in tree.sample_positions:  # every sample alone
-            o, _ = reference.chunk_kda(*(t[:, pos] for t in inputs), use_qk_l2norm_in_kernel=True)
+            o, _ = stand_ins.chunk_kda(*(t[:, pos] for t in inputs), use_qk_l2norm_in_kernel=True)
             assert (o[0] - out[0, pos]).abs().max() < 1e-12
         # the tree's loss counts a shared token once: weight each sample's tokens by 1 / (samples through them)
         visits = torch.zeros(plan.num_tokens, dtype=torch.float64)
         for pos in tree.sample_positions:
             visits[pos] += 1
-        loss = sum((reference.chunk_kda(*(t[:, pos] for t in inputs), use_qk_l2norm_in_kernel=True)[0]
+        loss = sum((stand_ins.chunk_kda(*(t[:, pos] for t in inputs), use_qk_l2norm_in_kernel=True)[0]
                     * (w[:, pos] / visits[pos][None, :, None, None])).sum() for pos in tree.sample_positions)
         want = torch.autograd.grad(loss, inputs)
         for name, a, b in zip("q k v g beta".split(), got, want):
@@ -285,7 +285,7 @@ def test_kda_scan_component_equals_every_path_alone(kimi_family, backend, forest
 @pytest.mark.parametrize("forest", ["tiny", "groups"])  # one root, three roots
 def test_kda_scan_component_initial_state(kimi_family, forest):
     import tree_recurrence as tr
-    from tree_recurrence import components, driver, reference
+    from tree_recurrence import components, driver, stand_ins
 
     tree = M.pack_forest(forest)
     plan = tr.tree_plan(tree.trl_kwargs())
@@ -301,7 +301,7 @@ def test_kda_scan_component_initial_state(kimi_family, forest):
         expected = {"auto": "native" if forest == "tiny" else "fork"}.get(strategy, strategy)
         assert {d[2] for d in driver.decisions} == {expected}, (strategy, forest, list(driver.decisions))
         for pos in tree.sample_positions:
-            o, _ = reference.chunk_kda(q[:, pos], k[:, pos], v[:, pos], g[:, pos], beta[:, pos], initial_state=h0)
+            o, _ = stand_ins.chunk_kda(q[:, pos], k[:, pos], v[:, pos], g[:, pos], beta[:, pos], initial_state=h0)
             assert (o[0] - out[0, pos]).abs().max() < 1e-12
 
 
@@ -323,8 +323,8 @@ def alone(binding: str, forest: str) -> M.Result:
 
 
 CASES = [  # (strategy, binding): native; rescan and fork over transformers' torch KDA and over FLA's API (varlen)
-    ("native", "torch"), ("native", "reference"), ("rescan", "torch"), ("fork", "torch"), ("rescan", "reference"),
-    ("fork", "reference"),
+    ("native", "torch"), ("native", "stand_ins"), ("rescan", "torch"), ("fork", "torch"), ("rescan", "stand_ins"),
+    ("fork", "stand_ins"),
 ]
 
 
@@ -527,7 +527,7 @@ def test_tree_conv_component_native_and_torch_agree(kimi_family):
 
 def test_gdn_and_ssd_scan_components():
     import tree_recurrence as tr
-    from tree_recurrence import components, plugins, reference
+    from tree_recurrence import components, plugins, stand_ins
 
     tree = M.pack_forest("groups")
     plan = tr.tree_plan(tree.trl_kwargs())
@@ -539,7 +539,7 @@ def test_gdn_and_ssd_scan_components():
     for backend in ("auto", "kernel"):
         out = components.gdn_scan(q, k, v, g, beta, plan, use_qk_l2norm_in_kernel=True, backend=backend)
         for pos in tree.sample_positions:
-            o, _ = reference.chunk_gated_delta_rule(q[:, pos], k[:, pos], v[:, pos], g[:, pos], beta[:, pos],
+            o, _ = stand_ins.chunk_gated_delta_rule(q[:, pos], k[:, pos], v[:, pos], g[:, pos], beta[:, pos],
                                                     use_qk_l2norm_in_kernel=True)
             assert (o[0] - out[0, pos]).abs().max() < 1e-12
     if "mamba2" not in plugins.families() or not hasattr(torch.ops.tree_recurrence_mamba2, "ssd_tree_scan"):
@@ -555,7 +555,7 @@ def test_gdn_and_ssd_scan_components():
         alone = ops.ssd_token_scan(x[0, pos], dt[0, pos], B[0, pos], C[0, pos], torch.tensor([0, len(pos)]),
                                   torch.tensor([-1]), None, A, [0.0, float("inf")], D, dt_bias, True, None)
         assert (alone - y[0, pos]).abs().max() < 1e-5
-    if hasattr(reference, "mamba_chunk_scan_combined"):  # rescan over mamba-ssm's API (no fork: SSD has no neutral padding)
+    if hasattr(stand_ins, "mamba_chunk_scan_combined"):  # rescan over mamba-ssm's API (no fork: SSD has no neutral padding)
         y_kernel = components.ssd_scan(x, dt, A, B, C, plan, chunk_size=8, D=D, dt_bias=dt_bias, dt_softplus=True,
                                        backend="kernel")
         assert (y_kernel - y).abs().max() < 1e-5

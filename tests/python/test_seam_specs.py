@@ -49,7 +49,7 @@ def test_a_scan_spec_parses_into_its_parts():
     ({"neutral": {"z": 0}}, "neutral", r"names \['z'\], which are not sequence args"),
     ({"neutral": {"g": "zero"}}, "neutral", "entry 'g' has 'zero'"),
     ({"varlen": {"cu_seqlens": 1}}, "varlen", "entry 'cu_seqlens' has 1"),
-    ({"library": {"package": "fla", "kernel": 3}}, "library", "expected \\{package, kernel, reference\\}"),
+    ({"library": {"package": "fla", "kernel": 3}}, "library", "expected \\{package, kernel, stand_in\\}"),
 ])
 def test_a_bad_key_names_file_seam_and_key(change, key, problem):
     with pytest.raises(SpecError, match=rf"^m\.yaml: seam 'rule': key '{key}': {problem}"):

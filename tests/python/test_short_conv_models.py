@@ -16,7 +16,7 @@ import pytest
 import family_harness as H
 import models as M
 import tree_recurrence as tr
-from tree_recurrence import reference, seams
+from tree_recurrence import stand_ins, seams
 
 CONV = "causal_conv1d_fn"
 CONV_WIDTH = 3  # conv_L_cache: the forests' 1- and 2-token segments are shorter than it
@@ -81,14 +81,14 @@ def test_rescan_runs_every_path_as_a_row_of_the_bound_kernel(env, decisions, mon
     import functools
 
     batches = []
-    real = reference.causal_conv1d_fn
+    real = stand_ins.causal_conv1d_fn
 
     @functools.wraps(real)
     def spy(x, *args, **kwargs):
         batches.append((x.shape[0], x.shape[2], kwargs.get("seq_idx")))
         return real(x, *args, **kwargs)
 
-    monkeypatch.setattr(reference, "causal_conv1d_fn", spy)
+    monkeypatch.setattr(stand_ins, "causal_conv1d_fn", spy)
     env.bind(SHORT_CONV.module("lfm2"), [CONV])
     tree = M.pack_forest("groups")
     model = make_model("lfm2")

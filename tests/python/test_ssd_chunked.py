@@ -10,10 +10,9 @@ the same on the device, an 8k-token segment included.
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
+import tries
 
 from tree_recurrence import plugins
 
@@ -25,46 +24,9 @@ def _ops():
     return plugins.ops(FAMILY)
 
 
-def _levels(parents):
-    level = []
-    for p in parents:
-        level.append(0 if p < 0 else level[p] + 1)
-    return level
-
-
-def chunk_tables(seg_offsets, parents, chunk=CHUNK, device="cpu"):
-    """The chunk tables (TreePlan.chunk_tables' contract) from a trie's seg_offsets and parents."""
-    so, par = [int(v) for v in seg_offsets], [int(v) for v in parents]
-    S, T = len(par), so[-1]
-    counts = [max(1, math.ceil((so[s + 1] - so[s]) / chunk)) for s in range(S)]
-    sco = [0]
-    for n in counts:
-        sco.append(sco[-1] + n)
-    gather = torch.full((sco[-1], chunk), -1, dtype=torch.int64)
-    scatter = torch.empty(T, dtype=torch.int64)
-    for s in range(S):
-        for k in range(counts[s]):
-            c, lo = sco[s] + k, so[s] + k * chunk
-            hi = min(so[s + 1], lo + chunk)
-            gather[c, : hi - lo] = torch.arange(lo, hi)
-            scatter[lo:hi] = c * chunk + torch.arange(hi - lo)
-    level = _levels(par)
-    order = sorted(range(S), key=lambda s: (level[s], s))
-    level_offsets = [0] * (max(level, default=-1) + 2)
-    for lv in level:
-        level_offsets[lv + 1] += 1
-    for i in range(1, len(level_offsets)):
-        level_offsets[i] += level_offsets[i - 1]
-    roots = [s for s in range(S) if par[s] < 0]
-    root_index = [roots.index(s) if par[s] < 0 else -1 for s in range(S)]
-    kids = [[c for c in range(S) if par[c] == s] for s in range(S)]
-    child_offsets = [0]
-    for k in kids:
-        child_offsets.append(child_offsets[-1] + len(k))
-    t = lambda v: torch.tensor(v, dtype=torch.int64, device=device)  # noqa: E731
-    return dict(gather=gather.to(device), scatter=scatter.to(device), seg_chunk_offsets=t(sco), parents=t(par),
-                root_index=t(root_index), level_segments=t(order), level_offsets=level_offsets,
-                child_offsets=t(child_offsets), children=t([c for k in kids for c in k]))
+def chunk_tables(seg_offsets, parents, chunk=CHUNK, device="cpu") -> dict:
+    """The chunk tables (TreePlan.chunk_tables' contract, tries.py's loop) as a mapping by name."""
+    return tries.chunk_tables(seg_offsets, parents, chunk, device)._asdict()
 
 
 # ------------------------------------------------------------------------------------------------

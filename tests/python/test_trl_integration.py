@@ -16,7 +16,8 @@ TRL 1.16 cannot compute.
 from __future__ import annotations
 
 import os
-import queue
+import sys
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
@@ -38,6 +39,10 @@ from trl.experimental.async_grpo import async_grpo_trainer as agt  # noqa: E402
 from trl.experimental.async_grpo.async_rollout_worker import RolloutSample  # noqa: E402
 from trl.experimental.async_grpo.packing import TreeRow  # noqa: E402
 from trl.trainer.utils import compute_flops_per_token  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+# what replaces the vLLM server in the example's --smoke run: a rollout worker without generation, no weight sync
+from train_async_grpo import LocalRollouts, NoWeightSync  # noqa: E402
 
 from tree_recurrence.integrations import trl as T  # noqa: E402
 
@@ -61,45 +66,6 @@ def _tokenizer():
     core = Tokenizer(models.WordLevel({f"t{i}": i for i in range(M.VOCAB)}, unk_token="t0"))
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     return PreTrainedTokenizerFast(tokenizer_object=core, unk_token="t0", pad_token="t0", eos_token="t1")
-
-
-class StubRolloutWorker:
-    """RolloutWorkerProtocol without generation: the test fills the queue. An empty queue raises
-    (through the dataset's health check, after its 5 s poll) instead of waiting forever."""
-
-    def __init__(self):
-        self.rollout_buffer: queue.Queue = queue.Queue()
-        self.metrics_queue: queue.Queue = queue.Queue()
-
-    def start(self):
-        pass
-
-    def stop(self):
-        pass
-
-    def update_model_version(self, version):
-        pass
-
-    def check_health(self, stale_after_s):
-        raise RuntimeError("test rollout queue ran dry")
-
-
-class NoWeightTransfer:
-    def init_weight_transfer(self):
-        pass
-
-    def pause(self):
-        pass
-
-    def send_weights(self, iterator):
-        for _ in iterator:
-            pass
-
-    def resume(self):
-        pass
-
-    def destroy(self):
-        pass
 
 
 @pytest.fixture(scope="module")
@@ -130,10 +96,10 @@ def built(no_gpu_probe, tmp_path):
         config = {"output_dir": str(tmp_path / "out"), "bf16": False, "use_cpu": True, "report_to": "none",
                   "save_strategy": "no", "dtype": "auto", "max_steps": 1, "token_budget": 0,
                   "per_device_train_batch_size": len(ROLLOUTS), **config}
-        worker = StubRolloutWorker()
+        worker = LocalRollouts([])  # the test fills its queue
         trainer = AsyncGRPOTrainer(model=folder, args=AsyncGRPOConfig(**config),
                                    train_dataset=Dataset.from_dict({"prompt": ["t2 t3"] * 4}),
-                                   processing_class=_tokenizer(), rollout_worker=worker, weight_transfer=NoWeightTransfer())
+                                   processing_class=_tokenizer(), rollout_worker=worker, weight_transfer=NoWeightSync())
         trainers.append(trainer)
         return trainer, worker
 
@@ -289,7 +255,7 @@ def test_everything_is_restored_on_errors(saved_models, built, monkeypatch):
 def test_unavailable_backend_fails_before_anything_is_patched(no_gpu_probe):
     originals = {name: getattr(agt, name) for name in PATCHED_NAMES}
     with pytest.raises(ValueError, match=r"unknown backend 'fast' for family 'gated_delta_net', choose one of "
-                                         r"\['auto', 'native', 'kernel', 'reference', 'trl'\]"):
+                                         r"\['auto', 'native', 'kernel', 'stand_ins', 'trl'\]"):
         with T.tree_recurrent_models(backends={FAMILY: "fast"}):
             pass
     assert all(getattr(agt, name) is originals[name] for name in PATCHED_NAMES)
@@ -342,19 +308,9 @@ def test_compute_loss_matches_the_samples_alone(saved_models, built, packing):
     assert not bad, f"gradients differ: {bad}"
 
 
-def test_chains_support_switches_the_trainer_to_chain_batchers(saved_models, built, monkeypatch):
+def test_chains_support_switches_the_trainer_to_chain_batchers(saved_models, built, gdn_follows_chains):
     """A family declaring ``follows: chains``: the trainer gets the chain batchers, its rows branch
     nowhere, and the forward runs (a TRL tree row would raise, naming the layer)."""
-    import copy
-
-    from tree_recurrence import plugins
-
-    real = plugins.families
-    record = dict(real()[FAMILY])
-    record["manifest"] = copy.deepcopy(record["manifest"])
-    for entry in record["manifest"]["models"]:
-        entry["follows"] = "chains"
-    monkeypatch.setattr(plugins, "families", lambda: {**real(), FAMILY: record})
     with T.tree_recurrent_models(attn_implementation="tree_sdpa") as supports:
         trainer, worker = built(saved_models[MODEL_TYPE], token_budget=64)
         _feed(worker)

@@ -1,5 +1,5 @@
-"""TreePlan: the host plan of one tree-packed row (the C++ core's) and the tables built from it,
-cached per device. Parsing a forward's ``tree_*`` kwargs into one (TRL's formats, a collator's
+"""TreePlan: the host plan of one tree-packed row (the C++ core's) and the tables built from it, in
+one cache with one rule (``TreePlan.cached``). Parsing a forward's ``tree_*`` kwargs into one (TRL's formats, a collator's
 padding, int lists) is ``_tree_kwargs.py``; its names are re-exported here."""
 
 from __future__ import annotations
@@ -35,18 +35,47 @@ class ChunkTables(NamedTuple):
     op_args = state_args
 
 
+class CacheEntry(NamedTuple):
+    """One entry of ``TreePlan.cache``: the value, the objects it was built from (identity), and the
+    version of every tensor among those and in the value when it was cached."""
+
+    value: Any
+    depends: tuple
+    stamps: tuple  # ((tensor, version), ...); inference tensors have no version (nor in-place writes outside
+    # inference mode): their identity is what counts
+
+
 class TreePlan:
     """Host plan of one tree-packed row (see docs/architecture.md for every array)."""
 
     def __init__(self, core: _core.TreePlan, device: torch.device):
         self._core = core
         self.device = device  # where the tree tensors came from
-        self._host: dict[str, tuple] = {}  # array(): (value, [(tensor, version)])
-        self._on_device: dict[tuple, Any] = {}
-        self._tables: dict[tuple, tuple] = {}  # tensor() and conv_tables(): (value, [(tensor, version)])
-        # The driver's per-plan decisions (a seam call's route per family, seam, device and backend)
-        # and its tables built from this plan's index tensors (fork levels): decided once per plan.
-        self.routes: dict[tuple, Any] = {}
+        # Everything built from this plan (host arrays, device tables, the attention masks, the
+        # driver's routes and fork tables): key -> CacheEntry, one rule (``cached``).
+        self.cache: dict[tuple, CacheEntry] = {}
+
+    def cached(self, key: tuple, build, depends: tuple = ()) -> Any:
+        """``build()``'s value for ``key``, built once and reused while every object in ``depends`` is
+        the same object (identity) and no tensor among them or in the value (tuples, lists and dicts
+        are looked into) has been written in place since (its version counter)."""
+        entry = self.cache.get(key)
+        if entry is not None:  # explicit loops: this is every seam call's path
+            value, built_from, stamps = entry
+            if len(built_from) == len(depends):
+                for old, new in zip(built_from, depends):
+                    if old is not new:
+                        break
+                else:
+                    for tensor, version in stamps:
+                        if tensor._version != version:
+                            break
+                    else:
+                        return value
+        value = build()
+        self.cache[key] = CacheEntry(value, tuple(depends), tuple((t, t._version) for t in _tensors((value, depends))
+                                                                  if not t.is_inference()))
+        return value
 
     # counts
     num_tokens = property(lambda self: self._core.num_tokens)
@@ -66,51 +95,32 @@ class TreePlan:
             return torch.empty(0, dtype=torch.int64)
         return torch.frombuffer(buffer, dtype=torch.int64)
 
-    @staticmethod
-    def _unchanged(entry: tuple) -> bool:
-        """Whether none of a cached entry's tensors was written in place since it was cached."""
-        return all(_version(t) == v for t, v in entry[1])
-
-    @staticmethod
-    def _entry(value: Any, *tensors: torch.Tensor) -> tuple:
-        return (value, [(t, _version(t)) for t in tensors])
-
     def array(self, name: str) -> torch.Tensor:
         """A plan array as an int64 CPU tensor: a copy of the C++ plan's array, cached. Writing to
         it cannot change the plan: a copy written in place is replaced by a fresh one on next use."""
-        entry = self._host.get(name)
-        if entry is None or not self._unchanged(entry):
-            value = self._wrap(self._core.array(name))
-            entry = self._host[name] = self._entry(value, value)
-        return entry[0]
+        return self.cached(("array", name), lambda: self._wrap(self._core.array(name)))
 
     def tensor(self, name: str, device: torch.device | str | None = None) -> torch.Tensor:
         """A plan array on ``device`` (default: the tree tensors' device), copied once (and again
         if it was written in place)."""
         device = torch.device(device) if device is not None else self.device
-        key = (name, device)
-        entry = self._tables.get(key)
-        if entry is None or not self._unchanged(entry):
-            value = self._wrap(self._core.array(name)).to(device)
-            entry = self._tables[key] = self._entry(value, value)
-        return entry[0]
+        return self.cached(("tensor", name, device), lambda: self._wrap(self._core.array(name)).to(device))
 
     def conv_tables(self, width: int, device: torch.device | str | None = None):
         """(ancestors (N, width-1), reader_offsets (N+1), readers) on ``device``, cached."""
         device = torch.device(device) if device is not None else self.device
-        key = ("conv", width, device)
-        entry = self._tables.get(key)
-        if entry is None or not self._unchanged(entry):
+
+        def build():
             ancestors, offsets, readers = (self._wrap(b) for b in self._core.conv_tables(width))
-            value = (ancestors.view(self.num_tokens, width - 1).to(device), offsets.to(device), readers.to(device))
-            entry = self._tables[key] = self._entry(value, *value)
-        return entry[0]
+            return ancestors.view(self.num_tokens, width - 1).to(device), offsets.to(device), readers.to(device)
+
+        return self.cached(("conv", width, device), build)
 
     def padded_paths(self, device: torch.device | str | None = None):
         """(gather (P, Lmax) token index with -1 padding, source (N) flat index into P*Lmax)."""
         device = torch.device(device) if device is not None else self.device
-        key = ("padded_paths", device)
-        if key not in self._on_device:
+
+        def build():
             offsets = self.array("path_offsets")
             lengths = offsets[1:] - offsets[:-1]
             width = self.max_path_length
@@ -120,15 +130,16 @@ class TreePlan:
             gather[valid] = self.array("path_tokens")
             leaf = self.array("segment_source_leaf")[self.array("token_segment")]
             source = leaf * width + self.array("token_position")
-            self._on_device[key] = (gather.to(device), source.to(device))
-        return self._on_device[key]
+            return gather.to(device), source.to(device)
+
+        return self.cached(("padded_paths", device), build)
 
     def padded_level(self, level: int, device: torch.device | str | None = None):
         """For one trie level: (segments, gather (n, Lmax) with -1 padding, scatter (tokens of the
         level), flat source index into n*Lmax for each of those tokens)."""
         device = torch.device(device) if device is not None else self.device
-        key = ("level", level, device)
-        if key not in self._on_device:
+
+        def build():
             lo, hi = self.array("level_offsets")[level : level + 2].tolist()
             segments = self.array("level_segments")[lo:hi]
             starts = self.array("seg_offsets")[segments]
@@ -139,8 +150,9 @@ class TreePlan:
             gather = torch.where(valid, starts[:, None] + position, torch.full_like(position, -1))
             tokens = gather[valid]
             source = (torch.arange(len(segments))[:, None] * width + position)[valid]
-            self._on_device[key] = (segments, gather.to(device), tokens.to(device), source.to(device))
-        return self._on_device[key]
+            return segments, gather.to(device), tokens.to(device), source.to(device)
+
+        return self.cached(("level", level, device), build)
 
     def chunk_tables(self, chunk_size: int, device: torch.device | str | None = None) -> ChunkTables:
         """Segment-aligned chunk tables for chunked recurrent kernels (``ChunkTables``), built with
@@ -150,9 +162,8 @@ class TreePlan:
         if chunk_size < 1:
             raise ValueError(f"chunk_size: must be >= 1, got {chunk_size}")
         device = torch.device(device) if device is not None else self.device
-        key = ("chunks", chunk_size, device)
-        entry = self._tables.get(key)
-        if entry is None or not self._unchanged(entry):
+
+        def build():
             seg_offsets = self.array("seg_offsets")[: self.num_segments + 1]
             lengths = self.array("seg_lengths")
             parents = self.array("parents")
@@ -172,9 +183,9 @@ class TreePlan:
                                                       self.array("level_segments"))]
             csr = [self.array(name).to(device, copy=True) for name in ("child_offsets", "children")]
             levels = [int(v) for v in self.array("level_offsets").tolist()]
-            value = ChunkTables(*moved, levels, *csr, num_chunks)
-            entry = self._tables[key] = self._entry(value, *moved, *csr)
-        return entry[0]
+            return ChunkTables(*moved, levels, *csr, num_chunks)
+
+        return self.cached(("chunks", chunk_size, device), build)
 
     @classmethod
     def build(cls, arrays: Mapping[str, Any], num_tokens: int | None, device: torch.device) -> "TreePlan":
@@ -194,6 +205,18 @@ class TreePlan:
             f"TreePlan(tokens={self.num_tokens}, segments={self.num_segments}, samples={self.num_leaves}, "
             f"levels={self.num_levels}, path_tokens={self.path_token_total}, saved={self.saved_tokens})"
         )
+
+
+def _tensors(value: Any):
+    """The tensors in ``value``, looking into tuples (named ones too), lists and dicts."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _tensors(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
 
 
 def _version(value: Any) -> Any:

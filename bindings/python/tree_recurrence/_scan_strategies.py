@@ -111,12 +111,12 @@ class ForkTables(NamedTuple):
 
 
 def fork_tables(plan: TreePlan, device: torch.device) -> ForkTables:
-    """The fork's tables, built once per plan and device from its index tensors (cached in
-    ``plan.routes``), so that a fork call gathers every level's inputs in one op per tensor."""
-    key = ("fork levels", device)
-    cached = plan.routes.get(key)
-    if cached is not None:
-        return cached
+    """The fork's tables, built once per plan and device from its index tensors (``plan.cached``), so
+    that a fork call gathers every level's inputs in one op per tensor."""
+    return plan.cached(("fork levels", device), lambda: _build_fork_tables(plan, device))
+
+
+def _build_fork_tables(plan: TreePlan, device: torch.device) -> ForkTables:
     parents = plan.array("parents")
     position = torch.empty(plan.num_segments, dtype=torch.int64)  # a segment's position in its level
     levels, order, grids, sources = [], [], [], []
@@ -141,11 +141,9 @@ def fork_tables(plan: TreePlan, device: torch.device) -> ForkTables:
     grid = torch.cat(grids)
     grid_source = torch.empty_like(order)
     grid_source[order] = torch.cat(sources)
-    tables = ForkTables(levels, [lv.token_end - lv.token_start for lv in levels],
-                        [lv.grid_end - lv.grid_start for lv in levels], order, inverse, grid.clamp(min=0), grid >= 0,
-                        grid_source)
-    plan.routes[key] = tables
-    return tables
+    return ForkTables(levels, [lv.token_end - lv.token_start for lv in levels],
+                      [lv.grid_end - lv.grid_start for lv in levels], order, inverse, grid.clamp(min=0), grid >= 0,
+                      grid_source)
 
 
 def scan_fork(call: SeamCall, varlen: bool):

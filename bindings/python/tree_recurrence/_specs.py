@@ -13,6 +13,7 @@ family function's own (``extra``)."""
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -25,7 +26,7 @@ _KEYS = {
     "family": _COMMON + ("function",),
 }
 _NATIVE_KEYS = ("op", "chunk", "kwargs")
-_LIBRARY_KEYS = ("package", "kernel", "reference")
+_LIBRARY_KEYS = ("package", "kernel", "stand_in")
 _STATE_KEYS = ("initial_state", "output_final_state")
 
 
@@ -94,10 +95,14 @@ def parse_seam(source: str, seam: str, spec: Any) -> SeamSpec:
     if adapter == "conv" and len(args) < 4:
         fail("args", f"a conv seam names x, weight, bias and activation first, got {list(args)}")
     library = spec.get("library")
+    if isinstance(library, Mapping) and "reference" in library and "stand_in" not in library:
+        warnings.warn(f"{source}: seam '{seam}': library key 'reference' is deprecated, name it 'stand_in'",
+                      DeprecationWarning, stacklevel=2)
+        library = {("stand_in" if k == "reference" else k): v for k, v in library.items()}
     if library is not None:
         if not isinstance(library, Mapping) or any(k not in _LIBRARY_KEYS for k in library) or \
                 not all(isinstance(v, str) for v in library.values()):
-            fail("library", f"expected {{package, kernel, reference}} of names, got {library!r}")
+            fail("library", f"expected {{package, kernel, stand_in}} of names, got {library!r}")
     parsed: dict[str, Any] = {"args": args, "library": dict(library) if library is not None else None}
     if adapter == "scan":
         if "sequence" not in spec:

@@ -31,15 +31,16 @@ def tree_attention_mask(plan, device, sliding_window: int | None = None) -> torc
     ``sliding_window``, fewer than that many path positions back). Cached with the plan."""
     if sliding_window is not None:
         key = ("attention_mask", torch.device(device), int(sliding_window))
-        cache = plan._on_device
-        if key not in cache:
+
+        def build():
             position = plan.tensor("token_position", device)
             near = (position[:, None] - position[None, :]) < int(sliding_window)
-            cache[key] = tree_attention_mask(plan, device) & near
-        return cache[key]
+            return tree_attention_mask(plan, device) & near
+
+        return plan.cached(key, build)
     key = ("attention_mask", torch.device(device))
-    cache = plan._on_device
-    if key not in cache:
+
+    def build():
         gather, _ = plan.padded_paths("cpu")
         leaf = plan.array("segment_source_leaf")[plan.array("token_segment")]
         position = plan.array("token_position")
@@ -49,8 +50,9 @@ def tree_attention_mask(plan, device, sliding_window: int | None = None) -> torc
         mask = torch.zeros(plan.num_tokens, plan.num_tokens, dtype=torch.bool)
         token = torch.arange(plan.num_tokens)[:, None].expand_as(rows)
         mask[token[allowed], rows[allowed]] = True
-        cache[key] = mask.to(device)
-    return cache[key]
+        return mask.to(device)
+
+    return plan.cached(key, build)
 
 
 def tree_sdpa_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -92,8 +94,8 @@ def tree_subtree_ends(plan, device) -> torch.Tensor:
     segment is t's segment or one of its ancestors, and u is not after t). Cached with the plan."""
     device = torch.device(device)
     key = ("subtree_end", device)
-    cache = plan._on_device
-    if key not in cache:
+
+    def build():
         parents = plan.array("parents")
         end_segment = torch.arange(1, plan.num_segments + 1, dtype=torch.int64)
         level_offsets = plan.array("level_offsets")
@@ -102,16 +104,17 @@ def tree_subtree_ends(plan, device) -> torch.Tensor:
             segments = level_segments[level_offsets[level]:level_offsets[level + 1]]
             end_segment.scatter_reduce_(0, parents[segments], end_segment[segments], "amax")
         ends = plan.array("seg_offsets")[end_segment][plan.array("token_segment")]
-        cache[key] = ends.to(device)
-    return cache[key]
+        return ends.to(device)
+
+    return plan.cached(key, build)
 
 
 def segments_in_preorder(plan) -> bool:
     """Whether every segment's subtree is the contiguous run of segments after it (DFS pre-order,
     as TRL lays rows out). The richer format only promises parents before children; then subtree
     ranges do not describe the tree and tree_flex uses the path mask instead. Cached."""
-    cache = plan._on_device
-    if "preorder" not in cache:
+
+    def build():
         parents = plan.array("parents")
         size = torch.ones(plan.num_segments, dtype=torch.int64)
         end_segment = torch.arange(1, plan.num_segments + 1, dtype=torch.int64)
@@ -123,8 +126,9 @@ def segments_in_preorder(plan) -> bool:
             end_segment.scatter_reduce_(0, parents[segments], end_segment[segments], "amax")
         # Descendants come after their ancestor, so [a, end) holds the whole subtree; it holds
         # nothing else iff it is exactly as long as the subtree.
-        cache["preorder"] = bool((end_segment - torch.arange(plan.num_segments) == size).all())
-    return cache["preorder"]
+        return bool((end_segment - torch.arange(plan.num_segments) == size).all())
+
+    return plan.cached(("preorder",), build)
 
 
 def tree_mask_mod(plan, device, sliding_window: int | None = None):
@@ -214,8 +218,8 @@ def tree_block_mask(plan, device, sliding_window: int | None = None, block: int 
 
     device = torch.device(device)
     key = ("flex_block_mask", device, None if sliding_window is None else int(sliding_window), block)
-    cache = plan._on_device
-    if key not in cache:
+
+    def build():
         n = plan.num_tokens
         mask_mod = tree_mask_mod(plan, device, sliding_window)
         if sliding_window is None and segments_in_preorder(plan):
@@ -230,20 +234,22 @@ def tree_block_mask(plan, device, sliding_window: int | None = None, block: int 
 
         kv_num, kv_idx = ordered(partial)
         full_num, full_idx = ordered(full)
-        cache[key] = BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block, mask_mod=mask_mod,
+        return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block, mask_mod=mask_mod,
                                               seq_lengths=(n, n))
-    return cache[key]
+
+    return plan.cached(key, build)
 
 
 def _dense_flex_mask(plan, device, sliding_window):
     """The block mask's mask materialised (N, N) bool, for the CPU backward path; cached."""
     key = ("flex_dense_mask", torch.device(device), None if sliding_window is None else int(sliding_window))
-    cache = plan._on_device
-    if key not in cache:
+
+    def build():
         n = plan.num_tokens
         q = torch.arange(n, device=device)
-        cache[key] = tree_mask_mod(plan, device, sliding_window)(0, 0, q[:, None], q[None, :])
-    return cache[key]
+        return tree_mask_mod(plan, device, sliding_window)(0, 0, q[:, None], q[None, :])
+
+    return plan.cached(key, build)
 
 
 _compiled_flex = None

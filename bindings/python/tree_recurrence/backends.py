@@ -2,11 +2,11 @@
 
 ``BACKENDS``: name -> availability check (``check(family) -> None`` or why not): ``"auto"`` (the
 policy chooses native / fork / rescan), ``"native"`` (the family's own tree kernels only), ``"kernel"``
-(fork / rescan over whatever transformers bound), ``"reference"`` (fork / rescan over this package's
-reference kernels, bound as libraries), and those integrations register (``register_backend``:
-``integrations.trl`` adds ``"trl"``, a hand-off backend: the family's modeling modules go to TRL's own
-tree kernel). A backend whose check says no is refused with its reason, or replaced by its fallback.
-"""
+(fork / rescan over whatever transformers bound), ``"stand_ins"`` (fork / rescan over the families'
+library stand-ins, bound as libraries; ``RENAMED``: ``"reference"`` is its deprecated name), and
+those integrations register (``register_backend``: ``integrations.trl`` adds ``"trl"``, a hand-off
+backend: the family's modeling modules go to TRL's own tree kernel). A backend whose check says no
+is refused with its reason, or replaced by its fallback."""
 
 from __future__ import annotations
 
@@ -22,10 +22,12 @@ BACKENDS: dict[str, Callable[[str], str | None]] = {
     "auto": lambda family: None,
     "native": lambda family: None,  # checked per call: the family's native ops for the tensors' device
     "kernel": lambda family: None,
-    # fork / rescan over the families' reference kernels (library APIs: varlen, per-sequence states),
-    # wrapped as transformers wraps a library; seams without a reference use the bound kernel
-    "reference": lambda family: None,
+    # fork / rescan over the families' library stand-ins (library APIs: varlen, per-sequence states),
+    # wrapped as transformers wraps a library; seams without a stand-in use the bound kernel
+    "stand_ins": lambda family: None,
 }
+# Old backend name -> its new name (accepted with a DeprecationWarning for one release).
+RENAMED: dict[str, str] = {"reference": "stand_ins"}
 # Backends that hand the family's modeling modules to another library (install patches nothing there).
 HANDOFF_BACKENDS: set[str] = set()
 # Hand-off backend -> what install calls to give the library the model's modules of a family:
@@ -79,6 +81,10 @@ def register_backend(name: str, check: Callable[[str], str | None], handoff: boo
 def check_backends(backends: dict[str, str] | None, families: dict) -> dict[str, str]:
     backends = dict(backends or {})
     for family, backend in backends.items():
+        if backend in RENAMED:
+            warnings.warn(f"backends: backend '{backend}' is deprecated, use '{RENAMED[backend]}'", DeprecationWarning,
+                          stacklevel=3)
+            backend = backends[family] = RENAMED[backend]
         if family not in families:
             raise ValueError(f"backends: unknown family '{family}', loaded families: {sorted(families)}")
         if backend not in BACKENDS:

@@ -31,7 +31,7 @@ Where the pieces run (the same choices the seam adapters make, ``driver.py``):
   the policy, from a seam spec (the manifest keys: args, sequence, returns, native, state_args,
   neutral, varlen; docs/plugins.md).
 * ``scan(family, seam, ...)``: a loaded family's scan seam, with the spec its manifest gives: the
-  family's native op, else fork / rescan over ``kernel`` (default: the reference the seam's
+  family's native op, else fork / rescan over ``kernel`` (default: the stand-in the seam's
   ``library:`` names). Families add friendlier fronts in their own Python (``python: {components:
   ...}`` in the manifest, files in ``plugins/<family>/python/``); while the family is loaded they are
   attributes of this module (``components.<name>``).
@@ -40,7 +40,7 @@ Where the pieces run (the same choices the seam adapters make, ``driver.py``):
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -50,7 +50,7 @@ from .plugins import register_family, unregister_family  # noqa: F401  (register
 from ._plan import TreePlan, tree_plan
 from .policy import Policy
 
-__all__ = ["mark_tree_forward", "register_family", "scan", "short_convolution", "tree_conv", "tree_scan",
+__all__ = ["delta_rule_scan", "mark_tree_forward", "register_family", "scan", "short_convolution", "tree_conv", "tree_scan",
            "unregister_family"]
 
 
@@ -177,7 +177,7 @@ def tree_scan(kernel: Callable, *args, plan: TreePlan | None = None, spec: dict 
     adapter does: each segment starts from its parent's final state, and the result equals running
     every root-to-leaf path alone.
 
-    ``kernel`` is what you would call on a flat row: a library kernel or a reference with its API
+    ``kernel`` is what you would call on a flat row: a library kernel or a stand-in with its API
     (per-sequence ``initial_state`` and ``output_final_state``, and ``cu_seqlens`` for varlen).
     ``spec`` is a seam spec with the manifest's keys (docs/plugins.md), or ``family`` + ``seam`` name a
     loaded family's seam whose spec to use. With ``family``, its ``native`` op may run (``backend``
@@ -211,7 +211,7 @@ def scan(family: str, seam: str, *args, plan: TreePlan | None = None, kernel: Ca
     has one final state per sample, none per row).
 
     Native: the seam's ``native`` op when the family registered one (``backend`` "auto" or "native", as
-    the policy chooses); else fork / rescan over ``kernel`` (default: the reference the seam's
+    the policy chooses); else fork / rescan over ``kernel`` (default: the stand-in the seam's
     ``library:`` names). ``backend="kernel"`` skips the native op. An initial state (the spec's
     ``state_args``) is the state every root starts from; native ops take one per root, so with several
     roots fork / rescan run. Without a plan, ``kernel`` runs on the ordinary batch.
@@ -228,9 +228,9 @@ def scan(family: str, seam: str, *args, plan: TreePlan | None = None, kernel: Ca
     if backend not in ("auto", "native", "kernel"):
         raise ValueError(f"scan: unknown backend '{backend}', choose one of ['auto', 'native', 'kernel']")
     if kernel is None and spec.get("library"):
-        from . import reference
+        from .stand_ins import stand_in
 
-        kernel = reference._resolve(family, spec["library"]["reference"])
+        kernel = stand_in(family, seam)
     plan = _plan(plan)
     op = (spec.get("native") or {}).get("op")
     native = backend != "kernel" and op is not None and any(k == op and ok for k, _, ok in record["kernels"])
@@ -248,6 +248,20 @@ def scan(family: str, seam: str, *args, plan: TreePlan | None = None, kernel: Ca
                          + (" and one initial state per root" if several_roots else ""))
     return _first_output(tree_scan(kernel, *args, plan=plan, spec=spec, family=family if native else None, seam=seam,
                                    backend=backend if native else "auto", policy=policy, **kwargs))
+
+
+def delta_rule_scan(family: str, seam: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                    beta: torch.Tensor, plan: TreePlan | None = None, *, scale: float | None = None,
+                    initial_state: torch.Tensor | None = None, use_qk_l2norm_in_kernel: bool = False,
+                    kernel: Callable | None = None, backend: str = "auto", policy: Policy | None = None) -> torch.Tensor:
+    """``scan`` for a family's delta-rule seam with FLA's keywords (the fronts gdn_scan, kda_scan):
+    ``scale``, ``initial_state`` (the state every root starts from) and ``use_qk_l2norm_in_kernel``."""
+    extra: dict[str, Any] = {"use_qk_l2norm_in_kernel": use_qk_l2norm_in_kernel}
+    if scale is not None:
+        extra["scale"] = float(scale)
+    if initial_state is not None:
+        extra["initial_state"] = initial_state
+    return scan(family, seam, q, k, v, g, beta, plan=plan, kernel=kernel, backend=backend, policy=policy, **extra)
 
 
 def __getattr__(name: str):

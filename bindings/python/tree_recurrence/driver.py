@@ -163,12 +163,12 @@ class SeamCall:
 def run(family: str, seam: str, spec: dict, kernel: Callable, plan: TreePlan, args: tuple, kwargs: dict,
         backend: str, policy: Policy):
     """One seam call over the trie, as the seam wrappers make it: ``kernel`` is what the seam replaced
-    (backend ``"reference"``: this package's reference in its place, when the family has one); the row
+    (backend ``"stand_ins"``: the family's library stand-in in its place, when it has one); the row
     is trimmed to the plan's tokens, the manifest's adapter runs, and the result is padded back."""
-    if backend == "reference":
-        from .reference import reference_seam
+    if backend == "stand_ins":
+        from .stand_ins import stand_in_seam
 
-        kernel = reference_seam(family, seam, kernel) or kernel
+        kernel = stand_in_seam(family, seam, kernel) or kernel
     call = SeamCall.bind(family, seam, spec, kernel, plan, args, kwargs)
     call.trim_row()
     return call.pad_row(ADAPTERS[spec["adapter"]](call, backend, policy))
@@ -185,7 +185,7 @@ def _warn_reference(call: SeamCall, is_library: bool) -> None:
 @dataclass(frozen=True)
 class Route:
     """What a seam call does, decided once per (plan, family, seam, spec, device, backend) and cached on
-    the plan (``TreePlan.routes``): the strategy and why, the native op's handle, whether the bound
+    the plan (``TreePlan.cached``): the strategy and why, the native op's handle, whether the bound
     kernel takes ``cu_seqlens`` and whether it is a library kernel. A seam call after the first is a
     dictionary lookup plus the op."""
 
@@ -207,15 +207,10 @@ def decide_route(call: SeamCall, backend: str, policy: Policy, device: torch.dev
     decide = decide or _DECIDE[call.spec["adapter"]]
     if call.family == PYTHON_FAMILY:  # a caller's kernel and spec, maybe new objects each call: not cached
         return decide(call, backend, policy, device)
-    key = (call.family, call.seam, id(call.spec), device, backend)
-    entry = call.plan.routes.get(key)
     forward = instance_forward(call.original)  # kernelize may swap it: decide again then
-    if (entry is not None and entry[0] is policy and entry[1] is call.original and entry[2] is call.spec
-            and entry[4] is forward):
-        return entry[3]
-    route = decide(call, backend, policy, device)
-    call.plan.routes[key] = (policy, call.original, call.spec, route, forward)
-    return route
+    return call.plan.cached(("route", call.family, call.seam, id(call.spec), device, backend),
+                            lambda: decide(call, backend, policy, device),
+                            depends=(policy, call.original, call.spec, forward))
 
 
 # --------------------------------------------------------------------------------------------

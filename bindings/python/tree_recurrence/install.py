@@ -15,7 +15,8 @@ patches the modeling modules of the mixers they claim, and returns a :class:`Sup
 Backends per family (``backends.py``: ``BACKENDS``, name -> availability check): ``"auto"`` (policy chooses
 native / fork / rescan), ``"native"`` (the family's own tree kernels only), ``"kernel"`` (fork /
 rescan over whatever transformers bound: a kernel library or its PyTorch reference),
-``"reference"`` (fork / rescan over this package's reference kernels, bound as libraries), ``"trl"``
+``"stand_ins"`` (fork / rescan over the families' library stand-ins, bound as libraries; the old
+name ``"reference"`` is accepted with a DeprecationWarning), ``"trl"``
 (hand the family's modeling modules to TRL's own tree kernel, huggingface/trl#7686's
 ``patch_tree_gdn``; TRL 1.16 has none: then a warning names what is missing and ``"auto"`` serves
 the family, ``FALLBACKS``). A backend whose check says it is unusable is refused with the check's

@@ -255,7 +255,7 @@ def family_python_module(family: str, module: str):
 
 
 def family_python(family: str, role: str):
-    """The module a loaded family's manifest names for ``role`` (``python: {reference: ..., components:
+    """The module a loaded family's manifest names for ``role`` (``python: {stand_ins: ..., components:
     ...}``), or None when it names none."""
     record = families().get(family)
     module = ((record or {}).get("manifest") or {}).get("python", {}).get(role) if record else None

@@ -4,7 +4,7 @@
 // derives its backward. The only sequential part, the inter-chunk state recurrence that follows
 // the trie, is the SDK op `chunk_state_pass` (sdk/include/tree_recurrence/sdk/chunk_state_op.h).
 //
-// Token recurrence (state S (K, V) per value head; gdn_token_scan.h is its float64 oracle):
+// Token recurrence (state S (K, V) per value head; gdn_token_oracle.h is its float64 oracle):
 //   S <- exp(g_t) S;  S <- S + k_t (beta_t (v_t - S^T k_t))^T;  o_t = S^T q_t
 // Chunks never cross a segment boundary (a segment of L tokens has ceil(L / C) chunks, the last one
 // right-padded with k = v = g = beta = 0, which leaves the state alone). Per chunk and value head,

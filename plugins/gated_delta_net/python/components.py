@@ -4,7 +4,7 @@ loaded). A thin front over the generic ``components.scan`` with this family's se
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
@@ -22,12 +22,8 @@ def gdn_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     None. Returns o (1, N, HV, V).
 
     Native: this family's ``gdn_tree_scan``; else fork / rescan over ``kernel``, a function with FLA's
-    ``chunk_gated_delta_rule`` API (default: this family's reference). ``backend="kernel"`` skips the
+    ``chunk_gated_delta_rule`` API (default: this family's stand-in). ``backend="kernel"`` skips the
     native op. Without a plan, ``kernel`` runs on the ordinary batch."""
-    extra: dict[str, Any] = {"use_qk_l2norm_in_kernel": use_qk_l2norm_in_kernel}
-    if scale is not None:
-        extra["scale"] = float(scale)
-    if initial_state is not None:
-        extra["initial_state"] = initial_state
-    return components.scan("gated_delta_net", "torch_chunk_gated_delta_rule", q, k, v, g, beta, plan=plan,
-                           kernel=kernel, backend=backend, policy=policy, **extra)
+    return components.delta_rule_scan("gated_delta_net", "torch_chunk_gated_delta_rule", q, k, v, g, beta, plan,
+                                      scale=scale, initial_state=initial_state, kernel=kernel, backend=backend,
+                                      use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, policy=policy)

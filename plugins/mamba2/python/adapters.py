@@ -22,23 +22,9 @@ import torch.nn.functional as F
 
 from tree_recurrence import _routes, driver, plugins
 
+from .stand_ins import rms_norm_gated
+
 __all__ = ["split_conv1d_scan", "rms_norm_gated"]
-
-
-def rms_norm_gated(x: torch.Tensor, weight: torch.Tensor, z: torch.Tensor | None, eps: float, group_size: int,
-                   norm_before_gate: bool) -> torch.Tensor:
-    """mamba-ssm's gated RMSNorm (layernorm_gated): RMS over groups of ``group_size`` channels, in
-    fp32 (float64 for float64), the gate silu(z) after the norm if ``norm_before_gate`` else before."""
-    f = torch.float64 if x.dtype == torch.float64 else torch.float32
-    xf = x.to(f)
-    if z is not None and not norm_before_gate:
-        xf = xf * F.silu(z.to(f))
-    shape = xf.shape
-    grouped = xf.reshape(*shape[:-1], shape[-1] // group_size, group_size)
-    y = (grouped * torch.rsqrt(grouped.square().mean(-1, keepdim=True) + eps)).reshape(shape) * weight.to(f)
-    if z is not None and norm_before_gate:
-        y = y * F.silu(z.to(f))
-    return y.to(x.dtype)
 
 
 def _rescan(call, zxbcdt: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,7 @@ def ssd_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor
     Returns y (1, N, H, P).
 
     Native: this family's ``ssd_tree_scan``; else rescan over ``kernel``, a function with mamba-ssm's
-    ``mamba_chunk_scan_combined`` API (default: this family's reference). SSD padding cannot leave the
+    ``mamba_chunk_scan_combined`` API (default: this family's stand-in). SSD padding cannot leave the
     state alone, so there is no fork over a kernel."""
     extra: dict[str, Any] = {"chunk_size": chunk_size, "D": D, "dt_bias": dt_bias, "dt_softplus": dt_softplus,
                              "dt_limit": tuple(dt_limit), "z": z}

@@ -1,4 +1,4 @@
-#include "ssd_token_scan.h"
+#include "ssd_token_oracle.h"
 
 #include <ATen/ATen.h>
 
@@ -39,7 +39,7 @@ void check(const at::Tensor& x, const at::Tensor& dt, const at::Tensor& B, const
 
 }  // namespace
 
-at::Tensor token_scan(const at::Tensor& x_in, const at::Tensor& dt_in, const at::Tensor& B_in, const at::Tensor& C_in,
+at::Tensor token_oracle(const at::Tensor& x_in, const at::Tensor& dt_in, const at::Tensor& B_in, const at::Tensor& C_in,
                      const at::Tensor& seg_offsets, const at::Tensor& parents, const std::optional<at::Tensor>& initial_state,
                      const at::Tensor& A_in, at::ArrayRef<double> dt_limit, const std::optional<at::Tensor>& D,
                      const std::optional<at::Tensor>& dt_bias, bool dt_softplus, const std::optional<at::Tensor>& z_in) {

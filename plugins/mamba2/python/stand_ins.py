@@ -1,4 +1,4 @@
-"""Mamba2's library kernels as references: mamba-ssm's ``mamba_chunk_scan_combined`` and
+"""Mamba2's library kernels, stand-ins: mamba-ssm's ``mamba_chunk_scan_combined`` and
 ``mamba_split_conv1d_scan_combined`` (``mamba_ssm.ops.triton.ssd_combined``, mamba-ssm 2.3.2; seq_idx,
 per-row initial states), exact token recurrences in fp32 (float64 for float64 inputs).
 
@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from tree_recurrence.reference import causal_conv1d_fn
+from tree_recurrence.stand_ins import causal_conv1d_fn
 
 __all__ = ["mamba_chunk_scan_combined", "mamba_split_conv1d_scan_combined"]
 
@@ -138,32 +138,27 @@ def mamba_chunk_scan_combined(
     return results[0] if len(results) == 1 else tuple(results)
 
 
-def _rms_norm_gated(x, weight, z, eps, group_size, norm_before_gate):
-    """mamba-ssm's RMSNormGated (layernorm_gated, is_rms_norm): per group of ``group_size``
-    channels; the gate silu(z) before the norm unless ``norm_before_gate``."""
+def rms_norm_gated(x: torch.Tensor, weight: torch.Tensor, z: torch.Tensor | None, eps: float, group_size: int,
+                   norm_before_gate: bool) -> torch.Tensor:
+    """mamba-ssm's gated RMSNorm (layernorm_gated's RMSNormGated, is_rms_norm): RMS over groups of
+    ``group_size`` channels, in fp32 (float64 for float64), the gate silu(z) after the norm if
+    ``norm_before_gate`` else before (the family's fused adapter uses it too)."""
     f = torch.float64 if x.dtype == torch.float64 else torch.float32
     xf = x.to(f)
     if z is not None and not norm_before_gate:
         xf = xf * F.silu(z.to(f))
     shape = xf.shape
     grouped = xf.reshape(*shape[:-1], shape[-1] // group_size, group_size)
-    grouped = grouped * torch.rsqrt(grouped.square().mean(-1, keepdim=True) + eps)
-    y = grouped.reshape(shape) * weight.to(f)
+    y = (grouped * torch.rsqrt(grouped.square().mean(-1, keepdim=True) + eps)).reshape(shape) * weight.to(f)
     if z is not None and norm_before_gate:
         y = y * F.silu(z.to(f))
     return y.to(x.dtype)
 
 
 def mamba_split_conv1d_scan_combined(
-    zxbcdt: torch.Tensor,
-    conv1d_weight: torch.Tensor,
-    conv1d_bias: Optional[torch.Tensor],
-    dt_bias: torch.Tensor,
-    A: torch.Tensor,
-    D: torch.Tensor,
-    chunk_size: int,
-    initial_states: Optional[torch.Tensor] = None,
-    seq_idx: Optional[torch.Tensor] = None,
+    zxbcdt: torch.Tensor, conv1d_weight: torch.Tensor, conv1d_bias: Optional[torch.Tensor], dt_bias: torch.Tensor,
+    A: torch.Tensor, D: torch.Tensor, chunk_size: int,
+    initial_states: Optional[torch.Tensor] = None, seq_idx: Optional[torch.Tensor] = None,
     dt_limit: tuple = (0.0, float("inf")),
     return_final_states: bool = False,
     activation: Optional[str] = "silu",
@@ -219,7 +214,7 @@ def mamba_split_conv1d_scan_combined(
                                            dt_softplus=True, dt_limit=dt_limit, return_final_states=True)
     out = out.reshape(batch, seqlen, dim)
     if rmsnorm_weight is not None:
-        out = _rms_norm_gated(out, rmsnorm_weight, z.reshape(batch, seqlen, dim), rmsnorm_eps, dim // ngroups,
+        out = rms_norm_gated(out, rmsnorm_weight, z.reshape(batch, seqlen, dim), rmsnorm_eps, dim // ngroups,
                               norm_before_gate)
     if d_nonssm > 0:
         gate, up = zx0.chunk(2, dim=-1)

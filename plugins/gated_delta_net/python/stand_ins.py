@@ -1,8 +1,8 @@
-"""Gated DeltaNet's library kernel as a reference: FLA's ``chunk_gated_delta_rule``
+"""Gated DeltaNet's library kernel, a stand-in: FLA's ``chunk_gated_delta_rule``
 (flash-linear-attention / fla-core 0.5.2), an exact token recurrence in fp32 (float64 for float64 inputs).
 
 The manifest (``library:`` of the seam ``torch_chunk_gated_delta_rule``) says which seam it stands in for;
-``tree_recurrence.reference.bind_reference_kernels`` binds it as transformers binds FLA.
+``tree_recurrence.stand_ins.bind_stand_ins`` binds it as transformers binds FLA.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from tree_recurrence.reference import delta_rule
+from tree_recurrence.stand_ins import delta_rule, delta_rule_layout
 
 __all__ = ["chunk_gated_delta_rule"]
 
@@ -80,7 +80,7 @@ def chunk_gated_delta_rule(
     if "head_first" in kwargs:
         raise DeprecationWarning("head_first has been removed. Inputs must be in `[B, T, H, ...]` format.")
     if kwargs.get("cp_context") is not None:
-        raise NotImplementedError("cp_context (context parallelism) is not supported by the reference")
+        raise NotImplementedError("cp_context (context parallelism) is not supported by the stand-in")
     chunk_size = kwargs.pop("chunk_size", 64)
     if chunk_size not in (16, 32, 64):
         raise ValueError(f"`chunk_size` must be 16, 32, or 64 for Gated Delta Rule, got {chunk_size}.")
@@ -90,50 +90,11 @@ def chunk_gated_delta_rule(
     if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
         raise ValueError("`allow_neg_eigval=True` requires `use_beta_sigmoid_in_kernel=True`.")
 
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError("q, k, v must be [B, T, H, K] / [B, T, HV, V]")
-    if q.shape != k.shape:
-        raise ValueError(f"q and k must have the same shape, got {tuple(q.shape)} and {tuple(k.shape)}")
-    B, T, H, K = k.shape
-    HV, V = v.shape[2], v.shape[3]
-    if tuple(v.shape[:2]) != (B, T):
-        raise ValueError(f"v must be [{B}, {T}, HV, V], got {tuple(v.shape)}")
-    if HV % H != 0:
-        raise ValueError(
-            f"For GVA, num_v_heads (HV={HV}) must be evenly divisible by num_heads (H={H}), "
-            f"but got HV % H = {HV % H}"
-        )
+    B, T, H, K, HV, V, bounds = delta_rule_layout(q, k, v, cu_seqlens, initial_state, state_v_first)
     if tuple(g.shape) != (B, T, HV) or tuple(beta.shape) != (B, T, HV):
-        raise ValueError(
-            f"g and beta must be [{B}, {T}, {HV}], got {tuple(g.shape)} and {tuple(beta.shape)}"
-        )
+        raise ValueError(f"g and beta must be [{B}, {T}, {HV}], got {tuple(g.shape)} and {tuple(beta.shape)}")
     if scale is None:
         scale = K**-0.5
-
-    if cu_seqlens is not None:
-        if B != 1:
-            raise ValueError(
-                f"The batch size is expected to be 1 rather than {B} when using `cu_seqlens`."
-                "Please flatten variable-length inputs before processing."
-            )
-        bounds = [int(b) for b in cu_seqlens.tolist()]
-        if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != T or any(
-            b1 < b0 for b0, b1 in zip(bounds[:-1], bounds[1:])
-        ):
-            raise ValueError(f"cu_seqlens must increase from 0 to T={T}, got {bounds}")
-        N = len(bounds) - 1
-    else:
-        bounds = None
-        N = B
-    if initial_state is not None:
-        expected = (N, HV, V, K) if state_v_first else (N, HV, K, V)
-        if tuple(initial_state.shape) != expected:
-            if cu_seqlens is not None and initial_state.shape[0] != N:
-                raise ValueError(
-                    "The number of initial states is expected to be equal to the number of input "
-                    f"sequences, i.e., {N} rather than {initial_state.shape[0]}."
-                )
-            raise ValueError(f"initial_state must be {list(expected)}, got {list(initial_state.shape)}")
 
     # fp32 as FLA computes; float64 when any input is float64, so tests can compare exactly.
     f32 = torch.float64 if torch.float64 in (q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype) else torch.float32

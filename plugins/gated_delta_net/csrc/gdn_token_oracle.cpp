@@ -1,4 +1,4 @@
-#include "gdn_token_scan.h"
+#include "gdn_token_oracle.h"
 
 #include <ATen/ATen.h>
 
@@ -36,7 +36,7 @@ void check(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const 
 
 }  // namespace
 
-at::Tensor token_scan(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& g_in,
+at::Tensor token_oracle(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& g_in,
                       const at::Tensor& beta_in, const at::Tensor& seg_offsets, const at::Tensor& parents,
                       const std::optional<at::Tensor>& initial_state, double scale, bool use_qk_l2norm) {
   check(q_in, k_in, v_in, g_in, beta_in, seg_offsets, parents);

@@ -1,4 +1,4 @@
-"""Kimi Delta Attention's library kernel as a reference: FLA's ``chunk_kda`` (a decay per key channel),
+"""Kimi Delta Attention's library kernel, a stand-in: FLA's ``chunk_kda`` (a decay per key channel),
 an exact token recurrence in fp32 (float64 for float64 inputs).
 
 The manifest (``library:`` of the seam ``chunk_kimi_delta_attention``) says which seam it stands in for.
@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from tree_recurrence.reference import delta_rule
+from tree_recurrence.stand_ins import delta_rule, delta_rule_layout
 
 __all__ = ["chunk_kda"]
 
@@ -33,14 +33,8 @@ def _kda_scan(q, k, v, g, beta, state):
 
 
 def chunk_kda(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    scale: Optional[float] = None,
-    initial_state: Optional[torch.Tensor] = None,
-    output_final_state: bool = False,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    scale: Optional[float] = None, initial_state: Optional[torch.Tensor] = None, output_final_state: bool = False,
     use_qk_l2norm_in_kernel: bool = False,
     use_gate_in_kernel: bool = False,
     use_beta_sigmoid_in_kernel: bool = False,
@@ -71,15 +65,8 @@ def chunk_kda(
     if kwargs.get("head_first"):
         raise DeprecationWarning("head_first has been removed. Inputs must be in `[B, T, H, ...]` format.")
     if cp_context is not None:
-        raise NotImplementedError("cp_context (context parallelism) is not supported by the reference")
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError("q, k, v must be [B, T, H, K] / [B, T, HV, V]")
-    if q.shape != k.shape:
-        raise ValueError(f"q and k must have the same shape, got {tuple(q.shape)} and {tuple(k.shape)}")
-    B, T, H, K = k.shape
-    HV, V = v.shape[2], v.shape[3]
-    if tuple(v.shape[:2]) != (B, T) or HV % H != 0:
-        raise ValueError(f"v must be [{B}, {T}, HV, V] with HV a multiple of H={H}, got {tuple(v.shape)}")
+        raise NotImplementedError("cp_context (context parallelism) is not supported by the stand-in")
+    B, T, H, K, HV, V, bounds = delta_rule_layout(q, k, v, cu_seqlens, initial_state, state_v_first)
     if tuple(g.shape) != (B, T, HV, K):
         raise ValueError(f"g must be [{B}, {T}, {HV}, {K}] (one log decay per key channel), got {tuple(g.shape)}")
     if tuple(beta.shape) != (B, T, HV):
@@ -90,19 +77,6 @@ def chunk_kda(
         raise ValueError("`allow_neg_eigval=True` requires `use_beta_sigmoid_in_kernel=True`.")
     if scale is None:
         scale = K**-0.5
-    if cu_seqlens is not None:
-        if B != 1:
-            raise ValueError(f"The batch size is expected to be 1 rather than {B} when using `cu_seqlens`.")
-        bounds = [int(b) for b in cu_seqlens.tolist()]
-        if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != T or any(b1 < b0 for b0, b1 in zip(bounds, bounds[1:])):
-            raise ValueError(f"cu_seqlens must increase from 0 to T={T}, got {bounds}")
-        N = len(bounds) - 1
-    else:
-        bounds, N = None, B
-    if initial_state is not None:
-        expected = (N, HV, V, K) if state_v_first else (N, HV, K, V)
-        if tuple(initial_state.shape) != expected:
-            raise ValueError(f"initial_state must be {list(expected)}, got {list(initial_state.shape)}")
 
     f32 = torch.float64 if torch.float64 in (q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype) else torch.float32
     qf, kf, vf, gf, bf = (t.to(f32) for t in (q, k, v, g, beta))

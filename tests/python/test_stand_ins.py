@@ -1,5 +1,5 @@
-"""Checks of the pure-PyTorch reference kernels (tree_recurrence.reference's generic causal conv and the
-gated_delta_net family's chunk_gated_delta_rule, plugins/gated_delta_net/python/reference.py).
+"""Checks of the library stand-ins (tree_recurrence.stand_ins' generic causal conv and the
+gated_delta_net family's chunk_gated_delta_rule, plugins/gated_delta_net/python/stand_ins.py).
 
 They must agree with transformers' own torch fallbacks (the code path every CPU run takes) and,
 for packed inputs (cu_seqlens / seq_idx), with running each sequence on its own, gradients
@@ -12,11 +12,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tree_recurrence import reference as _generic
+from tree_recurrence import stand_ins as _generic
 
-# The generic conv and the family's reference, as the engine finds them (the family's manifest names it).
+# The generic conv and the family's stand-in, as the engine finds them (the family's manifest names it).
 ref = types.SimpleNamespace(causal_conv1d_fn=_generic.causal_conv1d_fn,
-                            chunk_gated_delta_rule=_generic.family_reference("gated_delta_net").chunk_gated_delta_rule)
+                            chunk_gated_delta_rule=_generic.family_stand_ins("gated_delta_net").chunk_gated_delta_rule)
 
 qwen = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
 # The module-level names are seam wrappers (functools.wraps keeps the torch function in

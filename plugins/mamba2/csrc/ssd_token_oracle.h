@@ -1,8 +1,8 @@
-// The float64 oracle of the Mamba2 SSD tree scan (op `ssd_token_scan`): a token-by-token
-// recurrence over the trie, host-driven (every segment starts from its parent's final state),
-// written with ATen ops so autograd derives the backward. Tests check the chunked `ssd_tree_scan`
-// (ssd_chunked.h) against it; it computes in float64 for float64 inputs, else in fp32. It is not a
-// seam kernel (nothing dispatches to it).
+// The float64 oracle of the Mamba2 SSD tree scan, registered for tests only (op `ssd_token_scan`,
+// when TREE_RECURRENCE_TEST_OPS=1: sdk/test_ops.h): a token-by-token recurrence over the trie,
+// host-driven (every segment starts from its parent's final state), written with ATen ops so
+// autograd derives the backward. Tests check the chunked `ssd_tree_scan` (ssd_chunked.h) against
+// it; it computes in float64 for float64 inputs, else in fp32. It is not a seam kernel.
 //
 // Semantics: exactly transformers' torch `mamba2_chunk_scan` (modeling_mamba2.py and the copies
 // in bamba, nemotron_h, granitemoehybrid, falcon_h1, zamba2), as a token recurrence:
@@ -26,7 +26,7 @@
 
 namespace tree_recurrence::ssd {
 
-at::Tensor token_scan(const at::Tensor& x, const at::Tensor& dt, const at::Tensor& B, const at::Tensor& C,
+at::Tensor token_oracle(const at::Tensor& x, const at::Tensor& dt, const at::Tensor& B, const at::Tensor& C,
                      const at::Tensor& seg_offsets, const at::Tensor& parents, const std::optional<at::Tensor>& initial_state,
                      const at::Tensor& A, at::ArrayRef<double> dt_limit, const std::optional<at::Tensor>& D,
                      const std::optional<at::Tensor>& dt_bias, bool dt_softplus, const std::optional<at::Tensor>& z);

@@ -1,7 +1,7 @@
-// The gated delta rule over a trie, token by token (op `gdn_token_scan`): the float64 test oracle
-// of the chunked op `gdn_tree_scan` (gdn_chunked.h). Host-driven (every segment starts from its
-// parent's final state), written with ATen ops so autograd derives the backward; slow, never the
-// seam's native route.
+// The gated delta rule over a trie, token by token: the float64 oracle of the chunked op
+// `gdn_tree_scan` (gdn_chunked.h), registered for tests only, as op `gdn_token_scan`, when
+// TREE_RECURRENCE_TEST_OPS=1 (sdk/test_ops.h). Host-driven (every segment starts from its parent's
+// final state), written with ATen ops so autograd derives the backward; slow, never a seam's route.
 //
 //   q, k (N, H, K); v (N, HV, V), HV a multiple of H (grouped values); g, beta (N, HV), g the log
 //   decay (<= 0). seg_offsets (S+1) and parents (S) are the plan's host int64 arrays.
@@ -17,7 +17,7 @@
 
 namespace tree_recurrence::gdn {
 
-at::Tensor token_scan(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta,
+at::Tensor token_oracle(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta,
                       const at::Tensor& seg_offsets, const at::Tensor& parents, const std::optional<at::Tensor>& initial_state,
                       double scale, bool use_qk_l2norm);
 
