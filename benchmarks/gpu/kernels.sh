@@ -21,6 +21,7 @@
 #   run_case's second run): no separate determinism part.
 #   BUDGET_S (default 540) bounds the whole run: later parts are skipped when time runs out.
 source "$(dirname "$0")/common.sh"
+export TREE_RECURRENCE_TEST_OPS=1  # the oracle and stage ops (tests only) for the scripts run here outside pytest
 # $OUT takes at most 8 files: the run log there, everything else in $LOGS, packed into $OUT/logs.tgz.
 LOGS=/tmp/kernel-logs; rm -rf "$LOGS"; mkdir -p "$LOGS"
 PARTS=${PARTS:-"mma state gdn ssd models bench sanitize"}
