@@ -9,7 +9,7 @@
 //   4. Ainv = (I + A)^-1 by forward substitution in fp32 (one thread per column, the column in
 //      registers, each row's sum in four interleaved partial sums added in a fixed order:
 //      deterministic, a dependency chain a quarter as long); Ainv goes to global from registers;
-//      That is version 1 (TREE_RECURRENCE_GDN_PREP_V1=1). Version 2 (the default, block_inverse):
+//      That is version 1 (the default). Version 2 (opt-in TREE_RECURRENCE_GDN_PREP_V2=1, block_inverse):
 //      A is written transposed (strict upper triangle), the 16 x 16 diagonal blocks are inverted
 //      by substitution, the off-diagonal blocks by fp32 block products (3 levels, all 128 threads),
 //      in place; Ainv and the operands leave with 16-byte stores; v in a second cp.async group;
@@ -463,11 +463,16 @@ __global__ void __launch_bounds__(kThreads, 4) prep_fwd_kernel(const PrepParams 
   store_rows<T>(static_cast<T*>(p.u) + tile * kChunk * V, s.v, V);
 }
 
-// TREE_RECURRENCE_GDN_PREP_V1=1 (read once): version 1's phase 4 (column-wise substitution).
+// Version 1 (column-wise substitution) is the default: compute-sanitizer racecheck reported 4 shared-memory
+// hazards in version 2 (the in-place block inverse / phase 5 without block barriers) on the H200,
+// 2026-12-02, and version 2 measured 1.42 ms against version 1's 1.46 ms. TREE_RECURRENCE_GDN_PREP_V2=1
+// (read once) opts into version 2 until that race is fixed; TREE_RECURRENCE_GDN_PREP_V1=1 still forces 1.
 bool use_v1() {
   static const bool on = [] {
-    const char* e = std::getenv("TREE_RECURRENCE_GDN_PREP_V1");
-    return e != nullptr && e[0] == '1';
+    const char* v1 = std::getenv("TREE_RECURRENCE_GDN_PREP_V1");
+    const char* v2 = std::getenv("TREE_RECURRENCE_GDN_PREP_V2");
+    if (v1 != nullptr && v1[0] == '1') return true;
+    return !(v2 != nullptr && v2[0] == '1');
   }();
   return on;
 }
