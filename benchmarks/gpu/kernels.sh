@@ -101,7 +101,7 @@ if has bench; then
   for b in gdn ssd; do
     l=$(left); [ "$l" -lt 40 ] && { stamp "$b bench skipped"; continue; }
     stamp "$b bench"
-    timeout $(( l < ${BENCH_S:-150} ? l : ${BENCH_S:-150} )) python3 benchmarks/${b}_bench.py --out "$OUT/${b}_bench.json" >"$LOGS/${b}_bench.txt" 2>&1
+    timeout $(( l < ${BENCH_S:-150} ? l : ${BENCH_S:-150} )) python3 benchmarks/${b}_bench.py --budget-s ${BENCH_BUDGET_S:-400} --out "$OUT/${b}_bench.json" >"$LOGS/${b}_bench.txt" 2>&1
     echo "  bench exit $?"; cut -c1-200 "$LOGS/${b}_bench.txt" | tail -${BENCH_TAIL:-24}
   done
 fi
