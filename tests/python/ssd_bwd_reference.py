@@ -28,10 +28,10 @@ Backward, dS = ds_leave[c] (the gradient of chunk c's leaving state, = that of S
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
+
+import tries
 
 
 # ------------------------------------------------------------------------------------------------
@@ -39,46 +39,9 @@ import torch.nn.functional as F
 # ------------------------------------------------------------------------------------------------
 
 
-def levels_of(parents):
-    level = []
-    for p in parents:
-        level.append(0 if p < 0 else level[p] + 1)
-    return level
-
-
 def chunk_tables(seg_offsets, parents, chunk, device="cpu"):
-    """TreePlan.chunk_tables' contract from a trie's seg_offsets and parents (as test_ssd_chunked)."""
-    so, par = [int(v) for v in seg_offsets], [int(v) for v in parents]
-    S, T = len(par), so[-1]
-    counts = [max(1, math.ceil((so[s + 1] - so[s]) / chunk)) for s in range(S)]
-    sco = [0]
-    for n in counts:
-        sco.append(sco[-1] + n)
-    gather = torch.full((sco[-1], chunk), -1, dtype=torch.int64)
-    scatter = torch.empty(T, dtype=torch.int64)
-    for s in range(S):
-        for k in range(counts[s]):
-            c, lo = sco[s] + k, so[s] + k * chunk
-            hi = min(so[s + 1], lo + chunk)
-            gather[c, : hi - lo] = torch.arange(lo, hi)
-            scatter[lo:hi] = c * chunk + torch.arange(hi - lo)
-    level = levels_of(par)
-    order = sorted(range(S), key=lambda s: (level[s], s))
-    level_offsets = [0] * (max(level, default=-1) + 2)
-    for lv in level:
-        level_offsets[lv + 1] += 1
-    for i in range(1, len(level_offsets)):
-        level_offsets[i] += level_offsets[i - 1]
-    roots = [s for s in range(S) if par[s] < 0]
-    root_index = [roots.index(s) if par[s] < 0 else -1 for s in range(S)]
-    kids = [[c for c in range(S) if par[c] == s] for s in range(S)]
-    child_offsets = [0]
-    for k in kids:
-        child_offsets.append(child_offsets[-1] + len(k))
-    t = lambda v: torch.tensor(v, dtype=torch.int64, device=device)  # noqa: E731
-    return dict(gather=gather.to(device), scatter=scatter.to(device), seg_chunk_offsets=t(sco), parents=t(par),
-                root_index=t(root_index), level_segments=t(order), level_offsets=level_offsets,
-                child_offsets=t(child_offsets), children=t([c for k in kids for c in k]))
+    """TreePlan.chunk_tables' contract from a trie's seg_offsets and parents, as a dict (tries.chunk_tables)."""
+    return tries.chunk_tables(seg_offsets, parents, chunk, device)._asdict()
 
 
 def prepare_dt(dt_raw, dt_bias=None, dt_softplus=False, dt_limit=(0.0, float("inf"))):
