@@ -254,8 +254,9 @@ def delta_rule_scan(family: str, seam: str, q: torch.Tensor, k: torch.Tensor, v:
                     beta: torch.Tensor, plan: TreePlan | None = None, *, scale: float | None = None,
                     initial_state: torch.Tensor | None = None, use_qk_l2norm_in_kernel: bool = False,
                     kernel: Callable | None = None, backend: str = "auto", policy: Policy | None = None) -> torch.Tensor:
-    """``scan`` for a family's delta-rule seam with FLA's keywords (the fronts gdn_scan, kda_scan):
-    ``scale``, ``initial_state`` (the state every root starts from) and ``use_qk_l2norm_in_kernel``."""
+    """``scan`` for a family's delta-rule seam with FLA's keywords (families' own fronts in their
+    ``python/components.py`` call it): ``scale``, ``initial_state`` (the state every root starts from)
+    and ``use_qk_l2norm_in_kernel``."""
     extra: dict[str, Any] = {"use_qk_l2norm_in_kernel": use_qk_l2norm_in_kernel}
     if scale is not None:
         extra["scale"] = float(scale)
