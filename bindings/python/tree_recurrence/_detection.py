@@ -117,11 +117,11 @@ def claim(model: torch.nn.Module, families: dict, config: Any, model_type: str) 
     mixers = {type(m).__name__ for _, m in claimed.values()}
     implemented = {lt for f in families.values() for m in f["manifest"]["models"]
                    if m["model_type"] == model_type or mixers & set(m["mixers"]) for lt in m["layer_types"]}
-    unknown = sorted({lt for lt in layer_types(config) if lt not in ATTENTION_LAYER_TYPES and lt not in implemented})
+    recurrent = {lt for lt in layer_types(config) if lt not in ATTENTION_LAYER_TYPES}
+    unknown = sorted(recurrent - implemented)
     if unknown:
         leftovers.insert(0, f"layer_types {unknown} of {model_type or type(model).__name__} are implemented by no family "
                             f"plugin found (found: {sorted(families) or 'none'})")
-    recurrent = {lt for lt in layer_types(config) if lt not in ATTENTION_LAYER_TYPES}
     for name, record in families.items():
         for entry in record["manifest"]["models"]:
             if entry["model_type"] == model_type and recurrent & set(entry["layer_types"]) and not mixers & set(entry["mixers"]):

@@ -41,7 +41,7 @@ def _decide(call, backend: str, policy, device: torch.device) -> driver.Route:
     """The fused seam's route (``driver.decide_route`` caches it on the plan): decline when the bound
     implementation is transformers' torch fallback, native with the family's kernels on ``device``
     (backend auto / native), else rescan."""
-    _, _, is_library = driver.bound_implementation(call.original)
+    implementation, _, is_library = driver.bound_implementation(call.original)
     if not is_library:
         return driver.Route("decline", "fused seam bound to transformers' torch fallback (None): the mixer takes "
                                        "its split path")
@@ -53,7 +53,6 @@ def _decide(call, backend: str, policy, device: torch.device) -> driver.Route:
     if backend not in ("auto", "native") or not native:
         return driver.Route("rescan", "fused seam: the bound kernel over every path as a padded batch")
     if backend == "auto" and policy.strategy == "auto":  # auto never picks a slower route (manifest's routes:)
-        implementation, _, is_library = driver.bound_implementation(call.original)
         strategy, reason = _routes.decide(call.family, record, call.plan, device, call.named["zxbcdt"].dtype,
                                           implementation, is_library, {"rescan": True}, None, call.seam)
         if strategy == "rescan":
