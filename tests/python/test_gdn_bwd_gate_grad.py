@@ -26,7 +26,8 @@ import torch
 
 import gdn_bwd_reference as bref
 import gdn_chunk_reference as fref
-from test_gdn_bwd_reference import chunk_tables, token_oracle, trie
+from test_gdn_bwd_reference import token_oracle
+from tries import chunk_tables, rel_rms, trie
 
 f64 = torch.float64
 
@@ -68,11 +69,6 @@ def oracle_dg(x, seg_offsets, parents):
     names = ["q", "k", "v", "g", "beta"]
     grads = torch.autograd.grad((o * x["grad"]).sum(), [leaves[n] for n in names])
     return dict(zip(names, grads))
-
-
-def rel_rms(got, want):
-    got, want = got.double(), want.double()
-    return ((got - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt().clamp_min(1e-300)).item()
 
 
 def dA_log(g, dg):

@@ -20,7 +20,6 @@ Run on the GPU:  .venv/bin/python -m pytest tests/python/test_ssd_post_bwd_gpu.p
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
