@@ -152,10 +152,23 @@ def parse(source: str, value: Any) -> Table | None:
     return Table(library, tuple(parsed))
 
 
+_PARSED: dict[int, tuple[Any, Table | None]] = {}  # id(routes mapping) -> (that mapping, its parsed table)
+
+
 def family_table(record: Mapping | None) -> Table | None:
-    """The routes table of a loaded family's record (its manifest's ``routes:``), parsed (load checked it)."""
+    """The routes table of a loaded family's record (its manifest's ``routes:``), parsed (load checked it).
+    Parsed once per routes mapping (kept with the mapping itself, so a replaced table is parsed anew):
+    route decisions run once per plan, i.e. every forward."""
     manifest = (record or {}).get("manifest") or {}
-    return parse(str((record or {}).get("manifest_path") or "?"), manifest.get("routes"))
+    routes = manifest.get("routes")
+    if routes is None:
+        return None
+    hit = _PARSED.get(id(routes))
+    if hit is not None and hit[0] is routes:
+        return hit[1]
+    table = parse(str((record or {}).get("manifest_path") or "?"), routes)
+    _PARSED[id(routes)] = (routes, table)
+    return table
 
 
 # --------------------------------------------------------------------------------------------
