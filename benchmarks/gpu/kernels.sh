@@ -11,6 +11,9 @@
 #                  only: --kernel-name kns=tree_recurrence) on a few small cases of the four fused GPU
 #                  test files, one sanitizer run per family and tool (SAN_S seconds each, default 150)
 #   Order: fused tests, bench, large, profile, models, ncu, sanitize_py (later parts get the time left).
+#   "abi" runs benchmarks/gpu/diag_abi.sh (where a thrown number-formatting error crashes);
+#   BENCH_FAMILIES (default "gdn ssd") and BENCH_ARGS (extra arguments, e.g. "--peers off --cases tree,flat")
+#   pick the benchmarks' rows.
 #   "diag" runs benchmarks/gpu/diag_throw.py (errors on the CUDA paths raise, not crash); "modelbench" the
 #   whole-model `python -m tree_recurrence bench --prompts 2048` for BENCH_MODELS (qwen3_5 nemotron_h).
 #   "models" also runs the Mamba2-family GPU model tests (test_mamba2_models.py -k test_gpu_: fp32 and
@@ -98,10 +101,10 @@ has ssd && pytest_part ssd_fwd ${SSD_S:-130} tests/python/test_ssd_fused_gpu.py
 has ssd && pytest_part ssd_bwd ${SSD_S:-130} tests/python/test_ssd_fused_bwd_gpu.py
 has ssd && pytest_part ssd_post ${SSD_POST_S:-150} tests/python/test_ssd_post_bwd_gpu.py
 if has bench; then
-  for b in gdn ssd; do
+  for b in ${BENCH_FAMILIES:-gdn ssd}; do
     l=$(left); [ "$l" -lt 40 ] && { stamp "$b bench skipped"; continue; }
     stamp "$b bench"
-    timeout $(( l < ${BENCH_S:-150} ? l : ${BENCH_S:-150} )) python3 benchmarks/${b}_bench.py --budget-s ${BENCH_BUDGET_S:-400} --out "$OUT/${b}_bench.json" >"$LOGS/${b}_bench.txt" 2>&1
+    timeout $(( l < ${BENCH_S:-150} ? l : ${BENCH_S:-150} )) python3 benchmarks/${b}_bench.py --budget-s ${BENCH_BUDGET_S:-400} --out "$OUT/${b}_bench.json" ${BENCH_ARGS:-} >"$LOGS/${b}_bench.txt" 2>&1
     echo "  bench exit $?"; cut -c1-200 "$LOGS/${b}_bench.txt" | tail -${BENCH_TAIL:-24}
   done
 fi
@@ -123,6 +126,11 @@ if has diag && [ -f benchmarks/gpu/diag_throw.py ]; then  # errors raised on the
   timeout $(( $(left) < 120 ? $(left) : 120 )) python3 benchmarks/gpu/diag_throw.py >"$LOGS/diag_throw.txt" 2>&1
   echo "  diag exit $?"; tail -${DIAG_TAIL:-40} "$LOGS/diag_throw.txt" | cut -c1-220
 fi
+if has abi; then  # the crash-on-throw diagnosis: probes, the failing call's native stack, link facts
+  stamp "abi diag"
+  timeout $(( $(left) < 150 ? $(left) : 150 )) bash benchmarks/gpu/diag_abi.sh >"$LOGS/diag_abi.txt" 2>&1
+  echo "  abi diag exit $?"; cut -c1-240 "$LOGS/diag_abi.txt" | head -${ABI_TAIL:-80}
+fi
 if has modelbench; then  # the whole-model bench (issues 19, 20): tree vs chains vs flat at prompt 2048
   for m in ${BENCH_MODELS:-qwen3_5 nemotron_h}; do
     l=$(left); [ "$l" -lt 60 ] && { stamp "model bench $m skipped"; continue; }
@@ -136,11 +144,13 @@ fi
 has models && pytest_part gpu_models ${MODELS_S:-100} tests/python/test_gpu.py
 has models && pytest_part mamba2_models_gpu ${MODELS_S:-100} tests/python/test_mamba2_models.py -k test_gpu_
 if has ncu; then
-  OURS='regex:(cb|chunk_scan|chunk_state|dbdc|ddecay|dqk|dv_local|dyx|finalize|gate|local|out_fwd|prep_fwd|rows|state_pass|tc_backward|tc_forward|wy|post_tc|local_tc)[a-z_]*_kernel'
+  OURS='regex:tree_recurrence::'  # every kernel of ours (demangled names), none of ATen's
   for fam in gdn ssd; do
     l=$(left); [ "$l" -lt 40 ] && { stamp "ncu $fam skipped"; continue; }
     stamp "ncu $fam"
-    timeout $(( l < 90 ? l : 90 )) ncu --clock-control none --section SpeedOfLight --section Occupancy -k "$OURS" -c ${NCU_COUNT:-16} \
+    timeout $(( l < ${NCU_S:-90} ? l : ${NCU_S:-90} )) ncu --clock-control none --section SpeedOfLight --section Occupancy \
+      --section WarpStateStats --metrics sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active \
+      --kernel-name-base demangled -k "$OURS" -c ${NCU_COUNT:-16} \
       python3 benchmarks/profile_kernels.py --once --family $fam >"$LOGS/ncu_$fam.txt" 2>&1
     echo "  ncu exit $?"
   done
