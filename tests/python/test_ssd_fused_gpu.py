@@ -14,9 +14,10 @@ without CUDA.
   no_grad and through autograd (both backwards; the interim one at chunk 128 is refused in the
   grad-mode forward with a ValueError), and absent optionals' gradient slots;
 * the fused chunk-state + state-pass kernel (default) against the three-kernel path
-  (TREE_RECURRENCE_SSD_FWD_FUSED_PASS=0), and the per-group chunk scan
-  (TREE_RECURRENCE_SSD_FWD_SCAN=group, chunk 64) bitwise against the per-head one;
-* the v2 chunk scan (default) against float64 per stage and against v1 (TREE_RECURRENCE_SSD_FWD_SCAN=v1).
+  (TREE_RECURRENCE_SSD_FWD_FUSED_PASS=0);
+* the v3 chunk scan (default at chunk 64, P <= 64: C B^T once per (chunk, group), heads double-buffered)
+  against float64 per stage and bitwise against v2 (TREE_RECURRENCE_SSD_FWD_SCAN=v2, the per-head kernel
+  that every other shape takes), on small tries and on ~65k-token ones (the head slices of its grid).
 
 Run on the GPU:  .venv/bin/python -m pytest tests/python/test_ssd_fused_gpu.py -q -x -s
 """
@@ -154,17 +155,20 @@ def test_stages_dims(dtype, dims):
 @pytest.mark.parametrize("dims", [(16, 64, 2, 128), (4, 128, 1, 256), (4, 128, 2, 64), (2, 8, 2, 8), (8, 24, 4, 40),
                                   (6, 32, 3, 64)],
                          ids=["H16P64G2N128", "P128N256", "P128N64", "P8N8", "P24N40", "H6P32G3"])
-def test_scan_v2_vs_v1(dims, chunk, dtype, monkeypatch):
-    """The v2 chunk scan (default: head-fastest grid, 16-byte epilogue through shared memory) and the v1 kernel
-    (TREE_RECURRENCE_SSD_FWD_SCAN=v1): each against the float64 stage reference, then out / y of v2 against v1
-    (same arithmetic: expected bitwise, asserted within 1e-3 rel RMS and printed); z in-type and fp32, D (H, P)
-    and none, per-root h0. P128N256 is over v2's shared-memory bound: both runs take v1 (bitwise equal)."""
+def test_scan_v3_vs_v2(dims, chunk, dtype, monkeypatch):
+    """The default chunk scan (v3 at chunk 64 and P <= 64, else v2) and v2 (TREE_RECURRENCE_SSD_FWD_SCAN=v2):
+    each against the float64 stage reference, then out / y bitwise equal (same arithmetic: the shared
+    fwd_tiles.cuh expressions in the same order); z in-type and fp32, D (H, P) and none, per-root h0.
+    Chunks 128 / 256 and P 128 take v2 in both runs."""
     H, P, G, N = dims
     off, par = CRAFTED["around_chunks"]
     for use, z_fp32 in ((("D", "dt_bias", "z", "h0"), False), (("dt_bias", "z"), True), (("D", "h0"), False)):
         runs = {}
-        for variant in ("v1", "v2"):
-            monkeypatch.setenv("TREE_RECURRENCE_SSD_FWD_SCAN", variant)
+        for variant in ("v2", "default"):
+            if variant == "v2":
+                monkeypatch.setenv("TREE_RECURRENCE_SSD_FWD_SCAN", "v2")
+            else:
+                monkeypatch.delenv("TREE_RECURRENCE_SSD_FWD_SCAN", raising=False)
             roots = sum(p < 0 for p in par)
             ins = make(off[-1], dtype=dtype, roots=roots, H=H, P=P, G=G, N=N, D_per_channel=True, seed=4)
             if z_fp32:
@@ -179,16 +183,16 @@ def test_scan_v2_vs_v1(dims, chunk, dtype, monkeypatch):
             bad = {k: v for k, v in errors.items() if not v <= STAGE_TOL[dtype][k]}
             assert not bad, (variant, bad)
             runs[variant] = got
-        diff = {k: rel_rms(runs["v2"][k], runs["v1"][k]) for k in ("out", "y") if runs["v1"][k].numel()}
-        same = {k: torch.equal(runs["v2"][k], runs["v1"][k]) for k in ("out", "y")}
-        print(f"[scan v2 vs v1 {dims} L={chunk} {dtype}] rel diff {diff} bitwise {same}")
-        assert all(v <= 1e-3 for v in diff.values()), diff
-        assert runs["v2"]["y"].shape == runs["v1"]["y"].shape
+        diff = {k: rel_rms(runs["default"][k], runs["v2"][k]) for k in ("out", "y") if runs["v2"][k].numel()}
+        print(f"[scan default vs v2 {dims} L={chunk} {dtype}] rel diff {diff}")
+        assert runs["default"]["y"].shape == runs["v2"]["y"].shape
+        assert torch.equal(runs["default"]["out"], runs["v2"]["out"]), diff
+        assert torch.equal(runs["default"]["y"], runs["v2"]["y"]), diff
 
 
-def test_scan_v2_through_the_op(monkeypatch):
-    """The op (v2 scan, default) on the benchmark's argument pattern: forward + fused backward vs float64; the
-    op's output with v2 equals the one with v1 up to 1e-3 rel RMS."""
+def test_scan_v3_through_the_op(monkeypatch):
+    """The op (v3 scan, default) on the benchmark's argument pattern: forward + fused backward vs float64; the
+    op's output with v3 bitwise equals the one with v2."""
     monkeypatch.delenv("TREE_RECURRENCE_SSD_FWD_SCAN", raising=False)
     test_benchmark_argument_pattern(64, "1", monkeypatch)
     off, par = random_trie(9, 30, 300)
@@ -196,11 +200,35 @@ def test_scan_v2_through_the_op(monkeypatch):
     ins = make(off[-1], roots=roots, H=16, P=64, G=2, N=128)
     tabs = chunk_tables(off, par, 64, "cuda")
     a = call(_ops().ssd_tree_scan, ins, tabs)
-    monkeypatch.setenv("TREE_RECURRENCE_SSD_FWD_SCAN", "v1")
+    monkeypatch.setenv("TREE_RECURRENCE_SSD_FWD_SCAN", "v2")
     b = call(_ops().ssd_tree_scan, ins, tabs)
     e = rel_rms(a, b)
-    print(f"\n[op v2 vs v1] rel diff {e:.2e} bitwise {torch.equal(a, b)}")
-    assert e <= 1e-3
+    print(f"\n[op v3 vs v2] rel diff {e:.2e} bitwise {torch.equal(a, b)}")
+    assert torch.equal(a, b), e
+
+
+@pytest.mark.parametrize("dims", [(4, 64, 2, 128), (8, 64, 1, 128), (16, 32, 2, 64)], ids=["H4G2", "H8G1", "H16G2P32"])
+def test_scan_v3_head_slices_bitwise(dims, monkeypatch):
+    """~77k tokens (>= 1,024 chunks): v3's grid takes 1 (H4G2), 2 (H8G1: 4 heads per block) and 1 (H16G2P32: 8
+    heads per block, the longest double-buffer chain) head slices per (chunk, group); out and y bitwise equal
+    to v2, two v3 runs bitwise equal."""
+    H, P, G, N = dims
+    off, par = random_trie(11, 48, 3200)
+    roots = sum(p < 0 for p in par)
+    ins = make(off[-1], roots=roots, H=H, P=P, G=G, N=N, D_per_channel=True, seed=5)
+    tabs = chunk_tables(off, par, 64, "cuda")
+    assert tabs["gather"].shape[0] >= 1024, tabs["gather"].shape
+    monkeypatch.delenv("TREE_RECURRENCE_SSD_FWD_SCAN", raising=False)
+    a = call(_ops().ssd_fused_stages, ins, tabs)
+    a2 = call(_ops().ssd_fused_stages, ins, tabs)
+    monkeypatch.setenv("TREE_RECURRENCE_SSD_FWD_SCAN", "v2")
+    b = call(_ops().ssd_fused_stages, ins, tabs)
+    for k in ("out", "y"):
+        i = STAGES.index(k)
+        assert torch.isfinite(a[i].float()).all(), k
+        assert torch.equal(a[i], a2[i]), f"two v3 runs differ ({k})"
+        assert torch.equal(a[i], b[i]), (k, rel_rms(a[i], b[i]))
+    print(f"\n[v3 head slices {dims}] NC={tabs['gather'].shape[0]} bitwise equal to v2")
 
 
 @pytest.mark.parametrize("variant", ["no_optionals", "no_z", "dt_limit", "shared_h0", "no_softplus_z_fp32"])
@@ -456,25 +484,19 @@ def test_fused_pass_bitwise_repeat_and_op_path(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("dims", [(4, 64, 2, 128), (8, 64, 1, 128), (4, 128, 2, 256), (2, 8, 2, 8), (8, 24, 4, 40),
                                   (16, 32, 4, 64)], ids=["P64N128", "G1", "P128N256", "P8N8", "P24N40", "H16G4"])
-def test_group_scan_bitwise_equals_per_head(dtype, dims, monkeypatch):
-    """TREE_RECURRENCE_SSD_FWD_SCAN=group (chunk 64: C B^T once per (chunk, group), heads double-buffered) gives
-    out and y bitwise equal to the per-head chunk scan, and passes the per-stage check; z on and off."""
+def test_scan_v3_random_trie_bitwise_equals_v2(dtype, dims, monkeypatch):
+    """Chunk 64 on a random trie: the default scan (v3; P128N256 takes v2) passes the per-stage check and gives
+    out and y bitwise equal to v2; z on and off."""
     H, P, G, N = dims
     off, par = random_trie(3, 16, 200)
     for use in (("D", "dt_bias", "z", "h0"), ("dt_bias",)):
-        monkeypatch.setenv("TREE_RECURRENCE_SSD_FWD_SCAN", "v1")
+        monkeypatch.setenv("TREE_RECURRENCE_SSD_FWD_SCAN", "v2")
         _, _, base = check_stages(off, par, chunk=64, dtype=dtype, use=use, H=H, P=P, G=G, N=N,
-                                  label=f"per-head scan H{H}P{P}G{G}N{N}")
-        monkeypatch.setenv("TREE_RECURRENCE_SSD_FWD_SCAN", "group")
-        _, _, grp = check_stages(off, par, chunk=64, dtype=dtype, use=use, H=H, P=P, G=G, N=N,
-                                 label=f"group scan H{H}P{P}G{G}N{N}")
-        diff = {k: rel_rms(grp[k], base[k]) for k in ("out", "y") if base[k].numel()}
-        print(f"[group vs per-head scan {dims} {dtype} {len(use)}] rel diff {diff}")
-        assert torch.equal(grp["out"], base["out"]), diff
-        assert torch.equal(grp["y"], base["y"]), diff
-
-
-def test_group_scan_through_the_op(monkeypatch):
-    """The op with the group scan on the benchmark's argument pattern (forward + fused backward) vs float64."""
-    monkeypatch.setenv("TREE_RECURRENCE_SSD_FWD_SCAN", "group")
-    test_benchmark_argument_pattern(64, "1", monkeypatch)
+                                  label=f"v2 scan H{H}P{P}G{G}N{N}")
+        monkeypatch.delenv("TREE_RECURRENCE_SSD_FWD_SCAN", raising=False)
+        _, _, new = check_stages(off, par, chunk=64, dtype=dtype, use=use, H=H, P=P, G=G, N=N,
+                                 label=f"default scan H{H}P{P}G{G}N{N}")
+        diff = {k: rel_rms(new[k], base[k]) for k in ("out", "y") if base[k].numel()}
+        print(f"[default vs v2 scan {dims} {dtype} {len(use)}] rel diff {diff}")
+        assert torch.equal(new["out"], base["out"]), diff
+        assert torch.equal(new["y"], base["y"]), diff

@@ -5,12 +5,11 @@
 //            <= 64 chunks (fused_pass_enabled); else, or with TREE_RECURRENCE_SSD_FWD_FUSED_PASS=0,
 //            the three-kernel path (chunk state -> fp32 chunk_states -> state pass -> chunk scan);
 //            TREE_RECURRENCE_SSD_FWD_FUSED_PASS=1 forces the fused pass.
-//   chunk scan: the per-head v2 kernel (ssd_chunk_scan_fwd.cu: head-fastest grid, 16-byte epilogue)
-//            where ssd_chunk_scan_v2_supported holds, else the v1 per-head kernel;
-//            TREE_RECURRENCE_SSD_FWD_SCAN=v1 forces v1 (the fallback until the GPU confirms v2);
-//   TREE_RECURRENCE_SSD_FWD_SCAN=group (opt-in for now): at chunk 64, the chunk scan with C B^T shared
-//            per (chunk, group) (ssd_chunk_scan_group_fwd.cu, bitwise equal to the per-head kernel);
-//            other chunks keep the per-head kernel.
+//   chunk scan: v3 (ssd_chunk_scan_group_fwd.cu: per (chunk, group, head slice), C B^T once, the
+//            heads' state / x / z double-buffered) where ssd_chunk_scan_v3_supported holds (chunk 64,
+//            P <= 64), else v2 (ssd_chunk_scan_fwd.cu: per (chunk, tile, head), head-fastest grid,
+//            every shape); TREE_RECURRENCE_SSD_FWD_SCAN=v2 forces v2 (the fallback until the GPU
+//            confirms v3; same arithmetic, expected bitwise equal).
 // forward_stages (tests) also runs the chunk-state kernel, for the transient chunk_states stage; with
 // the fused pass, dt / Lam / states then come from the fused kernel (which rewrites the same dt / Lam).
 #include "ssd_fused.h"
@@ -67,11 +66,12 @@ bool fused_pass_enabled(int64_t num_chunks, int64_t num_segments) {
   return num_chunks <= 64 * std::max<int64_t>(num_segments, 1);
 }
 
-// TREE_RECURRENCE_SSD_FWD_SCAN: "group" the per-(chunk, group) scan (chunk 64), "v1" the first
-// per-head kernel; anything else (unset) the per-head v2 kernel where it is supported, else v1.
-std::string scan_variant() {
+// TREE_RECURRENCE_SSD_FWD_SCAN: "v2" the per-head v2 kernel everywhere; anything else (unset) v3
+// where it is supported, else v2. Read per forward, as TREE_RECURRENCE_SSD_FWD_FUSED_PASS is (the GPU
+// tests switch it in-process; one getenv per forward).
+bool scan_forced_v2() {
   const char* v = std::getenv("TREE_RECURRENCE_SSD_FWD_SCAN");
-  return v ? std::string(v) : std::string();
+  return v && std::string(v) == "v2";
 }
 
 // with_chunk_states: also compute the transient fp32 chunk states (forward_stages).
@@ -160,13 +160,10 @@ Stages run(const Args& a, const Tables& t, bool with_chunk_states, bool save_y) 
     check_launch(kernels::ssd_chunk_state_pass_fwd(p, stream), "fused chunk state + state pass");
   else
     check_launch(kernels::ssd_state_pass_fwd(p, stream), "state pass");
-  const std::string scan = scan_variant();
-  if (scan == "group" && kernels::ssd_chunk_scan_group_supported(p))
-    check_launch(kernels::ssd_chunk_scan_group_fwd(p, stream), "chunk scan (per group)");
-  else if (scan != "v1" && kernels::ssd_chunk_scan_v2_supported(p))
-    check_launch(kernels::ssd_chunk_scan_fwd_v2(p, stream), "chunk scan (v2)");
+  if (!scan_forced_v2() && kernels::ssd_chunk_scan_v3_supported(p))
+    check_launch(kernels::ssd_chunk_scan_fwd_v3(p, stream), "chunk scan (v3)");
   else
-    check_launch(kernels::ssd_chunk_scan_fwd(p, stream), "chunk scan (v1)");
+    check_launch(kernels::ssd_chunk_scan_fwd_v2(p, stream), "chunk scan (v2)");
   return o;
 #endif
 }

@@ -73,17 +73,17 @@ int ssd_state_pass_fwd(const FwdParams& p, void* stream);
 // one launch per level; S_c stays in registers (chunk_states is neither read nor written).
 int ssd_chunk_state_pass_fwd(const FwdParams& p, void* stream);
 // d: the chunk scan (C s^T, C B^T masked and decayed times dt x, D x, z gate), tensor cores.
-int ssd_chunk_scan_fwd(const FwdParams& p, void* stream);
-// d, v2 (the default; ssd_chunk_scan_fwd.cu): same arithmetic as ssd_chunk_scan_fwd (expected
-// bitwise equal), head-fastest grid (C / B rows shared through L2 by a group's heads), all first-block
-// operands in flight at once, 16-byte epilogue; supported when its shared memory fits (<= 110 KB:
-// P 64 / N 128 takes 62 KB) and the x / z / y / out pointers are 16-byte aligned.
+// v2 (ssd_chunk_scan_fwd.cu): per (chunk, 64-row tile, head), head-fastest grid (C / B rows shared
+// through L2 by a group's heads), all first-block operands in flight at once, 16-byte epilogue; every
+// supported shape (<= ~155 KB of shared memory) with 16-byte aligned x / z / y / out.
 bool ssd_chunk_scan_v2_supported(const FwdParams& p);
 int ssd_chunk_scan_fwd_v2(const FwdParams& p, void* stream);
-// d for chunk 64 with C B^T computed once per (chunk, group) (ssd_chunk_scan_group_fwd.cu), bitwise
-// equal to ssd_chunk_scan_fwd; supported: chunk 64 and H a multiple of G.
-bool ssd_chunk_scan_group_supported(const FwdParams& p);
-int ssd_chunk_scan_group_fwd(const FwdParams& p, void* stream);
+// v3 (the default where supported; ssd_chunk_scan_group_fwd.cu): chunk 64, per (chunk, group, head
+// slice): C B^T once, the heads' state / x / z double-buffered by cp.async, per-warp 16-byte
+// epilogue; same arithmetic as v2 (expected bitwise equal). Supported: chunk 64, P <= 64, H a
+// multiple of G, shared memory <= 112 KB (2 CTAs per SM), 16-byte aligned x / z / y / out.
+bool ssd_chunk_scan_v3_supported(const FwdParams& p);
+int ssd_chunk_scan_fwd_v3(const FwdParams& p, void* stream);
 
 const char* ssd_fwd_error_string(int error);
 

@@ -1,99 +1,111 @@
-// Fused SSD forward, stage d for chunk 64 with C B^T shared per group (params.h, ssd_fused.h):
+// Fused SSD forward, stage d, v3 (the default at chunk 64; params.h, ssd_fused.h): the chunk scan
+// with C B^T once per (chunk, group) and the heads' operands streamed through a double buffer.
 //   y_i = exp(Lam_i) C_i s[c]^T + sum_{j <= i} <C_i, B_j> exp(Lam_i - Lam_j) dt_j x_j + D x_i
 //   out_i = y_i * silu(z_i) (z given; y saved pre-gate), else y_i; written at the tokens' rows.
-// The per-head kernel (ssd_chunk_scan_fwd.cu) computes C B^T once per head; here a block owns one
-// (chunk, group): it computes the chunk's 64 x 64 scores C B^T once (kept in the MMA accumulators,
-// fp32) and loops over the group's H / G heads, with the next head's state s[c] (P x N), x rows, Lam
-// and dt copied by cp.async into the other half of a double buffer while the current head computes.
-// Same arithmetic per head as the per-head kernel (C s^T in 64-column pieces, then the masked,
-// decayed scores rounded to the in-type as the next MMA's A operand), so results are bitwise equal.
-// Grid (NC, G); 128 threads, warp w rows [16 w, 16 w + 16), every P column (PT = P padded to 32 / 64
-// / 128). Only chunk 64 (one row tile, one key block); the launcher returns cudaErrorInvalidValue
-// for other chunks.
+// A block owns one (chunk, group, head slice): it loads the chunk's C and B rows once, computes the
+// 64 x 64 scores C B^T (fp32, kept in the MMA accumulators) and loops over its slice of the group's
+// H / G heads. Per head, the next head's operands (Lam, dt, the state s[c] (P x N), x rows and, for
+// an in-type z, z rows) are copied by cp.async into the other half of a double buffer while the
+// current head computes, so the state / x / z reads (the kernel's HBM bytes) stay in flight through
+// the MMAs and the epilogue. Epilogue per warp: its 16 accumulator rows staged in a warp-private
+// fp32 region (__syncwarp only), then 8 columns per lane: D x and z from shared memory, y and out
+// as 16-byte stores. Two block barriers per head.
+// Same arithmetic per head as v2 (ssd_chunk_scan_fwd.cu: C s^T in 64-column pieces, the masked,
+// decayed scores rounded to the in-type as the next MMA's A operand, the same epilogue, all through
+// fwd_tiles.cuh), so results are expected bitwise equal to v2.
+// Grid: NC * G * splits blocks (splits divides H / G; the slice fastest, so the blocks of one chunk
+// and group share C / B through L2); 128 threads, warp w rows [16 w, 16 w + 16), every P column
+// (PT = P padded to 32 / 64). Only chunk 64 and P <= 64; supported when the layout leaves 2 CTAs per
+// SM (P 64, N 128, in-type z: 106 KB).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include "fwd_tiles.cuh"
 #include "params.h"
 #include "tree_recurrence/kernels/mma.cuh"
 
 namespace tree_recurrence::ssd::fused::kernels {
 namespace {
 namespace mma = tree_recurrence::kernels::mma;
+using tiles::round64;
 
 constexpr int kThreads = 128;
 constexpr int kL = 64;      // the chunk (rows i and keys j)
-constexpr int kPiece = 64;  // N columns per C s^T step
+constexpr int kPiece = 64;  // N columns per C s^T / C B^T step
+// at most this much dynamic shared memory (2 CTAs per SM: 228 KB per SM, 1 KB reserved per CTA)
+constexpr size_t kV3MaxSmem = 112 * 1024;
+// fewer blocks than this and the heads are split over more blocks (the grid fills the GPU)
+constexpr int64_t kMinBlocks = 2048;
 
-__host__ __device__ constexpr int64_t round64(int64_t n) { return (n + 63) / 64 * 64; }
-
-struct GroupSmem {
-  int64_t ldc, c_elems, sb_elems, x_elems;
+struct V3Smem {
+  int64_t ldc, c_elems, sb_elems, x_elems, z_elems, stage_floats;
   size_t bytes;
 };
 // c_s (kL x ldc) | sb[2] (max(PT, kL) x ldc: the states; sb[1] first holds B) | x_s[2] (kL x PT + 8)
-// | lam[2][kL] | dt[2][kL] (fp32) | tok[kL] (int64)
-__host__ __device__ inline GroupSmem group_layout(int64_t N, int PT) {
-  GroupSmem m;
+// | z_s[2] (kL x PT + 8, in-type z only) | stage (kL x PT + 4 fp32) | lam[2][kL] | dt[2][kL] (fp32)
+// | tok[kL] (int64)
+__host__ __device__ inline V3Smem v3_layout(int64_t N, int PT, bool z_tile) {
+  V3Smem m;
   m.ldc = round64(N) + 8;
   m.c_elems = kL * m.ldc;
   m.sb_elems = int64_t(PT > kL ? PT : kL) * m.ldc;
   m.x_elems = int64_t(kL) * (PT + 8);
-  m.bytes = size_t(m.c_elems + 2 * m.sb_elems + 2 * m.x_elems) * 2 + size_t(4 * kL) * sizeof(float) +
-            kL * sizeof(int64_t);
+  m.z_elems = z_tile ? m.x_elems : 0;
+  m.stage_floats = int64_t(kL) * (PT + 4);
+  m.bytes = size_t(m.c_elems + 2 * m.sb_elems + 2 * m.x_elems + 2 * m.z_elems) * 2 +
+            size_t(m.stage_floats + 4 * kL) * sizeof(float) + kL * sizeof(int64_t);
   return m;
 }
 
-__device__ __forceinline__ float silu(float v) {
-  const float e = expf(-fabsf(v));
-  return v >= 0.f ? v / (1.f + e) : v * e / (1.f + e);
-}
-
-template <typename T>
-__device__ __forceinline__ float2 load2(const T* p) {
-  return make_float2(mma::Elem<T>::to_float(p[0]), mma::Elem<T>::to_float(p[1]));
-}
+bool z_tile_of(const FwdParams& p) { return p.z != nullptr && !p.z_fp32; }
 
 template <typename T, int PT>
-__device__ __forceinline__ void chunk_scan_group_body(const FwdParams& p) {
+__global__ void __launch_bounds__(kThreads, 2) chunk_scan_kernel_v3(FwdParams p, int splits) {
   constexpr int NTP = PT / 8;
   constexpr int kLdX = PT + 8;
+  constexpr int kLdStage = PT + 4;
   const int64_t H = p.heads, P = p.head_dim, N = p.state_dim, G = p.groups;
-  const int64_t hpg = H / G;
-  const GroupSmem lay = group_layout(N, PT);
+  const int64_t hpg = H / G, hpb = hpg / splits;
+  const bool z_tile = p.z != nullptr && !p.z_fp32;
+  const V3Smem lay = v3_layout(N, PT, z_tile);
   const int ldc = static_cast<int>(lay.ldc);
   const int NP = ldc - 8;
   extern __shared__ __align__(16) unsigned char smem[];
   T* c_s = reinterpret_cast<T*>(smem);
-  T* sb = c_s + lay.c_elems;              // 2 x sb_elems
-  T* x_s = sb + 2 * lay.sb_elems;         // 2 x x_elems
-  float* lam_s = reinterpret_cast<float*>(x_s + 2 * lay.x_elems);  // 2 x kL
-  float* dt_s = lam_s + 2 * kL;                                     // 2 x kL
-  int64_t* tok_s = reinterpret_cast<int64_t*>(dt_s + 2 * kL);       // kL
+  T* sb = c_s + lay.c_elems;                                    // 2 x sb_elems
+  T* x_s = sb + 2 * lay.sb_elems;                               // 2 x x_elems
+  T* z_s = x_s + 2 * lay.x_elems;                               // 2 x z_elems
+  float* stage = reinterpret_cast<float*>(z_s + 2 * lay.z_elems);  // kL x kLdStage
+  float* lam_s = stage + lay.stage_floats;                      // 2 x kL
+  float* dt_s = lam_s + 2 * kL;                                 // 2 x kL
+  int64_t* tok_s = reinterpret_cast<int64_t*>(dt_s + 2 * kL);   // kL
 
-  const int64_t c = blockIdx.x, g = blockIdx.y;
+  // blockIdx.x = (c * G + g) * splits + slice
+  const int64_t bid = blockIdx.x;
+  const int64_t slice = bid % splits;
+  const int64_t cg = bid / splits;
+  const int64_t g = cg % G, c = cg / G;
+  const int64_t h_first = g * hpg + slice * hpb;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int64_t* gather = p.gather + c * kL;
   if (gather[0] < 0) return;  // an all-padding chunk (uniform over the block)
   for (int r = tid; r < kL; r += kThreads) tok_s[r] = gather[r];
   __syncthreads();
 
-  const T* Cm = static_cast<const T*>(p.C);
-  const T* Bm = static_cast<const T*>(p.B);
+  const T* Cg = static_cast<const T*>(p.C) + g * N;
+  const T* Bg = static_cast<const T*>(p.B) + g * N;
   const T* x = static_cast<const T*>(p.x);
+  const T* zin = static_cast<const T*>(p.z);
   const T* states = static_cast<const T*>(p.states);
   const int CV = NP / 8;
-  // group 1: C and B rows of the chunk (B into sb[1])
-  for (int v = tid; v < kL * CV; v += kThreads) {
-    const int r = v / CV, col = (v % CV) * 8;
-    const int64_t tok = tok_s[r];
-    const bool ok = tok >= 0 && col < N;
-    mma::cp_async_16(c_s + r * ldc + col, ok ? Cm + (tok * G + g) * N + col : Cm, ok ? 16 : 0);
-    mma::cp_async_16(sb + lay.sb_elems + r * ldc + col, ok ? Bm + (tok * G + g) * N + col : Bm, ok ? 16 : 0);
-  }
+  constexpr int XV = PT / 8;
+  // group: C and B rows of the chunk (B into sb[1])
+  tiles::rows_async<kThreads>(c_s, ldc, Cg, G * N, tok_s, kL, CV, N, tid);
+  tiles::rows_async<kThreads>(sb + lay.sb_elems, ldc, Bg, G * N, tok_s, kL, CV, N, tid);
   mma::cp_async_commit();
 
-  // one head's operands into buffer b: Lam, dt (fp32), the state s[c] (P x N), x rows
+  // one head's operands into buffer b: Lam, dt (fp32), the state s[c] (P x N), x rows, z rows
   auto issue_head = [&](int64_t h, int b) {
     const int64_t row0 = (c * H + h) * kL;
     for (int v = tid; v < 2 * (kL / 4); v += kThreads) {
@@ -101,26 +113,14 @@ __device__ __forceinline__ void chunk_scan_group_body(const FwdParams& p) {
       const float* src = (which == 0 ? p.Lam : p.dt) + row0 + k;
       mma::cp_async_16((which == 0 ? lam_s : dt_s) + b * kL + k, src, 16);
     }
-    const T* st = states + (c * H + h) * P * N;
-    T* sdst = sb + b * lay.sb_elems;
-    for (int v = tid; v < PT * CV; v += kThreads) {
-      const int r = v / CV, col = (v % CV) * 8;
-      const bool ok = r < P && col < N;
-      mma::cp_async_16(sdst + r * ldc + col, ok ? st + int64_t(r) * N + col : st, ok ? 16 : 0);
-    }
-    constexpr int XV = PT / 8;
-    T* xdst = x_s + b * lay.x_elems;
-    for (int v = tid; v < kL * XV; v += kThreads) {
-      const int r = v / XV, col = (v % XV) * 8;
-      const int64_t tok = tok_s[r];
-      const bool ok = tok >= 0 && col < P;
-      mma::cp_async_16(xdst + r * kLdX + col, ok ? x + (tok * H + h) * P + col : x, ok ? 16 : 0);
-    }
+    tiles::dense_async<kThreads>(sb + b * lay.sb_elems, ldc, states + (c * H + h) * P * N, N, PT, P, CV, N, tid);
+    tiles::rows_async<kThreads>(x_s + b * lay.x_elems, kLdX, x + h * P, H * P, tok_s, kL, XV, P, tid);
+    if (z_tile) tiles::rows_async<kThreads>(z_s + b * lay.z_elems, kLdX, zin + h * P, H * P, tok_s, kL, XV, P, tid);
     mma::cp_async_commit();
   };
-  issue_head(g * hpg, 0);  // group 2
+  issue_head(h_first, 0);
 
-  // scores C B^T (fp32, this warp's 16 rows x 64 keys), once for the group's heads
+  // scores C B^T (fp32, this warp's 16 rows x 64 keys), once for the slice's heads
   mma::cp_async_wait<1>();
   __syncthreads();
   mma::FragC cb[1][8];
@@ -133,17 +133,18 @@ __device__ __forceinline__ void chunk_scan_group_body(const FwdParams& p) {
 
   T* out = static_cast<T*>(p.out);
   T* y = static_cast<T*>(p.y);
-  const int ri0 = warp * 16 + mma::c_row(lane, 0), ri1 = warp * 16 + mma::c_row(lane, 2);
-  for (int64_t k = 0; k < hpg; ++k) {
+  const int PV = static_cast<int>(P / 8);
+  const int wrow = warp * 16;
+  for (int64_t k = 0; k < hpb; ++k) {
     const int b = static_cast<int>(k & 1);
-    const int64_t h = g * hpg + k;
-    if (k + 1 < hpg) {
+    const int64_t h = h_first + k;
+    if (k + 1 < hpb) {
       issue_head(h + 1, b ^ 1);
       mma::cp_async_wait<1>();
     } else {
       mma::cp_async_wait<0>();
     }
-    __syncthreads();
+    __syncthreads();  // head k's operands (buffer b) visible to every warp
     const float* lam = lam_s + b * kL;
     const float* dtv = dt_s + b * kL;
     const T* sbuf = sb + b * lay.sb_elems;
@@ -154,17 +155,9 @@ __device__ __forceinline__ void chunk_scan_group_body(const FwdParams& p) {
 #pragma unroll
     for (int nt = 0; nt < NTP; ++nt) acc[0][nt].zero();
     for (int n0 = 0; n0 < NP; n0 += kPiece)
-      mma::warp_gemm<T, 1, NTP, kPiece / 16, /*A_ROW=*/true, /*B_KN=*/false>(acc, c_s + warp * 16 * ldc + n0, ldc,
+      mma::warp_gemm<T, 1, NTP, kPiece / 16, /*A_ROW=*/true, /*B_KN=*/false>(acc, c_s + wrow * ldc + n0, ldc,
                                                                              sbuf + n0, ldc);
-    {
-      const float f0 = expf(fminf(lam[ri0], 0.f));
-      const float f1 = expf(fminf(lam[ri1], 0.f));
-#pragma unroll
-      for (int nt = 0; nt < NTP; ++nt) {
-        acc[0][nt].x[0] *= f0, acc[0][nt].x[1] *= f0;
-        acc[0][nt].x[2] *= f1, acc[0][nt].x[3] *= f1;
-      }
-    }
+    tiles::scale_rows<NTP>(acc, lam[wrow + mma::c_row(lane, 0)], lam[wrow + mma::c_row(lane, 2)]);
 
     // 2. the chunk's own tokens: masked, decayed scores times x
 #pragma unroll
@@ -175,9 +168,8 @@ __device__ __forceinline__ void chunk_scan_group_body(const FwdParams& p) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int nt = 2 * kt + half;
-          const int i = warp * 16 + mma::c_row(lane, e);
-          const int j = nt * 8 + mma::c_col(lane, e);
-          s2[half].x[e] = j <= i ? cb[0][nt].x[e] * expf(fminf(lam[i] - lam[j], 0.f)) * dtv[j] : 0.f;
+          s2[half].x[e] = tiles::masked_score(cb[0][nt].x[e], wrow + mma::c_row(lane, e), nt * 8 + mma::c_col(lane, e),
+                                              lam, dtv);
         }
       const mma::FragA a = mma::c_to_a<T>(s2[0], s2[1]);
 #pragma unroll
@@ -189,82 +181,73 @@ __device__ __forceinline__ void chunk_scan_group_body(const FwdParams& p) {
       }
     }
 
-    // 3. D x, the z gate, stores at the tokens' rows
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int r = half ? ri1 : ri0;
+    // 3. this warp's rows: staged (warp-private rows of stage), then D x, the z gate, 16-byte stores
+    tiles::stage_acc<NTP>(stage, kLdStage, wrow, acc, lane);
+    __syncwarp();
+    const T* zbuf = z_s + b * lay.z_elems;
+    for (int v = lane; v < 16 * PV; v += 32) {
+      const int r = wrow + v / PV, col = (v % PV) * 8;
       const int64_t tok = tok_s[r];
       if (tok < 0) continue;
-#pragma unroll
-      for (int nt = 0; nt < NTP; ++nt) {
-        const int64_t col = nt * 8 + mma::c_col(lane, 2 * half);
-        if (col >= P) continue;
-        const int64_t idx = (tok * H + h) * P + col;
-        float y0 = acc[0][nt].x[2 * half], y1 = acc[0][nt].x[2 * half + 1];
-        if (p.D) {
-          const float2 xv = load2(x + idx);
-          y0 += p.D[h * P + col] * xv.x;
-          y1 += p.D[h * P + col + 1] * xv.y;
-        }
-        if (p.z) {
-          if (y) *reinterpret_cast<uint32_t*>(y + idx) = mma::Elem<T>::pack(y0, y1);  // null: not saved (no grad)
-          const float2 zv = p.z_fp32 ? *reinterpret_cast<const float2*>(static_cast<const float*>(p.z) + idx)
-                                     : load2(static_cast<const T*>(p.z) + idx);
-          y0 *= silu(zv.x);
-          y1 *= silu(zv.y);
-        }
-        *reinterpret_cast<uint32_t*>(out + idx) = mma::Elem<T>::pack(y0, y1);
-      }
+      const int64_t idx = (tok * H + h) * P + col;
+      tiles::epilogue8<T>(p, stage + r * kLdStage + col, xbuf + r * kLdX + col, z_tile ? zbuf + r * kLdX + col : nullptr,
+                          p.D ? p.D + h * P + col : nullptr, idx, y, out);
     }
-    __syncthreads();  // buffer b is refilled by the next iteration's issue (head k + 2)
+    // every warp is done with buffer b (refilled by the next iteration's issue, head k + 2) and this
+    // warp with its stage rows (rewritten for head k + 1)
+    __syncthreads();
   }
 }
 
-// P <= 64: ptxas's own choice (no spills, <= 170 registers: 3 blocks per SM); P 128: up to 255
-// registers (the 64-column accumulators and the scores; 1 block per SM by the bound).
-template <typename T, int PT>
-__global__ void __launch_bounds__(kThreads) chunk_scan_group_kernel(FwdParams p) {
-  chunk_scan_group_body<T, PT>(p);
-}
-template <typename T>
-__global__ void __launch_bounds__(kThreads, 1) chunk_scan_group_kernel_wide(FwdParams p) {
-  chunk_scan_group_body<T, 128>(p);
+int splits_of(const FwdParams& p) {
+  const int64_t hpg = p.heads / p.groups;
+  int64_t d = 1;
+  while (d < hpg && p.num_chunks * p.groups * d < kMinBlocks) {
+    ++d;
+    while (hpg % d != 0) ++d;
+  }
+  return static_cast<int>(d);
 }
 
 template <typename T, int PT>
-int launch(const FwdParams& p, cudaStream_t stream) {
-  const GroupSmem lay = group_layout(p.state_dim, PT);
-  void (*kernel)(FwdParams) = nullptr;
-  if constexpr (PT > 64)
-    kernel = chunk_scan_group_kernel_wide<T>;
-  else
-    kernel = chunk_scan_group_kernel<T, PT>;
+int launch_v3(const FwdParams& p, cudaStream_t stream) {
+  const V3Smem lay = v3_layout(p.state_dim, PT, z_tile_of(p));
+  auto kernel = chunk_scan_kernel_v3<T, PT>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(lay.bytes));
   if (err != cudaSuccess) return static_cast<int>(err);
-  const dim3 grid(static_cast<unsigned>(p.num_chunks), static_cast<unsigned>(p.groups));
-  kernel<<<grid, kThreads, lay.bytes, stream>>>(p);
+  const int splits = splits_of(p);
+  const int64_t blocks = p.num_chunks * p.groups * splits;
+  kernel<<<dim3(static_cast<unsigned>(blocks)), kThreads, lay.bytes, stream>>>(p, splits);
   return static_cast<int>(cudaGetLastError());
 }
 
+// P <= 64 only (ssd_chunk_scan_v3_supported): at P 128 the layout leaves 1 CTA per SM; v2 takes it
 template <typename T>
-int by_p(const FwdParams& p, cudaStream_t s) {
-  if (p.head_dim <= 32) return launch<T, 32>(p, s);
-  if (p.head_dim <= 64) return launch<T, 64>(p, s);
-  return launch<T, 128>(p, s);
+int by_p_v3(const FwdParams& p, cudaStream_t s) {
+  if (p.head_dim <= 32) return launch_v3<T, 32>(p, s);
+  return launch_v3<T, 64>(p, s);
 }
 
 }  // namespace
 
-bool ssd_chunk_scan_group_supported(const FwdParams& p) {
-  return p.chunk == kL && fwd_shape_supported(p.chunk, p.head_dim, p.state_dim) && p.groups > 0 &&
-         p.heads % p.groups == 0;
+bool ssd_chunk_scan_v3_supported(const FwdParams& p) {
+  if (p.chunk != kL || !fwd_shape_supported(p.chunk, p.head_dim, p.state_dim) || p.head_dim > 64 || p.groups <= 0 ||
+      p.heads % p.groups != 0)
+    return false;
+  if (v3_layout(p.state_dim, tiles::padded_p(p.head_dim), z_tile_of(p)).bytes > kV3MaxSmem) return false;
+  if (p.num_chunks * p.heads > 2147483647LL) return false;
+  // 16-byte vector access of out / y / z / x rows (P % 8 == 0 by fwd_shape_supported)
+  const void* ptrs[4] = {p.out, p.y, p.z, p.x};
+  for (const void* q : ptrs)
+    if (q && reinterpret_cast<uintptr_t>(q) % 16 != 0) return false;
+  return true;
 }
 
-int ssd_chunk_scan_group_fwd(const FwdParams& p, void* stream) {
-  if (!ssd_chunk_scan_group_supported(p)) return static_cast<int>(cudaErrorInvalidValue);
+int ssd_chunk_scan_fwd_v3(const FwdParams& p, void* stream) {
+  if (!ssd_chunk_scan_v3_supported(p)) return static_cast<int>(cudaErrorInvalidValue);
   if (p.num_chunks == 0) return 0;
   auto s = static_cast<cudaStream_t>(stream);
-  return p.in == InType::BFloat16 ? by_p<__nv_bfloat16>(p, s) : by_p<__half>(p, s);
+  return p.in == InType::BFloat16 ? by_p_v3<__nv_bfloat16>(p, s) : by_p_v3<__half>(p, s);
 }
 
 }  // namespace tree_recurrence::ssd::fused::kernels

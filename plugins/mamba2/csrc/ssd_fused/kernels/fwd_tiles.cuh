@@ -1,0 +1,137 @@
+// Device pieces shared by the fused SSD forward's chunk-scan kernels (ssd_chunk_scan_fwd.cu: v2,
+// ssd_chunk_scan_group_fwd.cu: v3): the cp.async tile loaders (rows at the tokens' positions, dense
+// rows), the masked / decayed score, the row scale by exp(Lam), 8-wide pack / unpack and the 16-byte
+// epilogue (D x, y saved pre-gate, the z gate, out). One definition, so the kernels' arithmetic is
+// the same expression in each (their outputs are expected bitwise equal). CUDA only; include from
+// .cu files after params.h.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "params.h"
+#include "tree_recurrence/kernels/mma.cuh"
+
+namespace tree_recurrence::ssd::fused::kernels::tiles {
+namespace mma = tree_recurrence::kernels::mma;
+
+__host__ __device__ constexpr int64_t round64(int64_t n) { return (n + 63) / 64 * 64; }
+
+__device__ __forceinline__ float silu(float v) {
+  // v * sigmoid(v), exponentiating only non-positive numbers
+  const float e = expf(-fabsf(v));
+  return v >= 0.f ? v / (1.f + e) : v * e / (1.f + e);
+}
+
+// rows x (vecs * 8) elements into dst (pitch ld): row r from src + tok[r] * stride (tok[r] < 0: a
+// pad row, zero-filled), columns >= width zero-filled. NT threads share the copies; one commit
+// group is the caller's.
+template <int NT, typename T>
+__device__ __forceinline__ void rows_async(T* dst, int ld, const T* src, int64_t stride, const int64_t* tok, int rows,
+                                           int vecs, int64_t width, int tid) {
+  for (int v = tid; v < rows * vecs; v += NT) {
+    const int r = v / vecs, col = (v % vecs) * 8;
+    const int64_t t = tok[r];
+    const bool ok = t >= 0 && col < width;
+    mma::cp_async_16(dst + r * ld + col, ok ? src + t * stride + col : src, ok ? 16 : 0);
+  }
+}
+
+// rows x (vecs * 8) elements of a dense row-major matrix (pitch src_ld) into dst (pitch ld); rows >=
+// valid_rows and columns >= width zero-filled.
+template <int NT, typename T>
+__device__ __forceinline__ void dense_async(T* dst, int ld, const T* src, int64_t src_ld, int rows, int64_t valid_rows,
+                                            int vecs, int64_t width, int tid) {
+  for (int v = tid; v < rows * vecs; v += NT) {
+    const int r = v / vecs, col = (v % vecs) * 8;
+    const bool ok = r < valid_rows && col < width;
+    mma::cp_async_16(dst + r * ld + col, ok ? src + int64_t(r) * src_ld + col : src, ok ? 16 : 0);
+  }
+}
+
+// <C_i, B_j> masked to j <= i and times exp(min(Lam_i - Lam_j, 0)) dt_j
+__device__ __forceinline__ float masked_score(float s, int i, int j, const float* lam, const float* dt) {
+  return j <= i ? s * expf(fminf(lam[i] - lam[j], 0.f)) * dt[j] : 0.f;
+}
+
+// the accumulator rows (c_row 0 / 8 of this lane) times exp(min(Lam, 0)) of rows lam_r0 / lam_r1
+template <int NTP>
+__device__ __forceinline__ void scale_rows(mma::FragC (&acc)[1][NTP], float lam_r0, float lam_r1) {
+  const float f0 = expf(fminf(lam_r0, 0.f));
+  const float f1 = expf(fminf(lam_r1, 0.f));
+#pragma unroll
+  for (int nt = 0; nt < NTP; ++nt) {
+    acc[0][nt].x[0] *= f0, acc[0][nt].x[1] *= f0;
+    acc[0][nt].x[2] *= f1, acc[0][nt].x[3] *= f1;
+  }
+}
+
+// this warp's 16 x (NTP * 8) fp32 accumulators into stage (pitch ld floats), rows row0 + c_row
+template <int NTP>
+__device__ __forceinline__ void stage_acc(float* stage, int ld, int row0, const mma::FragC (&acc)[1][NTP], int lane) {
+#pragma unroll
+  for (int nt = 0; nt < NTP; ++nt)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = row0 + mma::c_row(lane, 2 * half);
+      const int col = nt * 8 + mma::c_col(lane, 2 * half);
+      *reinterpret_cast<float2*>(stage + r * ld + col) = make_float2(acc[0][nt].x[2 * half], acc[0][nt].x[2 * half + 1]);
+    }
+}
+
+template <typename T>
+__device__ __forceinline__ void unpack8(const uint4& v, float (&f)[8]) {
+  const T* e = reinterpret_cast<const T*>(&v);
+#pragma unroll
+  for (int k = 0; k < 8; ++k) f[k] = mma::Elem<T>::to_float(e[k]);
+}
+template <typename T>
+__device__ __forceinline__ uint4 pack8(const float (&f)[8]) {
+  uint4 v;
+  v.x = mma::Elem<T>::pack(f[0], f[1]);
+  v.y = mma::Elem<T>::pack(f[2], f[3]);
+  v.z = mma::Elem<T>::pack(f[4], f[5]);
+  v.w = mma::Elem<T>::pack(f[6], f[7]);
+  return v;
+}
+
+// 8 output columns of one row: f (fp32, from a staged accumulator row) + D x, y = that (saved when
+// y is given and z is), out = y silu(z) (z given) else y; 16-byte stores at element idx of y / out.
+// x8: the row's x values (shared memory); z8: the row's in-type z values (global or shared memory;
+// used when z is given and not fp32; fp32 z is read from p.z at idx); Dh: D + h * P + col.
+template <typename T>
+__device__ __forceinline__ void epilogue8(const FwdParams& p, const float* stage_row, const T* x8, const T* z8,
+                                          const float* Dh, int64_t idx, T* y, T* out) {
+  float f[8];
+  {
+    const float4 a0 = *reinterpret_cast<const float4*>(stage_row);
+    const float4 a1 = *reinterpret_cast<const float4*>(stage_row + 4);
+    f[0] = a0.x, f[1] = a0.y, f[2] = a0.z, f[3] = a0.w, f[4] = a1.x, f[5] = a1.y, f[6] = a1.z, f[7] = a1.w;
+  }
+  if (Dh) {
+    float xv[8];
+    unpack8<T>(*reinterpret_cast<const uint4*>(x8), xv);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) f[k] += Dh[k] * xv[k];
+  }
+  if (p.z) {
+    if (y) *reinterpret_cast<uint4*>(y + idx) = pack8<T>(f);  // null: not saved (no grad)
+    float zv[8];
+    if (p.z_fp32) {
+      const float4* zp = reinterpret_cast<const float4*>(static_cast<const float*>(p.z) + idx);
+      const float4 z0 = zp[0], z1 = zp[1];
+      zv[0] = z0.x, zv[1] = z0.y, zv[2] = z0.z, zv[3] = z0.w, zv[4] = z1.x, zv[5] = z1.y, zv[6] = z1.z, zv[7] = z1.w;
+    } else {
+      unpack8<T>(*reinterpret_cast<const uint4*>(z8), zv);
+    }
+#pragma unroll
+    for (int k = 0; k < 8; ++k) f[k] *= silu(zv[k]);
+  }
+  *reinterpret_cast<uint4*>(out + idx) = pack8<T>(f);
+}
+
+inline int padded_p(int64_t P) { return P <= 32 ? 32 : P <= 64 ? 64 : 128; }
+
+}  // namespace tree_recurrence::ssd::fused::kernels::tiles
