@@ -356,3 +356,87 @@ def test_extreme_gates(name):
              ("final", "dA_log-like", per_head(gA, wA), max(TOL, 1.25 * floor_dA))]
     bad = report(name, rows)
     assert not bad, f"{name}: extreme-gate gradients over tolerance: {bad}"
+
+
+# ---- wy_bwd.cu version 2 (default) vs version 1 (TREE_RECURRENCE_GDN_WY_V1=1, read once per process: a subprocess)
+# Version 2 takes dA = -dvb v_new^T (version 1: -(dvb u^T + dkb w^T) with u recomputed and dkb rounded to the
+# in-type), keeps dkb in fp32 and sums W2 and the reverse cumsum in another fixed order: the stages before (c)
+# and dq are bit for bit the same, dv (the same Ainv^T dv_total, zero blocks skipped) within 1e-3, the rest of
+# (c)'s outputs within STAGE_TOL of version 1, and each version within STAGE_TOL of the float64 stage-c twin.
+
+WY_CASES = {
+    # GRPO-like dims (K = V = 128, grouped heads, a prompt with completions, chunk boundaries mid-segment)
+    "wy_grpo_like": dict(spec=[(-1, 150), (0, 60), (0, 60), (0, 70), (0, 45)], h0="none", K=128, V=128, HK=2, HV=4),
+    "wy_grpo_like_fp16": dict(spec=[(-1, 150), (0, 60), (0, 60), (0, 70), (0, 45)], h0="shared", K=128, V=128, HK=2,
+                              HV=4, dtype=torch.float16),
+    "wy_strong": dict(CASES["strong"]),
+    "wy_pad": dict(CASES["grouped_no_l2"]),
+    "wy_one_token": dict(CASES["one_token"]),
+}
+
+_WY_SCRIPT = r"""
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+from test_gdn_fused_bwd_gpu import WY_CASES, setup_case, run_stages, NAMES
+out = {}
+for name, cfg in WY_CASES.items():
+    got = run_stages(setup_case(**cfg))
+    out[name] = {n: got[n].cpu() for n in NAMES}
+torch.save(out, sys.argv[2])
+"""
+
+_WY_SAME = ["dv_local", "q_g", "do_c", "grad_state_out", "dv_total", "d_root", "dq_hv", "dk_b", "dG_b", "dq",
+            "d_initial_state"]
+
+
+def _stage_c_want(case, got):
+    x = case["x64"]
+    inp = bref.inputs(x["grad"], x["q"], x["k"], x["v"], x["g"], x["beta"], case["tabs_cpu"], 0.0, case["l2norm"])
+    sv = {n: c64(t) for n, t in case["saved"].items()}
+    return bref.stage_c(inp["kc"], inp["vc"], inp["bc"], sv["G"], sv["Ainv"], sv["w"], sv["h"], c64(got["dv_total"]),
+                        c64(got["dk_b"]), c64(got["dG_b"]))
+
+
+def test_wy_v2_against_v1(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    if not hasattr(plugins.ops(FAMILY), "gdn_fused_backward_stages"):
+        pytest.skip("this build has no gdn_fused_backward_stages op")
+    assert os.environ.get("TREE_RECURRENCE_GDN_WY_V1") is None, "unset TREE_RECURRENCE_GDN_WY_V1 to run this test"
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = str(tmp_path / "wy_v1.pt")
+    env = dict(os.environ, TREE_RECURRENCE_GDN_WY_V1="1")
+    res = subprocess.run([sys.executable, "-c", _WY_SCRIPT, here, path], env=env, cwd=here, capture_output=True,
+                         text=True, timeout=900)
+    assert res.returncode == 0, f"version-1 subprocess failed:\n{res.stdout}\n{res.stderr}"
+    old_all = torch.load(path)
+    bad = []
+    for name, cfg in WY_CASES.items():
+        case = setup_case(**cfg)
+        new, new2 = run_stages(case), run_stages(case)
+        new = {n: t.cpu() for n, t in new.items()}
+        old = old_all[name]
+        rows = []
+        for n in NAMES:
+            if new[n].numel() == 0 and old[n].numel() == 0:
+                continue
+            same = torch.equal(new[n], old[n])
+            print(f"{name} {n:>16} v2 vs v1 bitwise {same}  rel RMS {rel_rms(new[n], old[n]):.3e}")
+            if n in _WY_SAME:
+                if not same:
+                    bad.append(f"{name}/{n} not bitwise")
+            else:
+                rows.append(("v2-v1", n, rel_rms(new[n], old[n]), 1e-3 if n == "dv" else STAGE_TOL))
+            if not torch.equal(new2[n].cpu(), new[n]):
+                bad.append(f"{name}/{n} two runs of version 2 differ")
+        scatter = case["tabs_cpu"][1]
+        for label, got in (("v2", new), ("v1", old)):
+            want = _stage_c_want(case, got)
+            rows += [(label, "dk_hv", rel_rms(got["dk_hv"], want["dk_hv"]), STAGE_TOL),
+                     (label, "dG", rel_rms(got["dG"], want["dG"]), STAGE_TOL),
+                     (label, "dv", rel_rms(got["dv"], bref._tokens(want["dv_c"], scatter)), STAGE_TOL),
+                     (label, "dbeta", rel_rms(got["dbeta"], bref._tokens(want["dbeta_c"], scatter)), STAGE_TOL)]
+        bad += report(name, rows)
+    assert not bad, f"wy version 2 vs version 1: {bad}"
