@@ -215,9 +215,8 @@ def test_interim_backward_is_the_composites(name, monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------------
-# CUDA: version 2 of prep_fwd (16 x 16 block inverse) and out_fwd (pipelined loads) against
-# version 1 (TREE_RECURRENCE_GDN_PREP_V1=1 / TREE_RECURRENCE_GDN_OUT_V1=1, read once per process:
-# the old versions run in a subprocess)
+# CUDA: prep_fwd version 2 (16 x 16 block inverse, the default) against version 1 (column-wise
+# substitution, TREE_RECURRENCE_GDN_PREP_V1=1, read once per process: it runs in a subprocess)
 # ------------------------------------------------------------------------------------------------
 
 _V1_SCRIPT = r"""
@@ -237,39 +236,31 @@ V1_CASES = ["around_chunk_strong:bf16", "long_8k_strong:bf16", "k24_v88_groups3:
 PREP_SAME = ["G", "kd", "decay", "rq", "rk"]  # phases the versions share: bit for bit
 
 
-def _run_versions(tmp_path, env_extra):
-    import os
+def _run_prep_v1(tmp_path):
     import subprocess
     import sys
 
     here = os.path.dirname(os.path.abspath(__file__))
-    path = str(tmp_path / ("v1_" + "_".join(sorted(env_extra)) + ".pt"))
-    env = dict(os.environ, **env_extra)
+    path = str(tmp_path / "prep_v1.pt")
+    env = dict(os.environ, TREE_RECURRENCE_GDN_PREP_V1="1")
     res = subprocess.run([sys.executable, "-c", _V1_SCRIPT, here, path, ",".join(V1_CASES)], env=env, cwd=here,
                          capture_output=True, text=True, timeout=900)
-    assert res.returncode == 0, f"version-1 subprocess failed ({env_extra}):\n{res.stdout}\n{res.stderr}"
+    assert res.returncode == 0, f"version-1 subprocess failed:\n{res.stdout}\n{res.stderr}"
     return torch.load(path)
 
 
 @cuda
-def test_v2_kernels_against_v1(tmp_path):
-    for n in ("TREE_RECURRENCE_GDN_PREP_V1", "TREE_RECURRENCE_GDN_PREP_V2", "TREE_RECURRENCE_GDN_OUT_V1"):
-        assert os.environ.get(n) is None, f"unset {n} to run this test (the new kernels run in this process)"
-    both_v1 = _run_versions(tmp_path, {"TREE_RECURRENCE_GDN_PREP_V1": "1", "TREE_RECURRENCE_GDN_OUT_V1": "1"})
-    prep_v1 = _run_versions(tmp_path, {"TREE_RECURRENCE_GDN_PREP_V1": "1"})  # out version 2 on prep version 1
-    # prep version 2 is opt-in (racecheck hazards, see prep_fwd.cu): it runs in a subprocess too
-    both_v2 = _run_versions(tmp_path, {"TREE_RECURRENCE_GDN_PREP_V2": "1"})
+def test_prep_v2_against_v1(tmp_path):
+    assert os.environ.get("TREE_RECURRENCE_GDN_PREP_V1") is None, \
+        "unset TREE_RECURRENCE_GDN_PREP_V1 to run this test (version 2 runs in this process)"
+    old_all = _run_prep_v1(tmp_path)
     bad = []
     for key in V1_CASES:
         name, dt = key.split(":")
         c = make_case(name, DTYPES[dt], seed=5)
-        new = both_v2[key]
-        old, mixed = both_v1[key], prep_v1[key]
-        # out version 2 vs 1 on the same prep (version 1): the same math in the same order, bit for bit
-        o_same = torch.equal(mixed["o"], old["o"])
-        print(f"\n{key}: out v2 vs v1 (prep v1) bitwise {o_same}, rel RMS {rel_rms(mixed['o'], old['o']):.3e}")
-        if not o_same:
-            bad.append((key, "out v2 != out v1"))
+        new = {n: t.cpu() for n, t in call_stages(c).items()}
+        old = old_all[key]
+        print(f"\n{key}: prep v2 (this process) vs v1 (subprocess)")
         for n in STAGES:
             e = rel_rms(new[n], old[n])
             same = torch.equal(new[n], old[n])
@@ -278,65 +269,8 @@ def test_v2_kernels_against_v1(tmp_path):
                 bad.append((key, n, "not bitwise"))
             elif e > EXACT_TOL[n]:  # rounding flips of Ainv / w / u and what follows from them
                 bad.append((key, n, e))
-        # and the new versions against float64 (the other tests do this on every case too)
+        # and version 2 against float64 (the other tests do this on every case too)
         report = stage_report({n: t.cuda() for n, t in new.items()}, c, DTYPES[dt])
         print_report(f"{key} v2", report)
         bad += [(key, n, r) for n, r in report.items() if r[0] > EXACT_TOL[n] or r[1] > LOCAL_TOL[n]]
-    assert not bad, f"version 2 vs version 1: {bad}"
-
-
-_DV_SCRIPT = r"""
-import sys, torch
-sys.path.insert(0, sys.argv[1])
-from test_gdn_fused_gpu import DV_CASES, make_case, bwd_stages, DTYPES
-out = {}
-for key in DV_CASES:
-    name, dt = key.split(":")
-    out[key] = [t.cpu() for t in bwd_stages(make_case(name, DTYPES[dt], seed=6))]
-torch.save(out, sys.argv[2])
-"""
-
-DV_CASES = ["around_chunk_strong:bf16", "k24_v88_groups3:fp16", "wide_k16:bf16", "deep_k128:bf16", "forest_no_l2:fp16"]
-
-
-def bwd_stages(c):
-    """gdn_fused_backward_stages (the fused backward's stage outputs, dv_local, q_g, do_c first) on the
-    fused forward's own saved buffers."""
-    x = c["x"]
-    st = call_stages(c)
-    return _ops().gdn_fused_backward_stages(x["grad"], x["q"], x["k"], x["v"], x["g"], x["beta"], *c["tabs"], c["init"],
-                                            c["scale"], c["l2norm"], st["G"], st["Ainv"], st["w"], st["kd"], st["h"],
-                                            st["v_new"], st["rq"], st["rk"])
-
-
-@cuda
-def test_dv_local_v2_against_v1(tmp_path):
-    # dv_local version 2 (default) vs version 1 (TREE_RECURRENCE_GDN_DV_V1=1, in a subprocess): the same
-    # math in the same order, so every backward stage is bit for bit the same
-    import subprocess
-    import sys
-
-    if not hasattr(_ops(), "gdn_fused_backward_stages"):
-        pytest.skip("this build has no gdn_fused_backward_stages op")
-    assert os.environ.get("TREE_RECURRENCE_GDN_DV_V1") is None, "unset TREE_RECURRENCE_GDN_DV_V1 to run this test"
-    here = os.path.dirname(os.path.abspath(__file__))
-    path = str(tmp_path / "dv_v1.pt")
-    env = dict(os.environ, TREE_RECURRENCE_GDN_DV_V1="1")
-    res = subprocess.run([sys.executable, "-c", _DV_SCRIPT, here, path], env=env, cwd=here, capture_output=True,
-                         text=True, timeout=900)
-    assert res.returncode == 0, f"version-1 subprocess failed:\n{res.stdout}\n{res.stderr}"
-    old_all = torch.load(path)
-    bad = []
-    for key in DV_CASES:
-        name, dt = key.split(":")
-        new = [t.cpu() for t in bwd_stages(make_case(name, DTYPES[dt], seed=6))]
-        old = old_all[key]
-        for i, (a, b) in enumerate(zip(new, old)):
-            if a.numel() == 0 and b.numel() == 0:
-                continue
-            same = torch.equal(a, b)
-            label = ["dv_local", "q_g", "do_c"][i] if i < 3 else f"stage {i}"
-            print(f"{key} {label:10s} v2 vs v1 bitwise {same}  rel RMS {rel_rms(a, b):.3e}")
-            if not same:
-                bad.append((key, label))
-    assert not bad, f"dv_local v2 differs from v1: {bad}"
+    assert not bad, f"prep version 2 vs version 1: {bad}"

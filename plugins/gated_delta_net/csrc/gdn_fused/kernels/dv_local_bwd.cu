@@ -1,119 +1,19 @@
 // (a) of the fused GDN backward, per (chunk, value head), before the reverse state pass:
 //   dv_local_j = sum_{i >= j} exp(G_i - G_j) <q^_i, k^_j> dO_i   (Pt = (E * q^ k^T)^T, then Pt dO)
 //   q_g = exp(G) q^ and dO in chunk-major layout (the pass reads both).
-#include <cstdlib>
-
 #include "common_bwd.cuh"
 
 namespace tree_recurrence::gdn::fused::kernels {
 namespace bwd {
 namespace {
 
-// 8 warps per CTA (about 61 KB of shared memory at K = V = 128: 3 CTAs per SM); tiles by
-// cp.async; q_g, dO and dv_local stored 16 / 4 bytes at a time.
+// 8 warps per CTA, about 53 KB of shared memory at K = V = 128 (4 CTAs per SM, <= 64 registers);
+// tiles by cp.async; Pt is computed into registers and, after a barrier, written over the dead
+// q^ / k^ rows; dv_local is staged in the dead dO rows and leaves with 16-byte stores, q_g and dO
+// 16 bytes at a time.
 constexpr int kDvWarps = 8;
 constexpr int kDvThreads = kDvWarps * 32;
 
-template <typename T>
-__global__ void __launch_bounds__(kDvThreads) dv_local_kernel(GdnBwdParams p) {
-  extern __shared__ __align__(16) char smem_raw[];
-  const int64_t c = blockIdx.x, hv = blockIdx.y;
-  const int64_t HV = p.hv, HK = p.hk, hk = hv / (HV / HK);
-  const int K = static_cast<int>(p.k_dim), V = static_cast<int>(p.v_dim);
-  const int Kp = round16(K), Vp = round16(V), ldk = pitch_of(Kp), ldv = pitch_of(Vp);
-  Smem sm{smem_raw};
-  T* qh = sm.take<T>(C * ldk);
-  T* kh = sm.take<T>(C * ldk);
-  T* dO = sm.take<T>(C * ldv);
-  T* Pt = sm.take<T>(C * kPitchC);
-  float* G = sm.take<float>(C);
-  float* rqs = sm.take<float>(C);  // scale * rq of the row's token (0 for padding rows)
-  float* rks = sm.take<float>(C);
-  int64_t* tok = sm.take<int64_t>(C);
-
-  const int64_t ch = c * HV + hv;  // (chunk, head) tile index
-  for (int i = threadIdx.x; i < C; i += blockDim.x) {
-    G[i] = p.G[ch * C + i];
-    const int64_t t = p.gather[c * C + i];
-    tok[i] = t;
-    rqs[i] = t >= 0 ? p.rq[t * HK + hk] * p.scale : 0.f;
-    rks[i] = t >= 0 ? p.rk[t * HK + hk] * 1.f : 0.f;
-  }
-  __syncthreads();
-  async_token_rows<T>(qh, ldk, static_cast<const T*>(p.q), tok, HK, hk, K, Kp);
-  async_token_rows<T>(kh, ldk, static_cast<const T*>(p.k), tok, HK, hk, K, Kp);
-  async_token_rows<T>(dO, ldv, static_cast<const T*>(p.grad_o), tok, HV, hv, V, Vp);
-  mma::cp_async_commit();
-  mma::cp_async_wait<0>();
-  __syncthreads();
-  scale_rows<T>(qh, ldk, Kp, rqs);  // q^ = scale rq q
-  scale_rows<T>(kh, ldk, Kp, rks);  // k^ = rk k
-  __syncthreads();
-
-  // q_g and dO chunk-major (q_g from the rounded q^, times exp(G_i) <= 1), 8 elements a store.
-  {
-    T* qg = static_cast<T*>(p.q_g) + ch * C * K;
-    for (int idx = threadIdx.x; idx < C * (K / 8); idx += blockDim.x) {
-      const int i = idx / (K / 8), c8 = (idx % (K / 8)) * 8;
-      uint4 val = *reinterpret_cast<const uint4*>(qh + i * ldk + c8);
-      const float eg = expf(G[i]);
-      T* e = reinterpret_cast<T*>(&val);
-#pragma unroll
-      for (int m = 0; m < 8; ++m) e[m] = mma::Elem<T>::from_float(mma::Elem<T>::to_float(e[m]) * eg);
-      *reinterpret_cast<uint4*>(qg + i * K + c8) = val;
-    }
-    T* doc = static_cast<T*>(p.do_c) + ch * C * V;
-    for (int idx = threadIdx.x; idx < C * (V / 8); idx += blockDim.x) {
-      const int i = idx / (V / 8), c8 = (idx % (V / 8)) * 8;
-      *reinterpret_cast<uint4*>(doc + i * V + c8) = *reinterpret_cast<const uint4*>(dO + i * ldv + c8);
-    }
-  }
-
-  const int warp = threadIdx.x / 32;
-  // Pt(j, i) = exp(G_i - G_j) <k^_j, q^_i> for i >= j, else 0.
-  for (int t = warp; t < (C / 16) * (C / 16); t += kDvWarps) {
-    const int r0 = (t / (C / 16)) * 16, c0 = (t % (C / 16)) * 16;
-    FragC acc[1][2];
-    zero(acc);
-    if (c0 + 15 >= r0) tile_mma<T, true, false>(acc, kh, ldk, qh, ldk, r0, c0, Kp / 16);
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int j = el_row(r0, e), i = el_col(c0, nt, e);
-        const float val = i >= j ? acc[0][nt].x[e] * expf(G[i] - G[j]) : 0.f;
-        Pt[j * kPitchC + i] = mma::Elem<T>::from_float(val);
-      }
-  }
-  __syncthreads();
-  // dv_local = Pt dO.
-  T* out = static_cast<T*>(p.dv_local) + ch * C * V;
-  for (int t = warp; t < (C / 16) * (Vp / 16); t += kDvWarps) {
-    const int r0 = (t / (Vp / 16)) * 16, c0 = (t % (Vp / 16)) * 16;
-    FragC acc[1][2];
-    zero(acc);
-    tile_mma<T, true, true>(acc, Pt, kPitchC, dO, ldv, r0, c0, C / 16);
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; e += 2) {  // (e, e + 1): adjacent columns, col even, V a multiple of 8
-        const int j = el_row(r0, e), col = el_col(c0, nt, e);
-        if (col < V)
-          *reinterpret_cast<uint32_t*>(out + j * V + col) = mma::Elem<T>::pack(acc[0][nt].x[e], acc[0][nt].x[e + 1]);
-      }
-  }
-}
-
-size_t dv_local_smem(const GdnBwdParams& p) {
-  const int ldk = pitch_of(round16(static_cast<int>(p.k_dim))), ldv = pitch_of(round16(static_cast<int>(p.v_dim)));
-  return 2 * smem_bytes<uint16_t>(C * ldk) + smem_bytes<uint16_t>(C * ldv) + smem_bytes<uint16_t>(C * kPitchC) +
-         3 * smem_bytes<float>(C) + smem_bytes<int64_t>(C);
-}
-
-// Version 2 (the default; TREE_RECURRENCE_GDN_DV_V1=1 gives version 1 above): the same math in the
-// same order (bit for bit the same dv_local, q_g, do_c) in about 53 KB at K = V = 128 (4 CTAs per
-// SM, <= 64 registers): Pt is computed into registers and, after a barrier, written over the dead
-// q^ / k^ rows; dv_local is staged in the dead dO rows and leaves with 16-byte stores.
 __host__ __device__ inline size_t bytes16(size_t n) { return (n + 15) / 16 * 16; }
 // bytes of the q^ / k^ region (later Pt): 2 tiles of C x ldk in-type elements, at least C x kPitchC
 __host__ __device__ inline size_t dv_qk_region(int64_t k_dim) {
@@ -121,13 +21,13 @@ __host__ __device__ inline size_t dv_qk_region(int64_t k_dim) {
   const size_t qk = 2 * bytes16(2 * static_cast<size_t>(C) * ldk), pt = bytes16(2 * static_cast<size_t>(C) * kPitchC);
   return qk > pt ? qk : pt;
 }
-size_t dv_local_smem_v2(const GdnBwdParams& p) {
+size_t dv_local_smem(const GdnBwdParams& p) {
   const int ldv = pitch_of(round16(static_cast<int>(p.v_dim)));
   return dv_qk_region(p.k_dim) + smem_bytes<uint16_t>(C * ldv) + 3 * smem_bytes<float>(C) + smem_bytes<int64_t>(C);
 }
 
 template <typename T>
-__global__ void __launch_bounds__(kDvThreads, 4) dv_local_kernel_v2(GdnBwdParams p) {
+__global__ void __launch_bounds__(kDvThreads, 4) dv_local_kernel(GdnBwdParams p) {
   extern __shared__ __align__(16) char smem_raw[];
   const int64_t c = blockIdx.x, hv = blockIdx.y;
   const int64_t HV = p.hv, HK = p.hk, hk = hv / (HV / HK);
@@ -243,33 +143,13 @@ __global__ void __launch_bounds__(kDvThreads, 4) dv_local_kernel_v2(GdnBwdParams
   }
 }
 
-// TREE_RECURRENCE_GDN_DV_V1=1 (read once): version 1.
-bool dv_use_v1() {
-  static const bool on = [] {
-    const char* e = std::getenv("TREE_RECURRENCE_GDN_DV_V1");
-    return e != nullptr && e[0] == '1';
-  }();
-  return on;
-}
-
-template <typename T>
-const char* launch_v2(const GdnBwdParams& p, void* stream) {
-  const size_t bytes = dv_local_smem_v2(p);
-  cudaError_t e = cudaFuncSetAttribute(dv_local_kernel_v2<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
-  if (e != cudaSuccess) return cudaGetErrorString(e);
-  e = cudaFuncSetAttribute(dv_local_kernel_v2<T>, cudaFuncAttributePreferredSharedMemoryCarveout, 100);
-  if (e != cudaSuccess) return cudaGetErrorString(e);
-  dv_local_kernel_v2<T><<<dim3(static_cast<unsigned>(p.num_chunks), static_cast<unsigned>(p.hv)), kDvThreads, bytes,
-                          static_cast<cudaStream_t>(stream)>>>(p);
-  return launch_error();
-}
-
 template <typename T>
 const char* launch(const GdnBwdParams& p, void* stream) {
   if (p.num_chunks == 0) return "";
-  if (!dv_use_v1()) return launch_v2<T>(p, stream);
   const size_t bytes = dv_local_smem(p);
   cudaError_t e = cudaFuncSetAttribute(dv_local_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+  if (e != cudaSuccess) return cudaGetErrorString(e);
+  e = cudaFuncSetAttribute(dv_local_kernel<T>, cudaFuncAttributePreferredSharedMemoryCarveout, 100);
   if (e != cudaSuccess) return cudaGetErrorString(e);
   dv_local_kernel<T><<<dim3(static_cast<unsigned>(p.num_chunks), static_cast<unsigned>(p.hv)), kDvThreads, bytes,
                        static_cast<cudaStream_t>(stream)>>>(p);

@@ -1,4 +1,5 @@
-// Device helpers shared by prep_fwd.cu and out_fwd.cu (CUDA only, no ATen).
+// Device helpers shared by prep_fwd.cu and out_fwd.cu (CUDA only, no ATen): the tile grid, the
+// gathered and the contiguous row copies (cp.async), the in-place l2norm of the rows, 8-element packs.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -31,66 +32,62 @@ __device__ __forceinline__ uint4 pack8(const float (&f)[8]) {
   return r;
 }
 
-// Loads the chunk's q (or k) rows of key head hk into shared memory sX (64 x ld, columns 0..127
-// written: zeros past K and for pad rows), each row times its factor. Half a warp per row (16
-// lanes x 8 elements = 128 >= K), 16-byte loads. With `norms` the factor is
-// rsqrt(sum x^2 + 1e-6) * mult (else mult); the norm factor (1 without `norms`) is written to
-// norm_out[token * HK + hk] when norm_out is set.
-template <typename T>
-__device__ __forceinline__ void load_rows_scaled(T* sX, int ld, const T* __restrict__ x, const int64_t* sTok, int HK, int hk,
-                                                 int K, bool norms, float mult,
-                                                 float* __restrict__ norm_out) {
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, hl = lane & 15;
-  const int nwarps = blockDim.x >> 5;
-  for (int r0 = warp * 2; r0 < kChunk; r0 += nwarps * 2) {
-    const int row = r0 + (lane >> 4);
-    const int64_t tok = sTok[row];
-    float f[8];
-    const bool in_row = tok >= 0 && hl * 8 < K;
-    if (in_row) {
-      const uint4 raw = *reinterpret_cast<const uint4*>(x + (tok * HK + hk) * static_cast<int64_t>(K) + hl * 8);
-      unpack8<T>(raw, f);
-    } else {
+// The (chunk, value head) tiles' grid, value head fastest (blockIdx.x = hv; chunk = tile_chunk()):
+// the blocks resident at once cover every head of a few consecutive chunks, so they read the
+// gathered token rows (T, H, D) as whole contiguous rows, the value heads of one key head read its
+// q / k rows at the same time (the second read hits L2), and the chunk-major tiles (NC, HV, ..) are
+// written in sequence. Chunks past 65535 go to blockIdx.z; a block with tile_chunk() >= NC returns.
+inline dim3 tile_grid(int64_t num_chunks, int heads) {
+  const int64_t y = num_chunks < 65535 ? num_chunks : 65535;
+  return dim3(static_cast<unsigned>(heads), static_cast<unsigned>(y), static_cast<unsigned>((num_chunks + 65534) / 65535));
+}
+__device__ __forceinline__ int64_t tile_chunk() { return static_cast<int64_t>(blockIdx.z) * 65535 + blockIdx.y; }
+
+// The chunk's gathered rows, as NT threads copy them: thread tid copies columns 8 (tid % 16).. of
+// rows tid / 16 + n NT / 16 (n < kPer). load() reads those rows' token ids from the plan's gather
+// row (global) into registers, so the row copies need no shared-memory table and no barrier first.
+template <int NT>
+struct ChunkRows {
+  static constexpr int kPer = kChunk * (kMaxDim / 8) / NT;
+  int64_t tok[kPer];
+
+  __device__ __forceinline__ void load(const int64_t* __restrict__ gather_row) {
 #pragma unroll
-      for (int i = 0; i < 8; ++i) f[i] = 0.f;
+    for (int n = 0; n < kPer; ++n) tok[n] = gather_row[(threadIdx.x >> 4) + n * (NT / 16)];
+  }
+  // cp.async copies of the rows of head `head` of x (T, H, D) into sX (64 x ld, columns 0..127
+  // written: zeros past D and for pad rows, token < 0), 16 bytes each; the caller commits and waits.
+  template <typename T>
+  __device__ __forceinline__ void copy(T* sX, int ld, const T* __restrict__ x, int H, int head, int D) const {
+    const int c8 = threadIdx.x & 15;
+#pragma unroll
+    for (int n = 0; n < kPer; ++n) {
+      const int row = (threadIdx.x >> 4) + n * (NT / 16);
+      const bool ok = tok[n] >= 0 && c8 * 8 < D;
+      const T* src = ok ? x + (tok[n] * H + head) * static_cast<int64_t>(D) + c8 * 8 : x;
+      mm::cp_async_16(sX + row * ld + c8 * 8, src, ok ? 16 : 0);
     }
-    float r = 1.f;
-    if (norms) {
-      float ss = 0.f;
-#pragma unroll
-      for (int i = 0; i < 8; ++i) ss = fmaf(f[i], f[i], ss);
-#pragma unroll
-      for (int off = 8; off >= 1; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
-      r = rsqrtf(ss + 1e-6f);
-    }
-    if (norm_out != nullptr && hl == 0 && tok >= 0) norm_out[tok * HK + hk] = r;
-    const float factor = r * mult;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) f[i] *= factor;
-    *reinterpret_cast<uint4*>(sX + row * ld + hl * 8) = pack8<T>(f);
+  }
+};
+
+// cp.async copies of rows r0..r0 + nrows - 1 of the row-major tile src (rows x D) into dst (pitch
+// ld, columns 0..127 written: zeros past D and for rows >= rows), 16 bytes each, by the block's
+// NT threads; the caller commits and waits.
+template <int NT, typename T>
+__device__ __forceinline__ void cp_tile_async(T* dst, int ld, const T* __restrict__ src, int r0, int nrows, int rows, int D) {
+  for (int i = threadIdx.x; i < nrows * (kMaxDim / 8); i += NT) {
+    const int r = i >> 4, c8 = i & 15;
+    const bool ok = r0 + r < rows && c8 * 8 < D;
+    const T* from = ok ? src + static_cast<int64_t>(r0 + r) * D + c8 * 8 : src;
+    mm::cp_async_16(dst + r * ld + c8 * 8, from, ok ? 16 : 0);
   }
 }
 
-// Issues cp.async copies of the chunk's rows of head `head` of x (T, H, D) into sX (64 x ld,
-// columns 0..127 written: zeros past D and for pad rows, sTok[row] < 0), 16 bytes per copy; the
-// caller commits and waits. Every thread of the block takes part.
-template <typename T>
-__device__ __forceinline__ void cp_rows_async(T* sX, int ld, const T* __restrict__ x, const int64_t* sTok, int H, int head,
-                                              int D) {
-  for (int i = threadIdx.x; i < kChunk * (kMaxDim / 8); i += blockDim.x) {
-    const int row = i >> 4, c8 = i & 15;
-    const int64_t tok = sTok[row];
-    const bool ok = tok >= 0 && c8 * 8 < D;
-    const T* src = ok ? x + (tok * H + head) * static_cast<int64_t>(D) + c8 * 8 : x;
-    mm::cp_async_16(sX + row * ld + c8 * 8, src, ok ? 16 : 0);
-  }
-}
-
-// In place on rows already in shared memory (cp_rows_async): each row times its factor, with the
-// same arithmetic as load_rows_scaled (so the results are bit for bit the same): half a warp per
-// row, with `norms` the factor is rsqrt(sum x^2 + 1e-6) * mult (else mult); the norm factor is
-// written to norm_out[token * HK + hk] when norm_out is set. With write_back false the rows are only
-// read (for the norms). NWARPS = blockDim.x / 32.
+// In place on rows already in shared memory (ChunkRows::copy): each row times its factor (prep_fwd
+// and out_fwd compute q^, k^ with this one function, so bit for bit alike): half a warp per row,
+// with `norms` the factor is rsqrt(sum x^2 + 1e-6) * mult (else mult); the norm factor is written
+// to norm_out[token * HK + hk] when norm_out is set. With write_back false the rows are only read
+// (for the norms). NWARPS = blockDim.x / 32.
 template <typename T, int NWARPS>
 __device__ __forceinline__ void scale_rows_smem(T* sX, int ld, const int64_t* sTok, int HK, int hk, bool norms, float mult,
                                                 float* __restrict__ norm_out, bool write_back) {

@@ -9,7 +9,7 @@
 //   4. Ainv = (I + A)^-1 by forward substitution in fp32 (one thread per column, the column in
 //      registers, each row's sum in four interleaved partial sums added in a fixed order:
 //      deterministic, a dependency chain a quarter as long); Ainv goes to global from registers;
-//      That is version 1 (the default). Version 2 (opt-in TREE_RECURRENCE_GDN_PREP_V2=1, block_inverse):
+//      That is version 1 (TREE_RECURRENCE_GDN_PREP_V1=1). Version 2 (the default, block_inverse):
 //      A is written transposed (strict upper triangle), the 16 x 16 diagonal blocks are inverted
 //      by substitution, the off-diagonal blocks by fp32 block products (3 levels, all 128 threads),
 //      in place; Ainv and the operands leave with 16-byte stores; v in a second cp.async group;
@@ -157,19 +157,28 @@ __device__ __forceinline__ void store_rows(T* __restrict__ dst, const T* src, in
 // Every sum runs in a fixed order (deterministic); each thread owns 1 x 4 strips (row r, columns
 // 4q..4q+3) of a block.
 __device__ __forceinline__ void block_inverse(float* M, int tid) {
-  if (tid < kChunk) {  // 4a
-    const int b = tid >> 4, cc = tid & 15, o = b * 16;
+  {  // 4a
+    const int b = (tid >> 4) & 3, cc = tid & 15, o = b * 16;
     float x[16];
+    if (tid < kChunk) {
 #pragma unroll
-    for (int r = 0; r < 16; ++r) {
-      float acc = r == cc ? 1.f : 0.f;
+      for (int r = 0; r < 16; ++r) {
+        float acc = r == cc ? 1.f : 0.f;
 #pragma unroll
-      for (int m = 0; m < r; ++m) acc = fmaf(-M[(o + m) * kLdA + o + r], x[m], acc);  // A(o + r, o + m)
-      x[r] = r >= cc ? acc : 0.f;
+        for (int m = 0; m < r; ++m) acc = fmaf(-M[(o + m) * kLdA + o + r], x[m], acc);  // A(o + r, o + m)
+        x[r] = r >= cc ? acc : 0.f;
+      }
     }
+    // Every read of the diagonal blocks done before D_b goes over them: the compiler reads the
+    // A(o + r, o + m) above 16 bytes at a time (M[o + 4t][o + 4t..o + 4t + 3], the diagonal entry
+    // included, which thread cc = 4t writes below). Without this barrier racecheck reported exactly
+    // those 4 loads (2026-12-02: the 4 hazards of version 2).
+    __syncthreads();
+    if (tid < kChunk) {
 #pragma unroll
-    for (int r = 0; r < 16; ++r)
-      if (r >= cc) M[(o + r) * kLdA + o + cc] = x[r];
+      for (int r = 0; r < 16; ++r)
+        if (r >= cc) M[(o + r) * kLdA + o + cc] = x[r];
+    }
   }
   __syncthreads();
 #pragma unroll
@@ -254,33 +263,36 @@ template <typename T, bool V2>
 __global__ void __launch_bounds__(kThreads, 4) prep_fwd_kernel(const PrepParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   PrepSmem<T>& s = *reinterpret_cast<PrepSmem<T>*>(smem_raw);
-  const int64_t c = blockIdx.x;
-  const int hv = blockIdx.y;
+  const int64_t c = tile_chunk();
+  if (c >= p.num_chunks) return;
+  const int hv = blockIdx.x;
   const int HV = p.value_heads, HK = p.key_heads, groups = HV / HK, hk = hv / groups;
   const int K = p.k_dim, V = p.v_dim;
   const int kb16 = (K + 15) >> 4, vb16 = (V + 15) >> 4;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int64_t tile = c * HV + hv;  // (chunk, value head)
 
+  // 1. rows: the copies start at once (each thread reads its rows' tokens from gather itself); the
+  // norms in place once they landed
+  const bool writer = hv % groups == 0;
+  ChunkRows<kThreads> rows;
+  rows.load(p.gather + c * kChunk);
+  // (version 2: k, q in the first group, v in a second one, waited for only before phase 5)
+  rows.copy<T>(s.k, kLdX, static_cast<const T*>(p.k), HK, hk, K);
+  if (!V2) rows.copy<T>(s.v, kLdX, static_cast<const T*>(p.v), HV, hv, V);
+  if (writer) rows.copy<T>(s.u.q, kLdX, static_cast<const T*>(p.q), HK, hk, K);
+  mm::cp_async_commit();
+  if (V2) {
+    rows.copy<T>(s.v, kLdX, static_cast<const T*>(p.v), HV, hv, V);
+    mm::cp_async_commit();
+  }
   if (tid < kChunk) {
     const int64_t t = p.gather[c * kChunk + tid];
     s.tok[tid] = t;
     s.graw[tid] = t >= 0 ? p.g[t * HV + hv] : 0.f;
     s.beta[tid] = t >= 0 ? p.beta[t * HV + hv] : 0.f;
   }
-  __syncthreads();
-
-  // 1. rows: one batch of cp.async copies, then the norms in place
-  const bool writer = hv % groups == 0;
-  // (version 2: k, q in the first group, v in a second one, waited for only before phase 5)
-  cp_rows_async<T>(s.k, kLdX, static_cast<const T*>(p.k), s.tok, HK, hk, K);
-  if (!V2) cp_rows_async<T>(s.v, kLdX, static_cast<const T*>(p.v), s.tok, HV, hv, V);
-  if (writer) cp_rows_async<T>(s.u.q, kLdX, static_cast<const T*>(p.q), s.tok, HK, hk, K);
-  mm::cp_async_commit();
-  if (V2) {
-    cp_rows_async<T>(s.v, kLdX, static_cast<const T*>(p.v), s.tok, HV, hv, V);
-    mm::cp_async_commit();
-  }
+  __syncthreads();  // graw, beta, tok
   // 2. the chunk-local cumsum (sequential: exactly non-increasing for g <= 0), while the copies fly
   if (tid == 0) {
     float gr[kChunk];
@@ -463,16 +475,14 @@ __global__ void __launch_bounds__(kThreads, 4) prep_fwd_kernel(const PrepParams 
   store_rows<T>(static_cast<T*>(p.u) + tile * kChunk * V, s.v, V);
 }
 
-// Version 1 (column-wise substitution) is the default: compute-sanitizer racecheck reported 4 shared-memory
-// hazards in version 2 (the in-place block inverse / phase 5 without block barriers) on the H200,
-// 2026-12-02, and version 2 measured 1.42 ms against version 1's 1.46 ms. TREE_RECURRENCE_GDN_PREP_V2=1
-// (read once) opts into version 2 until that race is fixed; TREE_RECURRENCE_GDN_PREP_V1=1 still forces 1.
+// Version 2 (block_inverse) is the default. Racecheck reported 4 shared-memory hazards in it on the
+// H200 (2026-12-02): phase 4a's 16-byte loads of the diagonal blocks against the stores of D_b over
+// them (see block_inverse; fixed by a barrier). TREE_RECURRENCE_GDN_PREP_V1=1 (read once) gives
+// version 1's phase 4 (column-wise substitution) until the GPU run confirms the fix.
 bool use_v1() {
   static const bool on = [] {
     const char* v1 = std::getenv("TREE_RECURRENCE_GDN_PREP_V1");
-    const char* v2 = std::getenv("TREE_RECURRENCE_GDN_PREP_V2");
-    if (v1 != nullptr && v1[0] == '1') return true;
-    return !(v2 != nullptr && v2[0] == '1');
+    return v1 != nullptr && v1[0] == '1';
   }();
   return on;
 }
@@ -485,8 +495,7 @@ const char* launch_v(const PrepParams& p, cudaStream_t stream) {
   // the largest shared-memory carveout (a hint: 3 / 4 blocks per SM need it)
   e = cudaFuncSetAttribute(prep_fwd_kernel<T, V2>, cudaFuncAttributePreferredSharedMemoryCarveout, 100);
   if (e != cudaSuccess) return cudaGetErrorString(e);
-  const dim3 grid(static_cast<unsigned>(p.num_chunks), static_cast<unsigned>(p.value_heads));
-  prep_fwd_kernel<T, V2><<<grid, kThreads, smem, stream>>>(p);
+  prep_fwd_kernel<T, V2><<<tile_grid(p.num_chunks, p.value_heads), kThreads, smem, stream>>>(p);
   return launch_error(cudaGetLastError());
 }
 
