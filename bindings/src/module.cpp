@@ -173,6 +173,17 @@ PYBIND11_MODULE(_core, m) {
           readers = &plan->conv_readers(width);
         }
         return py::make_tuple(copy_out(*ancestors), copy_out(*offsets), copy_out(*readers));
+      })
+      .def("chunk_tables", [](const std::shared_ptr<TreePlan>& plan, Index chunk_size) {
+        // (gather (num_chunks * chunk_size), scatter, seg_chunk_offsets, root_index, num_chunks), built on each
+        // call: the Python TreePlan caches what it wraps (TreePlan.cached).
+        ChunkTables tables;
+        {
+          py::gil_scoped_release release;
+          tables = plan->chunk_tables(chunk_size);
+        }
+        return py::make_tuple(copy_out(tables.gather), copy_out(tables.scatter), copy_out(tables.seg_chunk_offsets),
+                              copy_out(tables.root_index), tables.num_chunks);
       });
 
   py::class_<Policy>(m, "Policy")

@@ -272,6 +272,35 @@ const std::pair<IndexVector, IndexVector>& TreePlan::conv_readers_of(Index width
   return *(conv_readers_[width] = std::move(csr));
 }
 
+ChunkTables TreePlan::chunk_tables(Index chunk_size) const {
+  if (chunk_size < 1 || chunk_size > kMaxChunkSize)
+    throw TreeError("chunk_size: must be in [1, " + std::to_string(kMaxChunkSize) + "], got " + std::to_string(chunk_size));
+  const Index S = num_segments();
+  ChunkTables t;
+  t.chunk_size = chunk_size;
+  t.seg_chunk_offsets.assign(S + 1, 0);
+  for (Index s = 0; s < S; ++s) t.seg_chunk_offsets[s + 1] = t.seg_chunk_offsets[s] + (seg_lengths_[s] + chunk_size - 1) / chunk_size;
+  t.num_chunks = t.seg_chunk_offsets.back();  // <= num_tokens: the grid has at most kMaxTokens * kMaxChunkSize entries
+  t.gather.assign(t.num_chunks * chunk_size, -1);
+  t.scatter.resize(num_tokens_);
+  for (Index s = 0; s < S; ++s) {
+    const Index first = seg_offsets_[s], end = seg_offsets_[s + 1];
+    for (Index c = t.seg_chunk_offsets[s]; c < t.seg_chunk_offsets[s + 1]; ++c) {
+      const Index start = first + (c - t.seg_chunk_offsets[s]) * chunk_size;
+      const Index count = std::min(chunk_size, end - start);
+      for (Index i = 0; i < count; ++i) {
+        t.gather[c * chunk_size + i] = start + i;
+        t.scatter[start + i] = c * chunk_size + i;
+      }
+    }
+  }
+  t.root_index.assign(S, -1);
+  Index roots = 0;
+  for (Index s = 0; s < S; ++s)
+    if (parents_[s] < 0) t.root_index[s] = roots++;
+  return t;
+}
+
 const std::vector<std::string>& TreePlan::array_names() {
   static const std::vector<std::string> names{
       "seg_offsets",   "seg_lengths",  "parents",        "levels",         "level_offsets",

@@ -64,6 +64,35 @@ void check_plan(const TreePlan& plan, const Forest& f) {
       ++seen[plan.level_segments()[i]];
     }
   for (Index c : seen) CHECK(c == 1);
+  // Chunk tables: every token sits in a chunk of its own segment, chunks of a segment in token order,
+  // each chunk full but the segment's last; the grid's padding is -1; scatter is gather's inverse.
+  for (Index chunk : {1, 2, 3, 4, 64}) {
+    const ChunkTables t = plan.chunk_tables(chunk);
+    REQUIRE(static_cast<Index>(t.seg_chunk_offsets.size()) == plan.num_segments() + 1);
+    REQUIRE(static_cast<Index>(t.gather.size()) == t.num_chunks * chunk);
+    REQUIRE(static_cast<Index>(t.scatter.size()) == plan.num_tokens());
+    Index token = 0;
+    for (Index s = 0; s < plan.num_segments(); ++s) {
+      const Index length = plan.seg_lengths()[s];
+      CHECK(t.seg_chunk_offsets[s + 1] - t.seg_chunk_offsets[s] == (length + chunk - 1) / chunk);
+      for (Index c = t.seg_chunk_offsets[s]; c < t.seg_chunk_offsets[s + 1]; ++c)
+        for (Index i = 0; i < chunk; ++i) {
+          const Index entry = t.gather[c * chunk + i];
+          if (token < plan.seg_offsets()[s + 1]) {
+            CHECK(entry == token);
+            CHECK(t.scatter[token] == c * chunk + i);
+            ++token;
+          } else {
+            CHECK(entry == -1);
+          }
+        }
+    }
+    CHECK(token == plan.num_tokens());
+    Index roots = 0;
+    for (Index s = 0; s < plan.num_segments(); ++s) CHECK(t.root_index[s] == (plan.parents()[s] < 0 ? roots++ : -1));
+  }
+  CHECK_THROWS_AS(plan.chunk_tables(0), TreeError);
+  CHECK_THROWS_AS(plan.chunk_tables(kMaxChunkSize + 1), TreeError);
 }
 
 template <class F>

@@ -155,37 +155,24 @@ class TreePlan:
         return self.cached(("level", level, device), build)
 
     def chunk_tables(self, chunk_size: int, device: torch.device | str | None = None) -> ChunkTables:
-        """Segment-aligned chunk tables for chunked recurrent kernels (``ChunkTables``), built with
-        vectorised ops on the host arrays (no loop over segments), copied to ``device`` once and
-        cached per chunk size and device (rebuilt if one of them was written in place)."""
+        """Segment-aligned chunk tables for chunked recurrent kernels (``ChunkTables``), built by the C++
+        plan (``TreePlan::chunk_tables``), wrapped as tensors and copied to ``device`` once, cached per
+        chunk size and device (rebuilt if one of them was written in place)."""
         chunk_size = int(chunk_size)
         if chunk_size < 1:
             raise ValueError(f"chunk_size: must be >= 1, got {chunk_size}")
         device = torch.device(device) if device is not None else self.device
+        return self.cached(("chunks", chunk_size, device), lambda: self._build_chunk_tables(chunk_size, device))
 
-        def build():
-            seg_offsets = self.array("seg_offsets")[: self.num_segments + 1]
-            lengths = self.array("seg_lengths")
-            parents = self.array("parents")
-            chunks = (lengths + chunk_size - 1) // chunk_size
-            seg_chunk_offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(chunks, 0)])
-            num_chunks = int(seg_chunk_offsets[-1])
-            chunk_segment = torch.repeat_interleave(torch.arange(self.num_segments), chunks)
-            local = torch.arange(num_chunks) - seg_chunk_offsets[chunk_segment]
-            start = seg_offsets[chunk_segment] + local * chunk_size
-            position = start[:, None] + torch.arange(chunk_size)
-            valid = position < (seg_offsets[chunk_segment] + lengths[chunk_segment])[:, None]
-            gather = torch.where(valid, position, torch.full_like(position, -1))
-            scatter = valid.reshape(-1).nonzero().reshape(-1)  # tokens appear in order in the grid
-            is_root = parents < 0
-            root_index = torch.where(is_root, torch.cumsum(is_root, 0) - 1, torch.full_like(parents, -1))
-            moved = [t.to(device, copy=True) for t in (gather, scatter, seg_chunk_offsets, parents, root_index,
-                                                      self.array("level_segments"))]
-            csr = [self.array(name).to(device, copy=True) for name in ("child_offsets", "children")]
-            levels = [int(v) for v in self.array("level_offsets").tolist()]
-            return ChunkTables(*moved, levels, *csr, num_chunks)
-
-        return self.cached(("chunks", chunk_size, device), build)
+    def _build_chunk_tables(self, chunk_size: int, device: torch.device) -> ChunkTables:
+        gather, scatter, seg_chunk_offsets, root_index, num_chunks = self._core.chunk_tables(chunk_size)
+        own = [self._wrap(b).to(device) for b in (gather, scatter, seg_chunk_offsets, root_index)]  # fresh copies
+        own[0] = own[0].view(num_chunks, chunk_size)
+        shared = [self.array(name).to(device, copy=True) for name in ("parents", "level_segments", "child_offsets",
+                                                                      "children")]  # the cached arrays: copied
+        levels = [int(v) for v in self.array("level_offsets").tolist()]
+        return ChunkTables(own[0], own[1], own[2], shared[0], own[3], shared[1], levels, shared[2], shared[3],
+                           int(num_chunks))
 
     @classmethod
     def build(cls, arrays: Mapping[str, Any], num_tokens: int | None, device: torch.device) -> "TreePlan":

@@ -44,6 +44,19 @@ struct TreeInput {
 // inputs, and every O(tokens) table is built on first use. A tiny input naming a huge row is
 // therefore refused (num_tokens given) or planned in microseconds without per-token memory.
 constexpr Index kMaxTokens = (Index(1) << 31) - 1;
+// The largest chunk a chunked kernel may ask for (the grid is chunks x chunk_size entries).
+constexpr Index kMaxChunkSize = Index(1) << 16;
+
+// Segment-aligned chunks of a plan for chunked recurrent kernels: a chunk never crosses a segment
+// boundary; a segment of L tokens has ceil(L / C) chunks, in token order (docs/architecture.md).
+struct ChunkTables {
+  Index chunk_size = 0;
+  Index num_chunks = 0;
+  IndexVector gather;             // num_chunks x chunk_size, row-major: token of each grid entry, -1 for padding
+  IndexVector scatter;            // N: each token's position in the flattened grid (increasing)
+  IndexVector seg_chunk_offsets;  // S+1: the chunks of segment s are [off[s], off[s+1])
+  IndexVector root_index;         // S: a root's index among the roots (segment order), -1 for the others
+};
 
 class TreePlan {
  public:
@@ -88,6 +101,10 @@ class TreePlan {
   // The CUDA conv backward gathers through it (deterministic, no atomics).
   const IndexVector& conv_reader_offsets(Index width) const { return conv_readers_of(width).first; }
   const IndexVector& conv_readers(Index width) const { return conv_readers_of(width).second; }
+
+  // The chunk tables for chunks of chunk_size tokens (in [1, kMaxChunkSize], else TreeError), built on
+  // each call (O(chunks x chunk_size)); the caller caches them (Python: TreePlan.cached, the one cache).
+  ChunkTables chunk_tables(Index chunk_size) const;
 
   // Names of the arrays above, for generic export (bindings, doctor).
   static const std::vector<std::string>& array_names();
