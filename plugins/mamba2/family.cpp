@@ -1,27 +1,18 @@
 // Mamba2 (SSD) family: Mamba2, Nemotron-H, Bamba, Granite-MoE-Hybrid, Falcon-H1, Zamba2.
 #include "ops.h"
-#include "tree_recurrence/sdk/detectors.h"
-#include "tree_recurrence/sdk/family.h"
-#include "tree_recurrence/sdk/kernel_list.h"
+#include "tree_recurrence/sdk/detecting_family.h"
 
 namespace {
 
-class Mamba2Family final : public tree_recurrence::TreeFamily {
+namespace d = tree_recurrence::detectors;
+
+// Recognises (without covering) state-space decays and causal depthwise convs. ssd_tree_scan is a
+// composite of ATen ops around the SDK's chunk_state_pass, so it runs wherever that op has a kernel.
+class Mamba2Family final : public tree_recurrence::DetectingFamily {
  public:
-  Mamba2Family() { tree_recurrence::ssd::register_ops(); }
-  // Covers the manifest's mixers; recognises (without covering) other modules with a state-space decay
-  // or a causal depthwise conv, so install names this detector when a model holds one nobody covers.
-  tree_recurrence::Claim detect(const tree_recurrence::ModuleDescription& module) const override {
-    tree_recurrence::Claim claim = TreeFamily::detect(module);
-    if (claim.claimed) return claim;
-    namespace d = tree_recurrence::detectors;
-    return d::recognise(module, manifest().family, {d::kStateSpaceDecay, d::kCausalDepthwiseConv});
-  }
-  // From what register_ops() registered: ssd_tree_scan is a composite of ATen ops around the SDK's
-  // chunk_state_pass, so it runs wherever that op has a kernel.
-  std::vector<tree_recurrence::KernelInfo> kernels() const override {
-    return tree_recurrence::registered_kernels({{"tree_conv", {}}, {"ssd_tree_scan", {"chunk_state_pass"}}});
-  }
+  Mamba2Family()
+      : DetectingFamily(&tree_recurrence::ssd::register_ops, {d::kStateSpaceDecay, d::kCausalDepthwiseConv},
+                        {{"tree_conv", {}}, {"ssd_tree_scan", {"chunk_state_pass"}}}) {}
 };
 
 }  // namespace

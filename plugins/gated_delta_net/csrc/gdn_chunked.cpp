@@ -7,6 +7,7 @@
 #include <limits>
 #include <vector>
 
+#include "tree_recurrence/sdk/delta_rule.h"
 #include "tree_recurrence/sdk/op_library.h"
 
 #ifdef TREE_RECURRENCE_WITH_CUDA
@@ -43,8 +44,6 @@ void check(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const 
                       " (the plan's tables: TreePlan.chunk_tables(chunk, device))");
 }
 
-at::Tensor l2norm(const at::Tensor& x) { return x * at::rsqrt((x * x).sum(-1, /*keepdim=*/true) + 1e-6); }
-
 using StatePass = std::tuple<at::Tensor, at::Tensor>(const std::optional<at::Tensor>&, const at::Tensor&, const at::Tensor&,
                                                      const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&,
                                                      const at::Tensor&, const at::Tensor&, const at::Tensor&, at::IntArrayRef,
@@ -53,30 +52,22 @@ using StatePass = std::tuple<at::Tensor, at::Tensor>(const std::optional<at::Ten
 }  // namespace
 
 at::Tensor chunked_scan(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
-                        const at::Tensor& beta, const at::Tensor& gather, const at::Tensor& scatter,
-                        const at::Tensor& seg_chunk_offsets, const at::Tensor& parents, const at::Tensor& root_index,
-                        const at::Tensor& level_segments, at::IntArrayRef level_offsets, const at::Tensor& child_offsets,
-                        const at::Tensor& children, const std::optional<at::Tensor>& initial_state, double scale,
-                        bool use_qk_l2norm) {
+                        const at::Tensor& beta, TREE_RECURRENCE_CHUNK_TABLE_PARAMS,
+                        const std::optional<at::Tensor>& initial_state, double scale, bool use_qk_l2norm) {
   check(q, k, v, g, beta, gather, scatter);
 #ifdef TREE_RECURRENCE_WITH_CUDA
   // The fused bf16 / fp16 tensor-core kernels (csrc/gdn_fused/gdn_fused.h) when they take the call.
   if (fused::supported(q, k, v, g, beta, gather)) {
-    fused::Tables tables{gather, scatter, seg_chunk_offsets, parents, root_index, level_segments,
-                         std::vector<int64_t>(level_offsets.begin(), level_offsets.end()), child_offsets, children};
-    return fused::scan(q, k, v, g, beta, tables, initial_state, scale, use_qk_l2norm);
+    return fused::scan(q, k, v, g, beta, fused::Tables::of(TREE_RECURRENCE_CHUNK_TABLE_ARGS), initial_state, scale,
+                       use_qk_l2norm);
   }
 #endif
-  return composite_scan(q, k, v, g, beta, gather, scatter, seg_chunk_offsets, parents, root_index, level_segments,
-                        level_offsets, child_offsets, children, initial_state, scale, use_qk_l2norm);
+  return composite_scan(q, k, v, g, beta, TREE_RECURRENCE_CHUNK_TABLE_ARGS, initial_state, scale, use_qk_l2norm);
 }
 
 at::Tensor composite_scan(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& g_in,
-                          const at::Tensor& beta_in, const at::Tensor& gather, const at::Tensor& scatter,
-                          const at::Tensor& seg_chunk_offsets, const at::Tensor& parents, const at::Tensor& root_index,
-                          const at::Tensor& level_segments, at::IntArrayRef level_offsets, const at::Tensor& child_offsets,
-                          const at::Tensor& children, const std::optional<at::Tensor>& initial_state, double scale,
-                          bool use_qk_l2norm) {
+                          const at::Tensor& beta_in, TREE_RECURRENCE_CHUNK_TABLE_PARAMS,
+                          const std::optional<at::Tensor>& initial_state, double scale, bool use_qk_l2norm) {
   check(q_in, k_in, v_in, g_in, beta_in, gather, scatter);
   const int64_t T = q_in.size(0), HK = q_in.size(1), K = q_in.size(2), HV = v_in.size(1), V = v_in.size(2);
   const int64_t groups = HV / HK, NC = gather.size(0), C = gather.size(1);

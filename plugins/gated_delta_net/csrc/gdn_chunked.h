@@ -37,22 +37,18 @@
 
 #include <optional>
 
+#include "tree_recurrence/sdk/chunk_tables.h"
+
 namespace tree_recurrence::gdn {
 
 at::Tensor chunked_scan(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
-                        const at::Tensor& beta, const at::Tensor& gather, const at::Tensor& scatter,
-                        const at::Tensor& seg_chunk_offsets, const at::Tensor& parents, const at::Tensor& root_index,
-                        const at::Tensor& level_segments, at::IntArrayRef level_offsets, const at::Tensor& child_offsets,
-                        const at::Tensor& children, const std::optional<at::Tensor>& initial_state, double scale,
-                        bool use_qk_l2norm);
+                        const at::Tensor& beta, TREE_RECURRENCE_CHUNK_TABLE_PARAMS,
+                        const std::optional<at::Tensor>& initial_state, double scale, bool use_qk_l2norm);
 
 // The ATen composite itself (what chunked_scan runs when the fused CUDA kernels do not take the
 // call; the fused path's interim backward differentiates it). Same arguments and result.
 at::Tensor composite_scan(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
-                          const at::Tensor& beta, const at::Tensor& gather, const at::Tensor& scatter,
-                          const at::Tensor& seg_chunk_offsets, const at::Tensor& parents, const at::Tensor& root_index,
-                          const at::Tensor& level_segments, at::IntArrayRef level_offsets, const at::Tensor& child_offsets,
-                          const at::Tensor& children, const std::optional<at::Tensor>& initial_state, double scale,
-                          bool use_qk_l2norm);
+                          const at::Tensor& beta, TREE_RECURRENCE_CHUNK_TABLE_PARAMS,
+                          const std::optional<at::Tensor>& initial_state, double scale, bool use_qk_l2norm);
 
 }  // namespace tree_recurrence::gdn

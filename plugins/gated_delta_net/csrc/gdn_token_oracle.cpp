@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 
+#include "tree_recurrence/sdk/delta_rule.h"
 #include "tree_recurrence/sdk/segment_walk.h"
 
 #include <cmath>
@@ -9,11 +10,6 @@
 
 namespace tree_recurrence::gdn {
 namespace {
-
-at::Tensor l2norm(const at::Tensor& x) {
-  // Same epsilon placement as transformers' l2norm (x * rsqrt(sum(x^2) + 1e-6)).
-  return x * at::rsqrt((x * x).sum(-1, /*keepdim=*/true) + 1e-6);
-}
 
 void check(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta,
            const at::Tensor& seg_offsets, const at::Tensor& parents) {
@@ -40,19 +36,10 @@ at::Tensor token_oracle(const at::Tensor& q_in, const at::Tensor& k_in, const at
                       const at::Tensor& beta_in, const at::Tensor& seg_offsets, const at::Tensor& parents,
                       const std::optional<at::Tensor>& initial_state, double scale, bool use_qk_l2norm) {
   check(q_in, k_in, v_in, g_in, beta_in, seg_offsets, parents);
-  const int64_t groups = v_in.size(1) / q_in.size(1);
   // fp32 states, as the library kernels; float64 when the values are float64 (exact tests).
   const at::ScalarType compute = v_in.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  at::Tensor q = q_in.to(compute), k = k_in.to(compute);
-  if (use_qk_l2norm) {
-    q = l2norm(q);
-    k = l2norm(k);
-  }
-  if (groups > 1) {
-    q = q.repeat_interleave(groups, 1);
-    k = k.repeat_interleave(groups, 1);
-  }
-  q = q * (scale > 0 ? scale : 1.0 / std::sqrt(static_cast<double>(q.size(2))));
+  const auto qk = token_scan_qk(q_in, k_in, v_in.size(1), compute, scale, use_qk_l2norm);  // l2norm: x * rsqrt
+  const at::Tensor q = qk.first, k = qk.second;
   const at::Tensor v = v_in.to(compute), decay = g_in.to(compute).exp(), beta = beta_in.to(compute);
   const int64_t HV = v.size(1), K = q.size(2), V = v.size(2);
   std::vector<at::Tensor> outputs(q.size(0));

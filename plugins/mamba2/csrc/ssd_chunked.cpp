@@ -47,12 +47,9 @@ void check(const at::Tensor& x, const at::Tensor& dt, const at::Tensor& B, const
 }  // namespace
 
 at::Tensor composite_scan(const at::Tensor& x_in, const at::Tensor& dt_in, const at::Tensor& B_in, const at::Tensor& C_in,
-                        const at::Tensor& gather, const at::Tensor& scatter, const at::Tensor& seg_chunk_offsets,
-                        const at::Tensor& parents, const at::Tensor& root_index, const at::Tensor& level_segments,
-                        at::IntArrayRef level_offsets, const at::Tensor& child_offsets, const at::Tensor& children,
-                        const std::optional<at::Tensor>& initial_state, const at::Tensor& A_in, at::ArrayRef<double> dt_limit,
-                        const std::optional<at::Tensor>& D, const std::optional<at::Tensor>& dt_bias, bool dt_softplus,
-                        const std::optional<at::Tensor>& z_in) {
+                          TREE_RECURRENCE_CHUNK_TABLE_PARAMS, const std::optional<at::Tensor>& initial_state,
+                          const at::Tensor& A_in, at::ArrayRef<double> dt_limit, const std::optional<at::Tensor>& D,
+                          const std::optional<at::Tensor>& dt_bias, bool dt_softplus, const std::optional<at::Tensor>& z_in) {
   check(x_in, dt_in, B_in, C_in, gather, scatter, A_in, D, dt_bias, dt_limit);
   const int64_t T = x_in.size(0), H = x_in.size(1), P = x_in.size(2);
   const int64_t G = B_in.size(1), N = B_in.size(2), hpg = H / G;
@@ -137,24 +134,20 @@ at::Tensor composite_scan(const at::Tensor& x_in, const at::Tensor& dt_in, const
 }
 
 at::Tensor chunked_scan(const at::Tensor& x, const at::Tensor& dt, const at::Tensor& B, const at::Tensor& C,
-                        const at::Tensor& gather, const at::Tensor& scatter, const at::Tensor& seg_chunk_offsets,
-                        const at::Tensor& parents, const at::Tensor& root_index, const at::Tensor& level_segments,
-                        at::IntArrayRef level_offsets, const at::Tensor& child_offsets, const at::Tensor& children,
-                        const std::optional<at::Tensor>& initial_state, const at::Tensor& A, at::ArrayRef<double> dt_limit,
-                        const std::optional<at::Tensor>& D, const std::optional<at::Tensor>& dt_bias, bool dt_softplus,
-                        const std::optional<at::Tensor>& z) {
+                        TREE_RECURRENCE_CHUNK_TABLE_PARAMS, const std::optional<at::Tensor>& initial_state,
+                        const at::Tensor& A, at::ArrayRef<double> dt_limit, const std::optional<at::Tensor>& D,
+                        const std::optional<at::Tensor>& dt_bias, bool dt_softplus, const std::optional<at::Tensor>& z) {
 #ifdef TREE_RECURRENCE_WITH_CUDA
   // bf16 / fp16 on CUDA: the fused tensor-core kernels (ssd_fused/ssd_fused.h) when they take the call.
   if (x.is_cuda()) {
     check(x, dt, B, C, gather, scatter, A, D, dt_bias, dt_limit);
-    auto [args, tables] = fused::bind(x, dt, B, C, gather, scatter, seg_chunk_offsets, parents, root_index, level_segments,
-                                      level_offsets, child_offsets, children, initial_state, A, dt_limit, D, dt_bias,
+    auto [args, tables] = fused::bind(x, dt, B, C, TREE_RECURRENCE_CHUNK_TABLE_ARGS, initial_state, A, dt_limit, D, dt_bias,
                                       dt_softplus, z);
     if (fused::supported(args, tables)) return fused::scan(args, tables);
   }
 #endif
-  return composite_scan(x, dt, B, C, gather, scatter, seg_chunk_offsets, parents, root_index, level_segments, level_offsets,
-                        child_offsets, children, initial_state, A, dt_limit, D, dt_bias, dt_softplus, z);
+  return composite_scan(x, dt, B, C, TREE_RECURRENCE_CHUNK_TABLE_ARGS, initial_state, A, dt_limit, D, dt_bias, dt_softplus,
+                        z);
 }
 
 }  // namespace tree_recurrence::ssd

@@ -33,24 +33,20 @@
 
 #include <optional>
 
+#include "tree_recurrence/sdk/chunk_tables.h"
+
 namespace tree_recurrence::ssd {
 
 at::Tensor chunked_scan(const at::Tensor& x, const at::Tensor& dt, const at::Tensor& B, const at::Tensor& C,
-                        const at::Tensor& gather, const at::Tensor& scatter, const at::Tensor& seg_chunk_offsets,
-                        const at::Tensor& parents, const at::Tensor& root_index, const at::Tensor& level_segments,
-                        at::IntArrayRef level_offsets, const at::Tensor& child_offsets, const at::Tensor& children,
-                        const std::optional<at::Tensor>& initial_state, const at::Tensor& A, at::ArrayRef<double> dt_limit,
-                        const std::optional<at::Tensor>& D, const std::optional<at::Tensor>& dt_bias, bool dt_softplus,
-                        const std::optional<at::Tensor>& z);
+                        TREE_RECURRENCE_CHUNK_TABLE_PARAMS, const std::optional<at::Tensor>& initial_state,
+                        const at::Tensor& A, at::ArrayRef<double> dt_limit, const std::optional<at::Tensor>& D,
+                        const std::optional<at::Tensor>& dt_bias, bool dt_softplus, const std::optional<at::Tensor>& z);
 
 // The ATen composite itself (what chunked_scan runs unless the fused CUDA kernels take the call,
 // ssd_fused/ssd_fused.h; the fused path's interim backward recomputes it). Same arguments.
 at::Tensor composite_scan(const at::Tensor& x, const at::Tensor& dt, const at::Tensor& B, const at::Tensor& C,
-                          const at::Tensor& gather, const at::Tensor& scatter, const at::Tensor& seg_chunk_offsets,
-                          const at::Tensor& parents, const at::Tensor& root_index, const at::Tensor& level_segments,
-                          at::IntArrayRef level_offsets, const at::Tensor& child_offsets, const at::Tensor& children,
-                          const std::optional<at::Tensor>& initial_state, const at::Tensor& A, at::ArrayRef<double> dt_limit,
-                          const std::optional<at::Tensor>& D, const std::optional<at::Tensor>& dt_bias, bool dt_softplus,
-                          const std::optional<at::Tensor>& z);
+                          TREE_RECURRENCE_CHUNK_TABLE_PARAMS, const std::optional<at::Tensor>& initial_state,
+                          const at::Tensor& A, at::ArrayRef<double> dt_limit, const std::optional<at::Tensor>& D,
+                          const std::optional<at::Tensor>& dt_bias, bool dt_softplus, const std::optional<at::Tensor>& z);
 
 }  // namespace tree_recurrence::ssd

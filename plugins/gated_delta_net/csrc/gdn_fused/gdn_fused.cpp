@@ -4,18 +4,10 @@
 #include <ATen/ATen.h>
 #include <torch/autograd.h>
 
-#include <cstdlib>
-#include <cstring>
-
 #include "../gdn_chunked.h"
 
 namespace tree_recurrence::gdn::fused {
 namespace {
-
-bool env_off(const char* name) {
-  const char* v = std::getenv(name);
-  return v != nullptr && std::strcmp(v, "0") == 0;
-}
 
 bool half_type(at::ScalarType t) { return t == at::kBFloat16 || t == at::kHalf; }
 
@@ -30,15 +22,7 @@ struct ScanFunction : public torch::autograd::Function<ScanFunction> {
     const bool has_init = initial_state.has_value() && initial_state->defined();
     ctx->save_for_backward({q, k, v, g, beta, has_init ? *initial_state : at::Tensor(), sv.G, sv.Ainv, sv.w, sv.kd, sv.h,
                             sv.v_new, sv.rq, sv.rk});
-    ctx->saved_data["gather"] = tables.gather;
-    ctx->saved_data["scatter"] = tables.scatter;
-    ctx->saved_data["seg_chunk_offsets"] = tables.seg_chunk_offsets;
-    ctx->saved_data["parents"] = tables.parents;
-    ctx->saved_data["root_index"] = tables.root_index;
-    ctx->saved_data["level_segments"] = tables.level_segments;
-    ctx->saved_data["level_offsets"] = c10::IValue(c10::List<int64_t>(tables.level_offsets));
-    ctx->saved_data["child_offsets"] = tables.child_offsets;
-    ctx->saved_data["children"] = tables.children;
+    tables.save(ctx);
     ctx->saved_data["has_init"] = has_init;
     ctx->saved_data["scale"] = scale;
     ctx->saved_data["use_qk_l2norm"] = use_qk_l2norm;
@@ -50,16 +34,7 @@ struct ScanFunction : public torch::autograd::Function<ScanFunction> {
     const at::Tensor &q = saved[0], &k = saved[1], &v = saved[2], &g = saved[3], &beta = saved[4];
     const bool has_init = ctx->saved_data["has_init"].toBool();
     const std::optional<at::Tensor> init = has_init ? std::optional<at::Tensor>(saved[5]) : std::nullopt;
-    Tables t;
-    t.gather = ctx->saved_data["gather"].toTensor();
-    t.scatter = ctx->saved_data["scatter"].toTensor();
-    t.seg_chunk_offsets = ctx->saved_data["seg_chunk_offsets"].toTensor();
-    t.parents = ctx->saved_data["parents"].toTensor();
-    t.root_index = ctx->saved_data["root_index"].toTensor();
-    t.level_segments = ctx->saved_data["level_segments"].toTensor();
-    t.level_offsets = ctx->saved_data["level_offsets"].toIntVector();
-    t.child_offsets = ctx->saved_data["child_offsets"].toTensor();
-    t.children = ctx->saved_data["children"].toTensor();
+    const Tables t = Tables::load(ctx);
     const double scale = ctx->saved_data["scale"].toDouble();
     const bool l2 = ctx->saved_data["use_qk_l2norm"].toBool();
     const at::Tensor grad_o = grads[0].defined() ? grads[0] : at::zeros_like(v);
@@ -70,7 +45,7 @@ struct ScanFunction : public torch::autograd::Function<ScanFunction> {
     need[5] = has_init && ctx->needs_input_grad(5);
 
     Grads gr;
-    if (!env_off("TREE_RECURRENCE_GDN_FUSED_BWD")) {
+    if (!env_is_zero("TREE_RECURRENCE_GDN_FUSED_BWD")) {
       Saved sv;
       sv.G = saved[6];
       sv.Ainv = saved[7];
@@ -122,7 +97,7 @@ struct ScanFunction : public torch::autograd::Function<ScanFunction> {
 
 bool supported(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta,
                const at::Tensor& gather) {
-  if (env_off("TREE_RECURRENCE_GDN_FUSED")) return false;
+  if (env_is_zero("TREE_RECURRENCE_GDN_FUSED")) return false;
   if (!q.is_cuda() || !k.is_cuda() || !v.is_cuda()) return false;
   const auto dt = v.scalar_type();
   if (!half_type(dt) || q.scalar_type() != dt || k.scalar_type() != dt) return false;

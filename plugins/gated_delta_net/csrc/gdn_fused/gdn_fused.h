@@ -31,14 +31,12 @@
 #include <optional>
 #include <vector>
 
+#include "tree_recurrence/sdk/chunk_tables.h"
+
 namespace tree_recurrence::gdn::fused {
 
-// The plan's tables as the op receives them (TreePlan.chunk_tables(64, device)).
-struct Tables {
-  at::Tensor gather, scatter, seg_chunk_offsets, parents, root_index, level_segments;
-  std::vector<int64_t> level_offsets;
-  at::Tensor child_offsets, children;
-};
+// The plan's tables as the op receives them (TreePlan.chunk_tables(64, device); sdk/chunk_tables.h).
+using Tables = ::tree_recurrence::ChunkTableSet;
 
 struct Saved {
   at::Tensor G, Ainv, w, kd, h, v_new, rq, rk;
@@ -64,10 +62,7 @@ std::pair<at::Tensor, Saved> forward(const at::Tensor& q, const at::Tensor& k, c
 // Test-only (op gdn_fused_stages, arguments as gdn_tree_scan's): the forward's stages, no autograd:
 // [o, G, Ainv, w, u, kd, decay, h, v_new, final_state, rq, rk].
 std::vector<at::Tensor> stages(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
-                               const at::Tensor& beta, const at::Tensor& gather, const at::Tensor& scatter,
-                               const at::Tensor& seg_chunk_offsets, const at::Tensor& parents, const at::Tensor& root_index,
-                               const at::Tensor& level_segments, at::IntArrayRef level_offsets,
-                               const at::Tensor& child_offsets, const at::Tensor& children,
+                               const at::Tensor& beta, TREE_RECURRENCE_CHUNK_TABLE_PARAMS,
                                const std::optional<at::Tensor>& initial_state, double scale, bool use_qk_l2norm);
 
 struct Grads {

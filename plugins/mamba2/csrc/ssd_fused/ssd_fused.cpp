@@ -33,11 +33,6 @@
 namespace tree_recurrence::ssd::fused {
 namespace {
 
-bool env_is_zero(const char* name) {
-  const char* v = std::getenv(name);
-  return v && std::string(v) == "0";
-}
-
 // Diagnosis of the open crash-on-throw bug (benchmarks/gpu/diag_throw.py): with
 // TREE_RECURRENCE_SSD_DIAG_THROW set to "scan", "forward" or "backward", a ValueError is thrown at that
 // point of the fused path (in scan() before Function::apply, inside ScanFn::forward, inside
@@ -114,16 +109,7 @@ struct ScanFn : public torch::autograd::Function<ScanFn> {
     ctx->saved_data["dt_min"] = args->dt_min;
     ctx->saved_data["dt_max"] = args->dt_max;
     ctx->saved_data["dt_softplus"] = args->dt_softplus;
-    const Tables& t = *tables;
-    ctx->saved_data["gather"] = t.gather;
-    ctx->saved_data["scatter"] = t.scatter;
-    ctx->saved_data["seg_chunk_offsets"] = t.seg_chunk_offsets;
-    ctx->saved_data["parents"] = t.parents;
-    ctx->saved_data["root_index"] = t.root_index;
-    ctx->saved_data["level_segments"] = t.level_segments;
-    ctx->saved_data["level_offsets"] = t.level_offsets;
-    ctx->saved_data["child_offsets"] = t.child_offsets;
-    ctx->saved_data["children"] = t.children;
+    tables->save(ctx);
     return out;  // x's dtype (ssd_chunked.h: the fused path's output contract)
   }
 
@@ -136,16 +122,7 @@ struct ScanFn : public torch::autograd::Function<ScanFn> {
     a.dt_min = ctx->saved_data["dt_min"].toDouble();
     a.dt_max = ctx->saved_data["dt_max"].toDouble();
     a.dt_softplus = ctx->saved_data["dt_softplus"].toBool();
-    Tables t;
-    t.gather = ctx->saved_data["gather"].toTensor();
-    t.scatter = ctx->saved_data["scatter"].toTensor();
-    t.seg_chunk_offsets = ctx->saved_data["seg_chunk_offsets"].toTensor();
-    t.parents = ctx->saved_data["parents"].toTensor();
-    t.root_index = ctx->saved_data["root_index"].toTensor();
-    t.level_segments = ctx->saved_data["level_segments"].toTensor();
-    t.level_offsets = ctx->saved_data["level_offsets"].toIntVector();
-    t.child_offsets = ctx->saved_data["child_offsets"].toTensor();
-    t.children = ctx->saved_data["children"].toTensor();
+    const Tables t = Tables::load(ctx);
     at::Tensor g = grads[0];
     if (!g.defined()) g = at::zeros(a.x.sizes(), a.x.options().dtype(at::kFloat));
 
@@ -209,11 +186,8 @@ at::Tensor scan(const Args& a, const Tables& t) {
 }
 
 std::pair<Args, Tables> bind(const at::Tensor& x, const at::Tensor& dt, const at::Tensor& B, const at::Tensor& C,
-                             const at::Tensor& gather, const at::Tensor& scatter, const at::Tensor& seg_chunk_offsets,
-                             const at::Tensor& parents, const at::Tensor& root_index, const at::Tensor& level_segments,
-                             at::IntArrayRef level_offsets, const at::Tensor& child_offsets, const at::Tensor& children,
-                             const std::optional<at::Tensor>& initial_state, const at::Tensor& A,
-                             at::ArrayRef<double> dt_limit, const std::optional<at::Tensor>& D,
+                             TREE_RECURRENCE_CHUNK_TABLE_PARAMS, const std::optional<at::Tensor>& initial_state,
+                             const at::Tensor& A, at::ArrayRef<double> dt_limit, const std::optional<at::Tensor>& D,
                              const std::optional<at::Tensor>& dt_bias, bool dt_softplus, const std::optional<at::Tensor>& z) {
   Args a;
   a.x = x, a.dt = dt, a.B = B, a.C = C, a.A = A;
@@ -221,23 +195,14 @@ std::pair<Args, Tables> bind(const at::Tensor& x, const at::Tensor& dt, const at
   TORCH_CHECK_VALUE(dt_limit.size() == 2, "ssd_tree_scan: dt_limit must be (low, high)");
   a.dt_min = dt_limit[0], a.dt_max = dt_limit[1];
   a.dt_softplus = dt_softplus;
-  Tables t;
-  t.gather = gather, t.scatter = scatter, t.seg_chunk_offsets = seg_chunk_offsets, t.parents = parents;
-  t.root_index = root_index, t.level_segments = level_segments;
-  t.level_offsets.assign(level_offsets.begin(), level_offsets.end());
-  t.child_offsets = child_offsets, t.children = children;
-  return {a, t};
+  return {a, Tables::of(TREE_RECURRENCE_CHUNK_TABLE_ARGS)};
 }
 
 std::vector<at::Tensor> stages_op(const at::Tensor& x, const at::Tensor& dt, const at::Tensor& B, const at::Tensor& C,
-                                  const at::Tensor& gather, const at::Tensor& scatter, const at::Tensor& seg_chunk_offsets,
-                                  const at::Tensor& parents, const at::Tensor& root_index, const at::Tensor& level_segments,
-                                  at::IntArrayRef level_offsets, const at::Tensor& child_offsets, const at::Tensor& children,
-                                  const std::optional<at::Tensor>& initial_state, const at::Tensor& A,
-                                  at::ArrayRef<double> dt_limit, const std::optional<at::Tensor>& D,
+                                  TREE_RECURRENCE_CHUNK_TABLE_PARAMS, const std::optional<at::Tensor>& initial_state,
+                                  const at::Tensor& A, at::ArrayRef<double> dt_limit, const std::optional<at::Tensor>& D,
                                   const std::optional<at::Tensor>& dt_bias, bool dt_softplus, const std::optional<at::Tensor>& z) {
-  auto [a, t] = bind(x, dt, B, C, gather, scatter, seg_chunk_offsets, parents, root_index, level_segments, level_offsets,
-                     child_offsets, children, initial_state, A, dt_limit, D, dt_bias, dt_softplus, z);
+  auto [a, t] = bind(x, dt, B, C, TREE_RECURRENCE_CHUNK_TABLE_ARGS, initial_state, A, dt_limit, D, dt_bias, dt_softplus, z);
   const std::string why = unsupported(a, t);
   TORCH_CHECK_VALUE(why.empty(), "ssd_fused_stages: the fused kernels do not take this call: ", why);
   at::NoGradGuard no_grad;

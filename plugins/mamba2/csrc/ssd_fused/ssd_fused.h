@@ -27,14 +27,12 @@
 #include <optional>
 #include <vector>
 
+#include "tree_recurrence/sdk/chunk_tables.h"
+
 namespace tree_recurrence::ssd::fused {
 
-// The plan's tables as the op receives them (TreePlan.chunk_tables(L, device)).
-struct Tables {
-  at::Tensor gather, scatter, seg_chunk_offsets, parents, root_index, level_segments;
-  std::vector<int64_t> level_offsets;
-  at::Tensor child_offsets, children;
-};
+// The plan's tables as the op receives them (TreePlan.chunk_tables(L, device); sdk/chunk_tables.h).
+using Tables = ::tree_recurrence::ChunkTableSet;
 
 struct Args {
   at::Tensor x, dt, B, C, A;                 // (T, H, P), (T, H), (T, G, N) x2, (H)
@@ -78,18 +76,12 @@ std::vector<at::Tensor> forward_stages(const Args& a, const Tables& t);
 // (1, H, P, N) squeezed), and the test-only op ssd_fused_stages (same arguments as ssd_tree_scan;
 // returns forward_stages; throws naming the reason when fused::supported does not hold).
 std::pair<Args, Tables> bind(const at::Tensor& x, const at::Tensor& dt, const at::Tensor& B, const at::Tensor& C,
-                             const at::Tensor& gather, const at::Tensor& scatter, const at::Tensor& seg_chunk_offsets,
-                             const at::Tensor& parents, const at::Tensor& root_index, const at::Tensor& level_segments,
-                             at::IntArrayRef level_offsets, const at::Tensor& child_offsets, const at::Tensor& children,
-                             const std::optional<at::Tensor>& initial_state, const at::Tensor& A,
-                             at::ArrayRef<double> dt_limit, const std::optional<at::Tensor>& D,
+                             TREE_RECURRENCE_CHUNK_TABLE_PARAMS, const std::optional<at::Tensor>& initial_state,
+                             const at::Tensor& A, at::ArrayRef<double> dt_limit, const std::optional<at::Tensor>& D,
                              const std::optional<at::Tensor>& dt_bias, bool dt_softplus, const std::optional<at::Tensor>& z);
 std::vector<at::Tensor> stages_op(const at::Tensor& x, const at::Tensor& dt, const at::Tensor& B, const at::Tensor& C,
-                                  const at::Tensor& gather, const at::Tensor& scatter, const at::Tensor& seg_chunk_offsets,
-                                  const at::Tensor& parents, const at::Tensor& root_index, const at::Tensor& level_segments,
-                                  at::IntArrayRef level_offsets, const at::Tensor& child_offsets, const at::Tensor& children,
-                                  const std::optional<at::Tensor>& initial_state, const at::Tensor& A,
-                                  at::ArrayRef<double> dt_limit, const std::optional<at::Tensor>& D,
+                                  TREE_RECURRENCE_CHUNK_TABLE_PARAMS, const std::optional<at::Tensor>& initial_state,
+                                  const at::Tensor& A, at::ArrayRef<double> dt_limit, const std::optional<at::Tensor>& D,
                                   const std::optional<at::Tensor>& dt_bias, bool dt_softplus, const std::optional<at::Tensor>& z);
 
 }  // namespace tree_recurrence::ssd::fused

@@ -5,15 +5,11 @@
 #include <cmath>
 #include <vector>
 
+#include "tree_recurrence/sdk/delta_rule.h"
 #include "tree_recurrence/sdk/segment_walk.h"
 
 namespace kimi_linear {
 namespace {
-
-at::Tensor l2norm(const at::Tensor& x) {
-  // transformers' KDA l2norm (x / sqrt(sum(x^2) + 1e-6)), matching FLA's.
-  return x / at::sqrt((x * x).sum(-1, /*keepdim=*/true) + 1e-6);
-}
 
 void check(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta,
            const at::Tensor& seg_offsets, const at::Tensor& parents) {
@@ -48,19 +44,12 @@ at::Tensor tree_scan(const at::Tensor& q_in, const at::Tensor& k_in, const at::T
                      const at::Tensor& beta_in, const at::Tensor& seg_offsets, const at::Tensor& parents,
                      const std::optional<at::Tensor>& initial_state, double scale, bool use_qk_l2norm) {
   check(q_in, k_in, v_in, g_in, beta_in, seg_offsets, parents);
-  const int64_t groups = v_in.size(1) / q_in.size(1);
-  // fp32 states, as the library kernels; float64 when the values are float64 (exact tests).
+  // fp32 states, as the library kernels; float64 when the values are float64 (exact tests). The l2norm is
+  // transformers' KDA one (x / sqrt(sum(x^2) + 1e-6)), matching FLA's.
   const at::ScalarType compute = v_in.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  at::Tensor q = q_in.to(compute), k = k_in.to(compute);
-  if (use_qk_l2norm) {
-    q = l2norm(q);
-    k = l2norm(k);
-  }
-  if (groups > 1) {
-    q = q.repeat_interleave(groups, 1);
-    k = k.repeat_interleave(groups, 1);
-  }
-  q = q * (scale > 0 ? scale : 1.0 / std::sqrt(static_cast<double>(q.size(2))));
+  const auto qk = tree_recurrence::token_scan_qk(q_in, k_in, v_in.size(1), compute, scale, use_qk_l2norm,
+                                                 &tree_recurrence::l2norm_div);
+  const at::Tensor q = qk.first, k = qk.second;
   const at::Tensor v = v_in.to(compute);
   const at::Tensor decay = g_in.to(compute).exp().unsqueeze(-1);   // (N, HV, K, 1): per key channel
   const at::Tensor beta = beta_in.to(compute).unsqueeze(-1);       // (N, HV, 1)

@@ -10,8 +10,8 @@
 // `recognise(module, family, {detectors...})` runs the listed detectors in order and words the answer.
 #pragma once
 
-#include <initializer_list>
 #include <string>
+#include <vector>
 
 #include "tree_recurrence/sdk/family.h"
 
@@ -45,7 +45,7 @@ inline constexpr Detector kCausalDepthwiseConv{"causal_depthwise_conv", &causal_
 
 // The first matching detector's answer, as a "recognised, not covered" claim naming it and `family`.
 inline Claim recognise(const ModuleDescription& module, const std::string& family,
-                       std::initializer_list<Detector> detectors) {
+                       const std::vector<Detector>& detectors) {
   for (const Detector& d : detectors) {
     std::string why = d.why(module);
     if (!why.empty()) return {false, "recurrent", why + " [detector " + d.name + " of family " + family + "]"};
