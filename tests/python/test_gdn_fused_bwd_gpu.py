@@ -440,3 +440,59 @@ def test_wy_v2_against_v1(tmp_path):
                      (label, "dbeta", rel_rms(got["dbeta"], bref._tokens(want["dbeta_c"], scatter)), STAGE_TOL)]
         bad += report(name, rows)
     assert not bad, f"wy version 2 vs version 1: {bad}"
+
+
+# ------------------------------------------------------------------------------------------------
+# dqk version 2 (persistent, prefetching; the default) against version 1 (TREE_RECURRENCE_GDN_DQK_V1=1,
+# read once per process: version 1 runs in a subprocess on the same saved inputs). Same math in the
+# same order, so every stage output is bit for bit the same.
+# ------------------------------------------------------------------------------------------------
+
+DQK_CASES = {
+    # GRPO-like dims (K = V = 128, HK 16, HV 32): 21 chunks x 32 heads = 672 items, ~5 per CTA on an
+    # H200, so the prefetch pipeline wraps and its last round is partial
+    "grpo_dims": dict(spec=[(-1, 700), (0, 300), (0, 129), (1, 1), (2, 64)], h0="shared", K=128, V=128, HK=16, HV=32,
+                      seed=3),
+    "grpo_dims_strong": dict(spec=[(-1, 200), (0, 64), (0, 65), (1, 63)], h0="per_root", K=128, V=128, HK=16, HV=32,
+                             strong=True, seed=4),
+    "padded_dims": dict(spec=[(-1, 70), (0, 40), (0, 90), (2, 5)], h0="none", K=24, V=40, HK=2, HV=4, l2norm=False),
+    "one_token": CASES["one_token"],
+}
+
+_DQK_SCRIPT = r"""
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+from test_gdn_fused_bwd_gpu import run_stages
+cases = torch.load(sys.argv[2])
+torch.save({n: {k: v.cpu() for k, v in run_stages(c).items()} for n, c in cases.items()}, sys.argv[3])
+"""
+
+
+def test_dqk_v2_against_v1(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    assert os.environ.get("TREE_RECURRENCE_GDN_DQK_V1") is None, "unset TREE_RECURRENCE_GDN_DQK_V1 to run this test"
+    keep = ("dev", "saved", "tabs", "h0", "l2norm")
+    cases = {n: {k: v for k, v in setup_case(**cfg).items() if k in keep} for n, cfg in DQK_CASES.items()}
+    new = {n: {k: v.cpu() for k, v in run_stages(c).items()} for n, c in cases.items()}
+    here = os.path.dirname(os.path.abspath(__file__))
+    src, dst = str(tmp_path / "dqk_cases.pt"), str(tmp_path / "dqk_v1.pt")
+    torch.save(cases, src)
+    env = dict(os.environ, TREE_RECURRENCE_GDN_DQK_V1="1")
+    res = subprocess.run([sys.executable, "-c", _DQK_SCRIPT, here, src, dst], env=env, cwd=here, capture_output=True,
+                         text=True, timeout=900)
+    assert res.returncode == 0, f"version-1 subprocess failed:\n{res.stdout}\n{res.stderr}"
+    old = torch.load(dst)
+    bad = []
+    for n in DQK_CASES:
+        for k in NAMES:
+            a, b = new[n][k], old[n][k]
+            if a.numel() == 0 and b.numel() == 0:
+                continue
+            same = torch.equal(a, b)
+            print(f"{n:18s} {k:16s} v2 vs v1 bitwise {same}  rel RMS {rel_rms(a, b):.3e}")
+            if not same:
+                bad.append((n, k))
+    assert not bad, f"dqk version 2 differs from version 1: {bad}"
