@@ -1,9 +1,11 @@
-// Device pieces shared by the fused SSD forward's chunk-scan kernels (ssd_chunk_scan_fwd.cu: v2,
-// ssd_chunk_scan_group_fwd.cu: v3): the cp.async tile loaders (rows at the tokens' positions, dense
+// Device pieces shared by the fused SSD forward's kernels: for the chunk scans (ssd_chunk_scan_fwd.cu:
+// v2, ssd_chunk_scan_group_fwd.cu: v3) the cp.async tile loaders (rows at the tokens' positions, dense
 // rows), the masked / decayed score, the row scale by exp(Lam), 8-wide pack / unpack and the 16-byte
-// epilogue (D x, y saved pre-gate, the z gate, out). One definition, so the kernels' arithmetic is
-// the same expression in each (their outputs are expected bitwise equal). CUDA only; include from
-// .cu files after params.h.
+// epilogue (D x, y saved pre-gate, the z gate, out); for the chunk-state kernels
+// (ssd_chunk_state_fwd.cu, ssd_chunk_state_pass_fwd.cu) dt's preparation, the block cumsum of dt A,
+// the weights w and the (P x 64-column) accumulator walk. One definition, so the kernels' arithmetic
+// is the same expression in each (their outputs are expected bitwise equal). CUDA only; include from
+// .cu files.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -130,6 +132,106 @@ __device__ __forceinline__ void epilogue8(const FwdParams& p, const float* stage
     for (int k = 0; k < 8; ++k) f[k] *= silu(zv[k]);
   }
   *reinterpret_cast<uint4*>(out + idx) = pack8<T>(f);
+}
+
+// --- chunk states --------------------------------------------------------------------------------
+
+__device__ __forceinline__ float softplus20(float v) {
+  // torch's softplus with threshold 20, in a form that never exponentiates a positive number
+  return v > 20.f ? v : fmaxf(v, 0.f) + log1pf(expf(-fabsf(v)));
+}
+
+// the prepared dt of a real row from its raw value: + bias, softplus (when asked), clamped
+__device__ __forceinline__ float prep_dt(const FwdParams& p, float raw, float bias) {
+  float d = raw + bias;
+  if (p.dt_softplus) d = softplus20(d);
+  return fminf(fmaxf(d, p.dt_min), p.dt_max);
+}
+
+// lam_s[j] = inclusive cumsum over j of dt_s[j] * a (L rows, NT threads): E consecutive values per
+// thread, then a block scan of the thread totals (warp shuffles, then the warp totals in order).
+// Fixed order: deterministic. One barrier inside (tot_s, NT / 32 floats); the caller syncs before
+// reading lam_s.
+template <int L, int NT>
+__device__ __forceinline__ void block_cumsum(const float* dt_s, float* lam_s, float* tot_s, float a, int tid) {
+  constexpr int E = (L + NT - 1) / NT;
+  const int warp = tid >> 5, lane = tid & 31;
+  float loc[E];
+  float run = 0.f;
+#pragma unroll
+  for (int e = 0; e < E; ++e) {
+    const int j = tid * E + e;
+    if (j < L) run += dt_s[j] * a;
+    loc[e] = run;
+  }
+  float incl = run;
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+    const float v = __shfl_up_sync(0xffffffffu, incl, off);
+    if (lane >= off) incl += v;
+  }
+  if (lane == 31) tot_s[warp] = incl;
+  __syncthreads();
+  float prefix = incl - run;
+  for (int w = 0; w < warp; ++w) prefix += tot_s[w];
+#pragma unroll
+  for (int e = 0; e < E; ++e) {
+    const int j = tid * E + e;
+    if (j < L) lam_s[j] = prefix + loc[e];
+  }
+}
+
+// dt and Lam of the chunk to rows row0.. of p.dt / p.Lam (when write), and w_s[j] (holding dt) to
+// w_j = exp(min(Lam_last - Lam_j, 0)) dt_j
+template <int L, int NT>
+__device__ __forceinline__ void chunk_weights(const FwdParams& p, int64_t row0, bool write, const float* lam_s,
+                                              float* w_s, int tid) {
+  const float lam_last = lam_s[L - 1];
+  for (int j = tid; j < L; j += NT) {
+    const float d = w_s[j];
+    if (write) {
+      p.dt[row0 + j] = d;
+      p.Lam[row0 + j] = lam_s[j];
+    }
+    w_s[j] = expf(fminf(lam_last - lam_s[j], 0.f)) * d;
+  }
+}
+
+// 8 in-type values times w, rounded to the in-type
+template <typename T>
+__device__ __forceinline__ uint4 scale8(const uint4& raw, float w) {
+  const T* e = reinterpret_cast<const T*>(&raw);
+  uint4 packed;
+  packed.x = mma::Elem<T>::pack(mma::Elem<T>::to_float(e[0]) * w, mma::Elem<T>::to_float(e[1]) * w);
+  packed.y = mma::Elem<T>::pack(mma::Elem<T>::to_float(e[2]) * w, mma::Elem<T>::to_float(e[3]) * w);
+  packed.z = mma::Elem<T>::pack(mma::Elem<T>::to_float(e[4]) * w, mma::Elem<T>::to_float(e[5]) * w);
+  packed.w = mma::Elem<T>::pack(mma::Elem<T>::to_float(e[6]) * w, mma::Elem<T>::to_float(e[7]) * w);
+  return packed;
+}
+
+// f(acc2, row, col) for each adjacent pair (x[e], x[e + 1]) of a warp's P x 16 state accumulators
+// acc[MT][2] (warp w: columns n0 + 16 w ..) that lies inside P x N; acc2 points at x[e]
+template <int MT, typename F>
+__device__ __forceinline__ void state_pairs(mma::FragC (&acc)[MT][2], int64_t P, int64_t N, int64_t n0, int warp,
+                                            int lane, F&& f) {
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; e += 2) {
+        const int64_t row = mt * 16 + mma::c_row(lane, e);
+        const int64_t col = n0 + warp * 16 + nt * 8 + mma::c_col(lane, e);
+        if (row < P && col < N) f(&acc[mt][nt].x[e], row, col);
+      }
+}
+
+// 16-byte vector access of the forward's x / z / y / out rows
+inline bool rows_aligned16(const FwdParams& p) {
+  const void* ptrs[4] = {p.out, p.y, p.z, p.x};
+  for (const void* q : ptrs)
+    if (q && reinterpret_cast<uintptr_t>(q) % 16 != 0) return false;
+  return true;
 }
 
 inline int padded_p(int64_t P) { return P <= 32 ? 32 : P <= 64 ? 64 : 128; }

@@ -210,11 +210,7 @@ bool ssd_chunk_scan_v2_supported(const FwdParams& p) {
   if (smem_layout_v2(p.state_dim, tiles::padded_p(p.head_dim), static_cast<int>(p.chunk)).bytes > kV2MaxSmem) return false;
   const int64_t blocks = p.num_chunks * (p.chunk / kRows) * p.heads;
   if (blocks > 2147483647LL) return false;
-  // 16-byte vector access of out / y / z / x rows (P % 8 == 0 by fwd_shape_supported)
-  const void* ptrs[4] = {p.out, p.y, p.z, p.x};
-  for (const void* q : ptrs)
-    if (q && reinterpret_cast<uintptr_t>(q) % 16 != 0) return false;
-  return true;
+  return tiles::rows_aligned16(p);  // 16-byte vectors of x / z / y / out rows (P % 8 == 0)
 }
 
 int ssd_chunk_scan_fwd_v2(const FwdParams& p, void* stream) {

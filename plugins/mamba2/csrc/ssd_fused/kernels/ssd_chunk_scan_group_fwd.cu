@@ -236,11 +236,7 @@ bool ssd_chunk_scan_v3_supported(const FwdParams& p) {
     return false;
   if (v3_layout(p.state_dim, tiles::padded_p(p.head_dim), z_tile_of(p)).bytes > kV3MaxSmem) return false;
   if (p.num_chunks * p.heads > 2147483647LL) return false;
-  // 16-byte vector access of out / y / z / x rows (P % 8 == 0 by fwd_shape_supported)
-  const void* ptrs[4] = {p.out, p.y, p.z, p.x};
-  for (const void* q : ptrs)
-    if (q && reinterpret_cast<uintptr_t>(q) % 16 != 0) return false;
-  return true;
+  return tiles::rows_aligned16(p);  // 16-byte vectors of x / z / y / out rows (P % 8 == 0)
 }
 
 int ssd_chunk_scan_fwd_v3(const FwdParams& p, void* stream) {

@@ -11,6 +11,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include "fwd_tiles.cuh"
 #include "params.h"
 #include "tree_recurrence/kernels/mma.cuh"
 
@@ -22,11 +23,6 @@ constexpr int kThreads = 128;
 constexpr int kPiece = 64;         // rows of L per staged piece; N columns per block
 constexpr int kLdB = kPiece + 8;   // pitch of the staged (w B) piece
 
-__device__ __forceinline__ float softplus20(float v) {
-  // torch's softplus with threshold 20, in a form that never exponentiates a positive number
-  return v > 20.f ? v : fmaxf(v, 0.f) + log1pf(expf(-fabsf(v)));
-}
-
 template <int L>
 constexpr size_t state_smem_bytes(int PT) {
   return size_t(kPiece) * (PT + 8) * 2 + size_t(kPiece) * kLdB * 2 + 2 * L * sizeof(float) + 4 * sizeof(float) +
@@ -37,7 +33,6 @@ template <typename T, int L, int PT>
 __global__ void __launch_bounds__(kThreads) chunk_state_kernel(FwdParams p) {
   constexpr int MT = PT / 16;
   constexpr int kLdX = PT + 8;
-  constexpr int E = (L + kThreads - 1) / kThreads;  // Lam elements per thread
   extern __shared__ __align__(16) unsigned char smem[];
   T* x_s = reinterpret_cast<T*>(smem);                             // kPiece x kLdX: x(j, p)
   T* b_s = x_s + kPiece * kLdX;                                    // kPiece x kLdB: w_j B(j, n)
@@ -52,58 +47,18 @@ __global__ void __launch_bounds__(kThreads) chunk_state_kernel(FwdParams p) {
   const int64_t g = h / (H / G);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
 
+  const float bias = p.dt_bias ? p.dt_bias[h] : 0.f;
   for (int j = tid; j < L; j += kThreads) {
     const int64_t tok = p.gather[c * L + j];
     tok_s[j] = tok;
-    float d = 0.f;
-    if (tok >= 0) {
-      d = p.dt_raw[tok * H + h];
-      if (p.dt_bias) d += p.dt_bias[h];
-      if (p.dt_softplus) d = softplus20(d);
-      d = fminf(fmaxf(d, p.dt_min), p.dt_max);
-    }
-    w_s[j] = d;
+    w_s[j] = tok >= 0 ? tiles::prep_dt(p, p.dt_raw[tok * H + h], bias) : 0.f;
   }
   __syncthreads();
 
-  // Lam = inclusive cumsum of dt * A: E consecutive values per thread, then a block scan of the
-  // thread totals (warp shuffles, then the warp totals in order). Fixed order: deterministic.
-  const float a = p.A[h];
-  float loc[E];
-  float run = 0.f;
-#pragma unroll
-  for (int e = 0; e < E; ++e) {
-    const int j = tid * E + e;
-    if (j < L) run += w_s[j] * a;
-    loc[e] = run;
-  }
-  float incl = run;
-#pragma unroll
-  for (int off = 1; off < 32; off <<= 1) {
-    const float v = __shfl_up_sync(0xffffffffu, incl, off);
-    if (lane >= off) incl += v;
-  }
-  if (lane == 31) tot_s[warp] = incl;
+  // Lam = inclusive cumsum of dt * A (tiles::block_cumsum), then w
+  tiles::block_cumsum<L, kThreads>(w_s, lam_s, tot_s, p.A[h], tid);
   __syncthreads();
-  float prefix = incl - run;
-  for (int w = 0; w < warp; ++w) prefix += tot_s[w];
-#pragma unroll
-  for (int e = 0; e < E; ++e) {
-    const int j = tid * E + e;
-    if (j < L) lam_s[j] = prefix + loc[e];
-  }
-  __syncthreads();
-
-  const float lam_last = lam_s[L - 1];
-  const int64_t row0 = (c * H + h) * L;
-  for (int j = tid; j < L; j += kThreads) {
-    const float d = w_s[j];
-    if (blockIdx.z == 0) {
-      p.dt[row0 + j] = d;
-      p.Lam[row0 + j] = lam_s[j];
-    }
-    w_s[j] = expf(fminf(lam_last - lam_s[j], 0.f)) * d;
-  }
+  tiles::chunk_weights<L, kThreads>(p, (c * H + h) * L, blockIdx.z == 0, lam_s, w_s, tid);
   __syncthreads();
 
   mma::FragC acc[MT][2];
@@ -114,27 +69,14 @@ __global__ void __launch_bounds__(kThreads) chunk_state_kernel(FwdParams p) {
   const T* Bm = static_cast<const T*>(p.B);
   for (int j0 = 0; j0 < L; j0 += kPiece) {
     if (tok_s[j0] < 0) break;  // the rest of the chunk is padding (uniform over the block)
-    constexpr int XV = PT / 8;
-    for (int v = tid; v < kPiece * XV; v += kThreads) {
-      const int r = v / XV, col = (v % XV) * 8;
-      const int64_t tok = tok_s[j0 + r];
-      const bool ok = tok >= 0 && col < P;
-      mma::cp_async_16(x_s + r * kLdX + col, ok ? x + (tok * H + h) * P + col : x, ok ? 16 : 0);
-    }
+    tiles::rows_async<kThreads>(x_s, kLdX, x + h * P, H * P, tok_s + j0, kPiece, PT / 8, P, tid);
     mma::cp_async_commit();
     for (int v = tid; v < kPiece * (kPiece / 8); v += kThreads) {
       const int r = v / (kPiece / 8), col = (v % (kPiece / 8)) * 8;
       const int64_t tok = tok_s[j0 + r];
       uint4 packed = make_uint4(0u, 0u, 0u, 0u);
-      if (tok >= 0 && n0 + col < N) {
-        const uint4 raw = *reinterpret_cast<const uint4*>(Bm + (tok * G + g) * N + n0 + col);
-        const T* e = reinterpret_cast<const T*>(&raw);
-        const float wj = w_s[j0 + r];
-        packed.x = mma::Elem<T>::pack(mma::Elem<T>::to_float(e[0]) * wj, mma::Elem<T>::to_float(e[1]) * wj);
-        packed.y = mma::Elem<T>::pack(mma::Elem<T>::to_float(e[2]) * wj, mma::Elem<T>::to_float(e[3]) * wj);
-        packed.z = mma::Elem<T>::pack(mma::Elem<T>::to_float(e[4]) * wj, mma::Elem<T>::to_float(e[5]) * wj);
-        packed.w = mma::Elem<T>::pack(mma::Elem<T>::to_float(e[6]) * wj, mma::Elem<T>::to_float(e[7]) * wj);
-      }
+      if (tok >= 0 && n0 + col < N)
+        packed = tiles::scale8<T>(*reinterpret_cast<const uint4*>(Bm + (tok * G + g) * N + n0 + col), w_s[j0 + r]);
       *reinterpret_cast<uint4*>(b_s + r * kLdB + col) = packed;
     }
     mma::cp_async_wait<0>();
@@ -144,17 +86,9 @@ __global__ void __launch_bounds__(kThreads) chunk_state_kernel(FwdParams p) {
   }
 
   float* out = p.chunk_states + (c * H + h) * P * N;
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; e += 2) {
-        const int64_t row = mt * 16 + mma::c_row(lane, e);
-        const int64_t col = n0 + warp * 16 + nt * 8 + mma::c_col(lane, e);
-        if (row < P && col < N)
-          *reinterpret_cast<float2*>(out + row * N + col) = make_float2(acc[mt][nt].x[e], acc[mt][nt].x[e + 1]);
-      }
+  tiles::state_pairs<MT>(acc, P, N, n0, warp, lane, [&](const float* v, int64_t row, int64_t col) {
+    *reinterpret_cast<float2*>(out + row * N + col) = make_float2(v[0], v[1]);
+  });
 }
 
 template <typename T, int L, int PT>

@@ -20,6 +20,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include "fwd_tiles.cuh"
 #include "params.h"
 #include "tree_recurrence/kernels/mma.cuh"
 
@@ -31,11 +32,6 @@ constexpr int kThreads = 128;
 constexpr int kPiece = 64;         // rows of L per staged piece; N columns per block
 constexpr int kLdB = kPiece + 8;   // pitch of the staged B piece
 
-__device__ __forceinline__ float softplus20(float v) {
-  // torch's softplus with threshold 20, in a form that never exponentiates a positive number
-  return v > 20.f ? v : fmaxf(v, 0.f) + log1pf(expf(-fabsf(v)));
-}
-
 template <int L>
 constexpr size_t pass_smem_bytes(int PT) {
   return size_t(kPiece) * (PT + 8) * 2 + size_t(kPiece) * kLdB * 2 + 2 * L * sizeof(float) + 4 * sizeof(float) +
@@ -45,20 +41,8 @@ constexpr size_t pass_smem_bytes(int PT) {
 template <typename T, int PT>
 __device__ __forceinline__ void issue_piece(T* x_s, T* b_s, const int64_t* tok, const T* x, const T* Bm, int64_t H,
                                             int64_t h, int64_t P, int64_t G, int64_t g, int64_t N, int64_t n0, int tid) {
-  constexpr int XV = PT / 8;
-  constexpr int kLdX = PT + 8;
-  for (int v = tid; v < kPiece * XV; v += kThreads) {
-    const int r = v / XV, col = (v % XV) * 8;
-    const int64_t t = tok[r];
-    const bool ok = t >= 0 && col < P;
-    mma::cp_async_16(x_s + r * kLdX + col, ok ? x + (t * H + h) * P + col : x, ok ? 16 : 0);
-  }
-  for (int v = tid; v < kPiece * (kPiece / 8); v += kThreads) {
-    const int r = v / (kPiece / 8), col = (v % (kPiece / 8)) * 8;
-    const int64_t t = tok[r];
-    const bool ok = t >= 0 && n0 + col < N;
-    mma::cp_async_16(b_s + r * kLdB + col, ok ? Bm + (t * G + g) * N + n0 + col : Bm, ok ? 16 : 0);
-  }
+  tiles::rows_async<kThreads>(x_s, PT + 8, x + h * P, H * P, tok, kPiece, PT / 8, P, tid);
+  tiles::rows_async<kThreads>(b_s, kLdB, Bm + g * N + n0, G * N, tok, kPiece, kPiece / 8, N - n0, tid);
   mma::cp_async_commit();
 }
 
@@ -68,14 +52,7 @@ __device__ __forceinline__ void scale_piece(T* b_s, const float* w, int tid) {
   for (int v = tid; v < kPiece * (kPiece / 8); v += kThreads) {
     const int r = v / (kPiece / 8), col = (v % (kPiece / 8)) * 8;
     uint4* q = reinterpret_cast<uint4*>(b_s + r * kLdB + col);
-    const uint4 raw = *q;
-    const T* e = reinterpret_cast<const T*>(&raw);
-    const float wj = w[r];
-    uint4 packed;
-    packed.x = mma::Elem<T>::pack(mma::Elem<T>::to_float(e[0]) * wj, mma::Elem<T>::to_float(e[1]) * wj);
-    packed.y = mma::Elem<T>::pack(mma::Elem<T>::to_float(e[2]) * wj, mma::Elem<T>::to_float(e[3]) * wj);
-    packed.z = mma::Elem<T>::pack(mma::Elem<T>::to_float(e[4]) * wj, mma::Elem<T>::to_float(e[5]) * wj);
-    packed.w = mma::Elem<T>::pack(mma::Elem<T>::to_float(e[6]) * wj, mma::Elem<T>::to_float(e[7]) * wj);
+    const uint4 packed = tiles::scale8<T>(*q, w[r]);
     *q = packed;
   }
 }
@@ -151,75 +128,29 @@ __global__ void __launch_bounds__(kThreads) chunk_state_pass_kernel(FwdParams p,
 #pragma unroll
     for (int k = 0; k < E; ++k) {
       const int j = tid + k * kThreads;
-      float d = 0.f;
-      if (tok_r[k] >= 0) {
-        d = raw_r[k] + bias;
-        if (p.dt_softplus) d = softplus20(d);
-        d = fminf(fmaxf(d, p.dt_min), p.dt_max);
-      }
-      if (j < L) w_s[j] = d;
+      if (j < L) w_s[j] = tok_r[k] >= 0 ? tiles::prep_dt(p, raw_r[k], bias) : 0.f;
       tok_r[k] = has_next && j < L ? p.gather[(c + 1) * L + j] : -1;
     }
 
     // states[c] = s, the state entering the chunk
     {
       T* out = states + (c * H + h) * PN;
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-          for (int e = 0; e < 4; e += 2) {
-            const int64_t row = mt * 16 + mma::c_row(lane, e);
-            const int64_t col = n0 + warp * 16 + nt * 8 + mma::c_col(lane, e);
-            if (row < P && col < N)
-              *reinterpret_cast<uint32_t*>(out + row * N + col) =
-                  mma::Elem<T>::pack(acc[mt][nt].x[e], acc[mt][nt].x[e + 1]);
-          }
+      tiles::state_pairs<MT>(acc, P, N, n0, warp, lane, [&](const float* v, int64_t row, int64_t col) {
+        *reinterpret_cast<uint32_t*>(out + row * N + col) = mma::Elem<T>::pack(v[0], v[1]);
+      });
     }
     __syncthreads();
 
-    // Lam = inclusive cumsum of dt * A: E consecutive values per thread, then a block scan of the
-    // thread totals (warp shuffles, then the warp totals in order). Fixed order: deterministic.
-    // (The same arithmetic as ssd_chunk_state_fwd.cu, so both write identical dt / Lam.)
-    float loc[E];
-    float run = 0.f;
-#pragma unroll
-    for (int e = 0; e < E; ++e) {
-      const int j = tid * E + e;
-      if (j < L) run += w_s[j] * a;
-      loc[e] = run;
-    }
-    float incl = run;
-#pragma unroll
-    for (int off = 1; off < 32; off <<= 1) {
-      const float v = __shfl_up_sync(0xffffffffu, incl, off);
-      if (lane >= off) incl += v;
-    }
-    if (lane == 31) tot_s[warp] = incl;
-    __syncthreads();
-    float prefix = incl - run;
-    for (int w = 0; w < warp; ++w) prefix += tot_s[w];
-#pragma unroll
-    for (int e = 0; e < E; ++e) {
-      const int j = tid * E + e;
-      if (j < L) lam_s[j] = prefix + loc[e];
-    }
+    // Lam = inclusive cumsum of dt * A (tiles::block_cumsum: the same arithmetic as
+    // ssd_chunk_state_fwd.cu, so both write identical dt / Lam)
+    tiles::block_cumsum<L, kThreads>(w_s, lam_s, tot_s, a, tid);
     // the next chunk's raw dt (its gather rows have arrived by now)
 #pragma unroll
     for (int k = 0; k < E; ++k) raw_r[k] = tok_r[k] >= 0 ? p.dt_raw[tok_r[k] * H + h] : 0.f;
     __syncthreads();
 
     const float lam_last = lam_s[L - 1];
-    const int64_t row0 = (c * H + h) * L;
-    for (int j = tid; j < L; j += kThreads) {
-      const float d = w_s[j];
-      if (blockIdx.z == 0) {
-        p.dt[row0 + j] = d;
-        p.Lam[row0 + j] = lam_s[j];
-      }
-      w_s[j] = expf(fminf(lam_last - lam_s[j], 0.f)) * d;
-    }
+    tiles::chunk_weights<L, kThreads>(p, (c * H + h) * L, blockIdx.z == 0, lam_s, w_s, tid);
     const float decay = expf(fminf(lam_last, 0.f));
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
@@ -257,17 +188,9 @@ __global__ void __launch_bounds__(kThreads) chunk_state_pass_kernel(FwdParams p,
 
   if (p.child_offsets[s + 1] > p.child_offsets[s]) {
     float* ws = p.workspace + (s * H + h) * PN;
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; e += 2) {
-          const int64_t row = mt * 16 + mma::c_row(lane, e);
-          const int64_t col = n0 + warp * 16 + nt * 8 + mma::c_col(lane, e);
-          if (row < P && col < N)
-            *reinterpret_cast<float2*>(ws + row * N + col) = make_float2(acc[mt][nt].x[e], acc[mt][nt].x[e + 1]);
-        }
+    tiles::state_pairs<MT>(acc, P, N, n0, warp, lane, [&](const float* v, int64_t row, int64_t col) {
+      *reinterpret_cast<float2*>(ws + row * N + col) = make_float2(v[0], v[1]);
+    });
   }
 }
 
