@@ -16,6 +16,7 @@ namespace tree_recurrence::gdn::fused::kernels {
 namespace bwd {
 namespace {
 
+// Version 1 (TREE_RECURRENCE_GDN_WY_V1=1; version 2, the default, follows it).
 // 16 warps per CTA, two CTAs per SM (~101 KB of shared memory at K = V = 128). Regions reused
 // across the phases:
 //   R12: dv_total | vb (phase 1) -> h (phase 2) -> W2 (fp32) | w (phases 3-4)
@@ -274,7 +275,8 @@ const char* launch_v1(const GdnBwdParams& p, void* stream) {
 //    while the copies fly.
 //  * dvb is written over dv_total: warp w owns V columns 8w..8w+7 for all 64 rows (it alone reads
 //    them), with the zero blocks of Ainv^T (upper triangle) skipped.
-//  * dkb stays fp32 in registers: it is computed by the warp that adds it into dk^, tile by tile.
+//  * dkb stays fp32 in registers: it is computed by the warp that adds it into dk^, tile by tile, before
+//    the barrier that publishes dKK (the warps idle in the C x C phase start on it at once).
 //  * rowsum(W2) and colsum(beta W2) from the accumulators (quad and column butterflies, fixed
 //    order) into per-tile partials: no fp32 W2 buffer. The zero blocks of dKK are skipped.
 //  * Four CTA-wide barriers (version 1: nine); the per-row tail (dbeta, dG, dg) in one warp.
@@ -470,50 +472,68 @@ __global__ void __launch_bounds__(kWyThreads, 2) wy_kernel_v2(GdnBwdParams p) {
         for (int b = 0; b < 2; ++b) colP[(ac0 + nt * 8 + 2 * tq + b) * 4 + ar0 / 16] = cs[nt][b];
     }
   }
+  // Phase 3a (needs dvb, h only: before barrier (3), so the warps without a C x C tile in phase 2 start it
+  // at once), per 16 x 16 tile of dk^ (at most two per warp): dkb = -dvb h^T (fp32), partKB = <dkb, k^>,
+  // pre = (b)'s dk^ + beta exp(G) dkb (held in registers across the barrier).
+  constexpr int kWyTiles = (C / 16) * (kBwdMaxDim / 16) / kWyWarps;  // tiles per warp at most
+  const int ntiles = (C / 16) * (Kp / 16);
+  float2 pre[kWyTiles][2][2];
+#pragma unroll
+  for (int q = 0; q < kWyTiles; ++q) {
+    const int t = warp + q * kWyWarps;
+    if (t < ntiles) {
+      const int r0 = (t / (Kp / 16)) * 16, c0 = (t % (Kp / 16)) * 16;
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          const int j = r0 + g + 8 * hf, col = c0 + nt * 8 + 2 * tq;
+          pre[q][nt][hf] = col < K ? *reinterpret_cast<const float2*>(dk_io + j * K + col) : make_float2(0.f, 0.f);
+        }
+      FragC acc[1][2];
+      zero(acc);
+      tile_mma<T, true, false>(acc, dvb, ldv, h, ldv, r0, c0, Vp / 16);  // -dkb
+      float s[2] = {0.f, 0.f};
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          const int j = r0 + g + 8 * hf, col = c0 + nt * 8 + 2 * tq;
+          const uint32_t kp = *reinterpret_cast<const uint32_t*>(kh + j * ldk + col);
+          const T* ke = reinterpret_cast<const T*>(&kp);
+          const float x0 = -acc[0][nt].x[2 * hf], x1 = -acc[0][nt].x[2 * hf + 1];
+          s[hf] += x0 * mma::Elem<T>::to_float(ke[0]);
+          s[hf] += x1 * mma::Elem<T>::to_float(ke[1]);
+          const float be = beta[j] * expf(G[j]);
+          pre[q][nt][hf].x += be * x0;
+          pre[q][nt][hf].y += be * x1;
+        }
+      tile_rowdot_store(s[0], s[1], partKB, r0, c0);
+    }
+  }
   __syncthreads();  // (3) dKK
 
-  // Phase 3, per 16 x 16 tile of dk^: dkb = -dvb h^T (fp32), partKB = <dkb, k^>;
-  // dk^ = (b)'s dk^ + beta exp(G) dkb + dKK k^ + dKK^T k^ (dKK strictly lower: k-blocks <= rb, >= rb).
-  for (int t = warp; t < (C / 16) * (Kp / 16); t += kWyWarps) {
-    const int rb = t / (Kp / 16), r0 = rb * 16, c0 = (t % (Kp / 16)) * 16;
-    float2 prev[2][2];
+  // Phase 3b: dk^ = pre + dKK k^ + dKK^T k^ (dKK strictly lower: k-blocks <= rb, >= rb), written once.
 #pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
+  for (int q = 0; q < kWyTiles; ++q) {
+    const int t = warp + q * kWyWarps;
+    if (t < ntiles) {
+      const int rb = t / (Kp / 16), r0 = rb * 16, c0 = (t % (Kp / 16)) * 16;
+      FragC acc2[1][2];
+      zero(acc2);
+      tile_mma_range<T, true, true>(acc2, dKK, kPitchC, kh, ldk, r0, c0, 0, rb + 1);
+      tile_mma_range<T, false, true>(acc2, dKK, kPitchC, kh, ldk, r0, c0, rb, C / 16);
 #pragma unroll
-      for (int hf = 0; hf < 2; ++hf) {
-        const int j = r0 + g + 8 * hf, col = c0 + nt * 8 + 2 * tq;
-        prev[nt][hf] = col < K ? *reinterpret_cast<const float2*>(dk_io + j * K + col) : make_float2(0.f, 0.f);
-      }
-    FragC acc[1][2];
-    zero(acc);
-    tile_mma<T, true, false>(acc, dvb, ldv, h, ldv, r0, c0, Vp / 16);  // -dkb
-    float s[2] = {0.f, 0.f};
+      for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-      for (int hf = 0; hf < 2; ++hf) {
-        const int j = r0 + g + 8 * hf, col = c0 + nt * 8 + 2 * tq;
-        const uint32_t kp = *reinterpret_cast<const uint32_t*>(kh + j * ldk + col);
-        const T* ke = reinterpret_cast<const T*>(&kp);
-        s[hf] += -acc[0][nt].x[2 * hf] * mma::Elem<T>::to_float(ke[0]);
-        s[hf] += -acc[0][nt].x[2 * hf + 1] * mma::Elem<T>::to_float(ke[1]);
-      }
-    tile_rowdot_store(s[0], s[1], partKB, r0, c0);
-    FragC acc2[1][2];
-    zero(acc2);
-    tile_mma_range<T, true, true>(acc2, dKK, kPitchC, kh, ldk, r0, c0, 0, rb + 1);
-    tile_mma_range<T, false, true>(acc2, dKK, kPitchC, kh, ldk, r0, c0, rb, C / 16);
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-      for (int hf = 0; hf < 2; ++hf) {
-        const int j = r0 + g + 8 * hf, col = c0 + nt * 8 + 2 * tq;
-        const float be = beta[j] * expf(G[j]);
-        float2 o;
-        o.x = (prev[nt][hf].x + be * -acc[0][nt].x[2 * hf]) + acc2[0][nt].x[2 * hf];
-        o.y = (prev[nt][hf].y + be * -acc[0][nt].x[2 * hf + 1]) + acc2[0][nt].x[2 * hf + 1];
-        if (col < K) *reinterpret_cast<float2*>(dk_io + j * K + col) = o;
-      }
+        for (int hf = 0; hf < 2; ++hf) {
+          const int j = r0 + g + 8 * hf, col = c0 + nt * 8 + 2 * tq;
+          float2 o;
+          o.x = pre[q][nt][hf].x + acc2[0][nt].x[2 * hf];
+          o.y = pre[q][nt][hf].y + acc2[0][nt].x[2 * hf + 1];
+          if (col < K) *reinterpret_cast<float2*>(dk_io + j * K + col) = o;
+        }
+    }
   }
   __syncthreads();  // (4) partKB
 
