@@ -384,6 +384,26 @@ __device__ inline void dqk2_scale_rows(T* dst, int ld, int Dp, const float* raw,
   }
 }
 
+// Two 16 x 16 output tiles of one column tile c0 (rows ra.., rb..) in one pass: the B fragments are
+// loaded once for both. Each accumulator sees the same operations in the same order as tile_mma.
+template <typename T, bool A_ROW, bool B_KN>
+__device__ __forceinline__ void tile_mma_pair(FragC (&acc0)[1][2], FragC (&acc1)[1][2], const T* A, int lda, const T* B,
+                                              int ldb, int ra, int rb, int c0, int ksteps) {
+  for (int kt = 0; kt < ksteps; ++kt) {
+    const mma::FragA a0 = A_ROW ? mma::load_a_row(A + ra * lda + kt * 16, lda) : mma::load_a_col(A + kt * 16 * lda + ra, lda);
+    const mma::FragA a1 = A_ROW ? mma::load_a_row(A + rb * lda + kt * 16, lda) : mma::load_a_col(A + kt * 16 * lda + rb, lda);
+    mma::FragB b0, b1;
+    if (B_KN)
+      mma::load_b_kn(b0, b1, B + kt * 16 * ldb + c0, ldb);
+    else
+      mma::load_b_nk(b0, b1, B + c0 * ldb + kt * 16, ldb);
+    mma::mma<T>(acc0[0][0], a0, b0);
+    mma::mma<T>(acc0[0][1], a0, b1);
+    mma::mma<T>(acc1[0][0], a1, b0);
+    mma::mma<T>(acc1[0][1], a1, b1);
+  }
+}
+
 template <typename T>
 __global__ void __launch_bounds__(kDqk2Threads, 1) dqk_kernel_v2(GdnBwdParams p) {
   extern __shared__ __align__(16) char smem_raw[];
@@ -495,12 +515,8 @@ __global__ void __launch_bounds__(kDqk2Threads, 1) dqk_kernel_v2(GdnBwdParams p)
 
     float* dq_out = p.dq_hv + ch * C * K;
     float* dk_out = p.dk_hv + ch * C * K;
-    for (int t = warp; t < (C / 16) * (Kp / 16); t += kDqk2Warps) {
-      const int r0 = (t / (Kp / 16)) * 16, c0 = (t % (Kp / 16)) * 16;
-      // dq^ = exp(G) (dO h^T) + dP k^; partQ: <exp(G_i) (dO h^T)_i, q^_i> (the inter-chunk term)
-      FragC acc[1][2];
-      zero(acc);
-      tile_mma<T, true, false>(acc, sl.dO, ldv, Hb, ldv, r0, c0, Vp / 16);
+    // dq^ = exp(G) (dO h^T) + dP k^; partQ: <exp(G_i) (dO h^T)_i, q^_i> (the inter-chunk term)
+    auto dq_scale = [&](FragC(&acc)[1][2], int r0, int c0) {
       float s[2] = {0.f, 0.f};
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt)
@@ -511,15 +527,54 @@ __global__ void __launch_bounds__(kDqk2Threads, 1) dqk_kernel_v2(GdnBwdParams p)
           s[e >> 1] += acc[0][nt].x[e] * mma::Elem<T>::to_float(sl.q[i * ldk + col]);
         }
       tile_rowdot_store(s[0], s[1], partQ, r0, c0);
-      tile_mma<T, true, true>(acc, dP, kPitchC, sl.k, ldk, r0, c0, C / 16);
+    };
+    // dk^ = exp(G_last - G) (v_new dS^T) + dP^T q^; partT: T_j
+    const float g_last = G[C - 1];
+    auto dk_scale = [&](FragC(&acc)[1][2], int r0, int c0) {
+      float s[2] = {0.f, 0.f};
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int j = el_row(r0, e), col = el_col(c0, nt, e);
+          acc[0][nt].x[e] *= expf(g_last - G[j]);
+          s[e >> 1] += acc[0][nt].x[e] * mma::Elem<T>::to_float(sl.k[j * ldk + col]);
+        }
+      tile_rowdot_store(s[0], s[1], partT, r0, c0);
+    };
+    auto store = [&](const FragC(&acc)[1][2], float* out, int r0, int c0) {
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
         for (int eh = 0; eh < 2; ++eh) {  // elements (2 eh, 2 eh + 1): columns col, col + 1 of one row
           const int i = el_row(r0, 2 * eh), col = el_col(c0, nt, 2 * eh);
-          if (col < K)
-            *reinterpret_cast<float2*>(dq_out + i * K + col) = make_float2(acc[0][nt].x[2 * eh], acc[0][nt].x[2 * eh + 1]);
+          if (col < K) *reinterpret_cast<float2*>(out + i * K + col) = make_float2(acc[0][nt].x[2 * eh], acc[0][nt].x[2 * eh + 1]);
         }
+    };
+    // K = 128 (8 column tiles, 32 tiles): warp w takes tiles (w / 8, w % 8) and (w / 8 + 2, w % 8),
+    // version 1's two tiles of the warp, in one pass sharing the B fragments.
+    const bool paired = Kp / 16 == 8 && (C / 16) * (Kp / 16) == 2 * kDqk2Warps;
+    const int pc0 = (warp % 8) * 16, pra = (warp / 8) * 16, prb = pra + 2 * 16;
+    if (paired) {
+      FragC a0[1][2], a1[1][2];
+      zero(a0);
+      zero(a1);
+      tile_mma_pair<T, true, false>(a0, a1, sl.dO, ldv, Hb, ldv, pra, prb, pc0, Vp / 16);
+      dq_scale(a0, pra, pc0);
+      dq_scale(a1, prb, pc0);
+      tile_mma_pair<T, true, true>(a0, a1, dP, kPitchC, sl.k, ldk, pra, prb, pc0, C / 16);
+      store(a0, dq_out, pra, pc0);
+      store(a1, dq_out, prb, pc0);
+    } else {
+      for (int t = warp; t < (C / 16) * (Kp / 16); t += kDqk2Warps) {
+        const int r0 = (t / (Kp / 16)) * 16, c0 = (t % (Kp / 16)) * 16;
+        FragC acc[1][2];
+        zero(acc);
+        tile_mma<T, true, false>(acc, sl.dO, ldv, Hb, ldv, r0, c0, Vp / 16);
+        dq_scale(acc, r0, c0);
+        tile_mma<T, true, true>(acc, dP, kPitchC, sl.k, ldk, r0, c0, C / 16);
+        store(acc, dq_out, r0, c0);
+      }
     }
     // W2: D(item) has landed (pending: A(next))
     mma::cp_async_wait<1>();
@@ -541,32 +596,26 @@ __global__ void __launch_bounds__(kDqk2Threads, 1) dqk_kernel_v2(GdnBwdParams p)
         hreg[m] = *reinterpret_cast<const uint4*>(h_g + static_cast<int64_t>(r) * V + c8);
       }
     }
-    const float g_last = G[C - 1];
-    for (int t = warp; t < (C / 16) * (Kp / 16); t += kDqk2Warps) {
-      const int r0 = (t / (Kp / 16)) * 16, c0 = (t % (Kp / 16)) * 16;
-      // dk^ = exp(G_last - G) (v_new dS^T) + dP^T q^; partT: T_j
-      FragC acc[1][2];
-      zero(acc);
-      tile_mma<T, true, false>(acc, sl.vn, ldv, Db, ldv, r0, c0, Vp / 16);
-      float s[2] = {0.f, 0.f};
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int j = el_row(r0, e), col = el_col(c0, nt, e);
-          acc[0][nt].x[e] *= expf(g_last - G[j]);
-          s[e >> 1] += acc[0][nt].x[e] * mma::Elem<T>::to_float(sl.k[j * ldk + col]);
-        }
-      tile_rowdot_store(s[0], s[1], partT, r0, c0);
-      tile_mma<T, false, true>(acc, dP, kPitchC, sl.q, ldk, r0, c0, C / 16);
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-        for (int eh = 0; eh < 2; ++eh) {
-          const int j = el_row(r0, 2 * eh), col = el_col(c0, nt, 2 * eh);
-          if (col < K)
-            *reinterpret_cast<float2*>(dk_out + j * K + col) = make_float2(acc[0][nt].x[2 * eh], acc[0][nt].x[2 * eh + 1]);
-        }
+    if (paired) {
+      FragC a0[1][2], a1[1][2];
+      zero(a0);
+      zero(a1);
+      tile_mma_pair<T, true, false>(a0, a1, sl.vn, ldv, Db, ldv, pra, prb, pc0, Vp / 16);
+      dk_scale(a0, pra, pc0);
+      dk_scale(a1, prb, pc0);
+      tile_mma_pair<T, false, true>(a0, a1, dP, kPitchC, sl.q, ldk, pra, prb, pc0, C / 16);
+      store(a0, dk_out, pra, pc0);
+      store(a1, dk_out, prb, pc0);
+    } else {
+      for (int t = warp; t < (C / 16) * (Kp / 16); t += kDqk2Warps) {
+        const int r0 = (t / (Kp / 16)) * 16, c0 = (t % (Kp / 16)) * 16;
+        FragC acc[1][2];
+        zero(acc);
+        tile_mma<T, true, false>(acc, sl.vn, ldv, Db, ldv, r0, c0, Vp / 16);
+        dk_scale(acc, r0, c0);
+        tile_mma<T, false, true>(acc, dP, kPitchC, sl.q, ldk, r0, c0, C / 16);
+        store(acc, dk_out, r0, c0);
+      }
     }
     float hds = 0.f;
 #pragma unroll
