@@ -29,17 +29,15 @@ Runs only with TREE_RECURRENCE_LARGE_TESTS=1 on a GPU with >= 80 GB free (the de
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-from test_gdn_chunked import trie
+from large_rows import check_last_segments, check_p_chain_gradients, large_mark, make_big, spec
 from test_ssd_chunked import _ops, chunk_tables
 
 H, P, N, G = 128, 64, 128, 8
 CHUNK = 64
-SPEC = [(-1, 150_007), (0, 75_003), (1, 74_990), (0, 100), (-1, 130), (4, 70), (5, 200), (0, 200)]
+SPEC = spec(150_007, 75_003, 74_990)
 TOL = 1.5e-2  # test_ssd_fused_gpu.TOL[bf16]: the fused op vs the float64 token oracle
 SAME_TOL = 5e-3  # the big row vs the same path alone (the same kernels: expected bitwise)
 GRAD_TOL = 1e-2
@@ -47,51 +45,7 @@ DEVICE, DTYPE = "cuda", torch.bfloat16  # (a CPU dry run of the logic swaps thes
 TOKEN = ("x", "dt", "B", "C", "z")
 PARAMS = ("A", "D", "dt_bias")
 
-
-def _large_ok():
-    if os.environ.get("TREE_RECURRENCE_LARGE_TESTS") != "1":
-        return False, "set TREE_RECURRENCE_LARGE_TESTS=1 to run the 2^31-element rows"
-    if not torch.cuda.is_available():
-        return False, "needs CUDA"
-    free, _ = torch.cuda.mem_get_info()
-    if free < 80 * 2**30:
-        return False, f"needs >= 80 GB free GPU memory, {free / 2**30:.1f} GiB free"
-    return True, ""
-
-
-_OK, _WHY = _large_ok()
-if not _OK and os.environ.get("TREE_RECURRENCE_LARGE_TESTS") == "1":
-    print(f"\n{__name__}: skipped: {_WHY}")  # (the device log shows why)
-pytestmark = pytest.mark.skipif(not _OK, reason=_WHY)
-
-
-def _sync():
-    if DEVICE == "cuda":
-        torch.cuda.synchronize()
-
-
-def _peak_gib():
-    return torch.cuda.max_memory_allocated() / 2**30 if DEVICE == "cuda" else 0.0
-
-
-def _reset_peak():
-    if DEVICE == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-
-
-def rel_rms(got, want, step=1 << 26):
-    """Relative RMS on the GPU in float64, in slices (the big tensors do not go to the host)."""
-    a, b = got.detach().reshape(-1), want.detach().reshape(-1)
-    assert a.numel() == b.numel(), (got.shape, want.shape)
-    num = torch.zeros((), dtype=torch.float64, device=a.device)
-    den = torch.zeros((), dtype=torch.float64, device=a.device)
-    for i in range(0, a.numel(), step):
-        x, y = a[i:i + step].double(), b[i:i + step].to(a.device).double()
-        assert torch.isfinite(x).all(), "non-finite values"
-        num += (x - y).pow(2).sum()
-        den += y.pow(2).sum()
-    return float((num / den.clamp_min(1e-300)).sqrt())
+pytestmark = large_mark(__name__)
 
 
 def make_inputs(T, roots, seed=0, device=None, dtype=None):
@@ -114,106 +68,38 @@ def run(x, seg_offsets, parents, init, op=None):
               A=x["A"], dt_limit=[0.0, float("inf")], D=x["D"], dt_bias=x["dt_bias"], dt_softplus=True, z=x["z"])
 
 
-def sub_row(x, ranges):
-    """The token slices `ranges` of every per-token input, concatenated (a new, small row); A, D, dt_bias kept."""
-    out = {n: torch.cat([x[n][lo:hi] for lo, hi in ranges]) for n in TOKEN}
-    out.update({n: x[n] for n in PARAMS})
-    return out
+def oracle(r1, so1, par1, h0):
+    """The float64 token oracle (ssd_token_scan on the CPU)."""
+    c = {n: t.double().cpu() for n, t in r1.items()}
+    return _ops().ssd_token_scan(c["x"], c["dt"], c["B"], c["C"], torch.tensor(so1), torch.tensor(par1),
+                                 h0.double().cpu(), A=c["A"], dt_limit=[0.0, float("inf")], D=c["D"],
+                                 dt_bias=c["dt_bias"], dt_softplus=True, z=c["z"])
 
 
-def make_big():
-    so, par = trie(SPEC)
-    T = so[-1]
-    assert DEVICE != "cuda" or so[4] * H * P >= 2**31, "the P chain must start past 2^31 elements"
-    x = make_inputs(T, roots=2)
-    return dict(x=x, so=so, par=par, T=T)
+def check_fused(r1, so1, par1, h0, y1):
+    """The fused path ran: the op's output is the stages op's out, widened."""
+    st = run(r1, so1, par1, h0, op=_ops().ssd_fused_stages)
+    assert torch.equal(y1, st[0].float()), "ssd_tree_scan did not take the fused path on R1"
 
 
 @pytest.fixture(scope="module")
 def big():
-    return make_big()
+    return make_big(SPEC, make_inputs, H * P, DEVICE)
 
 
 def test_last_segments_match_their_paths_alone(big, monkeypatch):
     monkeypatch.delenv("TREE_RECURRENCE_SSD_FUSED", raising=False)
-    x, so, par = big["x"], big["so"], big["par"]
-    with torch.no_grad():
-        y = run(x, so, par, x["h0"])
-        _sync()
-        print(f"\nbig row: {big['T']} tokens, y {tuple(y.shape)} {y.dtype} = {y.numel() / 2**31:.2f} x 2^31 elements, "
-              f"peak {_peak_gib():.1f} GiB")
-        assert y.shape == x["x"].shape
 
-        # R1 = [P, P2, C] alone, from h0[1]
-        r1 = sub_row(x, [(so[4], so[7])])
-        so1, par1 = [0, so[5] - so[4], so[6] - so[4], so[7] - so[4]], [-1, 0, 1]
-        y1 = run(r1, so1, par1, x["h0"][1:2])
-        if DEVICE == "cuda":  # the fused path ran: the op's output is the stages op's out, widened
-            st = run(r1, so1, par1, x["h0"][1:2], op=_ops().ssd_fused_stages)
-            assert torch.equal(y1, st[0].float()), "ssd_tree_scan did not take the fused path on R1"
-        c = {n: t.double().cpu() for n, t in r1.items()}
-        want1 = _ops().ssd_token_scan(c["x"], c["dt"], c["B"], c["C"], torch.tensor(so1), torch.tensor(par1),
-                                      x["h0"][1:2].double().cpu(), A=c["A"], dt_limit=[0.0, float("inf")], D=c["D"],
-                                      dt_bias=c["dt_bias"], dt_softplus=True, z=c["z"]).to(DEVICE)
-        errs = {}
-        for name, (lo, hi), (lo1, hi1) in [("P", (so[4], so[5]), (so1[0], so1[1])), ("P2", (so[5], so[6]), (so1[1], so1[2])),
-                                           ("C", (so[6], so[7]), (so1[2], so1[3]))]:
-            errs[name] = (rel_rms(y[lo:hi], y1[lo1:hi1]), torch.equal(y[lo:hi], y1[lo1:hi1]), rel_rms(y[lo:hi], want1[lo1:hi1]))
-        errs["R1"] = (0.0, True, rel_rms(y1, want1))
+    def check_out(y):
+        assert y.shape == big["x"]["x"].shape
 
-        # R2 = [A, X] alone, from h0[0]
-        r2 = sub_row(x, [(so[0], so[1]), (so[7], so[8])])
-        nA = so[1] - so[0]
-        so2 = [0, nA, nA + so[8] - so[7]]
-        y2 = run(r2, so2, [-1, 0], x["h0"][0:1])
-        for name, (lo, hi), (lo2, hi2) in [("A", (so[0], so[1]), (0, nA)), ("X", (so[7], so[8]), (nA, so2[2]))]:
-            errs[name] = (rel_rms(y[lo:hi], y2[lo2:hi2]), torch.equal(y[lo:hi], y2[lo2:hi2]), float("nan"))
-    print("  segment   vs path alone (rel RMS, bitwise)   vs float64 token oracle")
-    for name, (e, bit, eo) in errs.items():
-        print(f"  {name:6s}    {e:12.3e}  {str(bit):5s}                 {eo:12.3e}")
-    bad = {n: e for n, e in errs.items() if not (e[0] <= SAME_TOL) or (e[2] == e[2] and not (e[2] <= TOL))}
-    assert not bad, f"outputs past 2^31 elements differ from their paths run alone / the oracle: {bad}"
+    check_last_segments(big, run, TOKEN, PARAMS, oracle, same_tol=SAME_TOL, oracle_tol=TOL, check_out=check_out,
+                        check_fused=check_fused)
 
 
 def test_backward_smoke_and_p_chain_gradients(big, monkeypatch):
     monkeypatch.delenv("TREE_RECURRENCE_SSD_FUSED", raising=False)
     monkeypatch.delenv("TREE_RECURRENCE_SSD_FUSED_BWD", raising=False)
-    _reset_peak()
-    so, par = big["so"], big["par"]
-    names = TOKEN + ("h0",) + PARAMS
-    x = {n: big["x"][n].detach().clone().requires_grad_(True) for n in names}
     gen = torch.Generator(device=DEVICE).manual_seed(7)
     dY = torch.randn(big["T"], H, P, generator=gen, device=DEVICE, dtype=torch.float32)
-    try:
-        y = run(x, so, par, x["h0"])
-        grads = torch.autograd.grad(y, [x[n] for n in names], dY)
-    except torch.OutOfMemoryError:
-        msg = (f"fused forward + backward of {big['T']} tokens does not fit: peak "
-                    f"{_peak_gib():.1f} GiB before the failure")
-        print(f"\n{msg}")
-        pytest.skip(msg)
-    _sync()
-    print(f"\nbig row fwd+bwd peak {_peak_gib():.1f} GiB")
-    del y
-    g = dict(zip(names, grads))
-    for n in names:
-        assert g[n] is not None and g[n].shape == x[n].shape, n
-        assert all(torch.isfinite(g[n][i:i + 65536]).all() for i in range(0, g[n].shape[0], 65536)), f"d{n} not finite"
-
-    # the P tree alone, the same output gradient: its per-token gradients and d h0[1] are the big row's
-    lo, hi = so[4], so[7]
-    r1 = {n: big["x"][n][lo:hi].detach().clone().requires_grad_(True) for n in TOKEN}
-    r1.update({n: big["x"][n].detach().clone().requires_grad_(True) for n in PARAMS})
-    r1["h0"] = big["x"]["h0"][1:2].detach().clone().requires_grad_(True)
-    so1 = [0, so[5] - lo, so[6] - lo, hi - lo]
-    y1 = run(r1, so1, [-1, 0, 1], r1["h0"])
-    g1 = dict(zip(TOKEN + ("h0",), torch.autograd.grad(y1, [r1[n] for n in TOKEN + ("h0",)], dY[lo:hi])))
-    print("  P-chain gradient   big row vs alone (rel RMS, bitwise)")
-    bad = {}
-    for n in TOKEN + ("h0",):
-        got = g[n][1:2] if n == "h0" else g[n][lo:hi]
-        e = rel_rms(got, g1[n])
-        print(f"  d{n:5s}            {e:12.3e}  {torch.equal(got, g1[n])}")
-        if not e <= GRAD_TOL:
-            bad[n] = e
-    assert not bad, f"P-chain gradients past 2^31 elements differ from the chain alone: {bad}"
+    check_p_chain_gradients(big, run, TOKEN, PARAMS, dY, GRAD_TOL)
