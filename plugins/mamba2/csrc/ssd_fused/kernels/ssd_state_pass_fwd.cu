@@ -5,6 +5,10 @@
 // level's launch), a root's initial state (shared or per root by root_index) or zeros.
 // One launch per trie level (host loop over level_offsets); grid (segments of the level, H,
 // ceil(P N / 1024)), 256 threads, 4 consecutive state elements per thread. No atomics.
+// Software-pipelined: a thread keeps the chunk states and Lam_last of its next kAhead chunks in
+// registers (loaded kAhead steps before their use, through the read-only path), so a long segment
+// (one 49k-token row: 768 chunks in a row) has kAhead loads in flight per thread instead of one
+// dependent DRAM round trip per chunk. Same arithmetic (the same fmaf per chunk in order).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -18,6 +22,7 @@ namespace mma = tree_recurrence::kernels::mma;
 
 constexpr int kThreads = 256;
 constexpr int kPer = 4;
+constexpr int kAhead = 4;  // chunks in flight per thread
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads) state_pass_kernel(FwdParams p, int64_t level_begin) {
@@ -37,18 +42,37 @@ __global__ void __launch_bounds__(kThreads) state_pass_kernel(FwdParams p, int64
   }
   T* states = static_cast<T*>(p.states);
   const int64_t c_begin = p.seg_chunk_offsets[s], c_end = p.seg_chunk_offsets[s + 1];
-  for (int64_t c = c_begin; c < c_end; ++c) {
-    const int64_t off = (c * H + h) * PN + e;
-    const float4 cs = *reinterpret_cast<const float4*>(p.chunk_states + off);
-    const float decay = expf(fminf(p.Lam[(c * H + h) * L + L - 1], 0.f));
-    uint2 packed;
-    packed.x = mma::Elem<T>::pack(st.x, st.y);
-    packed.y = mma::Elem<T>::pack(st.z, st.w);
-    *reinterpret_cast<uint2*>(states + off) = packed;
-    st.x = fmaf(decay, st.x, cs.x);
-    st.y = fmaf(decay, st.y, cs.y);
-    st.z = fmaf(decay, st.z, cs.z);
-    st.w = fmaf(decay, st.w, cs.w);
+  float4 cs[kAhead];
+  float lam[kAhead];
+#pragma unroll
+  for (int k = 0; k < kAhead; ++k) {
+    const int64_t c = c_begin + k;
+    if (c < c_end) {
+      cs[k] = __ldg(reinterpret_cast<const float4*>(p.chunk_states + (c * H + h) * PN + e));
+      lam[k] = __ldg(p.Lam + (c * H + h) * L + L - 1);
+    }
+  }
+  for (int64_t c0 = c_begin; c0 < c_end; c0 += kAhead) {
+#pragma unroll
+    for (int k = 0; k < kAhead; ++k) {
+      const int64_t c = c0 + k;
+      if (c < c_end) {
+        const float decay = expf(fminf(lam[k], 0.f));
+        uint2 packed;
+        packed.x = mma::Elem<T>::pack(st.x, st.y);
+        packed.y = mma::Elem<T>::pack(st.z, st.w);
+        *reinterpret_cast<uint2*>(states + (c * H + h) * PN + e) = packed;
+        st.x = fmaf(decay, st.x, cs[k].x);
+        st.y = fmaf(decay, st.y, cs[k].y);
+        st.z = fmaf(decay, st.z, cs[k].z);
+        st.w = fmaf(decay, st.w, cs[k].w);
+        const int64_t cn = c + kAhead;
+        if (cn < c_end) {
+          cs[k] = __ldg(reinterpret_cast<const float4*>(p.chunk_states + (cn * H + h) * PN + e));
+          lam[k] = __ldg(p.Lam + (cn * H + h) * L + L - 1);
+        }
+      }
+    }
   }
   if (p.child_offsets[s + 1] > p.child_offsets[s])
     *reinterpret_cast<float4*>(p.workspace + (s * H + h) * PN + e) = st;
