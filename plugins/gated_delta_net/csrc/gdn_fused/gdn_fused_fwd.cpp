@@ -108,7 +108,6 @@ std::pair<at::Tensor, Saved> forward(const at::Tensor& q_in, const at::Tensor& k
   pp.use_qk_l2norm = use_qk_l2norm;
   pp.in = it;
   pp.gather = gather.data_ptr<int64_t>();
-  pp.q = q.data_ptr();
   pp.k = k.data_ptr();
   pp.v = v.data_ptr();
   pp.g = g.data_ptr<float>();
@@ -119,7 +118,6 @@ std::pair<at::Tensor, Saved> forward(const at::Tensor& q_in, const at::Tensor& k
   pp.u = sv.u.data_ptr();
   pp.kd = sv.kd.data_ptr();
   pp.decay = sv.decay.data_ptr<float>();
-  pp.rq = sv.rq.data_ptr<float>();
   pp.rk = sv.rk.data_ptr<float>();
   check_launch(kernels::launch_prep_fwd(pp, stream), "prep");
 
@@ -184,6 +182,7 @@ std::pair<at::Tensor, Saved> forward(const at::Tensor& q_in, const at::Tensor& k
   op.h = sv.h.data_ptr();
   op.v_new = sv.v_new.data_ptr();
   op.o = o.data_ptr();
+  op.rq = sv.rq.data_ptr<float>();  // q's norms: the out stage loads q (prep does not)
   check_launch(kernels::launch_out_fwd(op, stream), "outputs");
   return {o, sv};
 }

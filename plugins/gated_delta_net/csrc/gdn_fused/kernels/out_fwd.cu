@@ -4,7 +4,8 @@
 // (tile_grid):
 //   rows 0..63 of h[c] (K x V), the q, k rows (through gather) in a first group of cp.async copies,
 //   v_new[c] (64 x V) in a second (zero-filled pad rows and columns); q^ = l2norm(q) scale,
-//   k^ = l2norm(k) in place (scale_rows_smem: bit for bit as prep_fwd computes them);
+//   k^ = l2norm(k) in place (scale_rows_smem: bit for bit as prep_fwd computes them); rq, q's norm
+//   factors, by the hv % groups == 0 block of each key head;
 //   S = (q^ k^T) * exp(G_i - G_j) (j <= i; both warps of a row block compute it), rounded to the
 //   input type into four A fragments; the k rows are then dead and rows 64..127 of h are copied there
 //   while O = q^ h[0:64] runs; O += q^ h[64:128], O *= exp(G_i), O += S v_new (tensor cores, fp32
@@ -65,7 +66,7 @@ __global__ void __launch_bounds__(kThreads, 3) out_fwd_kernel(const OutParams p)
   }
   mm::cp_async_wait<1>();  // h rows 0..63, q, k landed
   __syncthreads();
-  scale_rows_smem<T, kWarps>(s.q, kLdX, s.tok, HK, hk, p.use_qk_l2norm, p.scale, nullptr, true);
+  scale_rows_smem<T, kWarps>(s.q, kLdX, s.tok, HK, hk, p.use_qk_l2norm, p.scale, hv % groups == 0 ? p.rq : nullptr, true);
   scale_rows_smem<T, kWarps>(s.k, kLdX, s.tok, HK, hk, p.use_qk_l2norm, 1.f, nullptr, true);
   __syncthreads();
 

@@ -13,11 +13,11 @@ enum class InType { BFloat16, Float16 };
 constexpr int kChunk = 64;
 constexpr int kMaxDim = 128;
 
-// Stage 1 (grid (NC, HV), 128 threads): per chunk and value head, from the chunk's rows (gather,
-// -1 = pad: q = k = v = 0, g = beta = 0):
+// Stage 1 (grid tile_grid: value head fastest, 128 threads): per chunk and value head, from the
+// chunk's rows (gather, -1 = pad: k = v = 0, g = beta = 0):
 //   G (NC, HV, C) f32, Ainv (NC, HV, C, C) in, w (NC, HV, C, K) in, u (NC, HV, C, V) in,
-//   kd (NC, HV, C, K) in, decay (NC, HV) f32; rq, rk (T, HK) f32 (written by the hv % groups == 0
-//   block of each key head; 1 without l2norm).
+//   kd (NC, HV, C, K) in, decay (NC, HV) f32; rk (T, HK) f32 (written by the hv % groups == 0 block
+//   of each key head; 1 without l2norm). q is not read here: rq is written by stage 3, which loads q.
 struct PrepParams {
   int64_t num_chunks = 0;  // NC
   int64_t tokens = 0;      // T
@@ -29,7 +29,6 @@ struct PrepParams {
   InType in = InType::BFloat16;
 
   const int64_t* gather = nullptr;  // (NC, C)
-  const void* q = nullptr;          // (T, HK, K) in
   const void* k = nullptr;          // (T, HK, K) in
   const void* v = nullptr;          // (T, HV, V) in
   const float* g = nullptr;         // (T, HV)
@@ -41,13 +40,14 @@ struct PrepParams {
   void* u = nullptr;
   void* kd = nullptr;
   float* decay = nullptr;
-  float* rq = nullptr;
   float* rk = nullptr;
 };
 
-// Stage 3 (grid (NC, HV), 256 threads: 4 row blocks x 2 column halves of 64):
+// Stage 3 (grid tile_grid, 256 threads: 4 row blocks x 2 column halves of 64):
 //   o_i = exp(G_i) q^_i h[c] + sum_{j <= i} exp(G_i - G_j) <q^_i, k^_j> v_new_j, q^ = l2norm(q) scale,
-//   k^ = l2norm(k) (recomputed bit for bit as prep_fwd computes them), written at token gather[c][i] of o (T, HV, V) in the input type.
+//   k^ = l2norm(k) (recomputed bit for bit as prep_fwd computes them), written at token gather[c][i]
+//   of o (T, HV, V) in the input type; rq (T, HK) f32, q's norm factor (1 without l2norm), by the
+//   hv % groups == 0 block of each key head.
 struct OutParams {
   int64_t num_chunks = 0;
   int64_t tokens = 0;
@@ -66,6 +66,7 @@ struct OutParams {
   const void* h = nullptr;          // (NC, HV, K, V) in
   const void* v_new = nullptr;      // (NC, HV, C, V) in
   void* o = nullptr;                // (T, HV, V) in
+  float* rq = nullptr;              // (T, HK)
 };
 
 // Return an empty string on success, else the launch error (no host sync).

@@ -1,24 +1,25 @@
 // Stage 1 of the fused GDN forward (../gdn_fused.h, params.h): per (chunk, value head) one block of
-// 128 threads (4 warps, warp w owns rows 16w..16w+15), 53 KB of shared memory (4 blocks per SM):
-//   1. rows through gather: k, v (and q for its norms, by the hv % groups == 0 block) in one batch
-//      of cp.async copies (zero-filled pad rows and columns); then k^ = l2norm(k) in place, rq, rk;
+// 128 threads (4 warps, warp w owns rows 16w..16w+15), 54 KB of shared memory (4 blocks per SM),
+// grid value head fastest (tile_grid):
+//   1. rows through gather: k, v in cp.async copies (zero-filled pad rows and columns; each thread
+//      reads its rows' tokens from gather itself, ChunkRows); then k^ = l2norm(k) in place, rk (q is
+//      not read: the out stage, which loads q anyway, writes rq);
 //   2. G = cumsum(g) (one thread, sequential from registers: G is non-increasing exactly),
-//      decay = exp(G_63);
+//      decay = exp(G_63); the per-row factors beta exp(G), exp(G_63 - G);
 //   3. A_ij = beta_i exp(G_i - G_j) <k^_i, k^_j>, j < i (K K^T on tensor cores, fp32 acc), and
 //      kd_j = exp(G_63 - G_j) k^_j;
-//   4. Ainv = (I + A)^-1 by forward substitution in fp32 (one thread per column, the column in
-//      registers, each row's sum in four interleaved partial sums added in a fixed order:
-//      deterministic, a dependency chain a quarter as long); Ainv goes to global from registers;
-//      That is version 1 (TREE_RECURRENCE_GDN_PREP_V1=1). Version 2 (the default, block_inverse):
-//      A is written transposed (strict upper triangle), the 16 x 16 diagonal blocks are inverted
-//      by substitution, the off-diagonal blocks by fp32 block products (3 levels, all 128 threads),
-//      in place; Ainv and the operands leave with 16-byte stores; v in a second cp.async group;
-//      phase 5 by column blocks per warp (balanced; lower_times_cols);
+//   4. version 2 (the default, block_inverse): A is written transposed (strict upper triangle),
+//      the 16 x 16 diagonal blocks are inverted by substitution, the off-diagonal blocks by fp32
+//      block products (3 levels, all 128 threads), in place; Ainv and the operands leave with
+//      16-byte stores; v in a second cp.async group; phase 5 by column blocks per warp (balanced;
+//      lower_times_cols). Version 1 (TREE_RECURRENCE_GDN_PREP_V1=1): Ainv = (I + A)^-1 by forward
+//      substitution in fp32 (one thread per column, the column in registers, each row's sum in
+//      four interleaved partial sums added in a fixed order: deterministic, a dependency chain a
+//      quarter as long); Ainv goes to global from registers;
 //   5. w = (Ainv diag(beta exp G)) k^, u = (Ainv diag(beta)) v on tensor cores (operands rounded to
 //      the input type, fp32 acc), staged in shared memory and stored with 16-byte writes.
-// Shared memory is reused across phases: the q rows (phase 1), A (3-4) and the two scaled Ainv
-// operands (5) share one buffer.
-// Every exponent is min(., 0) (G is non-increasing, so this only guards against g > 0 input).
+// Shared memory is reused across phases: A (3-4) and the two scaled Ainv operands (5) share one
+// buffer. Every exponent is min(., 0) (G is non-increasing, so this only guards against g > 0 input).
 #include <cstdlib>
 
 #include "fwd_common.cuh"
@@ -36,7 +37,6 @@ struct PrepSmem {
   T k[kChunk * kLdX];
   T v[kChunk * kLdX];
   union {
-    T q[kChunk * kLdX];  // phase 1 (the writer block's q rows, for the norms)
     float A[kChunk * kLdA];  // phases 3-4
     struct {
       T ab[kChunk * kLdI];
@@ -46,6 +46,8 @@ struct PrepSmem {
   float graw[kChunk];
   float G[kChunk];
   float beta[kChunk];
+  float bg[kChunk];     // beta_i exp(G_i)
+  float dlast[kChunk];  // exp(G_63 - G_i)
   int64_t tok[kChunk];
 };
 
@@ -277,10 +279,9 @@ __global__ void __launch_bounds__(kThreads, 4) prep_fwd_kernel(const PrepParams 
   const bool writer = hv % groups == 0;
   ChunkRows<kThreads> rows;
   rows.load(p.gather + c * kChunk);
-  // (version 2: k, q in the first group, v in a second one, waited for only before phase 5)
+  // (version 2: k in the first group, v in a second one, waited for only before phase 5)
   rows.copy<T>(s.k, kLdX, static_cast<const T*>(p.k), HK, hk, K);
   if (!V2) rows.copy<T>(s.v, kLdX, static_cast<const T*>(p.v), HV, hv, V);
-  if (writer) rows.copy<T>(s.u.q, kLdX, static_cast<const T*>(p.q), HK, hk, K);
   mm::cp_async_commit();
   if (V2) {
     rows.copy<T>(s.v, kLdX, static_cast<const T*>(p.v), HV, hv, V);
@@ -315,14 +316,17 @@ __global__ void __launch_bounds__(kThreads, 4) prep_fwd_kernel(const PrepParams 
     p.decay[tile] = exp_nonpos(acc);
   }
   if (V2)
-    mm::cp_async_wait<1>();  // k, q landed; v may still fly
+    mm::cp_async_wait<1>();  // k landed; v may still fly
   else
     mm::cp_async_wait<0>();
   __syncthreads();
+  if (tid < kChunk) {  // the per-row factors of phases 3b and 4 (64 exps instead of one per element)
+    const float Gi = s.G[tid];
+    s.bg[tid] = s.beta[tid] * exp_nonpos(Gi);
+    s.dlast[tid] = exp_nonpos(s.G[kChunk - 1] - Gi);
+  }
   scale_rows_smem<T, kThreads / 32>(s.k, kLdX, s.tok, HK, hk, p.use_qk_l2norm, 1.f, writer ? p.rk : nullptr, true);
-  if (writer)  // q is read here only for its norms (the out stage recomputes q^ itself)
-    scale_rows_smem<T, kThreads / 32>(s.u.q, kLdX, s.tok, HK, hk, p.use_qk_l2norm, 1.f, p.rq, false);
-  __syncthreads();  // k^ complete; the q rows are dead (A takes their place)
+  __syncthreads();  // k^, bg, dlast complete
   if (tid < kChunk) p.G[tile * kChunk + tid] = s.G[tid];
 
   // 3a. A = beta_i exp(G_i - G_j) (K K^T)_ij, strictly lower (rows of this warp; columns of blocks <= warp)
@@ -358,12 +362,11 @@ __global__ void __launch_bounds__(kThreads, 4) prep_fwd_kernel(const PrepParams 
   {
     T* kd = static_cast<T*>(p.kd) + tile * kChunk * K;
     const int per_row = K >> 3;
-    const float last = s.G[kChunk - 1];
     for (int i = tid; i < kChunk * per_row; i += kThreads) {
       const int r = i / per_row, c8 = i - r * per_row;
       float f[8];
       unpack8<T>(*reinterpret_cast<const uint4*>(s.k + r * kLdX + c8 * 8), f);
-      const float d = exp_nonpos(last - s.G[r]);
+      const float d = s.dlast[r];
 #pragma unroll
       for (int e = 0; e < 8; ++e) f[e] *= d;
       *reinterpret_cast<uint4*>(kd + static_cast<int64_t>(r) * K + c8 * 8) = pack8<T>(f);
@@ -399,7 +402,7 @@ __global__ void __launch_bounds__(kThreads, 4) prep_fwd_kernel(const PrepParams 
     __syncthreads();  // every thread is done reading A (the operands take its place)
     if (tid < kChunk) {
       const int col = tid;
-      const float b = s.beta[col], bg = b * exp_nonpos(s.G[col]);
+      const float b = s.beta[col], bg = s.bg[col];
       T* dst = static_cast<T*>(p.Ainv) + tile * kChunk * kChunk + col;  // row i: 64 threads, 128 contiguous bytes
   #pragma unroll
       for (int i = 0; i < kChunk; ++i) {
@@ -439,7 +442,7 @@ __global__ void __launch_bounds__(kThreads, 4) prep_fwd_kernel(const PrepParams 
 #pragma unroll
       for (int m = 0; m < 8; ++m) {
         const int col = c0 + e + m;
-        const float b = s.beta[col], bg = b * exp_nonpos(s.G[col]);
+        const float b = s.beta[col], bg = s.bg[col];
         fb[m] = xr[e + m] * b;
         fg[m] = xr[e + m] * bg;
       }
