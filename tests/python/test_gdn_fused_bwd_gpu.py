@@ -463,7 +463,7 @@ _DQK_SCRIPT = r"""
 import sys, torch
 sys.path.insert(0, sys.argv[1])
 from test_gdn_fused_bwd_gpu import run_stages
-cases = torch.load(sys.argv[2])
+cases = torch.load(sys.argv[2], weights_only=False)
 torch.save({n: {k: v.cpu() for k, v in run_stages(c).items()} for n, c in cases.items()}, sys.argv[3])
 """
 
@@ -476,6 +476,8 @@ def test_dqk_v2_against_v1(tmp_path):
     assert os.environ.get("TREE_RECURRENCE_GDN_DQK_V1") is None, "unset TREE_RECURRENCE_GDN_DQK_V1 to run this test"
     keep = ("dev", "saved", "tabs", "h0", "l2norm")
     cases = {n: {k: v for k, v in setup_case(**cfg).items() if k in keep} for n, cfg in DQK_CASES.items()}
+    for c in cases.values():
+        c["tabs"] = tuple(c["tabs"])  # a plain tuple for torch.save / load (run_stages unpacks it)
     new = {n: {k: v.cpu() for k, v in run_stages(c).items()} for n, c in cases.items()}
     here = os.path.dirname(os.path.abspath(__file__))
     src, dst = str(tmp_path / "dqk_cases.pt"), str(tmp_path / "dqk_v1.pt")
@@ -484,7 +486,7 @@ def test_dqk_v2_against_v1(tmp_path):
     res = subprocess.run([sys.executable, "-c", _DQK_SCRIPT, here, src, dst], env=env, cwd=here, capture_output=True,
                          text=True, timeout=900)
     assert res.returncode == 0, f"version-1 subprocess failed:\n{res.stdout}\n{res.stderr}"
-    old = torch.load(dst)
+    old = torch.load(dst, weights_only=False)
     bad = []
     for n in DQK_CASES:
         for k in NAMES:
