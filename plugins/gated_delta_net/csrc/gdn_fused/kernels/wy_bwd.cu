@@ -280,6 +280,7 @@ const char* launch_v1(const GdnBwdParams& p, void* stream) {
 //  * rowsum(W2) and colsum(beta W2) from the accumulators (quad and column butterflies, fixed
 //    order) into per-tile partials: no fp32 W2 buffer. The zero blocks of dKK are skipped.
 //  * Four CTA-wide barriers (version 1: nine); the per-row tail (dbeta, dG, dg) in one warp.
+//  * A head-fastest 1-D grid (NC * HV blocks; version 1: (NC, HV)).
 // Rounding differences from version 1: dA from v_new (not from a recomputed bf16 u and a bf16 dkb),
 // dkb fp32 throughout, W2 sums in a different fixed order, the reverse cumsum as a warp suffix scan.
 constexpr int kWy2PartV = 16;  // V column blocks of 8 (V <= 128)
@@ -314,8 +315,12 @@ __device__ __forceinline__ void prefetch_l2(const void* ptr) { asm volatile("pre
 template <typename T>
 __global__ void __launch_bounds__(kWyThreads, 2) wy_kernel_v2(GdnBwdParams p) {
   extern __shared__ __align__(16) char smem_raw[];
-  const int64_t c = blockIdx.x, hv = blockIdx.y;
-  const int64_t HV = p.hv, HK = p.hk, hk = hv / (HV / HK);
+  // head-fastest 1-D grid: the value heads of a chunk (and so of a key head) run side by side, so k
+  // rows come from L2 the second time and the token-major rows (v, dv, beta, dbeta, dg) are read and
+  // written across heads together
+  const int64_t HV = p.hv, HK = p.hk;
+  const unsigned hv32 = static_cast<unsigned>(HV);
+  const int64_t c = blockIdx.x / hv32, hv = blockIdx.x % hv32, hk = hv / (HV / HK);
   const int K = static_cast<int>(p.k_dim), V = static_cast<int>(p.v_dim);
   const int Kp = round16(K), Vp = round16(V), ldk = pitch_of(Kp), ldv = pitch_of(Vp);
   Smem sm{smem_raw};
@@ -599,8 +604,9 @@ const char* launch_v2(const GdnBwdParams& p, void* stream) {
   e = cudaFuncSetAttribute(wy_kernel_v2<T>, cudaFuncAttributePreferredSharedMemoryCarveout,
                            static_cast<int>(cudaSharedmemCarveoutMaxShared));
   if (e != cudaSuccess) return cudaGetErrorString(e);
-  wy_kernel_v2<T><<<dim3(static_cast<unsigned>(p.num_chunks), static_cast<unsigned>(p.hv)), kWyThreads, bytes,
-                    static_cast<cudaStream_t>(stream)>>>(p);
+  const int64_t blocks = p.num_chunks * p.hv;
+  if (blocks > 2147483647) return "wy: num_chunks * hv exceeds the grid";
+  wy_kernel_v2<T><<<dim3(static_cast<unsigned>(blocks)), kWyThreads, bytes, static_cast<cudaStream_t>(stream)>>>(p);
   return launch_error();
 }
 
