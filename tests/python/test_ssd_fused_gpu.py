@@ -15,9 +15,11 @@ without CUDA.
   grad-mode forward with a ValueError), and absent optionals' gradient slots;
 * the fused chunk-state + state-pass kernel (default) against the three-kernel path
   (TREE_RECURRENCE_SSD_FWD_FUSED_PASS=0);
+* the three-kernel path's state pass 4 chunks ahead (default) bitwise against one at a time
+  (TREE_RECURRENCE_SSD_FWD_STATE_PASS=v1);
 * the v3 chunk scan (default at chunk 64, P <= 64: C B^T once per (chunk, group), heads double-buffered)
   against float64 per stage and bitwise against v2 (TREE_RECURRENCE_SSD_FWD_SCAN=v2, the per-head kernel
-  that every other shape takes), on small tries and on ~65k-token ones (the head slices of its grid).
+  that every other shape takes), on small tries and on ~77k-token ones (the head slices of its grid).
 
 Run on the GPU:  .venv/bin/python -m pytest tests/python/test_ssd_fused_gpu.py -q -x -s
 """
@@ -500,3 +502,18 @@ def test_scan_v3_random_trie_bitwise_equals_v2(dtype, dims, monkeypatch):
         print(f"[default vs v2 scan {dims} {dtype} {len(use)}] rel diff {diff}")
         assert torch.equal(new["out"], base["out"]), diff
         assert torch.equal(new["y"], base["y"]), diff
+
+
+@pytest.mark.parametrize("name", ["flat", "around_chunks", "wide"])
+def test_state_pass_ahead_bitwise_equals_v1(name, monkeypatch):
+    """The three-kernel path's state pass with 4 chunks loaded ahead (default) and one at a time
+    (TREE_RECURRENCE_SSD_FWD_STATE_PASS=v1): states and out bitwise equal (same fmaf per chunk in order), on a
+    flat 8,200-token row (129 chunks: not a multiple of 4) and on crafted tries; the default against float64."""
+    off, par = (offsets_of([8200]), [-1]) if name == "flat" else CRAFTED[name]
+    monkeypatch.setenv("TREE_RECURRENCE_SSD_FWD_FUSED_PASS", "0")
+    monkeypatch.delenv("TREE_RECURRENCE_SSD_FWD_STATE_PASS", raising=False)
+    _, _, ahead = check_stages(off, par, chunk=64, H=4, P=64, G=2, N=128, label=f"{name} state pass ahead")
+    monkeypatch.setenv("TREE_RECURRENCE_SSD_FWD_STATE_PASS", "v1")
+    _, _, one = check_stages(off, par, chunk=64, H=4, P=64, G=2, N=128, label=f"{name} state pass v1")
+    for k in ("states", "out", "y"):
+        assert torch.equal(ahead[k], one[k]), (k, rel_rms(ahead[k], one[k]))

@@ -4,7 +4,9 @@
 //            fp32 chunk states never reach memory), then the chunk scan, when the segments average
 //            <= 64 chunks (fused_pass_enabled); else, or with TREE_RECURRENCE_SSD_FWD_FUSED_PASS=0,
 //            the three-kernel path (chunk state -> fp32 chunk_states -> state pass -> chunk scan);
-//            TREE_RECURRENCE_SSD_FWD_FUSED_PASS=1 forces the fused pass.
+//            TREE_RECURRENCE_SSD_FWD_FUSED_PASS=1 forces the fused pass. The three-kernel path's state
+//            pass loads 4 chunks ahead; TREE_RECURRENCE_SSD_FWD_STATE_PASS=v1 one at a time (the
+//            previous kernel, until the GPU confirms; same arithmetic).
 //   chunk scan: v3 (ssd_chunk_scan_group_fwd.cu: per (chunk, group, head slice), C B^T once, the
 //            heads' state / x / z double-buffered) where ssd_chunk_scan_v3_supported holds (chunk 64,
 //            P <= 64), else v2 (ssd_chunk_scan_fwd.cu: per (chunk, tile, head), head-fastest grid,
@@ -74,6 +76,12 @@ bool scan_forced_v2() {
   return v && std::string(v) == "v2";
 }
 
+// TREE_RECURRENCE_SSD_FWD_STATE_PASS: "v1" the state pass one chunk at a time; else 4 chunks ahead.
+bool state_pass_ahead() {
+  const char* v = std::getenv("TREE_RECURRENCE_SSD_FWD_STATE_PASS");
+  return !(v && std::string(v) == "v1");
+}
+
 // with_chunk_states: also compute the transient fp32 chunk states (forward_stages).
 Stages run(const Args& a, const Tables& t, bool with_chunk_states, bool save_y) {
 #ifndef TREE_RECURRENCE_WITH_CUDA
@@ -138,6 +146,7 @@ Stages run(const Args& a, const Tables& t, bool with_chunk_states, bool save_y) 
   p.dt_min = static_cast<float>(a.dt_min), p.dt_max = static_cast<float>(a.dt_max);
   p.initial_state = a.initial_state ? h0.data_ptr<float>() : nullptr;
   p.initial_per_root = per_root;
+  p.state_pass_ahead = state_pass_ahead();
   p.gather = table(t.gather, x, "gather");
   p.seg_chunk_offsets = table(t.seg_chunk_offsets, x, "seg_chunk_offsets");
   p.parents = table(t.parents, x, "parents");

@@ -38,6 +38,7 @@ struct FwdParams {
   float dt_min = 0.f, dt_max = 0.f;  // dt_max may be +inf
   const float* initial_state = nullptr;
   bool initial_per_root = false;
+  bool state_pass_ahead = true;  // ssd_state_pass_fwd: 4 chunks loaded ahead (false: one at a time)
 
   // tables (device), int64
   const int64_t* gather = nullptr;             // NC x L

@@ -22,9 +22,10 @@ namespace mma = tree_recurrence::kernels::mma;
 
 constexpr int kThreads = 256;
 constexpr int kPer = 4;
-constexpr int kAhead = 4;  // chunks in flight per thread
 
-template <typename T>
+// kAhead: chunks in flight per thread (4; 1 = the previous kernel, one chunk at a time:
+// FwdParams::state_pass_ahead false)
+template <typename T, int kAhead>
 __global__ void __launch_bounds__(kThreads) state_pass_kernel(FwdParams p, int64_t level_begin) {
   const int64_t s = p.level_segments[level_begin + blockIdx.x];
   const int64_t h = blockIdx.y, H = p.heads, L = p.chunk;
@@ -86,7 +87,10 @@ int launch_levels(const FwdParams& p, cudaStream_t stream) {
     const int64_t begin = p.level_offsets[level], count = p.level_offsets[level + 1] - begin;
     if (count <= 0) continue;
     const dim3 grid(static_cast<unsigned>(count), static_cast<unsigned>(p.heads), zblocks);
-    state_pass_kernel<T><<<grid, kThreads, 0, stream>>>(p, begin);
+    if (p.state_pass_ahead)
+      state_pass_kernel<T, 4><<<grid, kThreads, 0, stream>>>(p, begin);
+    else
+      state_pass_kernel<T, 1><<<grid, kThreads, 0, stream>>>(p, begin);
     const cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return static_cast<int>(err);
   }
