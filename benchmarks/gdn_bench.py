@@ -37,7 +37,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import peers  # noqa: E402
 from timing import (Runner, Shape, bench_arguments, bench_result, cu_seqlens, parse_bench_arguments, peak_ratio,  # noqa: E402
-                    modes, peer_skipped, plan_of, print_table, ratio, save, target, tokens_per_ms)
+                    modes, peer_modes, peer_skipped, plan_of, print_table, ratio, save, target, tokens_per_ms)
 
 from tree_recurrence import plugins  # noqa: E402
 
@@ -116,15 +116,9 @@ class Fla:
         ins, leaves, w = self.tensors(T, dims, dtype, device, 0)
         cu = cu_seqlens(lengths, device) if varlen else None
 
-        def fwd():
-            with torch.no_grad():
-                self.call(ins, cu)
-
-        def fwd_bwd():
-            torch.autograd.grad(self.call(ins, cu)[0], leaves, w)
-
+        m = peer_modes(lambda: self.call(ins, cu)[0], leaves, w)
         info = {"tokens": T, "segments": len(lengths), "impl": f"FLA {self.info.get('fla')}"}
-        return info, {"fwd": fwd, "fwd_bwd": (self.guarded(fwd_bwd), self.note)}
+        return info, {"fwd": m["fwd"], "fwd_bwd": (self.guarded(m["fwd_bwd"]), self.note)}
 
     def fork(self, shape: Shape, dims, dtype, device):
         """FLA forked level by level on the GRPO trie: roots, then children from their parent's final state."""
@@ -139,16 +133,10 @@ class Fla:
             o_c, _ = self.call(c_ins, c_cu, h0=h_r.index_select(0, parent))
             return o_r, o_c
 
-        def fwd():
-            with torch.no_grad():
-                run()
-
-        def fwd_bwd():
-            torch.autograd.grad(run(), r_leaves + c_leaves, (r_w, c_w))
-
+        m = peer_modes(run, r_leaves + c_leaves, (r_w, c_w))
         info = {"tokens": sum(roots) + sum(children), "segments": len(roots) + len(children),
                 "impl": f"FLA {self.info.get('fla')}, 2 launches of the whole chunk pipeline (one per trie level)"}
-        return info, {"fwd": fwd, "fwd_bwd": (self.guarded(fwd_bwd), self.note)}
+        return info, {"fwd": m["fwd"], "fwd_bwd": (self.guarded(m["fwd_bwd"]), self.note)}
 
 
 def summarize(result):

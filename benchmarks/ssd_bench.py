@@ -37,8 +37,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import peers  # noqa: E402
-from timing import (Runner, Shape, bench_arguments, bench_result, parse_bench_arguments, peak_ratio, peer_skipped,  # noqa: E402
-                    modes, plan_of, print_table, ratio, save, target, tokens_per_ms)
+from timing import (Runner, Shape, bench_arguments, bench_result, parse_bench_arguments, peak_ratio, peer_modes,  # noqa: E402
+                    peer_skipped, modes, plan_of, print_table, ratio, save, target, tokens_per_ms)
 
 from tree_recurrence import plugins  # noqa: E402
 
@@ -103,16 +103,9 @@ class Mamba:
             seq_idx = torch.repeat_interleave(torch.arange(len(packed), dtype=torch.int32),
                                               torch.tensor(packed)).unsqueeze(0).to(device)
 
-        def fwd():
-            with torch.no_grad():
-                self.call(ins, seq_idx)
-
-        def fwd_bwd():
-            torch.autograd.grad(self.call(ins, seq_idx), leaves, w)
-
         info = {"tokens": batch * seqlen, "segments": len(packed) if packed else batch, "chunk": self.chunk,
                 "impl": f"mamba-ssm {self.info.get('mamba_ssm')} " + ("seq_idx" if packed else f"batch {batch} x {seqlen}")}
-        return info, {"fwd": fwd, "fwd_bwd": fwd_bwd}
+        return info, peer_modes(lambda: self.call(ins, seq_idx), leaves, w)
 
     def fork(self, shape: Shape, dims, dtype, device):
         """Level by level on the GRPO trie: the prompts as one batch, their final states the initial
@@ -129,16 +122,9 @@ class Mamba:
             y_c = self.call(c_ins, h0=h_r.index_select(0, parent))
             return y_r, y_c
 
-        def fwd():
-            with torch.no_grad():
-                run()
-
-        def fwd_bwd():
-            torch.autograd.grad(run(), r_leaves + c_leaves, (r_w, c_w))
-
         info = {"tokens": shape.unique(), "segments": shape.prompts + shape.samples, "chunk": self.chunk,
                 "impl": f"mamba-ssm {self.info.get('mamba_ssm')}, 2 launches of the whole pipeline (one per trie level)"}
-        return info, {"fwd": fwd, "fwd_bwd": fwd_bwd}
+        return info, peer_modes(run, r_leaves + c_leaves, (r_w, c_w))
 
 
 def summarize(result):

@@ -131,6 +131,19 @@ def modes(run, leaves, weights):
     return {"fwd": fwd, "fwd_bwd": fwd_bwd}
 
 
+def peer_modes(run, leaves, weights):
+    """The two timed modes of a peer library's call ``run()`` (an output or a tuple of them, ``weights``
+    alike, already in the outputs' dtypes): {"fwd": under no_grad, "fwd_bwd": the gradients of ``leaves``}."""
+    def fwd():
+        with torch.no_grad():
+            run()
+
+    def fwd_bwd():
+        torch.autograd.grad(run(), leaves, weights)
+
+    return {"fwd": fwd, "fwd_bwd": fwd_bwd}
+
+
 def median_ms(fn, repeats=10, warmup=3):
     """(median, min) milliseconds of ``fn()``: CUDA events when CUDA is there, else the wall clock (the
     other benchmark scripts' timer)."""

@@ -85,6 +85,13 @@ def parse(source: str, value: Any) -> Table | None:
     def fail(key: str, problem: str):
         raise RoutesError(f"{source}: routes: {key}: {problem}")
 
+    def mapping(where: str, item, keys, what: str):
+        if not isinstance(item, Mapping):
+            fail(where, "expected a mapping")
+        unknown = sorted(str(k) for k in item if k not in keys)
+        if unknown:
+            fail(f"{where}.{unknown[0]}", f"not a key of {what} (its keys: {list(keys)})")
+
     if not isinstance(value, Mapping):
         fail("routes", f"expected a mapping with keys {list(_TABLE_KEYS)}, got {type(value).__name__}")
     unknown = sorted(str(k) for k in value if k not in _TABLE_KEYS)
@@ -99,11 +106,7 @@ def parse(source: str, value: Any) -> Table | None:
     parsed = []
     for i, gpu in enumerate(gpus):
         where = f"gpus[{i}]"
-        if not isinstance(gpu, Mapping):
-            fail(where, "expected a mapping")
-        unknown = sorted(str(k) for k in gpu if k not in _GPU_KEYS)
-        if unknown:
-            fail(f"{where}.{unknown[0]}", f"not a key of a GPU table (its keys: {list(_GPU_KEYS)})")
+        mapping(where, gpu, _GPU_KEYS, "a GPU table")
         name = gpu.get("gpu")
         if not isinstance(name, str) or not name:
             fail(f"{where}.gpu", f"expected the GPU's name as torch.cuda.get_device_name() gives it, got {name!r}")
@@ -122,11 +125,7 @@ def parse(source: str, value: Any) -> Table | None:
         measured = []
         for j, entry in enumerate(classes):
             at = f"{where}.classes[{j}]"
-            if not isinstance(entry, Mapping):
-                fail(at, "expected a mapping")
-            unknown = sorted(str(k) for k in entry if k not in _CLASS_KEYS)
-            if unknown:
-                fail(f"{at}.{unknown[0]}", f"not a key of a shape class (its keys: {list(_CLASS_KEYS)})")
+            mapping(at, entry, _CLASS_KEYS, "a shape class")
             shape, tokens = entry.get("shape"), entry.get("tokens")
             if shape not in SHAPES:
                 fail(f"{at}.shape", f"expected one of {list(SHAPES)}, got {shape!r}")
