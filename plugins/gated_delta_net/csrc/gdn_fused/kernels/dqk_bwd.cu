@@ -291,7 +291,7 @@ __host__ __device__ inline size_t dqk2_round(size_t bytes) { return (bytes + 15)
 struct Dqk2Layout {
   int Kp, Vp, ldk, ldv;
   size_t qk_bytes, cv_bytes, row_bytes, slot_bytes, table_bytes, tables_off, hb_off, db_off, dp_off, part_off,
-      red_off, total;
+      red_off, eg_off, total;
   __host__ __device__ Dqk2Layout(int K, int V) {
     Kp = round16(K);
     Vp = round16(V);
@@ -308,7 +308,8 @@ struct Dqk2Layout {
     dp_off = db_off + dqk2_round(sizeof(uint16_t) * Kp * ldv);
     part_off = dp_off + dqk2_round(sizeof(uint16_t) * C * kPitchC);
     red_off = part_off + 3 * dqk2_round(sizeof(float) * C * 8);
-    total = red_off + dqk2_round(sizeof(float) * (kDqk2Warps + 1));
+    eg_off = red_off + dqk2_round(sizeof(float) * (kDqk2Warps + 1));
+    total = eg_off + 2 * row_bytes;  // exp(G_i), exp(G_last - G_j) of the current item
   }
 };
 
@@ -418,6 +419,8 @@ __global__ void __launch_bounds__(kDqk2Threads, 1) dqk_kernel_v2(GdnBwdParams p)
   float* partT = partQ + C * 8;  // row parts of T (by K column tile)
   float* partD = partT + C * 8;  // row parts of D (slots 0..3, by column tile), column parts (4..7, by row tile)
   float* red = reinterpret_cast<float*>(smem_raw + lay.red_off);
+  float* eG = reinterpret_cast<float*>(smem_raw + lay.eg_off);  // exp(G_i): dq^'s inter-chunk scale
+  float* eL = eG + C;                                           // exp(G_last - G_j): dk^'s
   const int warp = threadIdx.x / 32;
 
   int64_t item = blockIdx.x;
@@ -450,6 +453,11 @@ __global__ void __launch_bounds__(kDqk2Threads, 1) dqk_kernel_v2(GdnBwdParams p)
       dqk2_issue_operands<T>(p, next, lay, Dqk2Tables(smem_raw, lay, (n + 1) % 3), Dqk2Slot<T>(smem_raw, lay, b ^ 1));
     if (next2 < total) dqk2_issue_tables(p, next2, Dqk2Tables(smem_raw, lay, (n + 2) % 3));
     mma::cp_async_commit();  // A(next)
+    const float g_last = G[C - 1];
+    if (threadIdx.x < C)
+      eG[threadIdx.x] = expf(G[threadIdx.x]);  // the same expf of the same value as version 1's per element
+    else if (threadIdx.x < 2 * C)
+      eL[threadIdx.x - C] = expf(g_last - G[threadIdx.x - C]);
 
     // dP(i, j) = exp(G_i - G_j) <dO_i, v_new_j> for j <= i: warp's tile (dr0, dc0), kept in fp32 (dpf)
     // for D and stored in-type for the dq^, dk^ products.
@@ -470,7 +478,7 @@ __global__ void __launch_bounds__(kDqk2Threads, 1) dqk_kernel_v2(GdnBwdParams p)
     }
     dqk2_scale_rows<T>(sl.q, ldk, Kp, sl.rq, p.scale);  // q^ = scale rq q
     dqk2_scale_rows<T>(sl.k, ldk, Kp, sl.rk, 1.f);      // k^ = rk k
-    __syncthreads();  // B2: dP, q^, k^
+    __syncthreads();  // B2: dP, q^, k^, eG, eL
     // D = dP * (q^ k^T), strictly lower, on the warp's tile: row parts (quad butterfly) to partD slot
     // dc0 / 16, column parts (over the 8 row groups, then the two row halves) to slot 4 + dr0 / 16.
     {
@@ -523,13 +531,12 @@ __global__ void __launch_bounds__(kDqk2Threads, 1) dqk_kernel_v2(GdnBwdParams p)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int i = el_row(r0, e), col = el_col(c0, nt, e);
-          acc[0][nt].x[e] *= expf(G[i]);
+          acc[0][nt].x[e] *= eG[i];
           s[e >> 1] += acc[0][nt].x[e] * mma::Elem<T>::to_float(sl.q[i * ldk + col]);
         }
       tile_rowdot_store(s[0], s[1], partQ, r0, c0);
     };
     // dk^ = exp(G_last - G) (v_new dS^T) + dP^T q^; partT: T_j
-    const float g_last = G[C - 1];
     auto dk_scale = [&](FragC(&acc)[1][2], int r0, int c0) {
       float s[2] = {0.f, 0.f};
 #pragma unroll
@@ -537,7 +544,7 @@ __global__ void __launch_bounds__(kDqk2Threads, 1) dqk_kernel_v2(GdnBwdParams p)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int j = el_row(r0, e), col = el_col(c0, nt, e);
-          acc[0][nt].x[e] *= expf(g_last - G[j]);
+          acc[0][nt].x[e] *= eL[j];
           s[e >> 1] += acc[0][nt].x[e] * mma::Elem<T>::to_float(sl.k[j * ldk + col]);
         }
       tile_rowdot_store(s[0], s[1], partT, r0, c0);
