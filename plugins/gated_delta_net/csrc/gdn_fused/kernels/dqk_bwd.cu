@@ -256,12 +256,12 @@ size_t dqk_smem(const GdnBwdParams& p) {
 // four times per (chunk, value head) with nothing else to do (latency-bound: 9 % of DRAM, 11 % of
 // SM at two CTAs per SM).
 //
-// One CTA of 16 warps per SM (~222 KB of shared memory at K = V = 128) walks the items
+// One CTA of 16 warps per SM (228,176 B of shared memory at K = V = 128; 109 registers) walks the items
 // item = blockIdx.x, blockIdx.x + gridDim.x, ... (item = c * HV + hv: the chunk-major order of every
 // buffer, so the two value heads of a key head follow each other and share q, k in L2). Buffers:
 //   two operand slots (item parity): q, k, dO, v_new, rq, rk of one item
 //   three table slots (item mod 3):  the gather row (tokens) and G of one item
-//   Hb: h,  Db: dS,  dP, the row parts, the warp sums of <h, dS>
+//   Hb: h,  Db: dS,  dP, the row parts, the warp sums of <h, dS>, exp(G_i) and exp(G_last - G_j)
 // Copy groups (cp.async, committed in this order, one set per item i):
 //   A(i+1) = q, k, dO, v_new, rq, rk of item i+1 (its tokens landed with A(i)) + the tables of
 //            item i+2; issued right after item i's first barrier: the whole item i to land
@@ -270,7 +270,10 @@ size_t dqk_smem(const GdnBwdParams& p) {
 // so h has item i's dk^ phase and the next item's first two phases to land, dS the next item's
 // dP, D and dq^ phases. <h, dS> takes h from global memory (L2: Hb is already taking h of the next
 // item), loaded into registers before the dk^ tiles and summed after them, in version 1's order.
-// Barriers per item: 5 (B1 .. B4 below, B2b), no other wait.
+// Barriers per item: 5 (B1 .. B4 below, B2b), no other wait. At K = 128 a warp's two dq^ (dk^) tiles
+// share their column tile and are computed in one pass (tile_mma_pair: the B fragments loaded once).
+// exp(G_i), exp(G_last - G_j) are formed once per row (the same expf of the same float as version 1's
+// per-element calls).
 constexpr int kDqk2Warps = 16;
 constexpr int kDqk2Threads = kDqk2Warps * 32;
 constexpr int kDqk2HdsPerThread = kBwdMaxDim * (kBwdMaxDim / 8) / kDqk2Threads;  // uint4 of h per thread (4)
