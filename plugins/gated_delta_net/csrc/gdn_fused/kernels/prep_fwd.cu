@@ -152,8 +152,11 @@ __device__ __forceinline__ void store_rows(T* __restrict__ dst, const T* src, in
 // Phase 4 of version 2: Ainv = (I + A)^-1 by 16 x 16 blocks, fp32 on CUDA cores, all 128 threads.
 // On entry the buffer M (pitch kLdA) holds A transposed in its strict upper triangle (M[c][r] =
 // A(r, c), c < r); on exit its lower triangle with the diagonal holds X = Ainv (M[r][c] = X(r, c),
-// c <= r; the upper triangle still holds A^T). Blocks (16 x 16; D_b = X_bb):
-//   4a. D_b = (I + A_bb)^-1 by forward substitution (thread per (b, column), 16 rows);
+// c <= r; the diagonal blocks' upper triangles hold 0, the other upper blocks still A^T). Blocks
+// (16 x 16; D_b = X_bb):
+//   4a. D_b = (I + A_bb)^-1 by forward substitution (thread per (b, column), 16 rows), stored with
+//       its zeros above the diagonal (so the products below need no masks: a stored 0 or 1 gives
+//       the same fmaf results as the masked constants did);
 //   4b. level d = 1..3, blocks (i, j = i - d) independent: Y = sum_{k=j}^{i-1} A_ik X_kj (written
 //       to block (i, j)), then X_ij = -D_i Y (in registers, a barrier, then over Y).
 // Every sum runs in a fixed order (deterministic); each thread owns 1 x 4 strips (row r, columns
@@ -176,10 +179,9 @@ __device__ __forceinline__ void block_inverse(float* M, int tid) {
     // included, which thread cc = 4t writes below). Without this barrier racecheck reported exactly
     // those 4 loads (2026-12-02: the 4 hazards of version 2).
     __syncthreads();
-    if (tid < kChunk) {
+    if (tid < kChunk) {  // the whole column: zeros above the diagonal (A_bb^T there is dead now)
 #pragma unroll
-      for (int r = 0; r < 16; ++r)
-        if (r >= cc) M[(o + r) * kLdA + o + cc] = x[r];
+      for (int r = 0; r < 16; ++r) M[(o + r) * kLdA + o + cc] = x[r];
     }
   }
   __syncthreads();
@@ -187,7 +189,7 @@ __device__ __forceinline__ void block_inverse(float* M, int tid) {
   for (int d = 1; d < 4; ++d) {
     const int strips = (4 - d) * 64;
     float4 y[2];
-    // Y = sum_k A_ik X_kj (k = j: X_jj = D_j, lower triangular: columns past m masked)
+    // Y = sum_k A_ik X_kj (k = j: X_jj = D_j, its zeros above the diagonal stored by 4a)
 #pragma unroll
     for (int n = 0; n < 2; ++n) {
       const int s = tid + n * kThreads;
@@ -199,13 +201,7 @@ __device__ __forceinline__ void block_inverse(float* M, int tid) {
           for (int m = 0; m < 16; ++m) {
             const float* row = M + (k * 16 + m) * kLdA;
             const float a = row[i * 16 + r];  // A(16i + r, 16k + m)
-            float4 x4 = *reinterpret_cast<const float4*>(row + j * 16 + q4);
-            if (k == j) {
-              if (q4 + 0 > m) x4.x = 0.f;
-              if (q4 + 1 > m) x4.y = 0.f;
-              if (q4 + 2 > m) x4.z = 0.f;
-              if (q4 + 3 > m) x4.w = 0.f;
-            }
+            const float4 x4 = *reinterpret_cast<const float4*>(row + j * 16 + q4);
             a0 = fmaf(a, x4.x, a0);
             a1 = fmaf(a, x4.y, a1);
             a2 = fmaf(a, x4.z, a2);
@@ -225,7 +221,7 @@ __device__ __forceinline__ void block_inverse(float* M, int tid) {
       }
     }
     __syncthreads();
-    // X_ij = -D_i Y (D_i(r, m) at M[16i + r][16i + m], m < r; D_i(r, r) = 1)
+    // X_ij = -D_i Y (D_i(r, m) at M[16i + r][16i + m]: 1 on the diagonal, 0 above it, from 4a)
 #pragma unroll
     for (int n = 0; n < 2; ++n) {
       const int s = tid + n * kThreads;
@@ -235,7 +231,7 @@ __device__ __forceinline__ void block_inverse(float* M, int tid) {
         float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
 #pragma unroll
         for (int m = 0; m < 16; ++m) {
-          const float dm = m < r ? Drow[m] : (m == r ? 1.f : 0.f);
+          const float dm = Drow[m];
           const float4 y4 = *reinterpret_cast<const float4*>(M + (i * 16 + m) * kLdA + j * 16 + q4);
           a0 = fmaf(dm, y4.x, a0);
           a1 = fmaf(dm, y4.y, a1);
