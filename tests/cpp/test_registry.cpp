@@ -16,6 +16,16 @@ std::map<std::string, const PluginRecord*> by_manifest_name(const std::vector<co
   for (const auto* r : records) out[r->manifest_path.substr(r->manifest_path.rfind('/') + 1)] = r;
   return out;
 }
+
+// The record of manifest `name` was refused with an error containing `expected`.
+void check_refused(const std::map<std::string, const PluginRecord*>& records, const char* name, const char* expected) {
+  CAPTURE(name);
+  REQUIRE(records.count(name) == 1);
+  const PluginRecord* r = records.at(name);
+  CAPTURE(r->error);
+  CHECK_FALSE(r->loaded);
+  CHECK(r->error.find(expected) != std::string::npos);
+}
 }  // namespace
 
 TEST_SUITE("Registry") {
@@ -32,13 +42,7 @@ TEST_SUITE("Registry") {
     mixer.class_name = "SomethingElse";
     CHECK_FALSE(good->family_object->detect(mixer).claimed);
 
-    auto refused = [&](const char* name, const char* expected) {
-      const PluginRecord* r = records.at(name);
-      CAPTURE(name);
-      CAPTURE(r->error);
-      CHECK_FALSE(r->loaded);
-      CHECK(r->error.find(expected) != std::string::npos);
-    };
+    auto refused = [&](const char* name, const char* expected) { check_refused(records, name, expected); };
     refused("test_missing_library.yaml", "libtest_does_not_exist.so named by the manifest does not exist");
     refused("test_bad_yaml.yaml", "invalid YAML");
     refused("test_missing_field.yaml", "missing field 'models'");
@@ -129,14 +133,7 @@ TEST_SUITE("Registry") {
     std::vector<const PluginRecord*> added;
     REQUIRE_NOTHROW(added = Registry::instance().discover({plugins.string(), std::string(6000, 'x')}));
     auto records = by_manifest_name(added);
-    auto refused = [&](const char* name, const char* expected) {
-      REQUIRE(records.count(name) == 1);
-      const PluginRecord* r = records.at(name);
-      CAPTURE(name);
-      CAPTURE(r->error);
-      CHECK_FALSE(r->loaded);
-      CHECK(r->error.find(expected) != std::string::npos);
-    };
+    auto refused = [&](const char* name, const char* expected) { check_refused(records, name, expected); };
     refused("up.yaml", "outside the plugin folder");
     refused("absolute.yaml", "outside the plugin folder");
     refused("loop.yaml", "Too many levels of symbolic links");
