@@ -227,23 +227,27 @@ Stages run(const at::Tensor& grad_out, const Args& a, const Tables& t, const Sav
   // check; dz / dD then come from the gate / ATen as before).
   const char* pdy = std::getenv("TREE_RECURRENCE_SSD_POST_DY");
   const bool post_dy_buffer = pdy != nullptr && std::strcmp(pdy, "buffer") == 0;
-  bool post_new = false;
+  // the post kernel's support is decided once, before dz_out / dD_part are allocated: with post_dy_from_dout
+  // set and dz_out / dy still null, ssd_bwd_post_bf16_supported checks the shapes, dtypes and the inputs'
+  // alignment; the buffers allocated below are fresh (aligned), and in the dy-buffer mode the gate's dy is
+  // allocated whenever post_new is false (need_gate), so the decision holds for both modes
+  bool post_ok = false;
+  if (tc && !v1) {
+    p.post_dy_from_dout = true;
+    post_ok = k::ssd_bwd_post_bf16_supported(p);
+    p.post_dy_from_dout = false;
+  }
+  const bool post_new = post_ok && !post_dy_buffer;
   at::Tensor dz_out, dD_part;
-  if (tc && !v1 && !post_dy_buffer) {
+  if (post_new) {
     p.post_dy_from_dout = true;
     if (a.z) {
       dz_out = at::empty({T, H, P}, z.options());
       p.dz_out = dz_out.data_ptr();
     }
-    post_new = k::ssd_bwd_post_bf16_supported(p);
-    if (post_new && a.D) {
+    if (a.D) {
       dD_part = at::empty({NC, H, P}, f32);
       p.dD_part = dD_part.data_ptr<float>();
-    }
-    if (!post_new) {
-      p.post_dy_from_dout = false;
-      p.dz_out = nullptr;
-      dz_out = at::Tensor();
     }
   }
   // the gate's fp32 dy / dz: only when a kernel still reads dy, or for the stage op's dy / dz outputs
@@ -286,9 +290,9 @@ Stages run(const at::Tensor& grad_out, const Args& a, const Tables& t, const Sav
   else
     check_launch(k::ssd_bwd_ddecay(p, stream), "ddecay");
   // H3's bf16 / fp16 post kernel (ssd_post_bwd.cu): dy on the fly (post_new) or from the gate's dy
-  const bool post_bf16 = post_new || (tc && !v1 && post_dy_buffer && k::ssd_bwd_post_bf16_supported(p));
-  if (post_bf16) {
+  if (post_ok) {  // post_new, or the dy-buffer mode (reads the gate's fp32 dy)
     if (!keep_stages) p.cb = nullptr;  // C B^T stays in shared memory (no 100 MB stage write at GRPO)
+    p.post_bf16_checked = true;        // decided above: the launcher does not check again
     check_launch(k::ssd_bwd_post_bf16(p, stream), "bf16 / fp16 chunk gradients (cb, dx, dz, ddt, dB, dC, d(dt A), dD)");
   } else if (tc) {
     check_launch(k::ssd_bwd_post_tc(p, stream), "tensor-core chunk gradients (cb, dx, ddt, dB, dC, d(dt A))");

@@ -97,6 +97,9 @@ struct BwdParams {
   bool post_dy_from_dout = false;
   void* dz_out = nullptr;
   float* dD_part = nullptr;
+  // H1: set by a caller that has just evaluated ssd_bwd_post_bf16_supported(p) as true for these params (and
+  // changed only what the support check allows since): ssd_bwd_post_bf16 then launches without checking again
+  bool post_bf16_checked = false;
 };
 
 constexpr int64_t kBwdMaxChunk = 256;

@@ -32,6 +32,8 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 
 #include "params_bwd.h"
 #include "tree_recurrence/kernels/mma.cuh"
@@ -660,6 +662,632 @@ __global__ void __launch_bounds__(kThreads, 2) post_bf16_kernel(BwdParams p) {
   }
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// Version 2 (issue 20, H1): the same products and shared-memory plan as post_bf16_kernel above (version 1,
+// TREE_RECURRENCE_SSD_POST_V1=1), rescheduled so that the next head's loads overlap this head's tail:
+//   * after the dB product (barrier e) every thread issues head h+1's s tile into mat by cp.async (mat is dead
+//     then); it lands while dyx, the W prefixes and the d(dt A) rows run;
+//   * after dyx (barrier f) warps 0-1 run the rows' tail (q / v / ddt_direct sums, W prefixes, d(dt A), ddt,
+//     ddt_raw, dA) under their own named barrier (2 warps, 2 waits) while warps 2-7 load head h+1's x, dout, z,
+//     y (or the fp32 dy), write dy (input type) and x into their tiles, dz to global, keep the dD partial in
+//     registers and e^Lam per row in the dy tile's padding column; warps 0-1 hold the next Lam / dt in registers;
+//   * the head then starts with ONE barrier: e^Lam . dy from the dy tile (its own rows), dD slots, small arrays;
+//   * dS (fp32) is loaded into registers before the barrier that ends the C s products (4 x 32 B in flight per
+//     thread), then rounded into mat after it.
+// Barriers per head: 6 block-wide (v1: 9) + 2 named ones of warps 0-1. Bytes moved as version 1 (dout / z are
+// read once instead of twice: dz is formed with dy). Arithmetic as version 1 except (a) e^Lam . dy is rounded
+// from the rounded dy (version 1: from the fp32 dy), which moves the head term of dC by one rounding of the input
+// type, and (b) dD sums its slots in another fixed order (fp32 reassociation); every other output is the same
+// arithmetic in the same order.
+constexpr int kTailThreads = 64;             // warps 0-1: the rows' tail
+constexpr int kPfThreads = kThreads - kTailThreads;  // warps 2-7: the next head's row tiles
+constexpr int kDsPf = 2;  // dS chunks of 8 per thread loaded before barrier c
+
+__device__ __forceinline__ void tail_bar() { asm volatile("bar.sync 1, %0;\n" ::"n"(kTailThreads) : "memory"); }
+
+template <typename T, bool kFly, bool kZ>
+__global__ void __launch_bounds__(kThreads, 2) post_bf16_v2_kernel(BwdParams p) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int H = static_cast<int>(p.heads), P = static_cast<int>(p.head_dim), N = static_cast<int>(p.state_dim),
+            G = static_cast<int>(p.groups), hpg = H / G;
+  const int64_t c = blockIdx.x / G;
+  const int g = static_cast<int>(blockIdx.x % G);
+  const Plan pl(P, N);
+  const int PT = pl.PT, NT = pl.NT, Pp = pl.Pp, Np = pl.Np, ncolP = pl.ncolP, ncolN = Np / 16;
+  int* tok = reinterpret_cast<int*>(smem);
+  T* Bs = reinterpret_cast<T*>(smem + pl.off_B);
+  T* Cs = reinterpret_cast<T*>(smem + pl.off_C);
+  constexpr int kOffCbf = kL * 8, kOffSdf = kOffCbf + kLowBlocks * 1024, kOffSmall = kOffSdf + kLowBlocks * 1024,
+                kOffWr = kOffSmall + 7 * kL * 4, kOffSc = kOffWr + kL * kLT * 2;
+  float* cbf = reinterpret_cast<float*>(smem + kOffCbf);
+  float* sdf = reinterpret_cast<float*>(smem + kOffSdf);
+  T* dys = reinterpret_cast<T*>(smem + pl.off_dy);  // dy rows; column Pp of row i (padding) holds e^Lam_i (fp32)
+  T* xs = reinterpret_cast<T*>(smem + pl.off_x);
+  T* mat = reinterpret_cast<T*>(smem + pl.off_mat);
+  T* Mt = reinterpret_cast<T*>(smem + kOffWr);
+  float* Wm = reinterpret_cast<float*>(smem + kOffWr);
+  float* dDred = reinterpret_cast<float*>(smem + kOffWr);
+  T* sc = reinterpret_cast<T*>(smem + kOffSc);
+  float* lam = reinterpret_cast<float*>(smem + kOffSmall);
+  float* dts = lam + kL;
+  float* el = dts + kL;
+  float* wl = el + kL;
+  float* qs = wl + kL;
+  float* vs = qs + kL;
+  float* red = vs + kL;
+  float* qpart = reinterpret_cast<float*>(smem + pl.off_parts);
+  float* dpart = qpart + ncolP * kL;
+  float* vpart = dpart + ncolP * kL;
+  const int tid = static_cast<int>(threadIdx.x), warp = tid >> 5, lane = tid & 31, tq = lane & 3;
+  const T* gB = static_cast<const T*>(p.B);
+  const T* gC = static_cast<const T*>(p.C);
+  const T* gx = static_cast<const T*>(p.x);
+  const T* gst = static_cast<const T*>(p.states);
+
+  if (tid < kL) tok[tid] = static_cast<int>(p.gather[c * kL + tid]);
+  __syncthreads();  // tok -> every thread
+  const int cprN = Np / 8;
+  for (int e = tid; e < kL * cprN; e += kThreads) {
+    const int i = e / cprN, cc = e % cprN;
+    const int t = tok[i];
+    const bool ok = t >= 0 && cc * 8 < N;
+    const int64_t off = ok ? (static_cast<int64_t>(t) * G + g) * N + cc * 8 : 0;
+    mm::cp_async_16(Bs + i * NT + cc * 8, gB + off, ok ? 16 : 0);
+    mm::cp_async_16(Cs + i * NT + cc * 8, gC + off, ok ? 16 : 0);
+  }
+  mm::cp_async_commit();
+  for (int e = tid; e < kLowBlocks * 256; e += kThreads) sdf[e] = 0.f;
+
+  // s of head h -> mat (cp.async, one group; waited before the head's first barrier)
+  const int h0 = g * hpg;
+  auto issue_s = [&](int h) {
+    const int64_t sbase = (c * H + h) * P * static_cast<int64_t>(N);
+    for (int e = tid; e < Pp * cprN; e += kThreads) {
+      const int pp = e / cprN, cc = e % cprN;
+      const bool ok = pp < P && cc * 8 < N;
+      mm::cp_async_16(mat + pp * NT + cc * 8, gst + (ok ? sbase + pp * N + cc * 8 : 0), ok ? 16 : 0);
+    }
+    mm::cp_async_commit();
+  };
+  issue_s(h0);
+  mm::cp_async_wait<1>();  // B / C landed (s may still fly)
+  __syncthreads();         // B / C, zeroed sdf -> every warp
+
+  // cb = C B^T, lower blocks, fp32 in fragment order (as version 1)
+  #pragma unroll 1
+  for (int blk = warp; blk < kLowBlocks; blk += kWarps) {
+    int rb, cbk;
+    low_block(blk, rb, cbk);
+    const int r0 = rb * 16, c0 = cbk * 16;
+    mm::FragC acc[2];
+    acc[0].zero();
+    acc[1].zero();
+    #pragma unroll 1
+    for (int k0 = 0; k0 < Np; k0 += 16) {
+      const mm::FragA a = mm::load_a_row(Cs + r0 * NT + k0, NT);
+      mm::FragB b0, b1;
+      mm::load_b_nk(b0, b1, Bs + c0 * NT + k0, NT);
+      mm::mma<T>(acc[0], a, b0);
+      mm::mma<T>(acc[1], a, b1);
+    }
+    float* cbo = p.cb != nullptr ? p.cb + (c * G + g) * kL * kL : nullptr;
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = r0 + mm::c_row(lane, e), j = c0 + nt * 8 + mm::c_col(lane, e);
+        acc[nt].x[e] = j <= r ? acc[nt].x[e] : 0.f;
+        if (cbo != nullptr) cbo[r * kL + j] = acc[nt].x[e];
+      }
+      *reinterpret_cast<float4*>(cbf + ((blk * 2 + nt) * 32 + lane) * 4) =
+          make_float4(acc[nt].x[0], acc[nt].x[1], acc[nt].x[2], acc[nt].x[3]);
+    }
+  }
+  if (p.cb != nullptr) {
+    float* cbo = p.cb + (c * G + g) * kL * kL;
+    for (int e = tid; e < kL * kL; e += kThreads)
+      if ((e % kL) / 16 > (e / kL) / 16) cbo[e] = 0.f;
+  }
+
+  const int r0s = (warp >> 1) * 16, half = warp & 1, nbh = (ncolN + 1) / 2;
+  mm::FragC accC[kMaxAcc][2], accB[kMaxAcc][2];
+#pragma unroll
+  for (int u = 0; u < kMaxAcc; ++u)
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      accC[u][nt].zero();
+      accB[u][nt].zero();
+    }
+  auto acc_gemm = [&](mm::FragC (&acc)[kMaxAcc][2], const T* A, int lda, const T* Bm, int ldb, int kb, int ke) {
+    #pragma unroll 1
+    for (int k0 = kb; k0 < ke; k0 += 16) {
+      const mm::FragA a = mm::load_a_row(A + r0s * lda + k0, lda);
+#pragma unroll
+      for (int u = 0; u < kMaxAcc; ++u) {
+        const int cb = half * nbh + u;
+        if (u < nbh && cb < ncolN) {
+          mm::FragB b0, b1;
+          mm::load_b_kn(b0, b1, Bm + k0 * ldb + cb * 16, ldb);
+          mm::mma<T>(acc[u][0], a, b0);
+          mm::mma<T>(acc[u][1], a, b1);
+        }
+      }
+    }
+  };
+
+  constexpr bool fly = kFly, hasz = kZ;
+  const T* gdo = static_cast<const T*>(p.dout);
+  const T* gz = static_cast<const T*>(p.z);
+  const T* gy = static_cast<const T*>(p.y);
+  T* gdz = static_cast<T*>(p.dz_out);
+  T* gdx = static_cast<T*>(p.dx_out);
+  const int cpr = Pp / 8;                  // 16-byte chunks per P row
+  const int nsl = kPfThreads / cpr;        // row slots of warps 2-7 (slot s: rows s, s + nsl, ...)
+  const int pt = tid - kTailThreads;       // warps 2-7: 0..191
+  const int pcc = pt >= 0 ? pt % cpr : 0, pslot = pt >= 0 ? pt / cpr : kL;
+  const bool prow = pt >= 0 && pslot < nsl && pslot < kL;  // this thread loads rows of the next head
+  const int nslr = nsl < kL ? nsl : kL;    // slots that hold rows
+  const bool wantD = p.dD_part != nullptr;
+  const int ncolPblk = 4 * ncolP;
+  float dDacc[8];                          // prow: this slot's dD partial of the next head
+#pragma unroll
+  for (int k = 0; k < 8; ++k) dDacc[k] = 0.f;
+  float nlv = 0.f, ndt = 0.f, nll = 0.f;   // tail threads: the next head's Lam_k, dt_k, Lam_last
+
+  // head h's row tiles by warps 2-7: dy (input type) and x; e^Lam_i into dy's padding; dz; dD partial in dDacc
+  auto load_rows = [&](int h) {
+    const int64_t chl = (c * H + h) * kL;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) dDacc[k] = 0.f;
+    #pragma unroll 1
+    for (int i = pslot; i < kL; i += nsl) {
+      const int t = tok[i];
+      const bool ok = t >= 0 && pcc * 8 < P;
+      const int64_t off = (static_cast<int64_t>(t) * H + h) * P + pcc * 8;
+      uint4 xr = make_uint4(0u, 0u, 0u, 0u), dr = xr, zr = xr, yr = xr;
+      float4 fa = make_float4(0.f, 0.f, 0.f, 0.f), fb = fa;
+      float lv = 0.f;
+      if (pcc == 0) lv = p.Lam[chl + i];
+      if (ok) {
+        xr = ld16(gx + off);
+        if constexpr (fly) {
+          dr = ld16(gdo + off);
+          if constexpr (hasz) {
+            zr = ld16(gz + off);
+            if (gdz != nullptr) yr = ld16(gy + off);
+          }
+        } else {
+          fa = __ldg(reinterpret_cast<const float4*>(p.dy + off));
+          fb = __ldg(reinterpret_cast<const float4*>(p.dy + off + 4));
+        }
+      }
+      const uint32_t xw4[4] = {xr.x, xr.y, xr.z, xr.w}, dw4[4] = {dr.x, dr.y, dr.z, dr.w};
+      const uint32_t zw4[4] = {zr.x, zr.y, zr.z, zr.w}, yw4[4] = {yr.x, yr.y, yr.z, yr.w};
+      const float fy[8] = {fa.x, fa.y, fa.z, fa.w, fb.x, fb.y, fb.z, fb.w};
+      uint32_t dyw[4], dzw[4];
+#pragma unroll
+      for (int w = 0; w < 4; ++w) {
+        float2 dy2;
+        if constexpr (fly) {
+          dy2 = unpack2<T>(dw4[w]);
+          if constexpr (hasz) {
+            const float2 g2 = dy2, z2 = unpack2<T>(zw4[w]), y2 = unpack2<T>(yw4[w]);
+            const float s0 = sigm(z2.x), s1 = sigm(z2.y);
+            dy2.x = g2.x * z2.x * sigm(z2.x);
+            dy2.y = g2.y * z2.y * sigm(z2.y);
+            dzw[w] = mm::Elem<T>::pack(g2.x * y2.x * s0 * (1.f + z2.x * (1.f - s0)),
+                                       g2.y * y2.y * s1 * (1.f + z2.y * (1.f - s1)));
+          }
+        } else {
+          dy2 = make_float2(fy[2 * w], fy[2 * w + 1]);
+        }
+        dyw[w] = mm::Elem<T>::pack(dy2.x, dy2.y);
+        if (wantD) {
+          const float2 x2 = unpack2<T>(xw4[w]);
+          dDacc[2 * w] += dy2.x * x2.x;
+          dDacc[2 * w + 1] += dy2.y * x2.y;
+        }
+      }
+      *reinterpret_cast<uint4*>(dys + i * PT + pcc * 8) = make_uint4(dyw[0], dyw[1], dyw[2], dyw[3]);
+      *reinterpret_cast<uint4*>(xs + i * PT + pcc * 8) = xr;
+      if (pcc == 0) *reinterpret_cast<float*>(dys + i * PT + Pp) = expf(lv);
+      if constexpr (fly && hasz) {
+        if (ok && gdz != nullptr) *reinterpret_cast<uint4*>(gdz + off) = make_uint4(dzw[0], dzw[1], dzw[2], dzw[3]);
+      }
+    }
+  };
+  auto load_small = [&](int h) {  // tail threads (tid < kL): the next head's per-row scalars into registers
+    const int64_t chl = (c * H + h) * kL;
+    nlv = p.Lam[chl + tid];
+    ndt = p.dt[chl + tid];
+    nll = p.Lam[chl + kL - 1];
+  };
+  // head 0's rows / scalars (s is in flight since before cb)
+  if (prow) load_rows(h0);
+  if (tid < kL) load_small(h0);
+  // e^Lam_i in dy's padding (each slot's first thread) -> the slot's other threads; cbf -> every warp
+  __syncthreads();
+
+  #pragma unroll 1
+  for (int hh = 0; hh < hpg; ++hh) {
+    const int h = h0 + hh;
+    const int64_t ch = c * H + h, chl = ch * kL;
+    const int64_t sbase = ch * P * static_cast<int64_t>(N);
+    // head start: the small arrays (tail threads), e^Lam . dy (each row thread its own dy chunks), dD slots
+    if (tid < kL) {
+      lam[tid] = nlv;
+      dts[tid] = ndt;
+      el[tid] = expf(nlv);
+      wl[tid] = exp_le0(nll - nlv);
+    }
+    if (prow) {
+      #pragma unroll 1
+      for (int i = pslot; i < kL; i += nsl) {
+        const float ei = *reinterpret_cast<const float*>(dys + i * PT + Pp);
+        float f[8];
+        unpack8<T>(*reinterpret_cast<const uint4*>(dys + i * PT + pcc * 8), f);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) f[k] *= ei;
+        *reinterpret_cast<uint4*>(sc + i * PT + pcc * 8) = pack8<T>(f);
+      }
+      if (wantD) {
+        float* dDr = dDred + pslot * Pp + pcc * 8;
+        *reinterpret_cast<float4*>(dDr) = make_float4(dDacc[0], dDacc[1], dDacc[2], dDacc[3]);
+        *reinterpret_cast<float4*>(dDr + 4) = make_float4(dDacc[4], dDacc[5], dDacc[6], dDacc[7]);
+      }
+    }
+    mm::cp_async_wait<0>();
+    // barrier a: s (cp.async), dy / x tiles (written by warps 2-7 before the last head's barrier g or in the
+    // prologue), sc, dD slots, small arrays -> every warp
+    __syncthreads();
+
+    if (wantD && tid < P) {  // dD partial: the slots in order
+      float s = 0.f;
+      for (int r = 0; r < nslr; ++r) s += dDred[r * Pp + tid];
+      p.dD_part[ch * P + tid] = s;
+    }
+    // CS = C s^T (L x P): q partials <dy_r, CS_r> per column tile (as version 1)
+    #pragma unroll 1
+    for (int b = warp; b < ncolPblk; b += kWarps) {
+      const int r0 = (b / ncolP) * 16, ct = b % ncolP, p0 = ct * 16;
+      mm::FragC acc[2];
+      acc[0].zero();
+      acc[1].zero();
+      #pragma unroll 1
+      for (int k0 = 0; k0 < Np; k0 += 16) {
+        const mm::FragA a = mm::load_a_row(Cs + r0 * NT + k0, NT);
+        mm::FragB b0, b1;
+        mm::load_b_nk(b0, b1, mat + p0 * NT + k0, NT);
+        mm::mma<T>(acc[0], a, b0);
+        mm::mma<T>(acc[1], a, b1);
+      }
+      float s0 = 0.f, s1 = 0.f;
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = r0 + mm::c_row(lane, e), col = p0 + nt * 8 + mm::c_col(lane, e);
+          const float v = acc[nt].x[e] * mm::Elem<T>::to_float(dys[r * PT + col]);
+          if (e < 2) s0 += v; else s1 += v;
+        }
+      s0 += __shfl_xor_sync(0xffffffffu, s0, 1);
+      s0 += __shfl_xor_sync(0xffffffffu, s0, 2);
+      s1 += __shfl_xor_sync(0xffffffffu, s1, 1);
+      s1 += __shfl_xor_sync(0xffffffffu, s1, 2);
+      if (tq == 0) {
+        qpart[ct * kL + r0 + mm::c_row(lane, 0)] = s0;
+        qpart[ct * kL + r0 + mm::c_row(lane, 2)] = s1;
+      }
+    }
+    // dC head term: (e^Lam . dy) s
+    acc_gemm(accC, sc, PT, mat, NT, 0, Pp);
+    // dS (fp32): the first 4 chunks of 8 per thread into registers before barrier c (their latency overlaps the
+    // other warps' products), rounded into mat after it; more chunks (P x N > 8192) after the barrier
+    const float* dsb = p.ds + sbase;
+    const int nds = Pp * cprN;
+    float4 va[kDsPf], vb[kDsPf];
+#pragma unroll
+    for (int u = 0; u < kDsPf; ++u) {
+      const int e = tid + u * kThreads, pp = e / cprN, cc = e % cprN;
+      va[u] = make_float4(0.f, 0.f, 0.f, 0.f);
+      vb[u] = va[u];
+      if (e < nds && pp < P && cc * 8 < N) {
+        va[u] = __ldg(reinterpret_cast<const float4*>(dsb + pp * N + cc * 8));
+        vb[u] = __ldg(reinterpret_cast<const float4*>(dsb + pp * N + cc * 8 + 4));
+      }
+    }
+    // barrier c: mat (s), sc (e^Lam . dy), dDred (over Mt) read above -> overwritten below
+    __syncthreads();
+
+    // dS -> mat (input type); wlast dt . x -> sc; M (lower) -> Mt
+    {
+#pragma unroll
+      for (int u = 0; u < kDsPf; ++u) {
+        const int e = tid + u * kThreads, pp = e / cprN, cc = e % cprN;
+        if (e < nds) {
+          const float f[8] = {va[u].x, va[u].y, va[u].z, va[u].w, vb[u].x, vb[u].y, vb[u].z, vb[u].w};
+          *reinterpret_cast<uint4*>(mat + pp * NT + cc * 8) = pack8<T>(f);
+        }
+      }
+      for (int e = tid + kDsPf * kThreads; e < nds; e += kThreads) {
+        const int pp = e / cprN, cc = e % cprN;
+        float f[8];
+        if (pp < P && cc * 8 < N) {
+          const float4 a = __ldg(reinterpret_cast<const float4*>(dsb + pp * N + cc * 8));
+          const float4 b = __ldg(reinterpret_cast<const float4*>(dsb + pp * N + cc * 8 + 4));
+          f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w; f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
+        } else {
+#pragma unroll
+          for (int k = 0; k < 8; ++k) f[k] = 0.f;
+        }
+        *reinterpret_cast<uint4*>(mat + pp * NT + cc * 8) = pack8<T>(f);
+      }
+      for (int e = tid; e < kL * cpr; e += kThreads) {
+        const int i = e / cpr, cc = e % cpr;
+        const float w = wl[i] * dts[i];
+        float f[8];
+        unpack8<T>(*reinterpret_cast<const uint4*>(xs + i * PT + cc * 8), f);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) f[k] *= w;
+        *reinterpret_cast<uint4*>(sc + i * PT + cc * 8) = pack8<T>(f);
+      }
+      #pragma unroll 1
+      for (int blk = warp; blk < kLowBlocks; blk += kWarps) {
+        int rb, cbk;
+        low_block(blk, rb, cbk);
+        const int r0 = rb * 16, c0 = cbk * 16;
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+          const float4 cv = *reinterpret_cast<const float4*>(cbf + ((blk * 2 + nt) * 32 + lane) * 4);
+          const float cvs[4] = {cv.x, cv.y, cv.z, cv.w};
+          float m[4];
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int i = r0 + mm::c_row(lane, e), j = c0 + nt * 8 + mm::c_col(lane, e);
+            m[e] = j <= i ? cvs[e] * exp_le0(lam[i] - lam[j]) : 0.f;
+          }
+          const int i0 = r0 + mm::c_row(lane, 0), j0 = c0 + nt * 8 + mm::c_col(lane, 0);
+          *reinterpret_cast<uint32_t*>(Mt + i0 * kLT + j0) = mm::Elem<T>::pack(m[0], m[1]);
+          *reinterpret_cast<uint32_t*>(Mt + (i0 + 8) * kLT + j0) = mm::Elem<T>::pack(m[2], m[3]);
+        }
+      }
+    }
+    // barrier d: dS in mat, wlast dt . x in sc, M in Mt -> the products below
+    __syncthreads();
+
+    // g = M^T dy + wlast . (B dS^T); dx, ddt_direct and v partials (as version 1)
+    const float* Dh = p.D != nullptr ? p.D + h * P : nullptr;
+    #pragma unroll 1
+    for (int b = warp; b < ncolPblk; b += kWarps) {
+      const int k = b / ncolP, ct = b % ncolP, p0 = ct * 16;
+      const int strip = k == 2 ? 3 : (k == 3 ? 2 : k);
+      const int r0 = strip * 16;
+      mm::FragC aS[2], aG[2];
+      aS[0].zero();
+      aS[1].zero();
+      aG[0].zero();
+      aG[1].zero();
+      #pragma unroll 1
+      for (int k0 = 0; k0 < Np; k0 += 16) {
+        const mm::FragA a = mm::load_a_row(Bs + r0 * NT + k0, NT);
+        mm::FragB b0, b1;
+        mm::load_b_nk(b0, b1, mat + p0 * NT + k0, NT);
+        mm::mma<T>(aS[0], a, b0);
+        mm::mma<T>(aS[1], a, b1);
+      }
+      #pragma unroll 1
+      for (int k0 = r0; k0 < kL; k0 += 16) {
+        const mm::FragA a = mm::load_a_col(Mt + k0 * kLT + r0, kLT);
+        mm::FragB b0, b1;
+        mm::load_b_kn(b0, b1, dys + k0 * PT + p0, PT);
+        mm::mma<T>(aG[0], a, b0);
+        mm::mma<T>(aG[1], a, b1);
+      }
+      float d0 = 0.f, d1 = 0.f, v0 = 0.f, v1 = 0.f;
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+          const int j = r0 + mm::c_row(lane, 2 * hr), pc = p0 + nt * 8 + mm::c_col(lane, 0);
+          float dxv[2];
+#pragma unroll
+          for (int q = 0; q < 2; ++q) {
+            const int e = 2 * hr + q;
+            const float gv = aG[nt].x[e] + wl[j] * aS[nt].x[e];
+            const float xv = mm::Elem<T>::to_float(xs[j * PT + pc + q]);
+            dxv[q] = dts[j] * gv +
+                     (Dh != nullptr && pc + q < P ? Dh[pc + q] * mm::Elem<T>::to_float(dys[j * PT + pc + q]) : 0.f);
+            if (hr == 0) {
+              d0 += xv * gv;
+              v0 += xv * aS[nt].x[e];
+            } else {
+              d1 += xv * gv;
+              v1 += xv * aS[nt].x[e];
+            }
+          }
+          const int t = tok[j];
+          if (t >= 0 && pc < P)
+            *reinterpret_cast<uint32_t*>(gdx + (static_cast<int64_t>(t) * H + h) * P + pc) = mm::Elem<T>::pack(dxv[0], dxv[1]);
+        }
+      }
+#pragma unroll
+      for (int m = 1; m <= 2; m <<= 1) {
+        d0 += __shfl_xor_sync(0xffffffffu, d0, m);
+        d1 += __shfl_xor_sync(0xffffffffu, d1, m);
+        v0 += __shfl_xor_sync(0xffffffffu, v0, m);
+        v1 += __shfl_xor_sync(0xffffffffu, v1, m);
+      }
+      if (tq == 0) {
+        dpart[ct * kL + r0 + mm::c_row(lane, 0)] = d0;
+        dpart[ct * kL + r0 + mm::c_row(lane, 2)] = d1;
+        vpart[ct * kL + r0 + mm::c_row(lane, 0)] = v0;
+        vpart[ct * kL + r0 + mm::c_row(lane, 2)] = v1;
+      }
+    }
+    // dB head term: (wlast dt . x) dS
+    acc_gemm(accB, sc, PT, mat, NT, 0, Pp);
+    const bool more = hh + 1 < hpg;
+    // barrier e: mat (dS), sc, Mt read above -> W over Mt / sc below, the next s into mat
+    __syncthreads();
+    if (more) issue_s(h + 1);  // mat is dead until the next head's barrier a
+
+    // dyx = dy x^T (lower blocks) -> dCB (summed over heads in sdf) and W = cb . dCB (as version 1)
+    #pragma unroll 1
+    for (int blk = warp; blk < kLowBlocks; blk += kWarps) {
+      int rb, cbk;
+      low_block(blk, rb, cbk);
+      const int r0 = rb * 16, c0 = cbk * 16;
+      mm::FragC acc[2];
+      acc[0].zero();
+      acc[1].zero();
+      #pragma unroll 1
+      for (int k0 = 0; k0 < Pp; k0 += 16) {
+        const mm::FragA a = mm::load_a_row(dys + r0 * PT + k0, PT);
+        mm::FragB b0, b1;
+        mm::load_b_nk(b0, b1, xs + c0 * PT + k0, PT);
+        mm::mma<T>(acc[0], a, b0);
+        mm::mma<T>(acc[1], a, b1);
+      }
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        float4* cp4 = reinterpret_cast<float4*>(cbf + ((blk * 2 + nt) * 32 + lane) * 4);
+        float4* sp4 = reinterpret_cast<float4*>(sdf + ((blk * 2 + nt) * 32 + lane) * 4);
+        const float4 cv = *cp4;
+        float4 sv = *sp4;
+        const float cvs[4] = {cv.x, cv.y, cv.z, cv.w};
+        float d[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int i = r0 + mm::c_row(lane, e), j = c0 + nt * 8 + mm::c_col(lane, e);
+          d[e] = j <= i ? exp_le0(lam[i] - lam[j]) * dts[j] * acc[nt].x[e] : 0.f;
+        }
+        sv.x += d[0];
+        sv.y += d[1];
+        sv.z += d[2];
+        sv.w += d[3];
+        *sp4 = sv;
+        const int i0 = r0 + mm::c_row(lane, 0), j0 = c0 + nt * 8 + mm::c_col(lane, 0);
+        *reinterpret_cast<float2*>(Wm + i0 * kLW + j0) = make_float2(cvs[0] * d[0], cvs[1] * d[1]);
+        *reinterpret_cast<float2*>(Wm + (i0 + 8) * kLW + j0) = make_float2(cvs[2] * d[2], cvs[3] * d[3]);
+      }
+    }
+    // barrier f: W (all rows) -> the tail; dy / x tiles read above -> the next head's rows below
+    __syncthreads();
+
+    if (warp < kTailThreads / 32) {
+      // the rows' tail on warps 0-1 (tid = row k), version 1's arithmetic in version 1's order
+      const int k = tid;
+      const int t = tok[k];
+      const float ddec = p.ddecay[ch], Ah = p.A[h];
+      const float dtr = t >= 0 ? p.dt_raw[static_cast<int64_t>(t) * H + h] : 0.f;
+      const float bias = p.dt_bias != nullptr ? p.dt_bias[h] : 0.f;
+      if (more) load_small(h + 1);
+      float q = 0.f, v = 0.f, dd = 0.f;
+      for (int ct = 0; ct < ncolP; ++ct) {
+        q += qpart[ct * kL + k];
+        dd += dpart[ct * kL + k];
+        v += vpart[ct * kL + k];
+      }
+      q *= el[k];
+      v *= dts[k] * wl[k];
+      qs[k] = q;
+      vs[k] = v;
+      p.q[chl + k] = q;
+      p.v[chl + k] = v;
+      p.ddt_direct[chl + k] = dd;
+      {  // row-exclusive prefix of W's row k (lower part: j <= k), in place
+        float run = 0.f;
+        for (int j = 0; j <= k; ++j) {
+          const float w = Wm[k * kLW + j];
+          Wm[k * kLW + j] = run;
+          run += w;
+        }
+      }
+      tail_bar();  // W prefixes (all rows), qs, vs -> column k / the sums below
+      float dpairs = 0.f;
+      for (int i = k; i < kL; ++i) dpairs += Wm[i * kLW + k];
+      float qsum = 0.f, vsum = 0.f;
+      for (int m = kL - 1; m >= k; --m) qsum += qs[m];
+      for (int j = 0; j < k; ++j) vsum += vs[j];
+      const float d = dpairs + qsum + vsum + el[kL - 1] * ddec;
+      p.d_dtA[chl + k] = d;
+      red[k] = dts[k] * d;
+      if (t >= 0) {
+        const float ddt = dd + Ah * d;
+        p.ddt[static_cast<int64_t>(t) * H + h] = ddt;
+        const float vv = dtr + bias;
+        float deriv = 1.f, pre = vv;
+        if (p.dt_softplus && vv <= 20.f) {
+          pre = fmaxf(vv, 0.f) + log1pf(expf(-fabsf(vv)));
+          deriv = 1.f / (1.f + expf(-vv));
+        }
+        const bool pass = pre >= p.dt_min && pre <= p.dt_max;
+        p.ddt_raw[static_cast<int64_t>(t) * H + h] = pass ? ddt * deriv : 0.f;
+      }
+      tail_bar();  // red (all rows) -> the dA sum
+      if (tid == 0) {
+        float s = 0.f;
+        for (int m = 0; m < kL; ++m) s += red[m];
+        p.dA_part[ch] = s;
+      }
+    } else if (more && prow) {
+      load_rows(h + 1);  // warps 2-7: dy / x tiles are dead since barrier f
+    }
+    // barrier g: the tail's reads of W / small arrays / partials, the next head's dy / x tiles -> the next head
+    // (its sc / dDred over W, small arrays) or the sum dCB below (over Mt)
+    __syncthreads();
+  }
+
+  // sum dCB (lower) in the input type over the W region, then dC += (sum dCB) B, dB += (sum dCB)^T C
+  #pragma unroll 1
+  for (int blk = warp; blk < kLowBlocks; blk += kWarps) {
+    int rb, cbk;
+    low_block(blk, rb, cbk);
+    const int r0 = rb * 16, c0 = cbk * 16;
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      const float4 sv = *reinterpret_cast<const float4*>(sdf + ((blk * 2 + nt) * 32 + lane) * 4);
+      const int i0 = r0 + mm::c_row(lane, 0), j0 = c0 + nt * 8 + mm::c_col(lane, 0);
+      *reinterpret_cast<uint32_t*>(Mt + i0 * kLT + j0) = mm::Elem<T>::pack(sv.x, sv.y);
+      *reinterpret_cast<uint32_t*>(Mt + (i0 + 8) * kLT + j0) = mm::Elem<T>::pack(sv.z, sv.w);
+    }
+  }
+  __syncthreads();  // sum dCB tile -> every warp
+  acc_gemm(accC, Mt, kLT, Bs, NT, 0, r0s + 16);
+  #pragma unroll 1
+  for (int k0 = r0s; k0 < kL; k0 += 16) {
+    const mm::FragA a = mm::load_a_col(Mt + k0 * kLT + r0s, kLT);
+#pragma unroll
+    for (int u = 0; u < kMaxAcc; ++u) {
+      const int cb = half * nbh + u;
+      if (u < nbh && cb < ncolN) {
+        mm::FragB b0, b1;
+        mm::load_b_kn(b0, b1, Cs + k0 * NT + cb * 16, NT);
+        mm::mma<T>(accB[u][0], a, b0);
+        mm::mma<T>(accB[u][1], a, b1);
+      }
+    }
+  }
+#pragma unroll
+  for (int u = 0; u < kMaxAcc; ++u) {
+    const int cb = half * nbh + u;
+    if (u < nbh && cb < ncolN) {
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+          const int r = r0s + mm::c_row(lane, 2 * hr), n = cb * 16 + nt * 8 + mm::c_col(lane, 0);
+          const int t = tok[r];
+          if (t >= 0 && n < N) {
+            const int64_t o = (static_cast<int64_t>(t) * G + g) * N + n;
+            *reinterpret_cast<float2*>(p.dC + o) = make_float2(accC[u][nt].x[2 * hr], accC[u][nt].x[2 * hr + 1]);
+            *reinterpret_cast<float2*>(p.dB + o) = make_float2(accB[u][nt].x[2 * hr], accB[u][nt].x[2 * hr + 1]);
+          }
+        }
+    }
+  }
+}
+
 int max_smem_optin() {
   int dev = 0, v = 0;
   if (cudaGetDevice(&dev) != cudaSuccess) return 0;
@@ -670,10 +1298,19 @@ int max_smem_optin() {
 bool half_type(BwdType t) { return t == BwdType::BFloat16 || t == BwdType::Float16; }
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
+// TREE_RECURRENCE_SSD_POST_V1=1: version 1 of the kernel (post_bf16_kernel); read once per process
+bool post_v1_selected() {
+  static const bool v1 = [] {
+    const char* v = std::getenv("TREE_RECURRENCE_SSD_POST_V1");
+    return v != nullptr && std::strcmp(v, "1") == 0;
+  }();
+  return v1;
+}
+
 template <typename T, bool kFly, bool kZ>
 int launch3(const BwdParams& p, cudaStream_t st) {
-  const int bytes = Plan(p.head_dim, p.state_dim).bytes;
-  auto* kern = post_bf16_kernel<T, kFly, kZ>;
+  const int bytes = Plan(p.head_dim, p.state_dim).bytes;  // both versions: the same plan
+  auto* kern = post_v1_selected() ? post_bf16_kernel<T, kFly, kZ> : post_bf16_v2_kernel<T, kFly, kZ>;
   cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   if (e != cudaSuccess) return static_cast<int>(e);
   e = cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
@@ -709,7 +1346,7 @@ bool ssd_bwd_post_bf16_supported(const BwdParams& p) {
 
 int ssd_bwd_post_bf16(const BwdParams& p, void* stream) {
   if (p.num_chunks * p.groups == 0) return 0;
-  if (!ssd_bwd_post_bf16_supported(p)) return static_cast<int>(cudaErrorInvalidValue);
+  if (!p.post_bf16_checked && !ssd_bwd_post_bf16_supported(p)) return static_cast<int>(cudaErrorInvalidValue);
   const auto st = static_cast<cudaStream_t>(stream);
   return p.x_type == BwdType::BFloat16 ? launch<__nv_bfloat16>(p, st) : launch<__half>(p, st);
 }
