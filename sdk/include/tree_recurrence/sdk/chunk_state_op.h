@@ -201,6 +201,24 @@ void run_cpu(kernels::ChunkStatePassParams p, bool backward, Kernel kernel) {
 
 inline const void* ptr_or_null(const OptTensor& t) { return t ? t->data_ptr() : nullptr; }
 
+// x in `type`, contiguous (an absent optional stays absent).
+inline at::Tensor as(const at::Tensor& x, at::ScalarType type) { return x.to(type).contiguous(); }
+inline OptTensor as(const OptTensor& x, at::ScalarType type) { return x ? OptTensor(as(*x, type)) : std::nullopt; }
+
+// The current device set to t's while it lives, when t is a CUDA tensor.
+struct DeviceGuard {
+  explicit DeviceGuard(const at::Tensor& t) {
+#ifdef TREE_RECURRENCE_WITH_CUDA
+    if (t.is_cuda()) guard.emplace(t.device());
+#else
+    (void)t;
+#endif
+  }
+#ifdef TREE_RECURRENCE_WITH_CUDA
+  std::optional<c10::cuda::CUDAGuard> guard;
+#endif
+};
+
 inline std::tuple<at::Tensor, at::Tensor> forward_impl(const OptTensor& w_in, const at::Tensor& u_in, const at::Tensor& kd_in,
                                                        const at::Tensor& decay_in, const OptTensor& h0_in,
                                                        const at::Tensor& seg_chunk_offsets, const at::Tensor& parents,
@@ -211,17 +229,12 @@ inline std::tuple<at::Tensor, at::Tensor> forward_impl(const OptTensor& w_in, co
   const Sizes z = check_args("chunk_state_pass", w_in, u_in, kd_in, decay_in, h0_in, t);
   const at::ScalarType acc = state_dtype(u_in.scalar_type());
   const bool cpu = u_in.is_cpu();
-#ifdef TREE_RECURRENCE_WITH_CUDA
-  std::optional<c10::cuda::CUDAGuard> guard;
-  if (u_in.is_cuda()) guard.emplace(u_in.device());
-#endif
+  const DeviceGuard guard(u_in);
   TORCH_CHECK_VALUE(cpu || u_in.is_cuda(), "chunk_state_pass: no kernel for device ", u_in.device());
   // CPU computes in the state type (half inputs widened); CUDA reads the inputs as they are.
   const at::ScalarType in = cpu ? acc : u_in.scalar_type();
-  const auto prep = [&](const at::Tensor& x, at::ScalarType type) { return x.to(type).contiguous(); };
-  const OptTensor w = w_in ? OptTensor(prep(*w_in, in)) : std::nullopt;
-  const at::Tensor u = prep(u_in, in), kd = prep(kd_in, in), decay = prep(decay_in, acc);
-  const OptTensor h0 = h0_in ? OptTensor(prep(*h0_in, acc)) : std::nullopt;
+  const OptTensor w = as(w_in, in), h0 = as(h0_in, acc);
+  const at::Tensor u = as(u_in, in), kd = as(kd_in, in), decay = as(decay_in, acc);
   at::Tensor h = at::empty({z.NC, z.H, z.K, z.V}, u.options().dtype(acc));
   at::Tensor v_new = at::empty({z.NC, z.H, z.C, z.V}, u.options());
   at::Tensor workspace = at::empty({std::max<int64_t>(z.S * z.H * z.K * z.V, 1)}, u.options().dtype(acc));
@@ -270,18 +283,11 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> ba
     TORCH_CHECK_VALUE(grad_v_new_in->sizes() == v_new_in.sizes(), "chunk_state_pass_backward: grad_v_new must be ",
                       v_new_in.sizes(), ", got ", grad_v_new_in->sizes());
   const bool cpu = v_new_in.is_cpu();
-#ifdef TREE_RECURRENCE_WITH_CUDA
-  std::optional<c10::cuda::CUDAGuard> guard;
-  if (v_new_in.is_cuda()) guard.emplace(v_new_in.device());
-#endif
+  const DeviceGuard guard(v_new_in);
   TORCH_CHECK_VALUE(cpu || v_new_in.is_cuda(), "chunk_state_pass_backward: no kernel for device ", v_new_in.device());
   const at::ScalarType in = cpu ? acc : v_new_in.scalar_type();
-  const auto prep = [&](const at::Tensor& x, at::ScalarType type) { return x.to(type).contiguous(); };
-  const OptTensor w = w_in ? OptTensor(prep(*w_in, in)) : std::nullopt;
-  const at::Tensor kd = prep(kd_in, in), decay = prep(decay_in, acc), h = prep(h_in, acc);
-  const at::Tensor v_new = prep(v_new_in, in);
-  const OptTensor grad_h = grad_h_in ? OptTensor(prep(*grad_h_in, acc)) : std::nullopt;
-  const OptTensor grad_v_new = grad_v_new_in ? OptTensor(prep(*grad_v_new_in, in)) : std::nullopt;
+  const OptTensor w = as(w_in, in), grad_h = as(grad_h_in, acc), grad_v_new = as(grad_v_new_in, in);
+  const at::Tensor kd = as(kd_in, in), decay = as(decay_in, acc), h = as(h_in, acc), v_new = as(v_new_in, in);
   const auto opts = v_new.options().dtype(acc);
   at::Tensor grad_u = at::empty({z.NC, z.H, z.C, z.V}, opts);
   at::Tensor grad_state = at::empty({z.NC, z.H, z.K, z.V}, opts);

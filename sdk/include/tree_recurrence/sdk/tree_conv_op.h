@@ -75,21 +75,57 @@ inline kernels::TreeConvParams params(const at::Tensor& x, const at::Tensor& wei
   return p;
 }
 
-inline at::Tensor forward_cpu(const at::Tensor& x_in, const at::Tensor& weight_in, const std::optional<at::Tensor>& bias_in,
-                              const at::Tensor& ancestors_in, const at::Tensor&, const at::Tensor&, bool silu) {
-  check_inputs(x_in, weight_in, bias_in, ancestors_in);
-  const at::Tensor x = cpu_compute(x_in);
-  const at::Tensor weight = weight_in.to(x.scalar_type()).contiguous();
-  const std::optional<at::Tensor> bias = bias_in ? std::optional<at::Tensor>(bias_in->to(x.scalar_type()).contiguous()) : std::nullopt;
-  const at::Tensor ancestors = ancestors_in.contiguous();
-  at::Tensor y = at::empty_like(x);
-  auto p = params(x, weight, bias, ancestors, silu);
-  p.y = y.data_ptr();
+// A kernel call's inputs: x as the caller converted it (the kernel's dtype), weight and bias in x's dtype,
+// all contiguous, and the params pointing at them (outputs and gradients set by the caller).
+struct Call {
+  at::Tensor x, weight;
+  std::optional<at::Tensor> bias;
+  at::Tensor ancestors;
+  kernels::TreeConvParams p;
+};
+
+inline Call prepare(const at::Tensor& x, const at::Tensor& weight_in, const std::optional<at::Tensor>& bias_in,
+                    const at::Tensor& ancestors_in, bool silu) {
+  Call c{x, weight_in.to(x.scalar_type()).contiguous(),
+         bias_in ? std::optional<at::Tensor>(bias_in->to(x.scalar_type()).contiguous()) : std::nullopt,
+         ancestors_in.contiguous(), {}};
+  c.p = params(c.x, c.weight, c.bias, c.ancestors, silu);
+  return c;
+}
+
+// The backward's buffers (grad_y in x's dtype; fp32 weight and bias gradients), set in c.p.
+struct BackwardBuffers {
+  at::Tensor grad_y, grad_x, grad_w, grad_b;
+};
+
+inline BackwardBuffers backward_buffers(Call& c, const at::Tensor& grad_y_in) {
+  BackwardBuffers b{grad_y_in.to(c.x.scalar_type()).contiguous(), at::empty_like(c.x),
+                    at::zeros(c.weight.sizes(), c.x.options().dtype(at::kFloat)),
+                    at::zeros({c.x.size(1)}, c.x.options().dtype(at::kFloat))};
+  c.p.grad_y = b.grad_y.data_ptr();
+  c.p.grad_x = b.grad_x.data_ptr();
+  c.p.grad_weight = b.grad_w.data_ptr<float>();
+  c.p.grad_bias = c.bias ? b.grad_b.data_ptr<float>() : nullptr;
+  return b;
+}
+
+// Runs a kernel launcher; its std::invalid_argument (the kernels' argument errors) as a ValueError.
+template <class Launch>
+inline void run_kernel(Launch&& launch) {
   try {
-    kernels::tree_conv_forward_cpu(p, kernel_dtype(x));
+    launch();
   } catch (const std::invalid_argument& e) {
     TORCH_CHECK_VALUE(false, e.what());
   }
+}
+
+inline at::Tensor forward_cpu(const at::Tensor& x_in, const at::Tensor& weight_in, const std::optional<at::Tensor>& bias_in,
+                              const at::Tensor& ancestors_in, const at::Tensor&, const at::Tensor&, bool silu) {
+  check_inputs(x_in, weight_in, bias_in, ancestors_in);
+  Call c = prepare(cpu_compute(x_in), weight_in, bias_in, ancestors_in, silu);
+  at::Tensor y = at::empty_like(c.x);
+  c.p.y = y.data_ptr();
+  run_kernel([&] { kernels::tree_conv_forward_cpu(c.p, kernel_dtype(c.x)); });
   return y.to(x_in.scalar_type());
 }
 
@@ -99,26 +135,11 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cpu(const at::Ten
                                                                     const std::optional<at::Tensor>& bias_in,
                                                                     const at::Tensor& ancestors_in, const at::Tensor&,
                                                                     const at::Tensor&, bool silu) {
-  const at::Tensor x = cpu_compute(x_in);
-  const at::Tensor weight = weight_in.to(x.scalar_type()).contiguous();
-  const std::optional<at::Tensor> bias = bias_in ? std::optional<at::Tensor>(bias_in->to(x.scalar_type()).contiguous()) : std::nullopt;
-  const at::Tensor grad_y = grad_y_in.to(x.scalar_type()).contiguous();
-  const at::Tensor ancestors = ancestors_in.contiguous();
-  at::Tensor grad_x = at::empty_like(x);
-  at::Tensor grad_w = at::zeros(weight.sizes(), x.options().dtype(at::kFloat));
-  at::Tensor grad_b = at::zeros({x.size(1)}, x.options().dtype(at::kFloat));
-  auto p = params(x, weight, bias, ancestors, silu);
-  p.grad_y = grad_y.data_ptr();
-  p.grad_x = grad_x.data_ptr();
-  p.grad_weight = grad_w.data_ptr<float>();
-  p.grad_bias = bias ? grad_b.data_ptr<float>() : nullptr;
-  try {
-    kernels::tree_conv_backward_cpu(p, kernel_dtype(x));
-  } catch (const std::invalid_argument& e) {
-    TORCH_CHECK_VALUE(false, e.what());
-  }
-  return {grad_x.to(x_in.scalar_type()), grad_w.to(weight_in.scalar_type()),
-          bias_in ? grad_b.to(bias_in->scalar_type()) : at::Tensor()};
+  Call c = prepare(cpu_compute(x_in), weight_in, bias_in, ancestors_in, silu);
+  const BackwardBuffers b = backward_buffers(c, grad_y_in);
+  run_kernel([&] { kernels::tree_conv_backward_cpu(c.p, kernel_dtype(c.x)); });
+  return {b.grad_x.to(x_in.scalar_type()), b.grad_w.to(weight_in.scalar_type()),
+          bias_in ? b.grad_b.to(bias_in->scalar_type()) : at::Tensor()};
 }
 
 #ifdef TREE_RECURRENCE_WITH_CUDA
@@ -126,18 +147,10 @@ inline at::Tensor forward_cuda(const at::Tensor& x_in, const at::Tensor& weight_
                                const at::Tensor& ancestors_in, const at::Tensor&, const at::Tensor&, bool silu) {
   check_inputs(x_in, weight_in, bias_in, ancestors_in);
   c10::cuda::CUDAGuard guard(x_in.device());
-  const at::Tensor x = x_in.contiguous();
-  const at::Tensor weight = weight_in.to(x.scalar_type()).contiguous();
-  const std::optional<at::Tensor> bias = bias_in ? std::optional<at::Tensor>(bias_in->to(x.scalar_type()).contiguous()) : std::nullopt;
-  const at::Tensor ancestors = ancestors_in.contiguous();
-  at::Tensor y = at::empty_like(x);
-  auto p = params(x, weight, bias, ancestors, silu);
-  p.y = y.data_ptr();
-  try {
-    kernels::tree_conv_forward_cuda(p, kernel_dtype(x), c10::cuda::getCurrentCUDAStream().stream());
-  } catch (const std::invalid_argument& e) {
-    TORCH_CHECK_VALUE(false, e.what());
-  }
+  Call c = prepare(x_in.contiguous(), weight_in, bias_in, ancestors_in, silu);
+  at::Tensor y = at::empty_like(c.x);
+  c.p.y = y.data_ptr();
+  run_kernel([&] { kernels::tree_conv_forward_cuda(c.p, kernel_dtype(c.x), c10::cuda::getCurrentCUDAStream().stream()); });
   return y;
 }
 
@@ -147,30 +160,15 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(const at::Te
                                                                      const at::Tensor& ancestors_in, const at::Tensor& reader_offsets,
                                                                      const at::Tensor& readers, bool silu) {
   c10::cuda::CUDAGuard guard(x_in.device());
-  const at::Tensor x = x_in.contiguous();
-  const at::Tensor weight = weight_in.to(x.scalar_type()).contiguous();
-  const std::optional<at::Tensor> bias = bias_in ? std::optional<at::Tensor>(bias_in->to(x.scalar_type()).contiguous()) : std::nullopt;
-  const at::Tensor grad_y = grad_y_in.to(x.scalar_type()).contiguous();
-  const at::Tensor ancestors = ancestors_in.contiguous();
-  at::Tensor grad_x = at::empty_like(x);
-  at::Tensor grad_w = at::zeros(weight.sizes(), x.options().dtype(at::kFloat));
-  at::Tensor grad_b = at::zeros({x.size(1)}, x.options().dtype(at::kFloat));
-  const int64_t ws = kernels::tree_conv_backward_cuda_workspace_floats(x.size(0), x.size(1), weight.size(1));
-  at::Tensor workspace = at::empty({std::max<int64_t>(ws, 1)}, x.options().dtype(at::kFloat));
-  auto p = params(x, weight, bias, ancestors, silu);
-  p.grad_y = grad_y.data_ptr();
-  p.grad_x = grad_x.data_ptr();
-  p.grad_weight = grad_w.data_ptr<float>();
-  p.grad_bias = bias ? grad_b.data_ptr<float>() : nullptr;
-  p.reader_offsets = reader_offsets.data_ptr<int64_t>();
-  p.readers = readers.data_ptr<int64_t>();
-  p.workspace = workspace.data_ptr<float>();
-  try {
-    kernels::tree_conv_backward_cuda(p, kernel_dtype(x), c10::cuda::getCurrentCUDAStream().stream());
-  } catch (const std::invalid_argument& e) {
-    TORCH_CHECK_VALUE(false, e.what());
-  }
-  return {grad_x, grad_w.to(weight_in.scalar_type()), bias_in ? grad_b.to(bias_in->scalar_type()) : at::Tensor()};
+  Call c = prepare(x_in.contiguous(), weight_in, bias_in, ancestors_in, silu);
+  const BackwardBuffers b = backward_buffers(c, grad_y_in);
+  const int64_t ws = kernels::tree_conv_backward_cuda_workspace_floats(c.x.size(0), c.x.size(1), c.weight.size(1));
+  at::Tensor workspace = at::empty({std::max<int64_t>(ws, 1)}, c.x.options().dtype(at::kFloat));
+  c.p.reader_offsets = reader_offsets.data_ptr<int64_t>();
+  c.p.readers = readers.data_ptr<int64_t>();
+  c.p.workspace = workspace.data_ptr<float>();
+  run_kernel([&] { kernels::tree_conv_backward_cuda(c.p, kernel_dtype(c.x), c10::cuda::getCurrentCUDAStream().stream()); });
+  return {b.grad_x, b.grad_w.to(weight_in.scalar_type()), bias_in ? b.grad_b.to(bias_in->scalar_type()) : at::Tensor()};
 }
 #endif
 
