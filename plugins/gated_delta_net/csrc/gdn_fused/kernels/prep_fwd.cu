@@ -342,17 +342,26 @@ __global__ void __launch_bounds__(kThreads, 4) prep_fwd_kernel(const PrepParams 
         }
       }
     }
+    // the thread's rows r0 = 16 warp + lane / 4 (elements 0, 1) and r0 + 8 (2, 3); columns nt * 8 +
+    // 2 (lane % 4) + (e & 1)
+    const int r0 = warp * 16 + mm::c_row(lane, 0), r1 = warp * 16 + mm::c_row(lane, 2);
+    const float g0 = s.G[r0], g1 = s.G[r1], b0 = s.beta[r0], b1 = s.beta[r1];
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt)
+    for (int nt = 0; nt < 8; ++nt) {
+      const bool below = (nt >> 1) <= warp;  // column block at or left of the diagonal one (warp-uniform)
+      const int c0 = nt * 8 + mm::c_col(lane, 0);
+      const float2 gc = below ? *reinterpret_cast<const float2*>(s.G + c0) : make_float2(0.f, 0.f);
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int r = warp * 16 + mm::c_row(lane, e), col = nt * 8 + mm::c_col(lane, e);
-        const float val = col < r ? s.beta[r] * exp_nonpos(s.G[r] - s.G[col]) * acc[nt].x[e] : 0.f;
-        if (!V2)
-          s.u.A[r * kLdA + col] = val;
-        else if (col < r)
-          s.u.A[col * kLdA + r] = val;  // transposed, strict upper triangle only
+        const int r = e < 2 ? r0 : r1, col = c0 + (e & 1);
+        const float gr = e < 2 ? g0 : g1, br = e < 2 ? b0 : b1, gcol = (e & 1) ? gc.y : gc.x;
+        if (!V2) {
+          s.u.A[r * kLdA + col] = below && col < r ? br * exp_nonpos(gr - gcol) * acc[nt].x[e] : 0.f;
+        } else if (below && col < r) {  // transposed, strict upper triangle only
+          s.u.A[col * kLdA + r] = br * exp_nonpos(gr - gcol) * acc[nt].x[e];
+        }
       }
+    }
   }
   // 3b. kd_j = exp(G_63 - G_j) k^_j (16-byte stores)
   {
