@@ -234,6 +234,34 @@ inline bool rows_aligned16(const FwdParams& p) {
   return true;
 }
 
+// --- host: the launchers' template dispatch --------------------------------------------------------
+
+template <typename T>
+struct type_tag {
+  using type = T;
+};
+template <int V>
+struct int_tag {
+  static constexpr int value = V;
+};
+
+// f(type_tag<T>{}, int_tag<L>{}, int_tag<PT>{}) for p's in-type (bf16 / fp16), chunk L (64 / 128 /
+// 256) and P padded to PT (32 / 64 / 128); returns f's int
+template <typename F>
+int dispatch(const FwdParams& p, F&& f) {
+  auto by_p = [&](auto t, auto l) {
+    if (p.head_dim <= 32) return f(t, l, int_tag<32>{});
+    if (p.head_dim <= 64) return f(t, l, int_tag<64>{});
+    return f(t, l, int_tag<128>{});
+  };
+  auto by_l = [&](auto t) {
+    if (p.chunk == 64) return by_p(t, int_tag<64>{});
+    if (p.chunk == 128) return by_p(t, int_tag<128>{});
+    return by_p(t, int_tag<256>{});
+  };
+  return p.in == InType::BFloat16 ? by_l(type_tag<__nv_bfloat16>{}) : by_l(type_tag<__half>{});
+}
+
 inline int padded_p(int64_t P) { return P <= 32 ? 32 : P <= 64 ? 64 : 128; }
 
 }  // namespace tree_recurrence::ssd::fused::kernels::tiles

@@ -189,20 +189,6 @@ int launch_v2(const FwdParams& p, cudaStream_t stream) {
   return static_cast<int>(cudaGetLastError());
 }
 
-template <typename T, int L>
-int by_p_v2(const FwdParams& p, cudaStream_t s) {
-  if (p.head_dim <= 32) return launch_v2<T, L, 32>(p, s);
-  if (p.head_dim <= 64) return launch_v2<T, L, 64>(p, s);
-  return launch_v2<T, L, 128>(p, s);
-}
-
-template <typename T>
-int by_l_v2(const FwdParams& p, cudaStream_t s) {
-  if (p.chunk == 64) return by_p_v2<T, 64>(p, s);
-  if (p.chunk == 128) return by_p_v2<T, 128>(p, s);
-  return by_p_v2<T, 256>(p, s);
-}
-
 }  // namespace
 
 bool ssd_chunk_scan_v2_supported(const FwdParams& p) {
@@ -217,7 +203,9 @@ int ssd_chunk_scan_fwd_v2(const FwdParams& p, void* stream) {
   if (!ssd_chunk_scan_v2_supported(p)) return static_cast<int>(cudaErrorInvalidValue);
   if (p.num_chunks == 0) return 0;
   auto s = static_cast<cudaStream_t>(stream);
-  return p.in == InType::BFloat16 ? by_l_v2<__nv_bfloat16>(p, s) : by_l_v2<__half>(p, s);
+  return tiles::dispatch(p, [&](auto t, auto l, auto pt) {
+    return launch_v2<typename decltype(t)::type, decltype(l)::value, decltype(pt)::value>(p, s);
+  });
 }
 
 }  // namespace tree_recurrence::ssd::fused::kernels

@@ -100,20 +100,6 @@ int launch(const FwdParams& p, cudaStream_t stream) {
   return static_cast<int>(cudaGetLastError());
 }
 
-template <typename T, int L>
-int by_p(const FwdParams& p, cudaStream_t s) {
-  if (p.head_dim <= 32) return launch<T, L, 32>(p, s);
-  if (p.head_dim <= 64) return launch<T, L, 64>(p, s);
-  return launch<T, L, 128>(p, s);
-}
-
-template <typename T>
-int by_l(const FwdParams& p, cudaStream_t s) {
-  if (p.chunk == 64) return by_p<T, 64>(p, s);
-  if (p.chunk == 128) return by_p<T, 128>(p, s);
-  return by_p<T, 256>(p, s);
-}
-
 }  // namespace
 
 const char* ssd_fwd_error_string(int error) { return cudaGetErrorString(static_cast<cudaError_t>(error)); }
@@ -122,7 +108,9 @@ int ssd_chunk_state_fwd(const FwdParams& p, void* stream) {
   if (!fwd_shape_supported(p.chunk, p.head_dim, p.state_dim)) return static_cast<int>(cudaErrorInvalidValue);
   if (p.num_chunks == 0) return 0;
   auto s = static_cast<cudaStream_t>(stream);
-  return p.in == InType::BFloat16 ? by_l<__nv_bfloat16>(p, s) : by_l<__half>(p, s);
+  return tiles::dispatch(p, [&](auto t, auto l, auto pt) {
+    return launch<typename decltype(t)::type, decltype(l)::value, decltype(pt)::value>(p, s);
+  });
 }
 
 }  // namespace tree_recurrence::ssd::fused::kernels
