@@ -418,41 +418,43 @@ __global__ void __launch_bounds__(kThreads, 4) prep_fwd_kernel(const PrepParams 
     }
     __syncthreads();
   } else {
-    // 4. (version 2) Ainv by 16 x 16 blocks in place; then each thread takes 32 entries of a row
-    // (row tid % 64, columns 32 (tid / 64)..) into registers, stores them to global (16-byte
-    // stores) and, after a barrier (the operands overlay A), the two scaled operands.
+    // 4. (version 2) Ainv by 16 x 16 blocks in place; then each thread takes 8 columns
+    // (c0 = 8 (tid % 8)..) of 4 rows (tid / 8 + 16 e) into registers, stores them to global (a warp
+    // writes 4 whole 128-byte rows per store) and, after a barrier (the operands overlay A), the
+    // two scaled operands.
     block_inverse(s.u.A, tid);
-    const int r = tid & 63, c0 = (tid >> 6) * 32;
-    float xr[32];
+    const int c0 = (tid & 7) * 8, rr = tid >> 3;
+    float xr[4][8];
 #pragma unroll
-    for (int e = 0; e < 32; e += 4) {
-      const float4 x4 = *reinterpret_cast<const float4*>(s.u.A + r * kLdA + c0 + e);
-      xr[e] = c0 + e <= r ? x4.x : 0.f;
-      xr[e + 1] = c0 + e + 1 <= r ? x4.y : 0.f;
-      xr[e + 2] = c0 + e + 2 <= r ? x4.z : 0.f;
-      xr[e + 3] = c0 + e + 3 <= r ? x4.w : 0.f;
+    for (int e = 0; e < 4; ++e) {
+      const int r = rr + 16 * e;
+      const float4 lo = *reinterpret_cast<const float4*>(s.u.A + r * kLdA + c0);
+      const float4 hi = *reinterpret_cast<const float4*>(s.u.A + r * kLdA + c0 + 4);
+      const float v8[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+#pragma unroll
+      for (int m = 0; m < 8; ++m) xr[e][m] = c0 + m <= r ? v8[m] : 0.f;
     }
-    T* dst = static_cast<T*>(p.Ainv) + tile * kChunk * kChunk + r * kChunk + c0;
+    T* dst = static_cast<T*>(p.Ainv) + tile * kChunk * kChunk + c0;
 #pragma unroll
-    for (int e = 0; e < 32; e += 8) {
-      float f[8];
-#pragma unroll
-      for (int m = 0; m < 8; ++m) f[m] = xr[e + m];
-      *reinterpret_cast<uint4*>(dst + e) = pack8<T>(f);
-    }
+    for (int e = 0; e < 4; ++e) *reinterpret_cast<uint4*>(dst + (rr + 16 * e) * kChunk) = pack8<T>(xr[e]);
     __syncthreads();  // every thread is done reading A (the operands take its place)
+    float b8[8], bg8[8];
 #pragma unroll
-    for (int e = 0; e < 32; e += 8) {
+    for (int m = 0; m < 8; ++m) {
+      b8[m] = s.beta[c0 + m];
+      bg8[m] = s.bg[c0 + m];
+    }
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int r = rr + 16 * e;
       float fb[8], fg[8];
 #pragma unroll
       for (int m = 0; m < 8; ++m) {
-        const int col = c0 + e + m;
-        const float b = s.beta[col], bg = s.bg[col];
-        fb[m] = xr[e + m] * b;
-        fg[m] = xr[e + m] * bg;
+        fb[m] = xr[e][m] * b8[m];
+        fg[m] = xr[e][m] * bg8[m];
       }
-      *reinterpret_cast<uint4*>(s.u.op.ab + r * kLdI + c0 + e) = pack8<T>(fb);
-      *reinterpret_cast<uint4*>(s.u.op.abg + r * kLdI + c0 + e) = pack8<T>(fg);
+      *reinterpret_cast<uint4*>(s.u.op.ab + r * kLdI + c0) = pack8<T>(fb);
+      *reinterpret_cast<uint4*>(s.u.op.abg + r * kLdI + c0) = pack8<T>(fg);
     }
     __syncthreads();
   }
