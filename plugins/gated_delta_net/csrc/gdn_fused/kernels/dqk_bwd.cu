@@ -685,21 +685,26 @@ bool dqk_use_v1() {
   return on;
 }
 
+// nullptr when version 2 does not fit this device's shared memory (the caller runs version 1).
 template <typename T>
 const char* launch_v2(const GdnBwdParams& p, void* stream) {
   const Dqk2Layout lay(static_cast<int>(p.k_dim), static_cast<int>(p.v_dim));
   const int bytes = static_cast<int>(lay.total);
-  cudaError_t e = cudaFuncSetAttribute(dqk_kernel_v2<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  int dev = 0, sms = 0, optin = 0, per_sm = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e != cudaSuccess) return cudaGetErrorString(e);
+  if ((e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev)) != cudaSuccess)
+    return cudaGetErrorString(e);
+  if (bytes > optin) return nullptr;
+  if ((e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev)) != cudaSuccess) return cudaGetErrorString(e);
+  e = cudaFuncSetAttribute(dqk_kernel_v2<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   if (e != cudaSuccess) return cudaGetErrorString(e);
   e = cudaFuncSetAttribute(dqk_kernel_v2<T>, cudaFuncAttributePreferredSharedMemoryCarveout,
                            static_cast<int>(cudaSharedmemCarveoutMaxShared));
   if (e != cudaSuccess) return cudaGetErrorString(e);
-  int dev = 0, sms = 0, per_sm = 0;
-  if ((e = cudaGetDevice(&dev)) != cudaSuccess) return cudaGetErrorString(e);
-  if ((e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev)) != cudaSuccess) return cudaGetErrorString(e);
   if ((e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, dqk_kernel_v2<T>, kDqk2Threads, bytes)) != cudaSuccess)
     return cudaGetErrorString(e);
-  if (per_sm < 1) return "gdn_bwd_dqk: version 2 does not fit on a multiprocessor (TREE_RECURRENCE_GDN_DQK_V1=1 runs version 1)";
+  if (per_sm < 1) return nullptr;
   const int64_t items = p.num_chunks * p.hv;
   const int64_t blocks = items < static_cast<int64_t>(sms) * per_sm ? items : static_cast<int64_t>(sms) * per_sm;
   dqk_kernel_v2<T><<<static_cast<unsigned>(blocks), kDqk2Threads, bytes, static_cast<cudaStream_t>(stream)>>>(p);
@@ -709,7 +714,10 @@ const char* launch_v2(const GdnBwdParams& p, void* stream) {
 template <typename T>
 const char* launch(const GdnBwdParams& p, void* stream) {
   if (p.num_chunks == 0) return "";
-  if (!dqk_use_v1()) return launch_v2<T>(p, stream);
+  if (!dqk_use_v1()) {
+    const char* r = launch_v2<T>(p, stream);
+    if (r != nullptr) return r;  // else: version 2 does not fit, version 1 runs
+  }
   const size_t bytes = dqk_smem(p);
   cudaError_t e = cudaFuncSetAttribute(dqk_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
   if (e != cudaSuccess) return cudaGetErrorString(e);
