@@ -88,13 +88,21 @@ __global__ void __launch_bounds__(kThreads, 3) out_fwd_kernel(const OutParams p)
         }
       }
     }
+    // the lane's rows r0 (elements 0, 1), r1 (2, 3) and column pairs: G loaded once each
+    const int r0 = rw * 16 + mm::c_row(lane, 0), r1 = rw * 16 + mm::c_row(lane, 2);
+    const float g0 = s.G[r0], g1 = s.G[r1];
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt)
+    for (int nt = 0; nt < 8; ++nt) {
+      const bool below = (nt >> 1) <= rw;  // column block at or left of the diagonal one (warp-uniform)
+      const int c0 = nt * 8 + mm::c_col(lane, 0);
+      const float2 gc = below ? *reinterpret_cast<const float2*>(s.G + c0) : make_float2(0.f, 0.f);
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int r = rw * 16 + mm::c_row(lane, e), col = nt * 8 + mm::c_col(lane, e);
-        S[nt].x[e] = col <= r ? S[nt].x[e] * exp_nonpos(s.G[r] - s.G[col]) : 0.f;
+        const int r = e < 2 ? r0 : r1, col = c0 + (e & 1);
+        const float gr = e < 2 ? g0 : g1, gcol = (e & 1) ? gc.y : gc.x;
+        S[nt].x[e] = below && col <= r ? S[nt].x[e] * exp_nonpos(gr - gcol) : 0.f;
       }
+    }
 #pragma unroll
     for (int kt = 0; kt < 4; ++kt) Sa[kt] = mm::c_to_a<T>(S[2 * kt], S[2 * kt + 1]);
   }
