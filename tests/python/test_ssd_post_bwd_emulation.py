@@ -3,6 +3,8 @@ float64 (dy, e^Lam dy, dS, M = cb e^{Lam_i - Lam_j}, wlast dt x and sum_h dCB ro
 every product and sum exact) against the float64 stage reference. Measured (MIXED trie): bf16 q 1.3e-3,
 v 1.1e-3, ddt_direct 2.2e-3, d_dtA 1.7e-3, dx 2.9e-3, dB / dC 2.4e-3 (P 64, N 128); fp16 ~8x smaller. The GPU
 tests (test_ssd_post_bwd_gpu.py) allow 2e-2 / 5e-3 per stage, so a failure there is a kernel bug, not rounding.
+e^Lam dy is emulated from the rounded dy, rounded again: what the kernel's version 2 (the default, issue 20 H1)
+does; version 1 (TREE_RECURRENCE_SSD_POST_V1=1) rounds it once from the fp32 dy (one rounding closer).
 """
 
 import torch
