@@ -117,6 +117,27 @@ __device__ __forceinline__ void scale_rows_smem(T* sX, int ld, const int64_t* sT
   }
 }
 
+// acc (16 x 64, 8 tiles of 8 columns) = X[rows 16 rb..] Y^T on the column blocks np <= rb (the
+// blocks at or left of the diagonal one; the others stay 0), X and Y 64 x 16 kb16 in shared memory
+// (pitch ld): q^ k^T (out_fwd) and k^ k^T (prep_fwd), tensor cores, fp32 acc, k blocks in order.
+template <typename T>
+__device__ __forceinline__ void lower_nt(mm::FragC (&acc)[8], const T* X, const T* Y, int ld, int rb, int kb16) {
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt) acc[nt].zero();
+  for (int kt = 0; kt < kb16; ++kt) {
+    const mm::FragA a = mm::load_a_row(X + rb * 16 * ld + kt * 16, ld);
+#pragma unroll
+    for (int np = 0; np < 4; ++np) {
+      if (np <= rb) {
+        mm::FragB b0, b1;
+        mm::load_b_nk(b0, b1, Y + np * 16 * ld + kt * 16, ld);
+        mm::mma<T>(acc[2 * np], a, b0);
+        mm::mma<T>(acc[2 * np + 1], a, b1);
+      }
+    }
+  }
+}
+
 __device__ __forceinline__ float exp_nonpos(float x) { return expf(fminf(x, 0.f)); }
 
 inline const char* launch_error(cudaError_t e) { return e == cudaSuccess ? "" : cudaGetErrorString(e); }

@@ -74,20 +74,7 @@ __global__ void __launch_bounds__(kThreads, 3) out_fwd_kernel(const OutParams p)
   mm::FragA Sa[4];
   if (vb16 > 0) {
     mm::FragC S[8];
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt) S[nt].zero();
-    for (int kt = 0; kt < kb16; ++kt) {
-      const mm::FragA a = mm::load_a_row(s.q + rw * 16 * kLdX + kt * 16, kLdX);
-#pragma unroll
-      for (int np = 0; np < 4; ++np) {
-        if (np <= rw) {
-          mm::FragB b0, b1;
-          mm::load_b_nk(b0, b1, s.k + np * 16 * kLdX + kt * 16, kLdX);
-          mm::mma<T>(S[2 * np], a, b0);
-          mm::mma<T>(S[2 * np + 1], a, b1);
-        }
-      }
-    }
+    lower_nt<T>(S, s.q, s.k, kLdX, rw, kb16);
     // the lane's rows r0 (elements 0, 1), r1 (2, 3) and column pairs: G loaded once each
     const int r0 = rw * 16 + mm::c_row(lane, 0), r1 = rw * 16 + mm::c_row(lane, 2);
     const float g0 = s.G[r0], g1 = s.G[r1];

@@ -328,20 +328,7 @@ __global__ void __launch_bounds__(kThreads, 4) prep_fwd_kernel(const PrepParams 
   // 3a. A = beta_i exp(G_i - G_j) (K K^T)_ij, strictly lower (rows of this warp; columns of blocks <= warp)
   {
     mm::FragC acc[8];
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt) acc[nt].zero();
-    for (int kt = 0; kt < kb16; ++kt) {
-      const mm::FragA a = mm::load_a_row(s.k + warp * 16 * kLdX + kt * 16, kLdX);
-#pragma unroll
-      for (int np = 0; np < 4; ++np) {
-        if (np <= warp) {
-          mm::FragB b0, b1;
-          mm::load_b_nk(b0, b1, s.k + np * 16 * kLdX + kt * 16, kLdX);
-          mm::mma<T>(acc[2 * np], a, b0);
-          mm::mma<T>(acc[2 * np + 1], a, b1);
-        }
-      }
-    }
+    lower_nt<T>(acc, s.k, s.k, kLdX, warp, kb16);
     // the thread's rows r0 = 16 warp + lane / 4 (elements 0, 1) and r0 + 8 (2, 3); columns nt * 8 +
     // 2 (lane % 4) + (e & 1)
     const int r0 = warp * 16 + mm::c_row(lane, 0), r1 = warp * 16 + mm::c_row(lane, 2);
