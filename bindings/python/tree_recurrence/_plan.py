@@ -50,6 +50,7 @@ class TreePlan:
 
     def __init__(self, core: _core.TreePlan, device: torch.device):
         self._core = core
+        self._counts = tuple(getattr(core, name) for name in self._COUNTS)
         self.device = device  # where the tree tensors came from
         # Everything built from this plan (host arrays, device tables, the attention masks, the
         # driver's routes and fork tables): key -> CacheEntry, one rule (``cached``).
@@ -77,16 +78,19 @@ class TreePlan:
                                                                   if not t.is_inference()))
         return value
 
-    # counts
-    num_tokens = property(lambda self: self._core.num_tokens)
-    num_segments = property(lambda self: self._core.num_segments)
-    num_leaves = property(lambda self: self._core.num_leaves)
-    num_levels = property(lambda self: self._core.num_levels)
-    path_token_total = property(lambda self: self._core.path_token_total)
-    saved_tokens = property(lambda self: self._core.saved_tokens)
-    max_path_length = property(lambda self: self._core.max_path_length)
-    max_segment_length = property(lambda self: self._core.max_segment_length)
-    is_chains = property(lambda self: self._core.is_chains)
+    # counts (read-only; read once from the immutable C++ plan: a seam call reads num_tokens twice, and a
+    # property over the core costs a pybind11 call each time)
+    _COUNTS = ("num_tokens", "num_segments", "num_leaves", "num_levels", "path_token_total", "saved_tokens",
+               "max_path_length", "max_segment_length", "is_chains")
+    num_tokens = property(lambda self: self._counts[0])
+    num_segments = property(lambda self: self._counts[1])
+    num_leaves = property(lambda self: self._counts[2])
+    num_levels = property(lambda self: self._counts[3])
+    path_token_total = property(lambda self: self._counts[4])
+    saved_tokens = property(lambda self: self._counts[5])
+    max_path_length = property(lambda self: self._counts[6])
+    max_segment_length = property(lambda self: self._counts[7])
+    is_chains = property(lambda self: self._counts[8])
 
     @staticmethod
     def _wrap(buffer: bytearray) -> torch.Tensor:
@@ -163,6 +167,15 @@ class TreePlan:
             raise ValueError(f"chunk_size: must be >= 1, got {chunk_size}")
         device = torch.device(device) if device is not None else self.device
         return self.cached(("chunks", chunk_size, device), lambda: self._build_chunk_tables(chunk_size, device))
+
+    def chunk_op_args(self, chunk_size: int, device: torch.device) -> tuple:
+        """A chunked native op's table arguments, ``(gather, scatter, *tables.state_args())`` of
+        ``chunk_tables(chunk_size, device)``, as one cached tuple (a seam call's hot path)."""
+        def build():
+            tables = self.chunk_tables(chunk_size, device)
+            return (tables.gather, tables.scatter) + tables.state_args()
+
+        return self.cached(("chunk op args", chunk_size, device), build)
 
     def _build_chunk_tables(self, chunk_size: int, device: torch.device) -> ChunkTables:
         gather, scatter, seg_chunk_offsets, root_index, num_chunks = self._core.chunk_tables(chunk_size)

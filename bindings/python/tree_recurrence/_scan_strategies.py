@@ -47,16 +47,21 @@ def _output(result):
 
 
 def scan_native(call: SeamCall, op):
-    native = call.spec["native"]
-    kwargs = {arg: call.rest.get(source, call.named.get(source, default)) for arg, (source, default) in native.get("kwargs", {}).items()}
-    inputs = [call.named[name][0] for name in call.spec["sequence"]]
-    initial = call.named.get(call.spec["state_args"]["initial_state"]) if "state_args" in call.spec else None
-    if initial is None and "state_args" in call.spec:
-        initial = call.rest.get(call.spec["state_args"]["initial_state"])
-    if "chunk" in native:
+    spec = call.spec
+    native = spec["native"]
+    named, rest = call.named, call.rest
+    kwargs = {arg: rest.get(source, named.get(source, default)) for arg, (source, default) in native.get("kwargs", {}).items()}
+    inputs = [named[name][0] for name in spec["sequence"]]
+    state = spec.get("state_args")
+    initial = None
+    if state is not None:
+        initial = named.get(state["initial_state"])
+        if initial is None:
+            initial = rest.get(state["initial_state"])
+    chunk = native.get("chunk")
+    if chunk is not None:
         # Chunked native ops (native-op convention): the plan's chunk tables on the inputs' device.
-        tables = call.plan.chunk_tables(native["chunk"], inputs[0].device)
-        out = op(*inputs, tables.gather, tables.scatter, *tables.state_args(), initial, **kwargs)
+        out = op(*inputs, *call.plan.chunk_op_args(chunk, inputs[0].device), initial, **kwargs)
     else:
         # Token-walking ops (native-op convention): the plan's index tensors on the inputs' device.
         device = inputs[0].device
@@ -108,6 +113,7 @@ class ForkTables(NamedTuple):
     grid: torch.Tensor  # every level's padded grid flattened and concatenated, indices clamped to >= 0
     grid_valid: torch.Tensor  # which grid entries are real
     grid_source: torch.Tensor  # each token's position in ``grid``
+    in_order: bool = False  # ``order`` is every token in token order (one level: a forest of chains)
 
 
 def fork_tables(plan: TreePlan, device: torch.device) -> ForkTables:
@@ -141,52 +147,62 @@ def _build_fork_tables(plan: TreePlan, device: torch.device) -> ForkTables:
     grid = torch.cat(grids)
     grid_source = torch.empty_like(order)
     grid_source[order] = torch.cat(sources)
+    in_order = bool(torch.equal(order.cpu(), torch.arange(order.numel())))
     return ForkTables(levels, [lv.token_end - lv.token_start for lv in levels],
                       [lv.grid_end - lv.grid_start for lv in levels], order, inverse, grid.clamp(min=0), grid >= 0,
-                      grid_source)
+                      grid_source, in_order)
 
 
 def scan_fork(call: SeamCall, varlen: bool):
     """One call of the bound kernel per trie level, every segment of a level starting from its parent's
-    final state. Inputs of every level are gathered at once (one op per sequence tensor), each level is
-    a slice of them, its initial states one index op over the previous level's finals, and the outputs
-    return to token order in one op."""
-    device = call.named[call.spec["sequence"][0]].device
-    state = call.spec["state_args"]
-    initial = call.rest.pop(state["initial_state"], None)
+    final state. Inputs of every level are gathered at once (one op per sequence tensor, none when the
+    levels' tokens are already in token order), each level is a slice of them (one split per tensor),
+    its initial states one index op over the previous level's finals, and the outputs return to token
+    order in one op."""
+    spec = call.spec
+    names = spec["sequence"]
+    named = call.named
+    device = named[names[0]].device
+    state = spec["state_args"]
+    initial_name, final_name = state["initial_state"], state["output_final_state"]
+    initial = call.rest.pop(initial_name, None)
     tables = fork_tables(call.plan, device)
-    names = call.spec["sequence"]
+    levels = tables.levels
     if varlen:
-        cu_name = call.spec["varlen"]["cu_seqlens"]
-        gathered = {name: call.named[name].index_select(1, tables.order) for name in names}
+        cu_name = spec["varlen"]["cu_seqlens"]
+        gathered = [named[name] if tables.in_order else named[name].index_select(1, tables.order) for name in names]
+        sizes, dim = tables.token_sizes, 1
     else:
-        gathered = {name: _neutral_fill(call, name, _take(call.named[name][0], tables.grid), tables.grid_valid)
-                    for name in names}
-    # every level's slice of every gathered tensor (one split per tensor)
-    slices = zip(*(t.split_with_sizes(tables.token_sizes if varlen else tables.grid_sizes, 1 if varlen else 0)
-                   for t in gathered.values()))
+        gathered = [_neutral_fill(call, name, _take(named[name][0], tables.grid), tables.grid_valid) for name in names]
+        sizes, dim = tables.grid_sizes, 0
+    # every level's slice of every gathered tensor (one split per tensor; a one-level plan: the tensors)
+    slices = [gathered] if len(levels) == 1 else zip(*(t.split_with_sizes(sizes, dim) for t in gathered))
     pieces, final = [], None
-    last = len(tables.levels) - 1
-    for level, (lv, level_inputs) in enumerate(zip(tables.levels, slices)):
+    last = len(levels) - 1
+    for level, (lv, level_inputs) in enumerate(zip(levels, slices)):
         if lv.parent_position is None:
             init = None if initial is None else initial.expand(lv.count, *initial.shape[1:])
         else:
             if final is None:
                 raise ValueError(f"{call.seam}: the bound kernel returned no final states although asked for them "
-                                 f"({state['output_final_state']}=True), and level {level} of the tree starts from "
+                                 f"({final_name}=True), and level {level} of the tree starts from "
                                  "them: bind a kernel that returns them, or use Policy(strategy='rescan')")
             init = final.index_select(0, lv.parent_position)
         # the last level's final states feed nothing: not asked for (a one-level plan, a forest of chains,
         # is one plain varlen call)
-        extra = {state["output_final_state"]: level < last, state["initial_state"]: init}
+        extra = {final_name: level < last, initial_name: init}
         if varlen:
-            out, final = call.call_original(dict(zip(names, level_inputs)), **{cu_name: lv.cu_seqlens}, **extra)
-            pieces.append(out[0])
+            extra[cu_name] = lv.cu_seqlens
+            out, final = call.call_original(dict(zip(names, level_inputs)), **extra)
+            pieces.append(out)  # (1, level tokens, ...)
         else:
             rows = {n: t.view(lv.count, lv.width, *t.shape[1:]) for n, t in zip(names, level_inputs)}
             out, final = call.call_original(rows, **extra)
             pieces.append(out.reshape(-1, *out.shape[2:]))
-    return _take(torch.cat(pieces), tables.inverse if varlen else tables.grid_source).unsqueeze(0)
+    if varlen:  # the levels' outputs joined along time, back in token order: (1, N, ...)
+        out = pieces[0] if len(pieces) == 1 else torch.cat(pieces, 1)
+        return out if tables.in_order else out.index_select(1, tables.inverse)
+    return _take(torch.cat(pieces), tables.grid_source).unsqueeze(0)
 
 
 def padded_paths_rows(plan: TreePlan, x: torch.Tensor, time_dim: int):

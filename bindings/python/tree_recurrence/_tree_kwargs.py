@@ -5,6 +5,7 @@ padding, which must be exactly padding."""
 
 from __future__ import annotations
 
+import functools
 import operator
 from typing import Any, Mapping
 
@@ -228,9 +229,24 @@ def has_tree(kwargs: Mapping[str, Any]) -> bool:
     return kwargs.get(CU_SEQLENS_Q) is not None
 
 
-# Host work (the plan is built and cached on the host from the index tensors' values): under
-# torch.compile it runs eagerly, a graph break, instead of being traced with fake tensors.
-@torch.compiler.disable
+def host_work(function):
+    """``function`` run eagerly under torch.compile (``torch.compiler.disable``: a graph break, instead of
+    being traced with fake tensors) and called directly otherwise: the disabled wrapper costs about a
+    microsecond per call (eval-frame switches), and the seam call's hot path makes two such calls."""
+    disabled = torch.compiler.disable(function)
+    is_compiling = torch.compiler.is_compiling
+
+    @functools.wraps(function)
+    def call(*args, **kwargs):
+        if is_compiling():
+            return disabled(*args, **kwargs)
+        return function(*args, **kwargs)
+
+    return call
+
+
+# Host work (the plan is built and cached on the host from the index tensors' values).
+@host_work
 def tree_plan(kwargs: Mapping[str, Any], num_tokens: int | None = None) -> TreePlan | None:
     """The plan of the tree kwargs in ``kwargs``, or None when there are none.
 
@@ -244,6 +260,11 @@ def tree_plan(kwargs: Mapping[str, Any], num_tokens: int | None = None) -> TreeP
         if stray:
             raise ValueError(f"{CU_SEQLENS_Q}: missing, but {', '.join(stray)} given")
         return None
+    if isinstance(cu_q, torch.Tensor):  # the hot path: every field the very object it was, unchanged
+        entry = getattr(cu_q, _CACHE_ATTR, None)
+        if entry is not None and entry[4] is not None and _unchanged(entry[4], kwargs) and \
+                (num_tokens is None or entry[0].num_tokens == num_tokens):
+            return entry[0]
     # The cache key: every tree field by identity and version (an in-place edit or a different
     # companion tensor rebuilds the plan); fields given as int sequences by identity and a copy of
     # their values (compared on lookup: a list has no version counter).
@@ -270,7 +291,7 @@ def tree_plan(kwargs: Mapping[str, Any], num_tokens: int | None = None) -> TreeP
     plan = TreePlan.build(parts, num_tokens, device)
     _check_level_sizes(plan, parts, _level_count(kwargs))
     # The companions are kept alive with the entry so their ids cannot be reused while it is cached.
-    entry = (plan, key, [kwargs[name] for name in given], values)
+    entry = (plan, key, [kwargs[name] for name in given], values, _fast_key(kwargs, given, values))
     if isinstance(cu_q, torch.Tensor):
         setattr(cu_q, _CACHE_ATTR, entry)
     else:
@@ -279,6 +300,31 @@ def tree_plan(kwargs: Mapping[str, Any], num_tokens: int | None = None) -> TreeP
         while len(_sequence_plans) > _SEQUENCE_PLANS:
             del _sequence_plans[next(iter(_sequence_plans))]
     return plan
+
+
+_KEY_FIELDS = TREE_FIELDS + LEVEL_FIELDS
+
+
+def _fast_key(kwargs: Mapping[str, Any], given: list, values: tuple) -> tuple | None:
+    """What ``_unchanged`` compares on the hot path: every tree field's object (None when absent) and
+    version (None for inference tensors: identity only), and the level count when it is None or an int;
+    None (the full key decides) when a field is an int sequence or the level count is a tensor."""
+    count = kwargs.get(LEVEL_COUNT)
+    if values or not (count is None or type(count) is int):
+        return None
+    fast = [(name, kwargs.get(name), None if kwargs.get(name) is None else tensor_version(kwargs[name]))
+            for name in _KEY_FIELDS]
+    return tuple((name, obj, version if isinstance(version, int) else None) for name, obj, version in fast) + \
+        ((LEVEL_COUNT, count, None),)
+
+
+def _unchanged(fast: tuple, kwargs: Mapping[str, Any]) -> bool:
+    get = kwargs.get
+    for name, obj, version in fast:
+        current = get(name)
+        if current is not obj or (version is not None and current._version != version):
+            return False
+    return True
 
 
 # Plans of tree fields given as int sequences (no tensor to cache them on), by id of their

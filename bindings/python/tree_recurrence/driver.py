@@ -39,7 +39,8 @@ import torch
 from . import _routes, plugins
 from . import _scan_strategies as strategies
 from ._bound_kernels import bound_implementation, instance_forward, takes_keyword
-from ._plan import TREE_FIELDS, TreePlan
+from ._plan import TreePlan
+from ._tree_kwargs import host_work
 from .policy import Policy
 
 logger = logging.getLogger("tree_recurrence")
@@ -52,6 +53,7 @@ _warned_reference: set = set()
 _DRIVER_KEYWORDS = ("cu_seqlens", "seq_idx", "cu_seq_lens_q", "cu_seq_lens_k")
 # Where each adapter's sequence tensors keep their tokens: (names of the spec, time dimension).
 _ROW_AXES = {"conv": (lambda spec: spec["args"][:1], 2), "scan": (lambda spec: spec["sequence"], 1)}
+_NO_ROW_AXES = ((), 0)
 # The family of calls ``components.tree_scan`` makes over a caller's kernel with no family: no native
 # op, and the kernel is varlen only when it names the spec's ``cu_seqlens``.
 PYTHON_FAMILY = "<python>"
@@ -81,29 +83,36 @@ class SeamCall:
     @classmethod
     def bind(cls, family, seam, spec, original, plan, args, kwargs) -> "SeamCall":
         names = spec["args"]
-        if len(args) > len(names):
-            raise TypeError(f"{seam}: got {len(args)} positional arguments, the {family} manifest names {len(names)}")
+        positional = len(args)
+        if positional > len(names):
+            raise TypeError(f"{seam}: got {positional} positional arguments, the {family} manifest names {len(names)}")
         named = dict(zip(names, args))
-        rest = {k: v for k, v in kwargs.items() if k not in TREE_FIELDS and not k.startswith("tree_")}
-        for name in names[len(args):]:
+        rest = {k: v for k, v in kwargs.items() if not k.startswith("tree_")}  # every tree field starts so
+        for name in names[positional:]:
             if name in rest:
                 named[name] = rest.pop(name)
-        for key in _DRIVER_KEYWORDS:
-            if rest.get(key) is not None:
-                raise ValueError(f"{seam}: got both tree_* kwargs and '{key}'; a tree-packed row carries its own boundaries")
-            rest.pop(key, None)
-        return cls(family, seam, spec, original, plan, named, rest, len(args))
+        if not rest.keys().isdisjoint(_DRIVER_KEYWORDS):
+            for key in _DRIVER_KEYWORDS:
+                if rest.get(key) is not None:
+                    raise ValueError(f"{seam}: got both tree_* kwargs and '{key}'; a tree-packed row carries its own "
+                                     "boundaries")
+                rest.pop(key, None)
+        return cls(family, seam, spec, original, plan, named, rest, positional)
 
     def call_original(self, inputs: dict, **extra):
         """Calls the bound kernel the way the model called the seam (same positional arguments,
         same keywords), with ``inputs`` replacing arguments and ``extra`` added or replacing
         keywords. Library kernels order their parameters differently from the torch references
         (causal-conv1d puts seq_idx before activation), so keywords must stay keywords."""
-        names = self.spec["args"]
-        value = lambda n: inputs.get(n, self.named.get(n))  # noqa: E731
-        positional = [value(n) for n in names[: self.positional]]
-        keywords = {n: value(n) for n in names[self.positional:] if n in self.named or n in inputs}
-        return self.original(*positional, **{**self.rest, **keywords, **extra})
+        names, named, count = self.spec["args"], self.named, self.positional
+        merged = {**named, **inputs}
+        positional = [merged.get(n) for n in names[:count]]
+        keywords = dict(self.rest)
+        for n in names[count:]:
+            if n in merged:
+                keywords[n] = merged[n]
+        keywords.update(extra)
+        return self.original(*positional, **keywords)
 
     def check_row(self, tensor: torch.Tensor, time_dim: int, what: str) -> None:
         """Refuses ``tensor`` unless it is the plan's row: batch 1, the plan's tokens along ``time_dim``."""
@@ -133,16 +142,20 @@ class SeamCall:
         """A row longer than the plan (a collator padded ``input_ids`` past the tree's tokens): the seam
         runs on the plan's tokens only, so padding tokens never reach real ones (values or gradients);
         ``row`` keeps the row's length for ``pad_row``."""
-        axes = _ROW_AXES.get(self.spec["adapter"])
-        if axes is None:
-            return
-        names, dim = axes[0](self.spec), axes[1]
+        spec = self.spec
+        adapter = spec["adapter"]
+        names, dim = (spec["sequence"], 1) if adapter == "scan" else (spec["args"][:1], 2) if adapter == "conv" \
+            else _NO_ROW_AXES
         n = self.plan.num_tokens
+        named = self.named
         for name in names:
-            t = self.named.get(name)
-            if isinstance(t, torch.Tensor) and t.dim() > dim and t.shape[0] == 1 and t.shape[dim] > n:
+            t = named.get(name)
+            if not isinstance(t, torch.Tensor):
+                continue
+            shape = t.shape
+            if len(shape) > dim and shape[dim] > n and shape[0] == 1:
                 self.row = t.shape[dim] if self.row is None else self.row
-                self.named[name] = t.narrow(dim, 0, n)
+                named[name] = t.narrow(dim, 0, n)
 
     def pad_row(self, result: Any) -> Any:
         """The seam's result back to the row's length (after ``trim_row``): zeros for the padding tokens."""
@@ -245,8 +258,8 @@ def _decide_conv(call: SeamCall, backend: str, policy: Policy, device: torch.dev
 
 
 # Seam dispatch is host work (policy, plan tables, kernel lookup) around native ops or bound
-# kernels: under torch.compile it runs eagerly, one graph break per seam call.
-@torch.compiler.disable
+# kernels: under torch.compile it runs eagerly, one graph break per seam call (``host_work``).
+@host_work
 def run_conv(call: SeamCall, backend: str, policy: Policy) -> torch.Tensor:
     x_name, w_name, b_name, act_name = call.spec["args"][:4]
     x = call.named[x_name]
@@ -271,7 +284,7 @@ def run_conv(call: SeamCall, backend: str, policy: Policy) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------
 
 
-@torch.compiler.disable  # see run_conv
+@host_work  # see run_conv
 def run_scan(call: SeamCall, backend: str, policy: Policy):
     spec = call.spec
     first = call.named[spec["sequence"][0]]
@@ -359,7 +372,7 @@ def _measured_route(call: SeamCall, device: torch.device, op_name: str, implemen
 _DECIDE = {"conv": _decide_conv, "scan": _decide_scan}
 
 
-@torch.compiler.disable  # see run_conv
+@host_work  # see run_conv
 def run_decline(call: SeamCall, backend: str, policy: Policy):
     """For fused seams whose callers have an unfused path: answer what the model's own reference
     answers when it cannot fuse (the manifest's ``declined``, None by default), so the mixer takes
@@ -368,7 +381,7 @@ def run_decline(call: SeamCall, backend: str, policy: Policy):
     return call.spec.get("declined")
 
 
-@torch.compiler.disable  # see run_conv
+@host_work  # see run_conv
 def run_family(call: SeamCall, backend: str, policy: Policy):
     """Seams a family runs in its own Python: the manifest's ``adapter: family`` with ``function:``,
     a function ``(call, backend, policy)`` of the module its ``python: {adapters: ...}`` names."""
