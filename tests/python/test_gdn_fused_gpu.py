@@ -274,3 +274,42 @@ def test_prep_v2_against_v1(tmp_path):
         print_report(f"{key} v2", report)
         bad += [(key, n, r) for n, r in report.items() if r[0] > EXACT_TOL[n] or r[1] > LOCAL_TOL[n]]
     assert not bad, f"prep version 2 vs version 1: {bad}"
+
+
+@cuda
+def test_chunks_past_the_grid_y_limit():
+    # tile_grid puts chunks >= 65535 in blockIdx.z: a small root packed after a root of 65536 chunks
+    # gives, in every per-chunk stage and in o, the bits it gives alone (roots are independent)
+    big, small = 64 * 65536, 100
+    HK, HV, D = 1, 2, 16
+    gen = torch.Generator(device="cuda").manual_seed(11)
+
+    def inputs(T):
+        r = lambda *s: torch.randn(*s, generator=gen, device="cuda")  # noqa: E731
+        return dict(q=r(T, HK, D).bfloat16(), k=r(T, HK, D).bfloat16(), v=r(T, HV, D).bfloat16(),
+                    g=-torch.nn.functional.softplus(r(T, HV)) * 0.5, beta=torch.sigmoid(r(T, HV)))
+
+    xb, xs = inputs(big), inputs(small)
+    both = {n: torch.cat([xb[n], xs[n]]) for n in xb}
+
+    def stages(x, spec):
+        seg_offsets, parents = trie(spec)
+        tabs = chunk_tables(seg_offsets, parents, device="cuda")
+        out = _ops().gdn_fused_stages(x["q"], x["k"], x["v"], x["g"], x["beta"], *tabs, None, 0.0, True)
+        return dict(zip(STAGES, out)), tabs.gather.shape[0]
+
+    alone, nc_small = stages(xs, [(-1, small)])
+    packed, nc = stages(both, [(-1, big), (-1, small)])
+    assert nc - nc_small >= 65536
+    bad = []
+    for n in ("G", "Ainv", "w", "u", "kd", "decay", "h", "v_new"):  # per chunk: the small root's are last
+        if not torch.equal(packed[n][nc - nc_small:], alone[n]):
+            bad.append(n)
+    for n in ("o", "rq", "rk"):  # per token: the small root's are last
+        if not torch.equal(packed[n][big:], alone[n]):
+            bad.append(n)
+    if not torch.equal(packed["final_state"][1:], alone["final_state"]):
+        bad.append("final_state")
+    assert not bad, f"the small root's stages differ when its chunks sit past 65535: {bad}"
+    assert rel_rms(alone["o"], oracle(dict(x=xs, init=None, seg_offsets=[0, small], parents=[-1], scale=0.0,
+                                           l2norm=True))) <= 5e-3
