@@ -209,8 +209,9 @@ __device__ __forceinline__ uint4 scale8(const uint4& raw, float w) {
   return packed;
 }
 
-// f(acc2, row, col) for each adjacent pair (x[e], x[e + 1]) of a warp's P x 16 state accumulators
-// acc[MT][2] (warp w: columns n0 + 16 w ..) that lies inside P x N; acc2 points at x[e]
+// f(acc2, row, col, inside) for each adjacent pair (x[e], x[e + 1]) of a warp's P x 16 state
+// accumulators acc[MT][2] (warp w: columns n0 + 16 w ..); acc2 points at x[e]; inside: the pair lies
+// inside P x N
 template <int MT, typename F>
 __device__ __forceinline__ void state_pairs(mma::FragC (&acc)[MT][2], int64_t P, int64_t N, int64_t n0, int warp,
                                             int lane, F&& f) {
@@ -222,7 +223,7 @@ __device__ __forceinline__ void state_pairs(mma::FragC (&acc)[MT][2], int64_t P,
       for (int e = 0; e < 4; e += 2) {
         const int64_t row = mt * 16 + mma::c_row(lane, e);
         const int64_t col = n0 + warp * 16 + nt * 8 + mma::c_col(lane, e);
-        if (row < P && col < N) f(&acc[mt][nt].x[e], row, col);
+        f(&acc[mt][nt].x[e], row, col, row < P && col < N);
       }
 }
 

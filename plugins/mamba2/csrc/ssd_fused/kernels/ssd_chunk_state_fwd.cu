@@ -86,8 +86,8 @@ __global__ void __launch_bounds__(kThreads) chunk_state_kernel(FwdParams p) {
   }
 
   float* out = p.chunk_states + (c * H + h) * P * N;
-  tiles::state_pairs<MT>(acc, P, N, n0, warp, lane, [&](const float* v, int64_t row, int64_t col) {
-    *reinterpret_cast<float2*>(out + row * N + col) = make_float2(v[0], v[1]);
+  tiles::state_pairs<MT>(acc, P, N, n0, warp, lane, [&](const float* v, int64_t row, int64_t col, bool inside) {
+    if (inside) *reinterpret_cast<float2*>(out + row * N + col) = make_float2(v[0], v[1]);
   });
 }
 

@@ -90,18 +90,11 @@ __global__ void __launch_bounds__(kThreads) chunk_state_pass_kernel(FwdParams p,
   else if (p.initial_state)
     init = p.initial_state + ((p.initial_per_root ? p.root_index[s] : 0) * H + h) * PN;
   mma::FragC acc[MT][2];
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; e += 2) {
-        const int64_t row = mt * 16 + mma::c_row(lane, e);
-        const int64_t col = n0 + warp * 16 + nt * 8 + mma::c_col(lane, e);
-        float2 v = make_float2(0.f, 0.f);
-        if (init && row < P && col < N) v = *reinterpret_cast<const float2*>(init + row * N + col);
-        acc[mt][nt].x[e] = v.x, acc[mt][nt].x[e + 1] = v.y;
-      }
+  tiles::state_pairs<MT>(acc, P, N, n0, warp, lane, [&](float* v, int64_t row, int64_t col, bool inside) {
+    float2 i2 = make_float2(0.f, 0.f);
+    if (init && inside) i2 = *reinterpret_cast<const float2*>(init + row * N + col);
+    v[0] = i2.x, v[1] = i2.y;
+  });
 
   const int64_t c_begin = p.seg_chunk_offsets[s], c_end = p.seg_chunk_offsets[s + 1];
   // prologue: chunk c_begin's gather rows, raw dt and first piece
@@ -135,8 +128,8 @@ __global__ void __launch_bounds__(kThreads) chunk_state_pass_kernel(FwdParams p,
     // states[c] = s, the state entering the chunk
     {
       T* out = states + (c * H + h) * PN;
-      tiles::state_pairs<MT>(acc, P, N, n0, warp, lane, [&](const float* v, int64_t row, int64_t col) {
-        *reinterpret_cast<uint32_t*>(out + row * N + col) = mma::Elem<T>::pack(v[0], v[1]);
+      tiles::state_pairs<MT>(acc, P, N, n0, warp, lane, [&](const float* v, int64_t row, int64_t col, bool inside) {
+        if (inside) *reinterpret_cast<uint32_t*>(out + row * N + col) = mma::Elem<T>::pack(v[0], v[1]);
       });
     }
     __syncthreads();
@@ -188,8 +181,8 @@ __global__ void __launch_bounds__(kThreads) chunk_state_pass_kernel(FwdParams p,
 
   if (p.child_offsets[s + 1] > p.child_offsets[s]) {
     float* ws = p.workspace + (s * H + h) * PN;
-    tiles::state_pairs<MT>(acc, P, N, n0, warp, lane, [&](const float* v, int64_t row, int64_t col) {
-      *reinterpret_cast<float2*>(ws + row * N + col) = make_float2(v[0], v[1]);
+    tiles::state_pairs<MT>(acc, P, N, n0, warp, lane, [&](const float* v, int64_t row, int64_t col, bool inside) {
+      if (inside) *reinterpret_cast<float2*>(ws + row * N + col) = make_float2(v[0], v[1]);
     });
   }
 }
