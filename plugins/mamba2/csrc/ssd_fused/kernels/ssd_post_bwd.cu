@@ -953,7 +953,7 @@ __global__ void __launch_bounds__(kThreads, 2) post_bf16_v2_kernel(BwdParams p) 
       mm::FragC acc[2];
       acc[0].zero();
       acc[1].zero();
-      #pragma unroll 1
+      #pragma unroll 2  // the next step's fragments load during this step's mma (same order)
       for (int k0 = 0; k0 < Np; k0 += 16) {
         const mm::FragA a = mm::load_a_row(Cs + r0 * NT + k0, NT);
         mm::FragB b0, b1;
@@ -1067,7 +1067,7 @@ __global__ void __launch_bounds__(kThreads, 2) post_bf16_v2_kernel(BwdParams p) 
       aS[1].zero();
       aG[0].zero();
       aG[1].zero();
-      #pragma unroll 1
+      #pragma unroll 2  // the next step's fragments load during this step's mma (same order)
       for (int k0 = 0; k0 < Np; k0 += 16) {
         const mm::FragA a = mm::load_a_row(Bs + r0 * NT + k0, NT);
         mm::FragB b0, b1;
@@ -1140,7 +1140,7 @@ __global__ void __launch_bounds__(kThreads, 2) post_bf16_v2_kernel(BwdParams p) 
       mm::FragC acc[2];
       acc[0].zero();
       acc[1].zero();
-      #pragma unroll 1
+      #pragma unroll 2  // the next step's fragments load during this step's mma (same order)
       for (int k0 = 0; k0 < Pp; k0 += 16) {
         const mm::FragA a = mm::load_a_row(dys + r0 * PT + k0, PT);
         mm::FragB b0, b1;
