@@ -1,11 +1,11 @@
 // DetectingFamily: the TreeFamily most families are, declared by what differs between them.
 //
-//   class MyFamily final : public tree_recurrence::DetectingFamily {
-//    public:
-//     MyFamily() : DetectingFamily(&my::register_ops, {detectors::kCausalDepthwiseConv},
-//                                  {{"tree_conv", {}}, {"my_tree_scan", {"chunk_state_pass"}}}) {}
-//   };
+//   TREE_RECURRENCE_DETECTING_FAMILY(MyFamily, "my_family", "0.1.0", &my::register_ops,
+//                                    {tree_recurrence::detectors::kCausalDepthwiseConv},
+//                                    {{"tree_conv", {}}, {"my_tree_scan", {"chunk_state_pass"}}})
 //
+// declares the class MyFamily (a DetectingFamily given those arguments) and exports it
+// (TREE_RECURRENCE_FAMILY, sdk/family.h); use it once per plugin, at namespace scope.
 // Its constructor registers the family's torch ops; detect() covers the manifest's mixers and recognises
 // (without covering) other modules the listed detectors match, so install names the detector when a
 // model holds one nobody covers (sdk/detectors.h); kernels() is registered_kernels(ops)
@@ -45,3 +45,11 @@ class DetectingFamily : public TreeFamily {
 };
 
 }  // namespace tree_recurrence
+
+#define TREE_RECURRENCE_DETECTING_FAMILY(FamilyClass, family_name, family_version, ...)        \
+  namespace {                                                                                   \
+  struct FamilyClass final : ::tree_recurrence::DetectingFamily {                               \
+    FamilyClass() : ::tree_recurrence::DetectingFamily(__VA_ARGS__) {}                          \
+  };                                                                                            \
+  }                                                                                             \
+  TREE_RECURRENCE_FAMILY(FamilyClass, family_name, family_version)
