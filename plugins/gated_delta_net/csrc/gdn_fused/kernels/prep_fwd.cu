@@ -1,6 +1,8 @@
 // Stage 1 of the fused GDN forward (../gdn_fused.h, params.h): per (chunk, value head) one block of
-// 128 threads (4 warps, warp w owns rows 16w..16w+15), 54 KB of shared memory (4 blocks per SM),
-// grid value head fastest (tile_grid):
+// 128 threads (4 warps, warp w owns rows 16w..16w+15), grid value head fastest (tile_grid). Version 3
+// (prep_fwd_kernel_v3, the default: 44.5 KB, 5 blocks per SM) is version 2 below with v copied late
+// over A and phase 5's scaling on the other operand (see there). Versions 1 and 2 (54 KB, 4 blocks
+// per SM):
 //   1. rows through gather: k, v in cp.async copies (zero-filled pad rows and columns; each thread
 //      reads its rows' tokens from gather itself, ChunkRows); then k^ = l2norm(k) in place, rk (q is
 //      not read: the out stage, which loads q anyway, writes rq);
@@ -8,7 +10,7 @@
 //      decay = exp(G_63); the per-row factors beta exp(G), exp(G_63 - G);
 //   3. A_ij = beta_i exp(G_i - G_j) <k^_i, k^_j>, j < i (K K^T on tensor cores, fp32 acc), and
 //      kd_j = exp(G_63 - G_j) k^_j;
-//   4. version 2 (the default, block_inverse): A is written transposed (strict upper triangle),
+//   4. version 2 (TREE_RECURRENCE_GDN_PREP_V2=1, block_inverse): A is written transposed (strict upper triangle),
 //      the 16 x 16 diagonal blocks are inverted by substitution, the off-diagonal blocks by fp32
 //      block products (3 levels, all 128 threads), in place; Ainv and the operands leave with
 //      16-byte stores; v in a second cp.async group; phase 5 by column blocks per warp (balanced;
@@ -472,34 +474,234 @@ __global__ void __launch_bounds__(kThreads, 4) prep_fwd_kernel(const PrepParams 
   store_rows<T>(static_cast<T*>(p.u) + tile * kChunk * V, s.v, V);
 }
 
-// Version 2 (block_inverse) is the default. Racecheck reported 4 shared-memory hazards in it on the
-// H200 (2026-12-02): phase 4a's 16-byte loads of the diagonal blocks against the stores of D_b over
-// them (see block_inverse; fixed by a barrier). TREE_RECURRENCE_GDN_PREP_V1=1 (read once) gives
-// version 1's phase 4 (column-wise substitution) until the GPU run confirms the fix.
-bool use_v1() {
-  static const bool on = [] {
-    const char* v1 = std::getenv("TREE_RECURRENCE_GDN_PREP_V1");
-    return v1 != nullptr && v1[0] == '1';
-  }();
-  return on;
+// Version 3 (the default): version 2's phases 1-4 in 44.5 KB of shared memory and <= 96 registers,
+// so 5 blocks per SM (20 warps; version 2: 54 KB, 4 blocks):
+//   * v is not copied at the start: it goes over A (dead after phase 4) and flies while w runs;
+//   * phase 5 takes one operand, Ainv rounded to the input type (the values Ainv leaves with), and
+//     scales the rows of the other instead: w = Ainv (bg k^), u = Ainv (beta v), bg k^ and beta v
+//     rounded to the input type (FLA's rounding; version 2 rounds Ainv diag(bg) and Ainv diag(beta)
+//     instead, so w and u differ from version 2's by a rounding, everything else is bit for bit);
+//     each warp scales the columns it then reads (its two column blocks, as lower_times_cols), so
+//     only __syncwarp between;
+//   * the cumsum runs in place (no separate raw-g buffer).
+template <typename T>
+struct PrepSmem3 {
+  T k[kChunk * kLdX];  // k^, then bg k^ (phase 5), then the w staging
+  union {
+    float A[kChunk * kLdA];  // phases 3-4
+    T v[kChunk * kLdX];      // phase 5: v, beta v, then the u staging
+  } av;
+  T op[kChunk * kLdI];  // Ainv in the input type (phase 5's A operand)
+  float G[kChunk];      // raw g, then G (in place)
+  float beta[kChunk];
+  float bg[kChunk];     // beta_i exp(G_i)
+  float dlast[kChunk];  // exp(G_63 - G_i)
+  int64_t tok[kChunk];
+};
+
+// 5 blocks per SM: 228 KB of shared memory per SM, 1 KB of it reserved per block
+static_assert(5 * (sizeof(PrepSmem3<__nv_bfloat16>) + 1024) <= 228 * 1024, "prep v3: 5 blocks per SM");
+
+// Rows 0..63 of X's column blocks warp and warp + 4 (those below nblocks16; the ones
+// lower_times_cols reads) times factor[row], in place, by this warp alone.
+template <typename T>
+__device__ __forceinline__ void scale_cols_of_warp(T* X, const float* factor, int warp, int nblocks16) {
+  const int l = mm::lane_id();
+#pragma unroll
+  for (int n = 0; n < 2; ++n) {
+    const int np = warp + 4 * n;
+    if (np < nblocks16) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {  // 64 rows x 2 words of 8 elements = 128 words, 4 per lane
+        const int idx = l + 32 * i, row = idx >> 1, col = np * 16 + (idx & 1) * 8;
+        float f[8];
+        unpack8<T>(*reinterpret_cast<const uint4*>(X + row * kLdX + col), f);
+        const float fr = factor[row];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) f[e] *= fr;
+        *reinterpret_cast<uint4*>(X + row * kLdX + col) = pack8<T>(f);
+      }
+    }
+  }
 }
 
-template <typename T, bool V2>
-const char* launch_v(const PrepParams& p, cudaStream_t stream) {
-  const int smem = static_cast<int>(sizeof(PrepSmem<T>));
-  cudaError_t e = cudaFuncSetAttribute(prep_fwd_kernel<T, V2>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+template <typename T>
+__global__ void __launch_bounds__(kThreads, 5) prep_fwd_kernel_v3(const PrepParams p) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  PrepSmem3<T>& s = *reinterpret_cast<PrepSmem3<T>*>(smem_raw);
+  const int64_t c = tile_chunk();
+  if (c >= p.num_chunks) return;
+  const int hv = blockIdx.x;
+  const int HV = p.value_heads, HK = p.key_heads, groups = HV / HK, hk = hv / groups;
+  const int K = p.k_dim, V = p.v_dim;
+  const int kb16 = (K + 15) >> 4, vb16 = (V + 15) >> 4;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int64_t tile = c * HV + hv;
+
+  // 1. k's rows (the tokens read from gather by each thread), g, beta
+  const bool writer = hv % groups == 0;
+  {
+    ChunkRows<kThreads> rows;
+    rows.load(p.gather + c * kChunk);
+    rows.copy<T>(s.k, kLdX, static_cast<const T*>(p.k), HK, hk, K);
+    mm::cp_async_commit();
+  }
+  if (tid < kChunk) {
+    const int64_t t = p.gather[c * kChunk + tid];
+    s.tok[tid] = t;
+    s.G[tid] = t >= 0 ? p.g[t * HV + hv] : 0.f;
+    s.beta[tid] = t >= 0 ? p.beta[t * HV + hv] : 0.f;
+  }
+  __syncthreads();  // raw g, beta, tok
+  // 2. the chunk-local cumsum in place (as version 2: the same sequential sums), while k flies
+  if (tid == 0) {
+    float gr[kChunk];
+#pragma unroll
+    for (int i = 0; i < kChunk; i += 4) {
+      const float4 g4 = *reinterpret_cast<const float4*>(s.G + i);
+      gr[i] = g4.x;
+      gr[i + 1] = g4.y;
+      gr[i + 2] = g4.z;
+      gr[i + 3] = g4.w;
+    }
+    float acc = 0.f;
+#pragma unroll
+    for (int i = 0; i < kChunk; ++i) {
+      acc += gr[i];
+      gr[i] = acc;
+    }
+#pragma unroll
+    for (int i = 0; i < kChunk; i += 4) *reinterpret_cast<float4*>(s.G + i) = make_float4(gr[i], gr[i + 1], gr[i + 2], gr[i + 3]);
+    p.decay[tile] = exp_nonpos(acc);
+  }
+  mm::cp_async_wait<0>();
+  __syncthreads();  // G, k's rows
+  if (tid < kChunk) {
+    const float Gi = s.G[tid];
+    s.bg[tid] = s.beta[tid] * exp_nonpos(Gi);
+    s.dlast[tid] = exp_nonpos(s.G[kChunk - 1] - Gi);
+  }
+  scale_rows_smem<T, kThreads / 32>(s.k, kLdX, s.tok, HK, hk, p.use_qk_l2norm, 1.f, writer ? p.rk : nullptr, true);
+  __syncthreads();  // k^, bg, dlast complete
+  if (tid < kChunk) p.G[tile * kChunk + tid] = s.G[tid];
+
+  // 3a. A (transposed, strict upper triangle), as version 2
+  {
+    mm::FragC acc[8];
+    lower_nt<T>(acc, s.k, s.k, kLdX, warp, kb16);
+    const int r0 = warp * 16 + mm::c_row(lane, 0), r1 = warp * 16 + mm::c_row(lane, 2);
+    const float g0 = s.G[r0], g1 = s.G[r1], b0 = s.beta[r0], b1 = s.beta[r1];
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+      if ((nt >> 1) > warp) continue;  // right of the diagonal block (warp-uniform)
+      const int c0 = nt * 8 + mm::c_col(lane, 0);
+      const float2 gc = *reinterpret_cast<const float2*>(s.G + c0);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = e < 2 ? r0 : r1, col = c0 + (e & 1);
+        const float gr = e < 2 ? g0 : g1, br = e < 2 ? b0 : b1, gcol = (e & 1) ? gc.y : gc.x;
+        if (col < r) s.av.A[col * kLdA + r] = br * exp_nonpos(gr - gcol) * acc[nt].x[e];
+      }
+    }
+  }
+  // 3b. kd
+  {
+    T* kd = static_cast<T*>(p.kd) + tile * kChunk * K;
+    const int per_row = K >> 3;
+    for (int i = tid; i < kChunk * per_row; i += kThreads) {
+      const int r = i / per_row, c8 = i - r * per_row;
+      float f[8];
+      unpack8<T>(*reinterpret_cast<const uint4*>(s.k + r * kLdX + c8 * 8), f);
+      const float d = s.dlast[r];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) f[e] *= d;
+      *reinterpret_cast<uint4*>(kd + static_cast<int64_t>(r) * K + c8 * 8) = pack8<T>(f);
+    }
+  }
+  __syncthreads();  // A complete; every read of k^ as such done
+
+  // 4. Ainv by 16 x 16 blocks in place (block_inverse); each thread takes 8 columns of 4 rows into
+  // registers and stores them to global and, rounded the same way, to op
+  block_inverse(s.av.A, tid);
+  {
+    const int c0 = (tid & 7) * 8, rr = tid >> 3;
+    T* dst = static_cast<T*>(p.Ainv) + tile * kChunk * kChunk + c0;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int r = rr + 16 * e;
+      const float4 lo = *reinterpret_cast<const float4*>(s.av.A + r * kLdA + c0);
+      const float4 hi = *reinterpret_cast<const float4*>(s.av.A + r * kLdA + c0 + 4);
+      const float v8[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+      float x8[8];
+#pragma unroll
+      for (int m = 0; m < 8; ++m) x8[m] = c0 + m <= r ? v8[m] : 0.f;
+      const uint4 packed = pack8<T>(x8);
+      *reinterpret_cast<uint4*>(dst + r * kChunk) = packed;
+      *reinterpret_cast<uint4*>(s.op + r * kLdI + c0) = packed;
+    }
+  }
+  __syncthreads();  // every read of A done (v goes over it), op complete
+  {
+    ChunkRows<kThreads> rows;
+    rows.load(s.tok);
+    rows.copy<T>(s.av.v, kLdX, static_cast<const T*>(p.v), HV, hv, V);
+    mm::cp_async_commit();
+  }
+
+  // 5. w = op (bg k^) while v flies, then u = op (beta v); each warp its own column blocks
+  mm::FragC acc[16];
+  scale_cols_of_warp<T>(s.k, s.bg, warp, kb16);
+  __syncwarp();
+  lower_times_cols<T>(acc, s.op, s.k, warp, kb16);
+  __syncwarp();
+  stash_cols<T>(s.k, acc, warp, kb16);
+  mm::cp_async_wait<0>();
+  __syncthreads();  // v's rows (copied by every thread) visible
+  scale_cols_of_warp<T>(s.av.v, s.beta, warp, vb16);
+  __syncwarp();
+  lower_times_cols<T>(acc, s.op, s.av.v, warp, vb16);
+  __syncwarp();
+  stash_cols<T>(s.av.v, acc, warp, vb16);
+  __syncthreads();
+  store_rows<T>(static_cast<T*>(p.w) + tile * kChunk * K, s.k, K);
+  store_rows<T>(static_cast<T*>(p.u) + tile * kChunk * V, s.av.v, V);
+}
+
+// Version 3 (prep_fwd_kernel_v3) is the default. TREE_RECURRENCE_GDN_PREP_V2=1 (read once) gives
+// version 2 (54 KB, 4 blocks per SM, w and u rounded as Ainv diag(.) products), whose 4
+// shared-memory hazards under racecheck on the H200 (2026-12-02: phase 4a's 16-byte loads of the
+// diagonal blocks against the stores of D_b over them) are fixed by a barrier in block_inverse;
+// TREE_RECURRENCE_GDN_PREP_V1=1 version 1 (column-wise substitution). Both until the GPU run
+// confirms version 3.
+int version() {
+  static const int v = [] {
+    const char* v1 = std::getenv("TREE_RECURRENCE_GDN_PREP_V1");
+    const char* v2 = std::getenv("TREE_RECURRENCE_GDN_PREP_V2");
+    if (v1 != nullptr && v1[0] == '1') return 1;
+    if (v2 != nullptr && v2[0] == '1') return 2;
+    return 3;
+  }();
+  return v;
+}
+
+template <typename Kernel>
+const char* launch_kernel(Kernel kernel, int smem, const PrepParams& p, cudaStream_t stream) {
+  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (e != cudaSuccess) return cudaGetErrorString(e);
-  // the largest shared-memory carveout (a hint: 3 / 4 blocks per SM need it)
-  e = cudaFuncSetAttribute(prep_fwd_kernel<T, V2>, cudaFuncAttributePreferredSharedMemoryCarveout, 100);
+  // the largest shared-memory carveout (a hint: 4 / 5 blocks per SM need it)
+  e = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, 100);
   if (e != cudaSuccess) return cudaGetErrorString(e);
-  prep_fwd_kernel<T, V2><<<tile_grid(p.num_chunks, p.value_heads), kThreads, smem, stream>>>(p);
+  kernel<<<tile_grid(p.num_chunks, p.value_heads), kThreads, smem, stream>>>(p);
   return launch_error(cudaGetLastError());
 }
 
 template <typename T>
 const char* launch(const PrepParams& p, cudaStream_t stream) {
   if (p.num_chunks == 0) return "";
-  return use_v1() ? launch_v<T, false>(p, stream) : launch_v<T, true>(p, stream);
+  const int v = version();
+  if (v == 3) return launch_kernel(prep_fwd_kernel_v3<T>, static_cast<int>(sizeof(PrepSmem3<T>)), p, stream);
+  const int smem = static_cast<int>(sizeof(PrepSmem<T>));
+  return v == 2 ? launch_kernel(prep_fwd_kernel<T, true>, smem, p, stream) : launch_kernel(prep_fwd_kernel<T, false>, smem, p, stream);
 }
 
 }  // namespace
