@@ -215,8 +215,10 @@ def test_interim_backward_is_the_composites(name, monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------------
-# CUDA: prep_fwd version 2 (16 x 16 block inverse, the default) against version 1 (column-wise
-# substitution, TREE_RECURRENCE_GDN_PREP_V1=1, read once per process: it runs in a subprocess)
+# CUDA: prep_fwd version 3 (the default) against versions 2 (TREE_RECURRENCE_GDN_PREP_V2=1: the same
+# block inverse, w and u rounded as Ainv diag(.) products) and 1 (TREE_RECURRENCE_GDN_PREP_V1=1:
+# column-wise substitution); the switches are read once per process, so the old versions run in
+# subprocesses
 # ------------------------------------------------------------------------------------------------
 
 _V1_SCRIPT = r"""
@@ -233,47 +235,51 @@ torch.save(out, sys.argv[2])
 
 V1_CASES = ["around_chunk_strong:bf16", "long_8k_strong:bf16", "k24_v88_groups3:fp16", "wide_k16:bf16",
             "odd_dims_none:fp16", "deep_k128:fp16"]
-PREP_SAME = ["G", "kd", "decay", "rq", "rk"]  # phases the versions share: bit for bit
+PREP_SAME = ["G", "kd", "decay", "rq", "rk"]  # phases all versions share: bit for bit
+PREP_SAME_V2 = PREP_SAME + ["Ainv"]  # version 3 has version 2's block inverse
 
 
-def _run_prep_v1(tmp_path):
+def _run_prep_version(tmp_path, switch):
     import subprocess
     import sys
 
     here = os.path.dirname(os.path.abspath(__file__))
-    path = str(tmp_path / "prep_v1.pt")
-    env = dict(os.environ, TREE_RECURRENCE_GDN_PREP_V1="1")
+    path = str(tmp_path / f"prep_{switch}.pt")
+    env = dict(os.environ, **{switch: "1"})
     res = subprocess.run([sys.executable, "-c", _V1_SCRIPT, here, path, ",".join(V1_CASES)], env=env, cwd=here,
                          capture_output=True, text=True, timeout=900)
-    assert res.returncode == 0, f"version-1 subprocess failed:\n{res.stdout}\n{res.stderr}"
+    assert res.returncode == 0, f"{switch} subprocess failed:\n{res.stdout}\n{res.stderr}"
     return torch.load(path)
 
 
 @cuda
-def test_prep_v2_against_v1(tmp_path):
-    assert os.environ.get("TREE_RECURRENCE_GDN_PREP_V1") is None, \
-        "unset TREE_RECURRENCE_GDN_PREP_V1 to run this test (version 2 runs in this process)"
-    old_all = _run_prep_v1(tmp_path)
+def test_prep_v3_against_v2_and_v1(tmp_path):
+    for n in ("TREE_RECURRENCE_GDN_PREP_V1", "TREE_RECURRENCE_GDN_PREP_V2"):
+        assert os.environ.get(n) is None, f"unset {n} to run this test (version 3 runs in this process)"
+    old = {"v2": (_run_prep_version(tmp_path, "TREE_RECURRENCE_GDN_PREP_V2"), PREP_SAME_V2),
+           "v1": (_run_prep_version(tmp_path, "TREE_RECURRENCE_GDN_PREP_V1"), PREP_SAME)}
     bad = []
     for key in V1_CASES:
         name, dt = key.split(":")
         c = make_case(name, DTYPES[dt], seed=5)
         new = {n: t.cpu() for n, t in call_stages(c).items()}
-        old = old_all[key]
-        print(f"\n{key}: prep v2 (this process) vs v1 (subprocess)")
-        for n in STAGES:
-            e = rel_rms(new[n], old[n])
-            same = torch.equal(new[n], old[n])
-            print(f"  {n:12s} v2 vs v1 rel RMS {e:.3e}  bitwise {same}")
-            if n in PREP_SAME and not same:
-                bad.append((key, n, "not bitwise"))
-            elif e > EXACT_TOL[n]:  # rounding flips of Ainv / w / u and what follows from them
-                bad.append((key, n, e))
-        # and version 2 against float64 (the other tests do this on every case too)
-        report = stage_report({n: t.cuda() for n, t in new.items()}, c, DTYPES[dt])
-        print_report(f"{key} v2", report)
-        bad += [(key, n, r) for n, r in report.items() if r[0] > EXACT_TOL[n] or r[1] > LOCAL_TOL[n]]
-    assert not bad, f"prep version 2 vs version 1: {bad}"
+        for label, (runs, same_names) in old.items():
+            ref_run = runs[key]
+            print(f"\n{key}: prep v3 (this process) vs {label} (subprocess)")
+            for n in STAGES:
+                e = rel_rms(new[n], ref_run[n])
+                same = torch.equal(new[n], ref_run[n])
+                print(f"  {n:12s} rel RMS {e:.3e}  bitwise {same}")
+                if n in same_names and not same:
+                    bad.append((key, label, n, "not bitwise"))
+                elif e > EXACT_TOL[n]:  # rounding flips of Ainv / w / u and what follows from them
+                    bad.append((key, label, n, e))
+        # version 3 against float64 (the other tests do this on every case too), and version 2
+        for label, st in (("v3", new), ("v2", old["v2"][0][key])):
+            report = stage_report({n: t.cuda() for n, t in st.items()}, c, DTYPES[dt])
+            print_report(f"{key} {label}", report)
+            bad += [(key, label, n, r) for n, r in report.items() if r[0] > EXACT_TOL[n] or r[1] > LOCAL_TOL[n]]
+    assert not bad, f"prep version 3 vs versions 2 and 1: {bad}"
 
 
 @cuda
