@@ -239,8 +239,9 @@ def _post_outputs(seg_offsets, parents, dtype=torch.bfloat16, H=4, P=16, G=2, N=
 
 # post_bf16 version 2 vs version 1 (TREE_RECURRENCE_SSD_POST_V1=1, read once per process: a subprocess).
 # Version 2 keeps version 1's arithmetic and order except e^Lam . dy (rounded from the rounded dy: dC moves by about
-# one rounding of the input type, ~1e-3 relative in bf16, bound 5e-3; fp16 1e-3) and dD's slot order (fp32 reassociation); every other output is expected bitwise
-# equal (asserted within 1e-6, in case the compiler contracts an identical expression differently).
+# one rounding of the input type, ~1e-3 relative in bf16, bound 5e-3; fp16 1e-3) and dD's slot order (fp32
+# reassociation). Every other output is expected bitwise equal (printed); asserted within 1e-5 (fp32 outputs) or
+# the rounded bound (16-bit outputs), in case the compiler contracts an identical expression differently.
 V2_ROUNDED = {"dC", "dD"}
 V2_CASES = {
     "model_z": dict(seg_offsets=[0, 64, 65, 200, 330], parents=[-1, 0, 0, 2], H=128, P=64, G=8, N=128,
@@ -288,7 +289,9 @@ def test_post_v2_vs_v1(monkeypatch, tmp_path, case):
         same = torch.equal(new[k], old[k])
         e = 0.0 if same else rel_rms(new[k], old[k])
         report.append(f"{k}={'bitwise' if same else f'{e:.2e}'}")
-        tol = (5e-3 if dtype == torch.bfloat16 else 1e-3) if k in V2_ROUNDED else 1e-6
+        # 16-bit outputs (dx, dz in the input type): one contraction difference of the compiler would flip roundings
+        rounded = k in V2_ROUNDED or new[k].dtype != torch.float32
+        tol = (5e-3 if dtype == torch.bfloat16 else 1e-3) if rounded else 1e-5
         if not e <= tol:
             bad[k] = e
     print(f"\n[{case}] version 2 vs version 1:", " ".join(report))

@@ -681,7 +681,7 @@ __global__ void __launch_bounds__(kThreads, 2) post_bf16_kernel(BwdParams p) {
 // arithmetic in the same order.
 constexpr int kTailThreads = 64;             // warps 0-1: the rows' tail
 constexpr int kPfThreads = kThreads - kTailThreads;  // warps 2-7: the next head's row tiles
-constexpr int kDsPf = 2;  // dS chunks of 8 per thread loaded before barrier c
+constexpr int kDsPf = 4;  // dS chunks of 8 per thread loaded before barrier c (P 64, N 128: all of them)
 
 __device__ __forceinline__ void tail_bar() { asm volatile("bar.sync 1, %0;\n" ::"n"(kTailThreads) : "memory"); }
 
