@@ -27,6 +27,8 @@
 // pass): ~1.5 MB per CTA, ~9.6 GB over NC 768 x G 8 (~2 ms of HBM at GRPO); ~1.2k mma per head.
 // Deterministic: fixed mma order, xor shuffles and fixed-order partial sums, heads in order; no
 // atomics. 64-bit global indexing. Requirements: ssd_bwd_post_bf16_supported.
+// Two versions: post_bf16_v2_kernel (the default since issue 20 H1; its own comment below says what changed) and
+// post_bf16_kernel (version 1, described above; TREE_RECURRENCE_SSD_POST_V1=1, read once per process).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -678,7 +680,9 @@ __global__ void __launch_bounds__(kThreads, 2) post_bf16_kernel(BwdParams p) {
 // read once instead of twice: dz is formed with dy). Arithmetic as version 1 except (a) e^Lam . dy is rounded
 // from the rounded dy (version 1: from the fp32 dy), which moves the head term of dC by one rounding of the input
 // type, and (b) dD sums its slots in another fixed order (fp32 reassociation); every other output is the same
-// arithmetic in the same order.
+// arithmetic in the same order. Shared memory: version 1's plan (112.25 KiB at P 64, N 128: 2 CTAs per SM).
+// ptxas (CUDA 13.0, sm_90a): 128 registers (launch bound), 84-byte spill stores / 96-byte loads, 64-byte stack
+// (version 1: 4 bytes): the loop-invariant row mapping and the prefetch registers (dD partial, next Lam / dt).
 constexpr int kTailThreads = 64;             // warps 0-1: the rows' tail
 constexpr int kPfThreads = kThreads - kTailThreads;  // warps 2-7: the next head's row tiles
 constexpr int kDsPf = 4;  // dS chunks of 8 per thread loaded before barrier c (P 64, N 128: all of them)
@@ -981,7 +985,7 @@ __global__ void __launch_bounds__(kThreads, 2) post_bf16_v2_kernel(BwdParams p) 
     }
     // dC head term: (e^Lam . dy) s
     acc_gemm(accC, sc, PT, mat, NT, 0, Pp);
-    // dS (fp32): the first 4 chunks of 8 per thread into registers before barrier c (their latency overlaps the
+    // dS (fp32): the first kDsPf chunks of 8 per thread into registers before barrier c (their latency overlaps the
     // other warps' products), rounded into mat after it; more chunks (P x N > 8192) after the barrier
     const float* dsb = p.ds + sbase;
     const int nds = Pp * cprN;
