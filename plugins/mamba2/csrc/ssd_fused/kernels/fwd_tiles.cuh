@@ -70,6 +70,28 @@ __device__ __forceinline__ void scale_rows(mma::FragC (&acc)[1][NTP], float lam_
   }
 }
 
+// acc = A B^T over K = NP columns in 64-column pieces (the order every chunk scan uses): A this warp's
+// 16 rows (pitch lda), B NT * 8 rows (pitch ldb), both k-contiguous
+template <typename T, int NT>
+__device__ __forceinline__ void gemm_pieces(mma::FragC (&acc)[1][NT], const T* A, int lda, const T* B, int ldb, int NP) {
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) acc[0][nt].zero();
+  for (int n0 = 0; n0 < NP; n0 += 64)
+    mma::warp_gemm<T, 1, NT, 4, /*A_ROW=*/true, /*B_KN=*/false>(acc, A + n0, lda, B + n0, ldb);
+}
+
+// acc += a (16 x 16 scores of key rows 16 kt ..) times the x rows x_kt (16 x NTP * 8, pitch ldx)
+template <typename T, int NTP>
+__device__ __forceinline__ void mma_scores_x(mma::FragC (&acc)[1][NTP], const mma::FragA& a, const T* x_kt, int ldx) {
+#pragma unroll
+  for (int np = 0; np < NTP / 2; ++np) {
+    mma::FragB b0, b1;
+    mma::load_b_kn(b0, b1, x_kt + np * 16, ldx);
+    mma::mma<T>(acc[0][2 * np], a, b0);
+    mma::mma<T>(acc[0][2 * np + 1], a, b1);
+  }
+}
+
 // this warp's 16 x (NTP * 8) fp32 accumulators into stage (pitch ld floats), rows row0 + c_row
 template <int NTP>
 __device__ __forceinline__ void stage_acc(float* stage, int ld, int row0, const mma::FragC (&acc)[1][NTP], int lane) {

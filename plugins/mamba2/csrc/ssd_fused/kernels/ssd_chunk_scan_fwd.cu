@@ -31,7 +31,6 @@ using tiles::round64;
 
 constexpr int kThreads = 128;
 constexpr int kRows = 64;   // rows i per block; key rows j per block step
-constexpr int kPiece = 64;  // N columns per C s^T / C B^T step
 // the opt-in maximum of dynamic shared memory per block on sm_90 (227 KB); the largest shape
 // (P 128, N 256, chunk 256) takes ~155 KB
 constexpr size_t kV2MaxSmem = 227 * 1024;
@@ -118,11 +117,7 @@ __global__ void __launch_bounds__(kThreads, PT > 64 ? 2 : 3) chunk_scan_kernel_v
 
   // 1. C s^T, then rows scaled by exp(Lam_i)
   mma::FragC acc[1][NTP];
-#pragma unroll
-  for (int nt = 0; nt < NTP; ++nt) acc[0][nt].zero();
-  for (int n0 = 0; n0 < NP; n0 += kPiece)
-    mma::warp_gemm<T, 1, NTP, kPiece / 16, /*A_ROW=*/true, /*B_KN=*/false>(acc, c_s + warp * 16 * ldc + n0, ldc,
-                                                                           st_s + n0, ldc);
+  tiles::gemm_pieces<T, NTP>(acc, c_s + warp * 16 * ldc, ldc, st_s, ldc, NP);
   tiles::scale_rows<NTP>(acc, lam_s[i0 + warp * 16 + mma::c_row(lane, 0)], lam_s[i0 + warp * 16 + mma::c_row(lane, 2)]);
 
   // 2. the chunk's own tokens: key blocks up to the diagonal
@@ -135,10 +130,7 @@ __global__ void __launch_bounds__(kThreads, PT > 64 ? 2 : 3) chunk_scan_kernel_v
     mma::cp_async_wait<0>();
     __syncthreads();
     mma::FragC sc[1][8];
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt) sc[0][nt].zero();
-    for (int n0 = 0; n0 < NP; n0 += kPiece)
-      mma::warp_gemm<T, 1, 8, kPiece / 16, /*A_ROW=*/true, /*B_KN=*/false>(sc, c_s + warp * 16 * ldc + n0, ldc, b_s + n0, ldc);
+    tiles::gemm_pieces<T, 8>(sc, c_s + warp * 16 * ldc, ldc, b_s, ldc, NP);
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
@@ -146,16 +138,8 @@ __global__ void __launch_bounds__(kThreads, PT > 64 ? 2 : 3) chunk_scan_kernel_v
         sc[0][nt].x[e] = tiles::masked_score(sc[0][nt].x[e], i0 + warp * 16 + mma::c_row(lane, e),
                                              j0 + nt * 8 + mma::c_col(lane, e), lam_s, dt_s);
 #pragma unroll
-    for (int kt = 0; kt < kRows / 16; ++kt) {
-      const mma::FragA a = mma::c_to_a<T>(sc[0][2 * kt], sc[0][2 * kt + 1]);
-#pragma unroll
-      for (int np = 0; np < NTP / 2; ++np) {
-        mma::FragB b0, b1;
-        mma::load_b_kn(b0, b1, x_s + kt * 16 * kLdX + np * 16, kLdX);
-        mma::mma<T>(acc[0][2 * np], a, b0);
-        mma::mma<T>(acc[0][2 * np + 1], a, b1);
-      }
-    }
+    for (int kt = 0; kt < kRows / 16; ++kt)
+      tiles::mma_scores_x<T, NTP>(acc, mma::c_to_a<T>(sc[0][2 * kt], sc[0][2 * kt + 1]), x_s + kt * 16 * kLdX, kLdX);
   }
 
   // 3. stage the fp32 accumulators (over the dead C / state region), then 8 columns per thread:

@@ -32,7 +32,6 @@ using tiles::round64;
 
 constexpr int kThreads = 128;
 constexpr int kL = 64;      // the chunk (rows i and keys j)
-constexpr int kPiece = 64;  // N columns per C s^T / C B^T step
 // at most this much dynamic shared memory (2 CTAs per SM: 228 KB per SM, 1 KB reserved per CTA)
 constexpr size_t kV3MaxSmem = 112 * 1024;
 // fewer blocks than this and the heads are split over more blocks (the grid fills the GPU)
@@ -124,11 +123,7 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_scan_kernel_v3(FwdParams p,
   mma::cp_async_wait<1>();
   __syncthreads();
   mma::FragC cb[1][8];
-#pragma unroll
-  for (int nt = 0; nt < 8; ++nt) cb[0][nt].zero();
-  for (int n0 = 0; n0 < NP; n0 += kPiece)
-    mma::warp_gemm<T, 1, 8, kPiece / 16, /*A_ROW=*/true, /*B_KN=*/false>(cb, c_s + warp * 16 * ldc + n0, ldc,
-                                                                          sb + lay.sb_elems + n0, ldc);
+  tiles::gemm_pieces<T, 8>(cb, c_s + warp * 16 * ldc, ldc, sb + lay.sb_elems, ldc, NP);
   __syncthreads();  // sb[1] (B) is free for the heads
 
   T* out = static_cast<T*>(p.out);
@@ -152,11 +147,7 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_scan_kernel_v3(FwdParams p,
 
     // 1. C s^T, rows scaled by exp(Lam_i)
     mma::FragC acc[1][NTP];
-#pragma unroll
-    for (int nt = 0; nt < NTP; ++nt) acc[0][nt].zero();
-    for (int n0 = 0; n0 < NP; n0 += kPiece)
-      mma::warp_gemm<T, 1, NTP, kPiece / 16, /*A_ROW=*/true, /*B_KN=*/false>(acc, c_s + wrow * ldc + n0, ldc,
-                                                                             sbuf + n0, ldc);
+    tiles::gemm_pieces<T, NTP>(acc, c_s + wrow * ldc, ldc, sbuf, ldc, NP);
     tiles::scale_rows<NTP>(acc, lam[wrow + mma::c_row(lane, 0)], lam[wrow + mma::c_row(lane, 2)]);
 
     // 2. the chunk's own tokens: masked, decayed scores times x
@@ -171,14 +162,7 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_scan_kernel_v3(FwdParams p,
           s2[half].x[e] = tiles::masked_score(cb[0][nt].x[e], wrow + mma::c_row(lane, e), nt * 8 + mma::c_col(lane, e),
                                               lam, dtv);
         }
-      const mma::FragA a = mma::c_to_a<T>(s2[0], s2[1]);
-#pragma unroll
-      for (int np = 0; np < NTP / 2; ++np) {
-        mma::FragB b0, b1;
-        mma::load_b_kn(b0, b1, xbuf + kt * 16 * kLdX + np * 16, kLdX);
-        mma::mma<T>(acc[0][2 * np], a, b0);
-        mma::mma<T>(acc[0][2 * np + 1], a, b1);
-      }
+      tiles::mma_scores_x<T, NTP>(acc, mma::c_to_a<T>(s2[0], s2[1]), xbuf + kt * 16 * kLdX, kLdX);
     }
 
     // 3. this warp's rows: staged (warp-private rows of stage), then D x, the z gate, 16-byte stores
