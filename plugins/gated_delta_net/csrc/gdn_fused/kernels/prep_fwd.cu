@@ -151,6 +151,86 @@ __device__ __forceinline__ void store_rows(T* __restrict__ dst, const T* src, in
   }
 }
 
+// Thread 0: G = cumsum(g) over the chunk (sequential from registers: G is non-increasing exactly
+// for g <= 0), from graw into G (may be the same buffer); returns decay = exp(G_63).
+__device__ __forceinline__ float chunk_cumsum(const float* graw, float* G) {
+  float gr[kChunk];
+#pragma unroll
+  for (int i = 0; i < kChunk; i += 4) {
+    const float4 g4 = *reinterpret_cast<const float4*>(graw + i);
+    gr[i] = g4.x;
+    gr[i + 1] = g4.y;
+    gr[i + 2] = g4.z;
+    gr[i + 3] = g4.w;
+  }
+  float acc = 0.f;
+#pragma unroll
+  for (int i = 0; i < kChunk; ++i) {
+    acc += gr[i];
+    gr[i] = acc;
+  }
+#pragma unroll
+  for (int i = 0; i < kChunk; i += 4) *reinterpret_cast<float4*>(G + i) = make_float4(gr[i], gr[i + 1], gr[i + 2], gr[i + 3]);
+  return exp_nonpos(acc);
+}
+
+// kd_j = exp(G_63 - G_j) k^_j (dlast[j] = exp(G_63 - G_j); k^ rows pitch kLdX) to global rows of
+// pitch K, 16-byte stores, all threads.
+template <typename T>
+__device__ __forceinline__ void store_kd(T* __restrict__ kd, const T* kh, const float* dlast, int K) {
+  const int per_row = K >> 3;
+  for (int i = threadIdx.x; i < kChunk * per_row; i += kThreads) {
+    const int r = i / per_row, c8 = i - r * per_row;
+    float f[8];
+    unpack8<T>(*reinterpret_cast<const uint4*>(kh + r * kLdX + c8 * 8), f);
+    const float d = dlast[r];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) f[e] *= d;
+    *reinterpret_cast<uint4*>(kd + static_cast<int64_t>(r) * K + c8 * 8) = pack8<T>(f);
+  }
+}
+
+// 3a's gating of acc = k^ k^T (rows of this warp's block, lower_nt): A_ij = beta_i exp(G_i - G_j)
+// acc_ij for j < i. Transposed: into A[j][i] (strict upper triangle, nothing else written; version
+// 2's block_inverse layout), else into A[i][j] with zeros for j >= i (version 1). The lane's rows
+// r0 = 16 warp + lane / 4 (elements 0, 1) and r0 + 8 (2, 3), columns nt * 8 + 2 (lane % 4) + (e & 1);
+// G and beta read once per row and column pair; column blocks right of the diagonal one skipped.
+template <bool Transposed>
+__device__ __forceinline__ void store_gated_A(float* A, const mm::FragC (&acc)[8], const float* G, const float* beta,
+                                              int warp) {
+  const int lane = mm::lane_id();
+  const int r0 = warp * 16 + mm::c_row(lane, 0), r1 = warp * 16 + mm::c_row(lane, 2);
+  const float g0 = G[r0], g1 = G[r1], b0 = beta[r0], b1 = beta[r1];
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt) {
+    const bool below = (nt >> 1) <= warp;  // column block at or left of the diagonal one (warp-uniform)
+    const int c0 = nt * 8 + mm::c_col(lane, 0);
+    const float2 gc = below ? *reinterpret_cast<const float2*>(G + c0) : make_float2(0.f, 0.f);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int r = e < 2 ? r0 : r1, col = c0 + (e & 1);
+      const float gr = e < 2 ? g0 : g1, br = e < 2 ? b0 : b1, gcol = (e & 1) ? gc.y : gc.x;
+      if (!Transposed)
+        A[r * kLdA + col] = below && col < r ? br * exp_nonpos(gr - gcol) * acc[nt].x[e] : 0.f;
+      else if (below && col < r)
+        A[col * kLdA + r] = br * exp_nonpos(gr - gcol) * acc[nt].x[e];
+    }
+  }
+}
+
+// After block_inverse: xr[e][m] = Ainv(rr + 16 e, c0 + m) (0 above the diagonal), from M (pitch kLdA).
+__device__ __forceinline__ void load_inverse(float (&xr)[4][8], const float* M, int c0, int rr) {
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const int r = rr + 16 * e;
+    const float4 lo = *reinterpret_cast<const float4*>(M + r * kLdA + c0);
+    const float4 hi = *reinterpret_cast<const float4*>(M + r * kLdA + c0 + 4);
+    const float v8[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+#pragma unroll
+    for (int m = 0; m < 8; ++m) xr[e][m] = c0 + m <= r ? v8[m] : 0.f;
+  }
+}
+
 // Phase 4 of version 2: Ainv = (I + A)^-1 by 16 x 16 blocks, fp32 on CUDA cores, all 128 threads.
 // On entry the buffer M (pitch kLdA) holds A transposed in its strict upper triangle (M[c][r] =
 // A(r, c), c < r); on exit its lower triangle with the diagonal holds X = Ainv (M[r][c] = X(r, c),
@@ -269,7 +349,7 @@ __global__ void __launch_bounds__(kThreads, 4) prep_fwd_kernel(const PrepParams 
   const int HV = p.value_heads, HK = p.key_heads, groups = HV / HK, hk = hv / groups;
   const int K = p.k_dim, V = p.v_dim;
   const int kb16 = (K + 15) >> 4, vb16 = (V + 15) >> 4;
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int tid = threadIdx.x, warp = tid >> 5;
   const int64_t tile = c * HV + hv;  // (chunk, value head)
 
   // 1. rows: the copies start at once (each thread reads its rows' tokens from gather itself); the
@@ -293,26 +373,7 @@ __global__ void __launch_bounds__(kThreads, 4) prep_fwd_kernel(const PrepParams 
   }
   __syncthreads();  // graw, beta, tok
   // 2. the chunk-local cumsum (sequential: exactly non-increasing for g <= 0), while the copies fly
-  if (tid == 0) {
-    float gr[kChunk];
-#pragma unroll
-    for (int i = 0; i < kChunk; i += 4) {
-      const float4 g4 = *reinterpret_cast<const float4*>(s.graw + i);
-      gr[i] = g4.x;
-      gr[i + 1] = g4.y;
-      gr[i + 2] = g4.z;
-      gr[i + 3] = g4.w;
-    }
-    float acc = 0.f;
-#pragma unroll
-    for (int i = 0; i < kChunk; ++i) {
-      acc += gr[i];
-      gr[i] = acc;
-    }
-#pragma unroll
-    for (int i = 0; i < kChunk; i += 4) *reinterpret_cast<float4*>(s.G + i) = make_float4(gr[i], gr[i + 1], gr[i + 2], gr[i + 3]);
-    p.decay[tile] = exp_nonpos(acc);
-  }
+  if (tid == 0) p.decay[tile] = chunk_cumsum(s.graw, s.G);
   if (V2)
     mm::cp_async_wait<1>();  // k landed; v may still fly
   else
@@ -331,41 +392,10 @@ __global__ void __launch_bounds__(kThreads, 4) prep_fwd_kernel(const PrepParams 
   {
     mm::FragC acc[8];
     lower_nt<T>(acc, s.k, s.k, kLdX, warp, kb16);
-    // the thread's rows r0 = 16 warp + lane / 4 (elements 0, 1) and r0 + 8 (2, 3); columns nt * 8 +
-    // 2 (lane % 4) + (e & 1)
-    const int r0 = warp * 16 + mm::c_row(lane, 0), r1 = warp * 16 + mm::c_row(lane, 2);
-    const float g0 = s.G[r0], g1 = s.G[r1], b0 = s.beta[r0], b1 = s.beta[r1];
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-      const bool below = (nt >> 1) <= warp;  // column block at or left of the diagonal one (warp-uniform)
-      const int c0 = nt * 8 + mm::c_col(lane, 0);
-      const float2 gc = below ? *reinterpret_cast<const float2*>(s.G + c0) : make_float2(0.f, 0.f);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = e < 2 ? r0 : r1, col = c0 + (e & 1);
-        const float gr = e < 2 ? g0 : g1, br = e < 2 ? b0 : b1, gcol = (e & 1) ? gc.y : gc.x;
-        if (!V2) {
-          s.u.A[r * kLdA + col] = below && col < r ? br * exp_nonpos(gr - gcol) * acc[nt].x[e] : 0.f;
-        } else if (below && col < r) {  // transposed, strict upper triangle only
-          s.u.A[col * kLdA + r] = br * exp_nonpos(gr - gcol) * acc[nt].x[e];
-        }
-      }
-    }
+    store_gated_A<V2>(s.u.A, acc, s.G, s.beta, warp);
   }
   // 3b. kd_j = exp(G_63 - G_j) k^_j (16-byte stores)
-  {
-    T* kd = static_cast<T*>(p.kd) + tile * kChunk * K;
-    const int per_row = K >> 3;
-    for (int i = tid; i < kChunk * per_row; i += kThreads) {
-      const int r = i / per_row, c8 = i - r * per_row;
-      float f[8];
-      unpack8<T>(*reinterpret_cast<const uint4*>(s.k + r * kLdX + c8 * 8), f);
-      const float d = s.dlast[r];
-#pragma unroll
-      for (int e = 0; e < 8; ++e) f[e] *= d;
-      *reinterpret_cast<uint4*>(kd + static_cast<int64_t>(r) * K + c8 * 8) = pack8<T>(f);
-    }
-  }
+  store_kd<T>(static_cast<T*>(p.kd) + tile * kChunk * K, s.k, s.dlast, K);
   __syncthreads();
 
   if (!V2) {
@@ -414,15 +444,7 @@ __global__ void __launch_bounds__(kThreads, 4) prep_fwd_kernel(const PrepParams 
     block_inverse(s.u.A, tid);
     const int c0 = (tid & 7) * 8, rr = tid >> 3;
     float xr[4][8];
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int r = rr + 16 * e;
-      const float4 lo = *reinterpret_cast<const float4*>(s.u.A + r * kLdA + c0);
-      const float4 hi = *reinterpret_cast<const float4*>(s.u.A + r * kLdA + c0 + 4);
-      const float v8[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-#pragma unroll
-      for (int m = 0; m < 8; ++m) xr[e][m] = c0 + m <= r ? v8[m] : 0.f;
-    }
+    load_inverse(xr, s.u.A, c0, rr);
     T* dst = static_cast<T*>(p.Ainv) + tile * kChunk * kChunk + c0;
 #pragma unroll
     for (int e = 0; e < 4; ++e) *reinterpret_cast<uint4*>(dst + (rr + 16 * e) * kChunk) = pack8<T>(xr[e]);
@@ -535,7 +557,7 @@ __global__ void __launch_bounds__(kThreads, 5) prep_fwd_kernel_v3(const PrepPara
   const int HV = p.value_heads, HK = p.key_heads, groups = HV / HK, hk = hv / groups;
   const int K = p.k_dim, V = p.v_dim;
   const int kb16 = (K + 15) >> 4, vb16 = (V + 15) >> 4;
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int tid = threadIdx.x, warp = tid >> 5;
   const int64_t tile = c * HV + hv;
 
   // 1. k's rows (the tokens read from gather by each thread), g, beta
@@ -554,26 +576,7 @@ __global__ void __launch_bounds__(kThreads, 5) prep_fwd_kernel_v3(const PrepPara
   }
   __syncthreads();  // raw g, beta, tok
   // 2. the chunk-local cumsum in place (as version 2: the same sequential sums), while k flies
-  if (tid == 0) {
-    float gr[kChunk];
-#pragma unroll
-    for (int i = 0; i < kChunk; i += 4) {
-      const float4 g4 = *reinterpret_cast<const float4*>(s.G + i);
-      gr[i] = g4.x;
-      gr[i + 1] = g4.y;
-      gr[i + 2] = g4.z;
-      gr[i + 3] = g4.w;
-    }
-    float acc = 0.f;
-#pragma unroll
-    for (int i = 0; i < kChunk; ++i) {
-      acc += gr[i];
-      gr[i] = acc;
-    }
-#pragma unroll
-    for (int i = 0; i < kChunk; i += 4) *reinterpret_cast<float4*>(s.G + i) = make_float4(gr[i], gr[i + 1], gr[i + 2], gr[i + 3]);
-    p.decay[tile] = exp_nonpos(acc);
-  }
+  if (tid == 0) p.decay[tile] = chunk_cumsum(s.G, s.G);
   mm::cp_async_wait<0>();
   __syncthreads();  // G, k's rows
   if (tid < kChunk) {
@@ -589,35 +592,10 @@ __global__ void __launch_bounds__(kThreads, 5) prep_fwd_kernel_v3(const PrepPara
   {
     mm::FragC acc[8];
     lower_nt<T>(acc, s.k, s.k, kLdX, warp, kb16);
-    const int r0 = warp * 16 + mm::c_row(lane, 0), r1 = warp * 16 + mm::c_row(lane, 2);
-    const float g0 = s.G[r0], g1 = s.G[r1], b0 = s.beta[r0], b1 = s.beta[r1];
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-      if ((nt >> 1) > warp) continue;  // right of the diagonal block (warp-uniform)
-      const int c0 = nt * 8 + mm::c_col(lane, 0);
-      const float2 gc = *reinterpret_cast<const float2*>(s.G + c0);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = e < 2 ? r0 : r1, col = c0 + (e & 1);
-        const float gr = e < 2 ? g0 : g1, br = e < 2 ? b0 : b1, gcol = (e & 1) ? gc.y : gc.x;
-        if (col < r) s.av.A[col * kLdA + r] = br * exp_nonpos(gr - gcol) * acc[nt].x[e];
-      }
-    }
+    store_gated_A<true>(s.av.A, acc, s.G, s.beta, warp);
   }
   // 3b. kd
-  {
-    T* kd = static_cast<T*>(p.kd) + tile * kChunk * K;
-    const int per_row = K >> 3;
-    for (int i = tid; i < kChunk * per_row; i += kThreads) {
-      const int r = i / per_row, c8 = i - r * per_row;
-      float f[8];
-      unpack8<T>(*reinterpret_cast<const uint4*>(s.k + r * kLdX + c8 * 8), f);
-      const float d = s.dlast[r];
-#pragma unroll
-      for (int e = 0; e < 8; ++e) f[e] *= d;
-      *reinterpret_cast<uint4*>(kd + static_cast<int64_t>(r) * K + c8 * 8) = pack8<T>(f);
-    }
-  }
+  store_kd<T>(static_cast<T*>(p.kd) + tile * kChunk * K, s.k, s.dlast, K);
   __syncthreads();  // A complete; every read of k^ as such done
 
   // 4. Ainv by 16 x 16 blocks in place (block_inverse); each thread takes 8 columns of 4 rows into
@@ -626,16 +604,12 @@ __global__ void __launch_bounds__(kThreads, 5) prep_fwd_kernel_v3(const PrepPara
   {
     const int c0 = (tid & 7) * 8, rr = tid >> 3;
     T* dst = static_cast<T*>(p.Ainv) + tile * kChunk * kChunk + c0;
+    float xr[4][8];
+    load_inverse(xr, s.av.A, c0, rr);
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int r = rr + 16 * e;
-      const float4 lo = *reinterpret_cast<const float4*>(s.av.A + r * kLdA + c0);
-      const float4 hi = *reinterpret_cast<const float4*>(s.av.A + r * kLdA + c0 + 4);
-      const float v8[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-      float x8[8];
-#pragma unroll
-      for (int m = 0; m < 8; ++m) x8[m] = c0 + m <= r ? v8[m] : 0.f;
-      const uint4 packed = pack8<T>(x8);
+      const uint4 packed = pack8<T>(xr[e]);
       *reinterpret_cast<uint4*>(dst + r * kChunk) = packed;
       *reinterpret_cast<uint4*>(s.op + r * kLdI + c0) = packed;
     }
