@@ -142,4 +142,16 @@ __device__ __forceinline__ float exp_nonpos(float x) { return expf(fminf(x, 0.f)
 
 inline const char* launch_error(cudaError_t e) { return e == cudaSuccess ? "" : cudaGetErrorString(e); }
 
+// Launches kernel(p) over tile_grid(p.num_chunks, p.value_heads) with `threads` threads and `smem`
+// bytes of dynamic shared memory (the largest carveout asked for: several blocks per SM need it).
+template <typename Params>
+inline const char* launch_tiles(void (*kernel)(Params), int threads, int smem, const Params& p, cudaStream_t stream) {
+  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (e != cudaSuccess) return cudaGetErrorString(e);
+  e = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, 100);
+  if (e != cudaSuccess) return cudaGetErrorString(e);
+  kernel<<<tile_grid(p.num_chunks, p.value_heads), threads, smem, stream>>>(p);
+  return launch_error(cudaGetLastError());
+}
+
 }  // namespace tree_recurrence::gdn::fused::kernels

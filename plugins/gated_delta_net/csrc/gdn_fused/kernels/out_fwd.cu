@@ -182,14 +182,7 @@ __global__ void __launch_bounds__(kThreads, 3) out_fwd_kernel(const OutParams p)
 template <typename T>
 const char* launch(const OutParams& p, cudaStream_t stream) {
   if (p.num_chunks == 0) return "";
-  const int smem = static_cast<int>(sizeof(OutSmem<T>));
-  cudaError_t e = cudaFuncSetAttribute(out_fwd_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  if (e != cudaSuccess) return cudaGetErrorString(e);
-  // the largest shared-memory carveout (a hint: 3 blocks per SM need it)
-  e = cudaFuncSetAttribute(out_fwd_kernel<T>, cudaFuncAttributePreferredSharedMemoryCarveout, 100);
-  if (e != cudaSuccess) return cudaGetErrorString(e);
-  out_fwd_kernel<T><<<tile_grid(p.num_chunks, p.value_heads), kThreads, smem, stream>>>(p);
-  return launch_error(cudaGetLastError());
+  return launch_tiles(out_fwd_kernel<T>, kThreads, static_cast<int>(sizeof(OutSmem<T>)), p, stream);
 }
 
 }  // namespace

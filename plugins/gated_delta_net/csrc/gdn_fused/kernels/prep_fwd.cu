@@ -658,24 +658,14 @@ int version() {
   return v;
 }
 
-template <typename Kernel>
-const char* launch_kernel(Kernel kernel, int smem, const PrepParams& p, cudaStream_t stream) {
-  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  if (e != cudaSuccess) return cudaGetErrorString(e);
-  // the largest shared-memory carveout (a hint: 4 / 5 blocks per SM need it)
-  e = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, 100);
-  if (e != cudaSuccess) return cudaGetErrorString(e);
-  kernel<<<tile_grid(p.num_chunks, p.value_heads), kThreads, smem, stream>>>(p);
-  return launch_error(cudaGetLastError());
-}
-
 template <typename T>
 const char* launch(const PrepParams& p, cudaStream_t stream) {
   if (p.num_chunks == 0) return "";
   const int v = version();
-  if (v == 3) return launch_kernel(prep_fwd_kernel_v3<T>, static_cast<int>(sizeof(PrepSmem3<T>)), p, stream);
+  if (v == 3) return launch_tiles(prep_fwd_kernel_v3<T>, kThreads, static_cast<int>(sizeof(PrepSmem3<T>)), p, stream);
   const int smem = static_cast<int>(sizeof(PrepSmem<T>));
-  return v == 2 ? launch_kernel(prep_fwd_kernel<T, true>, smem, p, stream) : launch_kernel(prep_fwd_kernel<T, false>, smem, p, stream);
+  return v == 2 ? launch_tiles(prep_fwd_kernel<T, true>, kThreads, smem, p, stream)
+                : launch_tiles(prep_fwd_kernel<T, false>, kThreads, smem, p, stream);
 }
 
 }  // namespace
