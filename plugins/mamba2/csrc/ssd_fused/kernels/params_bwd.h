@@ -15,6 +15,7 @@
 //                                     in place into the row-exclusive prefix sums of W (below)
 //   ds (NC, H, P, N)                  first the local entering-state gradient, then (in place, by the
 //                                     state pass) ds_leave: the gradient of each chunk's leaving state
+//                                     (the bf16 path: ds16 below, in the input type, instead)
 //   ws (S, H, P, N)                   entering-state gradient of each segment's first chunk
 //   droots (R, H, P, N) or null       the same, per root (row root_index[s])
 //   ddecay (NC, H)                    <s[c], ds_leave[c]> (the gradient of exp(Lam_last))
@@ -100,6 +101,15 @@ struct BwdParams {
   // H1: set by a caller that has just evaluated ssd_bwd_post_bf16_supported(p) as true for these params (and
   // changed only what the support check allows since): ssd_bwd_post_bf16 then launches without checking again
   bool post_bf16_checked = false;
+  // H5 (issue 20): the state gradient in the input type. When ds16 is set (NC, H, P, N) of ds16_type (bf16 /
+  // fp16, x's type), it replaces the fp32 ds above (then null): the bf16 local kernel writes ds_local rounded
+  // once (RN) from its fp32 accumulators, the state pass reads it, keeps the carry (and the folded ddecay
+  // partials) in fp32 and writes ds_leave rounded (RN) in place, the post kernel reads the 16-bit values (it
+  // rounded the fp32 ds_leave the same way before: same operand bits for the same ds_leave). Only the bf16
+  // path sets it (local_bf16 + folded ddecay + post_bf16); the fp32-ds kernels (local, local_tc, ddecay,
+  // rows, dB / dC, post_tc) refuse it. ws and droots stay fp32. TREE_RECURRENCE_SSD_DS_FP32=1: fp32 ds.
+  void* ds16 = nullptr;
+  BwdType ds16_type = BwdType::BFloat16;
 };
 
 constexpr int64_t kBwdMaxChunk = 256;

@@ -8,8 +8,10 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "params_bwd.h"
+#include "tree_recurrence/kernels/mma.cuh"
 
 namespace tree_recurrence::ssd::fused::kernels {
 namespace {
@@ -150,6 +152,41 @@ __device__ __forceinline__ void ld_states(const void* base, BwdType t, int64_t i
     for (int k = 0; k < V; ++k) v[k] = ld(base, t, i + k);
   }
 }
+// the state gradient's element type DsT: float (p.ds) or the 16-bit input type (p.ds16, H5); 16-bit values are
+// widened exactly on load and rounded once (RN, mma.cuh's Elem: the post kernel's own rounding) on store
+template <typename DsT>
+__device__ __forceinline__ DsT* ds_base(const BwdParams& p) {
+  if constexpr (std::is_same_v<DsT, float>)
+    return p.ds;
+  else
+    return static_cast<DsT*>(p.ds16);
+}
+template <int V, typename DsT>
+__device__ __forceinline__ void ld_ds(const DsT* src, float (&v)[V]) {
+  if constexpr (std::is_same_v<DsT, float>) {
+    ld_vec<V>(src, v);
+  } else if constexpr (V == 4) {
+    const uint2 w = *reinterpret_cast<const uint2*>(src);  // one 8-byte load
+    const DsT* e = reinterpret_cast<const DsT*>(&w);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) v[i] = tree_recurrence::kernels::mma::Elem<DsT>::to_float(e[i]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < V; ++i) v[i] = tree_recurrence::kernels::mma::Elem<DsT>::to_float(src[i]);
+  }
+}
+template <int V, typename DsT>
+__device__ __forceinline__ void st_ds(DsT* dst, const float (&v)[V]) {
+  namespace mm = tree_recurrence::kernels::mma;
+  if constexpr (std::is_same_v<DsT, float>) {
+    st_vec<V>(dst, v);
+  } else if constexpr (V == 4) {
+    __stwb(reinterpret_cast<uint2*>(dst), make_uint2(mm::Elem<DsT>::pack(v[0], v[1]), mm::Elem<DsT>::pack(v[2], v[3])));
+  } else {
+#pragma unroll
+    for (int i = 0; i < V; ++i) dst[i] = mm::Elem<DsT>::from_float(v[i]);
+  }
+}
 __device__ __forceinline__ float warp_sum(float v) {  // xor butterfly: fixed order, every lane the sum
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -161,7 +198,10 @@ constexpr int kWarpsPerBlock = kThreads / 32;
 // 32 V elements (fma in element order, then the xor butterfly) is written to
 // ddecay_part[(c H + h) parts + blockIdx.y warps + warp]; ssd_bwd_ddecay_finish sums them in order.
 // Lanes past PN then stay (with zeros) for the shuffles instead of returning.
-template <int V>
+// DsT (H5): float (p.ds) or the 16-bit input type (p.ds16): local read and widened, ds_leave rounded on store;
+// the carry, the children's sums (ws), d_roots and the ddecay partials (from the fp32 carry) stay fp32, so the
+// arithmetic is the fp32 instantiation's on the rounded locals.
+template <int V, typename DsT>
 __global__ void __launch_bounds__(kThreads) state_pass_kernel(BwdParams p, int64_t begin) {
   const int64_t H = p.heads, PN = p.head_dim * p.state_dim, L = p.chunk;
   const unsigned bx = blockIdx.x, hu = static_cast<unsigned>(H);
@@ -196,7 +236,7 @@ __global__ void __launch_bounds__(kThreads) state_pass_kernel(BwdParams p, int64
     }
 
   const int64_t cstride = H * PN, lstride = H * L;
-  float* ds = p.ds + h * PN + el;               // + c * cstride: element el of (c, h)
+  DsT* ds = ds_base<DsT>(p) + h * PN + el;     // + c * cstride: element el of (c, h)
   const float* lam = p.Lam + h * L + (L - 1);   // + c * lstride: Lam_last of (c, h)
   const int64_t sel = h * PN + el;              // + c * cstride: the state element
   const int64_t slot = static_cast<int64_t>(blockIdx.y) * kWarpsPerBlock + (threadIdx.x >> 5);
@@ -206,7 +246,7 @@ __global__ void __launch_bounds__(kThreads) state_pass_kernel(BwdParams p, int64
     for (int u = 0; u < kAhead; ++u)
       if (c - u >= c0) {
         if (on) {
-          ld_vec<V>(ds + (c - u) * cstride, loc[u]);
+          ld_ds<V, DsT>(ds + (c - u) * cstride, loc[u]);
           if (fold) ld_states<V>(p.states, p.states_type, sel + (c - u) * cstride, sv[u]);
         }
         dec[u] = lam[(c - u) * lstride];
@@ -224,7 +264,7 @@ __global__ void __launch_bounds__(kThreads) state_pass_kernel(BwdParams p, int64
           if ((threadIdx.x & 31) == 0) p.ddecay_part[((c - u) * H + h) * p.ddecay_parts + slot] = part;
         }
         if (on) {
-          st_vec<V>(ds + (c - u) * cstride, carry);
+          st_ds<V, DsT>(ds + (c - u) * cstride, carry);
           const float d = expf(dec[u]);
 #pragma unroll
           for (int i = 0; i < V; ++i) carry[i] = fmaf(d, carry[i], loc[u][i]);
@@ -447,6 +487,7 @@ int ssd_bwd_dyx(const BwdParams& p, void* stream) {
   return launched();
 }
 int ssd_bwd_local(const BwdParams& p, void* stream) {
+  if (p.ds16 != nullptr) return static_cast<int>(cudaErrorInvalidValue);  // reads the fp32 ds
   const int64_t n = p.num_chunks * p.heads * p.head_dim * p.state_dim;
   if (n == 0) return 0;
   local_kernel<<<blocks_for(n, kThreads), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(p);
@@ -457,8 +498,8 @@ int ssd_bwd_local(const BwdParams& p, void* stream) {
 static bool state_pass_vec(const BwdParams& p) {
   const auto aligned = [](const void* q) { return reinterpret_cast<uintptr_t>(q) % 16 == 0; };
   const int64_t PN = p.head_dim * p.state_dim;
-  return PN % 4 == 0 && aligned(p.ds) && aligned(p.ws) && (p.droots == nullptr || aligned(p.droots)) &&
-         aligned(p.states);
+  return PN % 4 == 0 && aligned(p.ds16 != nullptr ? p.ds16 : static_cast<const void*>(p.ds)) && aligned(p.ws) &&
+         (p.droots == nullptr || aligned(p.droots)) && aligned(p.states);
 }
 static int64_t state_pass_blocks_y(const BwdParams& p) {
   const int V = state_pass_vec(p) ? 4 : 1;
@@ -473,10 +514,26 @@ int ssd_bwd_state_pass(const BwdParams& p, int64_t begin, int64_t count, void* s
   if (p.ddecay_part != nullptr && p.ddecay_parts != ys * kWarpsPerBlock) return static_cast<int>(cudaErrorInvalidValue);
   const dim3 grid(static_cast<unsigned>(xs), static_cast<unsigned>(ys));
   const auto st = static_cast<cudaStream_t>(stream);
+  if (p.ds16 != nullptr) {  // H5: ds in the input type (the bf16 path)
+    if (p.ds16_type == BwdType::BFloat16) {
+      if (vec)
+        state_pass_kernel<4, __nv_bfloat16><<<grid, kThreads, 0, st>>>(p, begin);
+      else
+        state_pass_kernel<1, __nv_bfloat16><<<grid, kThreads, 0, st>>>(p, begin);
+    } else if (p.ds16_type == BwdType::Float16) {
+      if (vec)
+        state_pass_kernel<4, __half><<<grid, kThreads, 0, st>>>(p, begin);
+      else
+        state_pass_kernel<1, __half><<<grid, kThreads, 0, st>>>(p, begin);
+    } else {
+      return static_cast<int>(cudaErrorInvalidValue);
+    }
+    return launched();
+  }
   if (vec)
-    state_pass_kernel<4><<<grid, kThreads, 0, st>>>(p, begin);
+    state_pass_kernel<4, float><<<grid, kThreads, 0, st>>>(p, begin);
   else
-    state_pass_kernel<1><<<grid, kThreads, 0, st>>>(p, begin);
+    state_pass_kernel<1, float><<<grid, kThreads, 0, st>>>(p, begin);
   return launched();
 }
 // the pointers the V choice looks at must be set before this is asked (ds, ws, droots, states)
@@ -489,18 +546,21 @@ int ssd_bwd_ddecay_finish(const BwdParams& p, void* stream) {
   return launched();
 }
 int ssd_bwd_ddecay(const BwdParams& p, void* stream) {
+  if (p.ds16 != nullptr) return static_cast<int>(cudaErrorInvalidValue);  // reads the fp32 ds
   const int64_t n = p.num_chunks * p.heads;
   if (n == 0) return 0;
   ddecay_kernel<<<static_cast<unsigned>(n), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(p);
   return launched();
 }
 int ssd_bwd_rows(const BwdParams& p, void* stream) {
+  if (p.ds16 != nullptr) return static_cast<int>(cudaErrorInvalidValue);  // reads the fp32 ds
   const int64_t n = p.num_chunks * p.heads * p.chunk;
   if (n == 0) return 0;
   rows_kernel<<<blocks_for(n, 128), 128, 0, static_cast<cudaStream_t>(stream)>>>(p);
   return launched();
 }
 int ssd_bwd_dbdc(const BwdParams& p, void* stream) {
+  if (p.ds16 != nullptr) return static_cast<int>(cudaErrorInvalidValue);  // reads the fp32 ds
   const int64_t n = p.num_chunks * p.groups * p.chunk * p.state_dim;
   if (n == 0) return 0;
   dbdc_kernel<<<blocks_for(n, 128), 128, 0, static_cast<cudaStream_t>(stream)>>>(p);

@@ -61,7 +61,7 @@ __device__ __forceinline__ float2 unpack2<__half>(uint32_t v) {
   return __half22float2(*reinterpret_cast<const __half2*>(&v));
 }
 
-template <typename T, bool HAS_Z>
+template <typename T, bool HAS_Z, bool OUT16>
 __global__ void __launch_bounds__(kThreads, 4) local_bf16_kernel(BwdParams p) {
   extern __shared__ __align__(16) unsigned char smem[];
   const int64_t H = p.heads, P = p.head_dim, N = p.state_dim, G = p.groups;
@@ -140,7 +140,6 @@ __global__ void __launch_bounds__(kThreads, 4) local_bf16_kernel(BwdParams p) {
   __syncthreads();
 
   const int mtiles = pl.Pp / 32, ntiles = pl.Np / 64;
-  float* out = p.ds + ch * P * N;
   const int lane = tid & 31;
   for (int b = warp; b < mtiles * ntiles; b += kWarps) {
     const int r0 = (b / ntiles) * 32, n0 = (b % ntiles) * 64;
@@ -151,40 +150,69 @@ __global__ void __launch_bounds__(kThreads, 4) local_bf16_kernel(BwdParams p) {
       for (int nt = 0; nt < 8; ++nt) acc[mt][nt].zero();
     // A(r = p, k = i) = dys[i][p] (stored transposed), B(k = i, n) = Cs[i][n]
     mm::warp_gemm<T, 2, 8, kL / 16, false, true>(acc, dys + r0, pl.DP, Cs + n0, pl.CP);
+    if constexpr (OUT16) {
+      // rounded once (RN) to T. Column blocks nt, nt + 1 in pairs: a lane holds columns 2 tq, 2 tq + 1 of
+      // both; one xor-1 shuffle gives an even lane 4 consecutive columns of block nt and its odd partner 4
+      // of block nt + 1 (same row), so a warp store writes 8 rows x 32 contiguous bytes (whole sectors).
+      T* out = static_cast<T*>(p.ds16) + ch * P * N;
+      const bool odd = (lane & 1) != 0;
 #pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
+      for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-      for (int nt = 0; nt < 8; ++nt) {
-        const int n = n0 + nt * 8 + mm::c_col(lane, 0);
-        if (n >= N) continue;  // N % 8 == 0: n + 1 < N as well
+        for (int np = 0; np < 4; ++np) {
+          const int na = n0 + np * 16, nb = na + 8;  // warp-uniform; N % 8 == 0: a block is all in or out
 #pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-          const int r = r0 + mt * 16 + mm::c_row(lane, 2 * hh);
-          if (r < P)
-            *reinterpret_cast<float2*>(out + static_cast<int64_t>(r) * N + n) =
-                make_float2(acc[mt][nt].x[2 * hh], acc[mt][nt].x[2 * hh + 1]);
+          for (int hh = 0; hh < 2; ++hh) {
+            const uint32_t a = mm::Elem<T>::pack(acc[mt][2 * np].x[2 * hh], acc[mt][2 * np].x[2 * hh + 1]);
+            const uint32_t bb = mm::Elem<T>::pack(acc[mt][2 * np + 1].x[2 * hh], acc[mt][2 * np + 1].x[2 * hh + 1]);
+            const uint32_t got = __shfl_xor_sync(0xffffffffu, odd ? a : bb, 1);
+            const int r = r0 + mt * 16 + mm::c_row(lane, 2 * hh);
+            const int tq = lane & 3;
+            // even: columns na + 2 tq .. + 3 (its a, then the partner's a); odd: nb + 2 (tq - 1) .. + 3
+            const int n = odd ? nb + 2 * (tq - 1) : na + 2 * tq;
+            const bool in = (odd ? nb : na) < N && r < P;
+            if (in)
+              *reinterpret_cast<uint2*>(out + static_cast<int64_t>(r) * N + n) = odd ? make_uint2(got, bb)
+                                                                                      : make_uint2(a, got);
+          }
         }
-      }
+    } else {
+      float* out = p.ds + ch * P * N;
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) {
+          const int n = n0 + nt * 8 + mm::c_col(lane, 0);
+          if (n >= N) continue;  // N % 8 == 0: n + 1 < N as well
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh) {
+            const int r = r0 + mt * 16 + mm::c_row(lane, 2 * hh);
+            if (r < P)
+              *reinterpret_cast<float2*>(out + static_cast<int64_t>(r) * N + n) =
+                  make_float2(acc[mt][nt].x[2 * hh], acc[mt][nt].x[2 * hh + 1]);
+          }
+        }
+    }
   }
 }
 
 bool aligned16(const void* q) { return reinterpret_cast<uintptr_t>(q) % 16 == 0; }
 bool half_type(BwdType t) { return t == BwdType::BFloat16 || t == BwdType::Float16; }
 
+template <typename T, bool HAS_Z, bool OUT16>
+int launch2(const BwdParams& p, cudaStream_t st, int bytes) {
+  auto* kern = local_bf16_kernel<T, HAS_Z, OUT16>;
+  cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (e != cudaSuccess) return static_cast<int>(e);
+  kern<<<static_cast<unsigned>(p.num_chunks * p.heads), kThreads, bytes, st>>>(p);
+  return static_cast<int>(cudaGetLastError());
+}
 template <typename T>
 int launch(const BwdParams& p, cudaStream_t st) {
   const int bytes = static_cast<int>(Plan(p.head_dim, p.state_dim).bytes);
-  const int64_t n = p.num_chunks * p.heads;
-  if (p.z != nullptr) {
-    cudaError_t e = cudaFuncSetAttribute(local_bf16_kernel<T, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-    if (e != cudaSuccess) return static_cast<int>(e);
-    local_bf16_kernel<T, true><<<static_cast<unsigned>(n), kThreads, bytes, st>>>(p);
-  } else {
-    cudaError_t e = cudaFuncSetAttribute(local_bf16_kernel<T, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-    if (e != cudaSuccess) return static_cast<int>(e);
-    local_bf16_kernel<T, false><<<static_cast<unsigned>(n), kThreads, bytes, st>>>(p);
-  }
-  return static_cast<int>(cudaGetLastError());
+  const bool out16 = p.ds16 != nullptr;
+  if (p.z != nullptr) return out16 ? launch2<T, true, true>(p, st, bytes) : launch2<T, true, false>(p, st, bytes);
+  return out16 ? launch2<T, false, true>(p, st, bytes) : launch2<T, false, false>(p, st, bytes);
 }
 
 }  // namespace
@@ -196,7 +224,9 @@ bool ssd_bwd_local_bf16_supported(const BwdParams& p) {
   if (!half_type(p.bc_type) || p.dout_type != p.bc_type) return false;
   if (p.z != nullptr && p.z_type != p.bc_type) return false;
   if (p.num_chunks * p.heads > 0x7fffffffLL) return false;
-  return aligned16(p.C) && aligned16(p.dout) && (p.z == nullptr || aligned16(p.z)) && aligned16(p.ds);
+  if (p.ds16 != nullptr && p.ds16_type != p.bc_type) return false;  // ds16: in C's (the input) type
+  return aligned16(p.C) && aligned16(p.dout) && (p.z == nullptr || aligned16(p.z)) &&
+         aligned16(p.ds16 != nullptr ? p.ds16 : static_cast<const void*>(p.ds));
 }
 
 int ssd_bwd_local_bf16(const BwdParams& p, void* stream) {
