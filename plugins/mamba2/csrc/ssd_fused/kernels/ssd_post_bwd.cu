@@ -392,8 +392,14 @@ __global__ void __launch_bounds__(kThreads, 2) post_bf16_kernel(BwdParams p) {
     // dS -> mat (input type); wlast dt . x -> sc; M (lower) -> Mt
     {
       const float* dsb = p.ds + sbase;
+      const T* dsh = static_cast<const T*>(p.ds16) + sbase;  // H5: ds_leave in T (already rounded: its bits)
       for (int e = tid; e < Pp * cprN; e += kThreads) {
         const int pp = e / cprN, cc = e % cprN;
+        if (p.ds16 != nullptr) {
+          *reinterpret_cast<uint4*>(mat + pp * NT + cc * 8) =
+              pp < P && cc * 8 < N ? ld16(dsh + pp * N + cc * 8) : make_uint4(0u, 0u, 0u, 0u);
+          continue;
+        }
         float f[8];
         if (pp < P && cc * 8 < N) {
           const float4 a = *reinterpret_cast<const float4*>(dsb + pp * N + cc * 8);
@@ -689,7 +695,7 @@ constexpr int kDsPf = 4;  // dS chunks of 8 per thread loaded before barrier c (
 
 __device__ __forceinline__ void tail_bar() { asm volatile("bar.sync 1, %0;\n" ::"n"(kTailThreads) : "memory"); }
 
-template <typename T, bool kFly, bool kZ>
+template <typename T, bool kFly, bool kZ, bool kDs16>
 __global__ void __launch_bounds__(kThreads, 2) post_bf16_v2_kernel(BwdParams p) {
   extern __shared__ __align__(16) unsigned char smem[];
   const int H = static_cast<int>(p.heads), P = static_cast<int>(p.head_dim), N = static_cast<int>(p.state_dim),
@@ -987,8 +993,32 @@ __global__ void __launch_bounds__(kThreads, 2) post_bf16_v2_kernel(BwdParams p) 
     acc_gemm(accC, sc, PT, mat, NT, 0, Pp);
     // dS (fp32): the first kDsPf chunks of 8 per thread into registers before barrier c (their latency overlaps the
     // other warps' products), rounded into mat after it; more chunks (P x N > 8192) after the barrier
-    const float* dsb = p.ds + sbase;
     const int nds = Pp * cprN;
+    if constexpr (kDs16) {
+      // H5: ds_leave in T, rounded by the state pass as this kernel rounded the fp32 one: its bits go to mat
+      // as they are (8 elements per 16-byte load, half of the fp32 case's registers and bytes)
+      const T* dsh = static_cast<const T*>(p.ds16) + sbase;
+      uint4 vh[kDsPf];
+#pragma unroll
+      for (int u = 0; u < kDsPf; ++u) {
+        const int e = tid + u * kThreads, pp = e / cprN, cc = e % cprN;
+        vh[u] = make_uint4(0u, 0u, 0u, 0u);
+        if (e < nds && pp < P && cc * 8 < N) vh[u] = ld16(dsh + pp * N + cc * 8);
+      }
+      // barrier c: mat (s), sc (e^Lam . dy), dDred (over Mt) read above -> overwritten below
+      __syncthreads();
+#pragma unroll
+      for (int u = 0; u < kDsPf; ++u) {
+        const int e = tid + u * kThreads, pp = e / cprN, cc = e % cprN;
+        if (e < nds) *reinterpret_cast<uint4*>(mat + pp * NT + cc * 8) = vh[u];
+      }
+      for (int e = tid + kDsPf * kThreads; e < nds; e += kThreads) {
+        const int pp = e / cprN, cc = e % cprN;
+        *reinterpret_cast<uint4*>(mat + pp * NT + cc * 8) =
+            pp < P && cc * 8 < N ? ld16(dsh + pp * N + cc * 8) : make_uint4(0u, 0u, 0u, 0u);
+      }
+    } else {
+    const float* dsb = p.ds + sbase;
     float4 va[kDsPf], vb[kDsPf];
 #pragma unroll
     for (int u = 0; u < kDsPf; ++u) {
@@ -1002,30 +1032,31 @@ __global__ void __launch_bounds__(kThreads, 2) post_bf16_v2_kernel(BwdParams p) 
     }
     // barrier c: mat (s), sc (e^Lam . dy), dDred (over Mt) read above -> overwritten below
     __syncthreads();
-
-    // dS -> mat (input type); wlast dt . x -> sc; M (lower) -> Mt
-    {
 #pragma unroll
-      for (int u = 0; u < kDsPf; ++u) {
-        const int e = tid + u * kThreads, pp = e / cprN, cc = e % cprN;
-        if (e < nds) {
-          const float f[8] = {va[u].x, va[u].y, va[u].z, va[u].w, vb[u].x, vb[u].y, vb[u].z, vb[u].w};
-          *reinterpret_cast<uint4*>(mat + pp * NT + cc * 8) = pack8<T>(f);
-        }
-      }
-      for (int e = tid + kDsPf * kThreads; e < nds; e += kThreads) {
-        const int pp = e / cprN, cc = e % cprN;
-        float f[8];
-        if (pp < P && cc * 8 < N) {
-          const float4 a = __ldg(reinterpret_cast<const float4*>(dsb + pp * N + cc * 8));
-          const float4 b = __ldg(reinterpret_cast<const float4*>(dsb + pp * N + cc * 8 + 4));
-          f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w; f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
-        } else {
-#pragma unroll
-          for (int k = 0; k < 8; ++k) f[k] = 0.f;
-        }
+    for (int u = 0; u < kDsPf; ++u) {
+      const int e = tid + u * kThreads, pp = e / cprN, cc = e % cprN;
+      if (e < nds) {
+        const float f[8] = {va[u].x, va[u].y, va[u].z, va[u].w, vb[u].x, vb[u].y, vb[u].z, vb[u].w};
         *reinterpret_cast<uint4*>(mat + pp * NT + cc * 8) = pack8<T>(f);
       }
+    }
+    for (int e = tid + kDsPf * kThreads; e < nds; e += kThreads) {
+      const int pp = e / cprN, cc = e % cprN;
+      float f[8];
+      if (pp < P && cc * 8 < N) {
+        const float4 a = __ldg(reinterpret_cast<const float4*>(dsb + pp * N + cc * 8));
+        const float4 b = __ldg(reinterpret_cast<const float4*>(dsb + pp * N + cc * 8 + 4));
+        f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w; f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
+      } else {
+#pragma unroll
+        for (int k = 0; k < 8; ++k) f[k] = 0.f;
+      }
+      *reinterpret_cast<uint4*>(mat + pp * NT + cc * 8) = pack8<T>(f);
+    }
+    }
+
+    // dS -> mat (done above, input type); wlast dt . x -> sc; M (lower) -> Mt
+    {
       for (int e = tid; e < kL * cpr; e += kThreads) {
         const int i = e / cpr, cc = e % cpr;
         const float w = wl[i] * dts[i];
@@ -1314,7 +1345,10 @@ bool post_v1_selected() {
 template <typename T, bool kFly, bool kZ>
 int launch3(const BwdParams& p, cudaStream_t st) {
   const int bytes = Plan(p.head_dim, p.state_dim).bytes;  // both versions: the same plan
-  auto* kern = post_v1_selected() ? post_bf16_kernel<T, kFly, kZ> : post_bf16_v2_kernel<T, kFly, kZ>;
+  // version 1 reads the 16-bit ds (p.ds16, H5) or the fp32 one by a warp-uniform branch, version 2 by its template
+  auto* kern = post_v1_selected()      ? post_bf16_kernel<T, kFly, kZ>
+               : p.ds16 != nullptr ? post_bf16_v2_kernel<T, kFly, kZ, true>
+                                   : post_bf16_v2_kernel<T, kFly, kZ, false>;
   cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   if (e != cudaSuccess) return static_cast<int>(e);
   e = cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
@@ -1340,8 +1374,10 @@ bool ssd_bwd_post_bf16_supported(const BwdParams& p) {
   if (p.z != nullptr && (p.z_type != t || p.y_type != t || p.y == nullptr)) return false;
   if (p.num_chunks * p.groups > 0x7fffffffLL || p.tokens > 0x7fffffffLL) return false;
   if (!aligned16(p.x) || !aligned16(p.B) || !aligned16(p.C) || !aligned16(p.dout) || !aligned16(p.states) ||
-      !aligned16(p.ds) || !aligned16(p.dx_out) || p.dx_out == nullptr)
+      !aligned16(p.ds16 != nullptr ? p.ds16 : static_cast<const void*>(p.ds)) || !aligned16(p.dx_out) ||
+      p.dx_out == nullptr)
     return false;
+  if (p.ds16 != nullptr && p.ds16_type != t) return false;  // H5: ds in the input type
   if (p.z != nullptr && (!aligned16(p.z) || !aligned16(p.y) || !aligned16(p.dz_out))) return false;
   if (!p.post_dy_from_dout && (p.dy == nullptr || !aligned16(p.dy))) return false;
   if ((reinterpret_cast<uintptr_t>(p.dB) & 7u) != 0 || (reinterpret_cast<uintptr_t>(p.dC) & 7u) != 0) return false;
