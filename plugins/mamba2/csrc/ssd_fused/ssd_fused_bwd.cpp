@@ -66,6 +66,17 @@ bool v1_selected() {
   return v != nullptr && std::strcmp(v, "1") == 0;
 }
 
+// TREE_RECURRENCE_SSD_DS_FP32=1 (read once per process): the bf16 / fp16 path keeps the state gradient ds in
+// fp32 (the pre-H5 buffer, 4 bytes per element). Otherwise (H5) that path (bf16 local kernel + folded ddecay +
+// bf16 post kernel) stores ds_local / ds_leave in x's 16-bit type (p.ds16): half the bytes (1.61 GB at GRPO).
+bool ds_fp32_selected() {
+  static const bool v = [] {
+    const char* e = std::getenv("TREE_RECURRENCE_SSD_DS_FP32");
+    return e != nullptr && std::strcmp(e, "1") == 0;
+  }();
+  return v;
+}
+
 void check_launch(int err, const char* what) {
   TORCH_CHECK(err == 0, "fused SSD backward: the ", what, " kernel failed to launch: ", k::ssd_bwd_error_string(err));
 }
@@ -143,7 +154,7 @@ Stages run(const at::Tensor& grad_out, const Args& a, const Tables& t, const Sav
 
   Stages st;
   st.cb = at::empty({NC, G, L, L}, f32);
-  st.ds_leave = at::empty({NC, H, P, N}, f32);
+  // ds (fp32, or x's 16-bit type on the bf16 path) is allocated below, once the kernels are chosen
   at::Tensor ws = at::empty({std::max<int64_t>(S, 1), H, P, N}, f32);
   if (a.initial_state) st.d_roots = at::zeros({std::max<int64_t>(R, 1), H, P, N}, f32);
   st.ddecay = at::empty({NC, H}, f32);
@@ -204,7 +215,6 @@ Stages run(const at::Tensor& grad_out, const Args& a, const Tables& t, const Sav
     p.dx_out = dx.data_ptr();
     p.dx_type = p.x_type;
   }
-  p.ds = st.ds_leave.data_ptr<float>();
   p.ws = ws.data_ptr<float>();
   p.droots = a.initial_state ? st.d_roots.data_ptr<float>() : nullptr;
   p.ddecay = st.ddecay.data_ptr<float>();
@@ -219,7 +229,8 @@ Stages run(const at::Tensor& grad_out, const Args& a, const Tables& t, const Sav
   p.dA_part = st.dA_part.data_ptr<float>();
 
   const bool v1 = v1_selected();
-  // the bf16 / fp16 local kernel (dy on the fly): it needs p.ds set (alignment), done above
+  // the bf16 / fp16 local kernel (dy on the fly). ds is not allocated yet (p.ds, p.ds16 null): the support
+  // checks below pass its alignment, and the fresh buffer allocated after them is 16-byte aligned
   const bool local_new = tc && !v1 && k::ssd_bwd_local_bf16_supported(p);
   // H3: true when the new post kernel runs with dy computed on the fly from dout / z; it then writes
   // dz in z's dtype into dz_out and the (NC, H, P) fp32 partials of dD = sum_t dy x into dD_part.
@@ -238,6 +249,17 @@ Stages run(const at::Tensor& grad_out, const Args& a, const Tables& t, const Sav
     p.post_dy_from_dout = false;
   }
   const bool post_new = post_ok && !post_dy_buffer;
+  // H5: ds in x's 16-bit type when every kernel touching it takes it so (local_bf16, the state pass with the
+  // folded ddecay, post_bf16; post_ok implies 16-bit x / B / C / dout / states of one type, !v1 the fold)
+  at::Tensor ds16;
+  if (local_new && post_ok && !ds_fp32_selected()) {
+    ds16 = at::empty({NC, H, P, N}, x.options());
+    p.ds16 = ds16.data_ptr();
+    p.ds16_type = p.x_type;
+  } else {
+    st.ds_leave = at::empty({NC, H, P, N}, f32);
+    p.ds = st.ds_leave.data_ptr<float>();
+  }
   at::Tensor dz_out, dD_part;
   if (post_new) {
     p.post_dy_from_dout = true;
@@ -279,7 +301,7 @@ Stages run(const at::Tensor& grad_out, const Args& a, const Tables& t, const Sav
     check_launch(k::ssd_bwd_dyx(p, stream), "dy x^T");
     check_launch(k::ssd_bwd_local(p, stream), "local state gradient");
   }
-  if (keep_stages) st.local = st.ds_leave.clone();
+  if (keep_stages) st.local = ds16.defined() ? ds16.to(at::kFloat) : st.ds_leave.clone();  // widened: exact
   for (int64_t lv = static_cast<int64_t>(t.level_offsets.size()) - 2; lv >= 0; --lv) {
     const int64_t begin = t.level_offsets[lv], count = t.level_offsets[lv + 1] - begin;
     TORCH_CHECK_VALUE(count >= 0 && begin >= 0 && begin + count <= S, "fused SSD backward: level_offsets ", lv, " is out of range");
@@ -302,10 +324,13 @@ Stages run(const at::Tensor& grad_out, const Args& a, const Tables& t, const Sav
     check_launch(k::ssd_bwd_dtA(p, stream), "d(dt A)");
   }
 
+  if (keep_stages && ds16.defined()) st.ds_leave = ds16.to(at::kFloat);  // the stage op's fp32 ds_leave, exact
   if (!keep_stages) {
     // the kernels' workspaces are dead now: give them back to the caching allocator before the ATen
-    // tail allocates (ds_leave alone is 3.2 GB at GRPO; the stream order keeps the reuse safe)
+    // tail allocates (ds_leave alone is 3.2 GB at GRPO in fp32, 1.6 GB in bf16; the stream order keeps the
+    // reuse safe)
     st.ds_leave = at::Tensor();
+    ds16 = at::Tensor();
     st.cb = at::Tensor();
     st.q = at::Tensor();
     st.v = at::Tensor();
