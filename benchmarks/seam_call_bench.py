@@ -8,7 +8,10 @@ route, gathers, scatters. Two routes over one small trie (3 levels, 7 segments, 
 * native: the gated_delta_net family's native op through the wrapper; ``engine_us`` is the same call
   with the route's op handle replaced by one that returns at once (the op's own time, ``op_us``, is
   the kernel's, not the engine's);
-* fork: one kernel call per trie level with the parents' final states (the stand-in kernel).
+* fork: one kernel call per trie level with the parents' final states (the stand-in kernel). The trie's
+  segments are numbered level by level, so the levels' tokens are already in token order (no gathers);
+  ``fork_dfs`` is the same trie numbered in DFS pre-order as TRL packs it (one gather per sequence
+  tensor and one back to token order).
 
 ``reference_op_us`` is one tiny tensor view op (``narrow``) timed the same way: host timings scale with
 how loaded the machine is, and a seam call costs about a dozen such ops. Prints median microseconds
@@ -35,6 +38,8 @@ FAMILY, SEAM = "gated_delta_net", "torch_chunk_gated_delta_rule"
 # parents of 7 segments (3 levels) and their lengths: 40 tokens
 PARENTS = [-1, 0, 0, 1, 1, 2, 2]
 LENGTHS = [8, 6, 6, 5, 5, 5, 5]
+# the same trie in DFS pre-order (TRL's packing order): 0 -> (1 -> 2, 3), (4 -> 5, 6)
+PARENTS_DFS = [-1, 0, 1, 1, 0, 4, 4]
 
 
 def stand_in_kernel(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
@@ -45,12 +50,12 @@ def stand_in_kernel(q, k, v, g, beta, scale=None, initial_state=None, output_fin
     return v.new_zeros(v.shape), final
 
 
-def tree_kwargs() -> dict:
+def tree_kwargs(parents=PARENTS) -> dict:
     offsets = [0]
     for length in LENGTHS:
         offsets.append(offsets[-1] + length)
     return {"tree_cu_seqlens_q": torch.tensor(offsets, dtype=torch.int32),
-            "tree_segment_parents": torch.tensor(PARENTS, dtype=torch.int32)}
+            "tree_segment_parents": torch.tensor(parents, dtype=torch.int32)}
 
 
 def median_us(fn, calls: int) -> float:
@@ -74,7 +79,8 @@ def main() -> dict:
     spec = plugins.families()[FAMILY]["manifest"]["seams"][SEAM]
     module = types.ModuleType("seam_call_bench_module")
     module.chunk_rule = stand_in_kernel
-    kwargs = tree_kwargs()
+    tries = {"native": tree_kwargs(), "fork": tree_kwargs(), "fork_dfs": tree_kwargs(PARENTS_DFS)}
+    kwargs = tries["native"]
     n = sum(LENGTHS)
     gen = torch.Generator().manual_seed(0)
     q, k = (torch.randn(1, n, 1, 4, generator=gen) for _ in range(2))
@@ -84,17 +90,18 @@ def main() -> dict:
 
     results = {}
     with torch.no_grad():
-        for strategy in ("native", "fork"):
+        for case, kwargs in tries.items():
+            strategy = case.split("_")[0]
             seams.unpatch_module(module.__name__)
             module.chunk_rule = stand_in_kernel
             seams.patch_module(module, FAMILY, {"chunk_rule": spec}, [], tr.Policy(strategy=strategy), "auto")
             wrapper = module.chunk_rule
-            call = lambda: wrapper(q, k, v, g, beta, initial_state=None, output_final_state=False,  # noqa: E731
-                                   use_qk_l2norm_in_kernel=True, **kwargs)
+            call = lambda kwargs=kwargs: wrapper(q, k, v, g, beta, initial_state=None,  # noqa: E731
+                                                 output_final_state=False, use_qk_l2norm_in_kernel=True, **kwargs)
             call()
             assert driver.decisions[-1][2] == strategy, driver.decisions[-1]
             total = median_us(call, args.calls)
-            results[strategy] = {"seam_call_us": round(total, 2)}
+            results[case] = {"seam_call_us": round(total, 2)}
             if strategy == "native":
                 # The engine alone: the same call with the route's op replaced by one that returns at once.
                 op = getattr(plugins.ops(FAMILY), spec["native"]["op"])
@@ -111,10 +118,10 @@ def main() -> dict:
                 engine = median_us(call, args.calls)
                 a, kw = captured["call"]
                 op_us = median_us(lambda: op(*a, **kw), max(50, args.calls // 10))
-                results[strategy].update(engine_us=round(engine, 2), op_us=round(op_us, 2))
+                results[case].update(engine_us=round(engine, 2), op_us=round(op_us, 2))
             else:
-                results[strategy]["engine_us"] = round(total, 2)
-            results[strategy]["reference_op_us"] = round(median_us(lambda: q.narrow(1, 0, 4), args.calls), 2)
+                results[case]["engine_us"] = round(total, 2)
+            results[case]["reference_op_us"] = round(median_us(lambda: q.narrow(1, 0, 4), args.calls), 2)
         seams.unpatch_module(module.__name__)
     print(json.dumps({"tokens": n, "segments": len(PARENTS), "calls": args.calls, **results}, indent=1))
     if args.json:

@@ -105,12 +105,13 @@ class SeamCall:
         keywords. Library kernels order their parameters differently from the torch references
         (causal-conv1d puts seq_idx before activation), so keywords must stay keywords."""
         names, named, count = self.spec["args"], self.named, self.positional
-        merged = {**named, **inputs}
-        positional = [merged.get(n) for n in names[:count]]
+        positional = [inputs[n] if n in inputs else named.get(n) for n in names[:count]]
         keywords = dict(self.rest)
         for n in names[count:]:
-            if n in merged:
-                keywords[n] = merged[n]
+            if n in inputs:
+                keywords[n] = inputs[n]
+            elif n in named:
+                keywords[n] = named[n]
         keywords.update(extra)
         return self.original(*positional, **keywords)
 
