@@ -7,6 +7,7 @@
 
 #include "tree_recurrence/policy.h"
 #include "tree_recurrence/registry.h"
+#include "tree_recurrence/sdk/detectors.h"
 #include "tree_recurrence/tree_plan.h"
 
 namespace py = pybind11;
@@ -222,5 +223,16 @@ PYBIND11_MODULE(_core, m) {
   m.def("detect", [](const std::string& family, const py::dict& module) {
     Claim c = loaded(family).family_object->detect(describe_module(module));
     return py::make_tuple(c.claimed, c.role, c.reason);
+  });
+  // The fallback for a module no loaded family recognises: the SDK's detectors (sdk/detectors.h, the
+  // ones the families ship) in their order; why it mixes tokens like a recurrent layer, or None.
+  m.def("generic_leftover", [](const py::dict& module) -> std::optional<std::string> {
+    namespace d = tree_recurrence::detectors;
+    const ModuleDescription desc = describe_module(module);
+    for (const d::Detector& detector : {d::kStateSpaceDecay, d::kCausalDepthwiseConv}) {
+      const std::string why = detector.why(desc);
+      if (!why.empty()) return why + " [generic fallback detector: no loaded family recognises it]";
+    }
+    return std::nullopt;
   });
 }

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from . import plugins
+from . import _core, plugins
 
 ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention", "attention", "qwen_sparse_attention", "mlp", "moe"}
 
@@ -47,17 +47,11 @@ def describe(path: str, module: torch.nn.Module, model_type: str) -> dict:
 
 
 def generic_leftover(desc: dict) -> str | None:
-    """The fallback for modules no plugin's detector recognises (families ship the real detectors,
-    sdk/detectors.h): why an unclaimed module mixes tokens like a recurrent layer, or None. It keeps a
-    model with such a layer from answering "tree" when no family is loaded at all."""
-    if any(name == "A_log" for name, _ in desc["params"]):
-        return "has a state-space decay (A_log) [generic fallback detector: no loaded family recognises it]"
-    conv = desc["conv"]
-    if conv and conv["groups"] == conv["in_channels"] == conv["out_channels"] and conv["kernel_size"] > 1 and \
-            conv["padding"] == conv["kernel_size"] - 1:
-        return (f"is a causal depthwise conv (width {conv['kernel_size']}) [generic fallback detector: no loaded "
-                "family recognises it]")
-    return None
+    """The fallback for modules no plugin's detector recognises: why an unclaimed module mixes tokens
+    like a recurrent layer, or None, from the very detectors the families ship (sdk/detectors.h,
+    through the native module). It keeps a model with such a layer from answering "tree" when no
+    family is loaded at all."""
+    return _core.generic_leftover(desc)
 
 
 def instance_forward_bypass(mixer: torch.nn.Module) -> str | None:
