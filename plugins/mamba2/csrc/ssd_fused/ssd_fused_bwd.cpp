@@ -9,6 +9,8 @@
 // plan, unless TREE_RECURRENCE_SSD_BWD_TC=0): gate -> local_tc -> reverse state pass -> ddecay ->
 // post_tc (per chunk and group: cb, dyx, rows, dB / dC, d(dt A) in one kernel, no (NC, H, L, L)
 // workspace); the same stage outputs. Otherwise the fp32 CUDA-core kernels above.
+// The bf16 / fp16 path (local_bf16 + folded ddecay + post_bf16) keeps ds (ds_local, then ds_leave in place) in x's
+// 16-bit type (issue 20 H5; TREE_RECURRENCE_SSD_DS_FP32=1: fp32); the state pass carries in fp32.
 // Saved states are used as the forward stored them (in-type, rounded), as mamba-ssm's backward
 // does with its bf16 states: recomputing them in fp32 would cost another state pass, and their
 // rounding enters only dC (through C s) and ddecay, at the in-type's precision.

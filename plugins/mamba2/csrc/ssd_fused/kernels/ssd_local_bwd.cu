@@ -8,12 +8,16 @@
 //     transposed: ldmatrix.trans);
 //   * one mma.sync m16n8k16 per product (bf16 or fp16 operands, fp32 accumulation), warp tiles of
 //     32 x 64 (P x N) over the zero-padded (ceil32(P) x ceil64(N)) output, K = L = 64 in 4 steps;
-//   * fp32 accumulators stored straight from the fragments (8-byte stores, every 32-byte sector full).
+//   * fp32 accumulators stored straight from the fragments (8-byte stores, every 32-byte sector full), or
+//     (p.ds16 set, issue 20 H5: the default on the bf16 path) rounded once (RN) to the input type: one xor-1
+//     shuffle per two column blocks, then 8-byte stores of 4 consecutive columns (whole 32-byte sectors);
+//     half the bytes (at GRPO 1.61 GB instead of 3.22 GB written).
 // Shared memory: 64 x (ceil32(P) + 8) + 64 x (ceil64(N) + 8) elements + 64 int64 + 64 floats; at
 // P 64 / N 128: 9.2 + 17.4 + 0.75 KB = 27.4 KB (P, N 128: 35.6 KB) -> 4 CTAs/SM by the launch bound.
 // Fixed mma order: two runs give identical bits; no atomics. 64-bit global indexing.
 // Requirements (ssd_bwd_local_bf16_supported): chunk 64, P and N in 1..128 and multiples of 8, C, dout
-// (and z) of one 16-bit type, the pointers 16-byte aligned.
+// (and z) of one 16-bit type (ds16, when set, of that type too), the pointers 16-byte aligned.
+// ptxas (CUDA 13.0, sm_90a): 128 registers (launch bound 4 CTAs/SM), no spills, all 8 instantiations.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>

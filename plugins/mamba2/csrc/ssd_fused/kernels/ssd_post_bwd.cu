@@ -689,6 +689,12 @@ __global__ void __launch_bounds__(kThreads, 2) post_bf16_kernel(BwdParams p) {
 // arithmetic in the same order. Shared memory: version 1's plan (112.25 KiB at P 64, N 128: 2 CTAs per SM).
 // ptxas (CUDA 13.0, sm_90a): 128 registers (launch bound), 84-byte spill stores / 96-byte loads, 64-byte stack
 // (version 1: 4 bytes): the loop-invariant row mapping and the prefetch registers (dD partial, next Lam / dt).
+// ds in the input type (issue 20 H5, p.ds16, the default of the launcher on this path): both versions read the 16-bit
+// ds_leave the state pass rounded (RN, as they rounded the fp32 one: the same mat bits for the same ds_leave) and
+// copy its bits into mat; version 2 by a template flag (one uint4 of 8 elements per piece before barrier c instead
+// of two float4: 16 KB instead of 32 KB per head at P 64, N 128, ~1.6 GB less over GRPO), version 1 by a
+// warp-uniform branch. ptxas: version 2 with ds16 128 registers, 84 (z: 88) bytes spill stores, 56-byte stack;
+// version 1 (branch) 4 bytes (dy-buffer mode: 12) spill stores.
 constexpr int kTailThreads = 64;             // warps 0-1: the rows' tail
 constexpr int kPfThreads = kThreads - kTailThreads;  // warps 2-7: the next head's row tiles
 constexpr int kDsPf = 4;  // dS chunks of 8 per thread loaded before barrier c (P 64, N 128: all of them)
@@ -1018,41 +1024,41 @@ __global__ void __launch_bounds__(kThreads, 2) post_bf16_v2_kernel(BwdParams p) 
             pp < P && cc * 8 < N ? ld16(dsh + pp * N + cc * 8) : make_uint4(0u, 0u, 0u, 0u);
       }
     } else {
-    const float* dsb = p.ds + sbase;
-    float4 va[kDsPf], vb[kDsPf];
+      const float* dsb = p.ds + sbase;
+      float4 va[kDsPf], vb[kDsPf];
 #pragma unroll
-    for (int u = 0; u < kDsPf; ++u) {
-      const int e = tid + u * kThreads, pp = e / cprN, cc = e % cprN;
-      va[u] = make_float4(0.f, 0.f, 0.f, 0.f);
-      vb[u] = va[u];
-      if (e < nds && pp < P && cc * 8 < N) {
-        va[u] = __ldg(reinterpret_cast<const float4*>(dsb + pp * N + cc * 8));
-        vb[u] = __ldg(reinterpret_cast<const float4*>(dsb + pp * N + cc * 8 + 4));
+      for (int u = 0; u < kDsPf; ++u) {
+        const int e = tid + u * kThreads, pp = e / cprN, cc = e % cprN;
+        va[u] = make_float4(0.f, 0.f, 0.f, 0.f);
+        vb[u] = va[u];
+        if (e < nds && pp < P && cc * 8 < N) {
+          va[u] = __ldg(reinterpret_cast<const float4*>(dsb + pp * N + cc * 8));
+          vb[u] = __ldg(reinterpret_cast<const float4*>(dsb + pp * N + cc * 8 + 4));
+        }
       }
-    }
-    // barrier c: mat (s), sc (e^Lam . dy), dDred (over Mt) read above -> overwritten below
-    __syncthreads();
+      // barrier c: mat (s), sc (e^Lam . dy), dDred (over Mt) read above -> overwritten below
+      __syncthreads();
 #pragma unroll
-    for (int u = 0; u < kDsPf; ++u) {
-      const int e = tid + u * kThreads, pp = e / cprN, cc = e % cprN;
-      if (e < nds) {
-        const float f[8] = {va[u].x, va[u].y, va[u].z, va[u].w, vb[u].x, vb[u].y, vb[u].z, vb[u].w};
+      for (int u = 0; u < kDsPf; ++u) {
+        const int e = tid + u * kThreads, pp = e / cprN, cc = e % cprN;
+        if (e < nds) {
+          const float f[8] = {va[u].x, va[u].y, va[u].z, va[u].w, vb[u].x, vb[u].y, vb[u].z, vb[u].w};
+          *reinterpret_cast<uint4*>(mat + pp * NT + cc * 8) = pack8<T>(f);
+        }
+      }
+      for (int e = tid + kDsPf * kThreads; e < nds; e += kThreads) {
+        const int pp = e / cprN, cc = e % cprN;
+        float f[8];
+        if (pp < P && cc * 8 < N) {
+          const float4 a = __ldg(reinterpret_cast<const float4*>(dsb + pp * N + cc * 8));
+          const float4 b = __ldg(reinterpret_cast<const float4*>(dsb + pp * N + cc * 8 + 4));
+          f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w; f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
+        } else {
+#pragma unroll
+          for (int k = 0; k < 8; ++k) f[k] = 0.f;
+        }
         *reinterpret_cast<uint4*>(mat + pp * NT + cc * 8) = pack8<T>(f);
       }
-    }
-    for (int e = tid + kDsPf * kThreads; e < nds; e += kThreads) {
-      const int pp = e / cprN, cc = e % cprN;
-      float f[8];
-      if (pp < P && cc * 8 < N) {
-        const float4 a = __ldg(reinterpret_cast<const float4*>(dsb + pp * N + cc * 8));
-        const float4 b = __ldg(reinterpret_cast<const float4*>(dsb + pp * N + cc * 8 + 4));
-        f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w; f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
-      } else {
-#pragma unroll
-        for (int k = 0; k < 8; ++k) f[k] = 0.f;
-      }
-      *reinterpret_cast<uint4*>(mat + pp * NT + cc * 8) = pack8<T>(f);
-    }
     }
 
     // dS -> mat (done above, input type); wlast dt . x -> sc; M (lower) -> Mt
