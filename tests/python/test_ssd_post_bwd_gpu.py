@@ -14,6 +14,9 @@ within STAGE_TOL, bitwise identical outputs on a repeat of the default.
 
 test_post_v2_vs_v1: the default post kernel (version 2, issue 20 H1) against version 1 (TREE_RECURRENCE_SSD_POST_V1=1
 in a subprocess: the switch is read once per process), output by output: bitwise (within 1e-6) but dC / dD.
+Both versions read ds_leave in the input type by default (issue 20 H5; TREE_RECURRENCE_SSD_DS_FP32=1 inherited by
+the subprocess gives both the fp32 ds); the 16-bit ds against the fp32 one: test_ssd_fused_bwd_gpu.py
+test_ds_in_input_type.
 
 Kept in its own file (not test_ssd_fused_bwd_gpu.py, which another engineer edits at the same time); it uses that
 file's input maker and constants only.
