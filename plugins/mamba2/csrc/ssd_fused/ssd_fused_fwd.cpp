@@ -99,6 +99,8 @@ Stages run(const Args& a, const Tables& t, bool with_chunk_states, bool save_y) 
   const at::Tensor x = dense(a.x), B = dense(a.B), C = dense(a.C);
   const int64_t T = x.size(0), H = x.size(1), P = x.size(2), G = B.size(1), N = B.size(2);
   const int64_t NC = t.gather.size(0), L = t.gather.size(1), S = t.parents.size(0);
+  // (no numbers in the message: see docs/kernels.md, the crash on a thrown error that formats one)
+  TORCH_CHECK_VALUE(G > 0 && H % G == 0, "fused SSD forward: the heads must be a multiple of the groups");
   TORCH_CHECK_VALUE(kernels::fwd_shape_supported(L, P, N), "fused SSD forward: chunk ", L, ", head_dim ", P, ", state ", N,
                     " outside the kernels' range (chunk 64/128/256; head_dim, state multiples of 8, <= 128, <= 256)");
   const auto f32 = x.options().dtype(at::kFloat);
