@@ -6,6 +6,7 @@
 #include <sstream>
 #include <string>
 #ifdef WITH_C10
+#include <c10/util/ArrayRef.h>
 #include <c10/util/Exception.h>
 #endif
 
@@ -19,7 +20,8 @@ extern "C" __attribute__((visibility("default"))) int probe_ostream(long n, char
 #ifdef WITH_C10
 extern "C" __attribute__((visibility("default"))) int probe_c10(long n, char* out, int cap) {
   try {
-    TORCH_CHECK_VALUE(n < 0, "probe: n=", n, " sizes ", c10::IntArrayRef{n, n + 1});
+    const int64_t dims[2] = {n, n + 1};
+    TORCH_CHECK_VALUE(n < 0, "probe: n=", n, " sizes ", c10::ArrayRef<int64_t>(dims, 2));
   } catch (const c10::Error& e) {
     std::snprintf(out, cap, "%s", e.what_without_backtrace());
     return 1;
