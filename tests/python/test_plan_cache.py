@@ -51,3 +51,17 @@ def test_an_entry_is_rebuilt_when_what_it_depends_on_is_another_object():
     assert p.cached(("k",), build, depends=(a,)) == 1
     assert p.cached(("k",), build, depends=(b,)) == 2
     assert p.cached(("k",), build, depends=(b, a)) == 3
+
+
+def test_fork_tables_in_order_exactly_when_the_levels_tokens_are():
+    """The fork skips its gathers when the levels' tokens are already in token order (segments numbered
+    level by level); a trie in DFS pre-order is not, and its order / inverse are each other's inverse."""
+    cu = torch.tensor([0, 3, 5, 6, 8])
+    by_level = tr.tree_plan({"tree_cu_seqlens_q": cu, "tree_segment_parents": torch.tensor([-1, 0, 0, 1])})
+    dfs = tr.tree_plan({"tree_cu_seqlens_q": cu.clone(), "tree_segment_parents": torch.tensor([-1, 0, 1, 0])})
+    chains = tr.tree_plan({"tree_cu_seqlens_q": cu.clone(), "tree_segment_parents": torch.tensor([-1, -1, -1, -1])})
+    for plan, in_order in ((by_level, True), (dfs, False), (chains, True)):
+        tables = fork_tables(plan, torch.device("cpu"))
+        assert tables.in_order is in_order
+        assert torch.equal(tables.order, torch.arange(8)) is in_order
+        assert torch.equal(tables.order[tables.inverse], torch.arange(8))

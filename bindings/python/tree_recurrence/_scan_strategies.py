@@ -147,7 +147,9 @@ def _build_fork_tables(plan: TreePlan, device: torch.device) -> ForkTables:
     grid = torch.cat(grids)
     grid_source = torch.empty_like(order)
     grid_source[order] = torch.cat(sources)
-    in_order = bool(torch.equal(order.cpu(), torch.arange(order.numel())))
+    # the levels' tokens are in token order exactly when the segments are numbered level by level (host
+    # arrays: no device-to-host copy)
+    in_order = bool(torch.equal(plan.array("level_segments"), torch.arange(plan.num_segments)))
     return ForkTables(levels, [lv.token_end - lv.token_start for lv in levels],
                       [lv.grid_end - lv.grid_start for lv in levels], order, inverse, grid.clamp(min=0), grid >= 0,
                       grid_source, in_order)
