@@ -54,7 +54,8 @@ SAN_SSD_MEM=("tests/python/test_ssd_fused_gpu.py::test_stages_bf16[around_chunks
              "tests/python/test_ssd_fused_bwd_gpu.py::test_one_token_segments"
              "tests/python/test_ssd_fused_bwd_gpu.py::test_tensor_core_model_dims")
 SAN_SSD_RACE=("tests/python/test_ssd_fused_gpu.py::test_stages_bf16[around_chunks-64]"
-              "tests/python/test_ssd_fused_bwd_gpu.py::test_tensor_core_model_dims")
+              "tests/python/test_ssd_fused_bwd_gpu.py::test_tensor_core_model_dims"
+              "tests/python/test_ssd_post_bwd_gpu.py::test_post_pads_wide_shared_h0_fp16")
 sanitize_pytest() {
   local name=$1 tool=$2 secs=$3; shift 3
   local l; l=$(left); [ "$secs" -gt "$l" ] && secs=$l
@@ -123,8 +124,12 @@ if has profile; then
 fi
 if has diag && [ -f benchmarks/gpu/diag_throw.py ]; then  # errors raised on the CUDA paths: raise or crash?
   stamp "diag_throw"
-  timeout $(( $(left) < 120 ? $(left) : 120 )) python3 benchmarks/gpu/diag_throw.py >"$LOGS/diag_throw.txt" 2>&1
-  echo "  diag exit $?"; tail -${DIAG_TAIL:-40} "$LOGS/diag_throw.txt" | cut -c1-220
+  timeout $(( $(left) < 120 ? $(left) : 120 )) python3 benchmarks/gpu/diag_throw.py ${DIAG_CASES:-} >"$LOGS/diag_throw.txt" 2>&1
+  echo "  diag exit $?"; grep "^===" "$LOGS/diag_throw.txt" | cut -c1-220
+  timeout 60 python3 -m pytest tests/python/test_check_messages.py -q -p no:cacheprovider 2>&1 | tail -3
+  grep -ho -- "-static-lib[a-z+]*" /tmp/tree-recurrence-build/build.ninja 2>/dev/null | sort | uniq -c | sed 's/^/  link flags: /'
+  for so in $(python3 -c "import tree_recurrence, pathlib; print(' '.join(str(p) for p in pathlib.Path(tree_recurrence.__file__).parent.rglob('libtree_recurrence_*.so')))"); do
+    echo "  $(basename "$so"): NEEDED $(readelf -d "$so" | grep -o 'lib[a-z_+]*\.so[.0-9]*' | tr '\n' ' ')"; done
 fi
 if has abi; then  # the crash-on-throw diagnosis: probes, the failing call's native stack, link facts
   stamp "abi diag"

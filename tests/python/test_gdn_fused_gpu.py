@@ -215,8 +215,8 @@ def test_interim_backward_is_the_composites(name, monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------------
-# CUDA: prep_fwd version 3 (the default) against versions 2 (TREE_RECURRENCE_GDN_PREP_V2=1: the same
-# block inverse, w and u rounded as Ainv diag(.) products) and 1 (TREE_RECURRENCE_GDN_PREP_V1=1:
+# CUDA: prep_fwd version 2 (the default: block inverse) against versions 3 (TREE_RECURRENCE_GDN_PREP_V3=1:
+# the same block inverse, w and u from Ainv rounded once) and 1 (TREE_RECURRENCE_GDN_PREP_V1=1:
 # column-wise substitution); the switches are read once per process, so the old versions run in
 # subprocesses
 # ------------------------------------------------------------------------------------------------
@@ -236,7 +236,7 @@ torch.save(out, sys.argv[2])
 V1_CASES = ["around_chunk_strong:bf16", "long_8k_strong:bf16", "k24_v88_groups3:fp16", "wide_k16:bf16",
             "odd_dims_none:fp16", "deep_k128:fp16"]
 PREP_SAME = ["G", "kd", "decay", "rq", "rk"]  # phases all versions share: bit for bit
-PREP_SAME_V2 = PREP_SAME + ["Ainv"]  # version 3 has version 2's block inverse
+PREP_SAME_V3 = PREP_SAME + ["Ainv"]  # version 3 has version 2's block inverse
 
 
 def _run_prep_version(tmp_path, switch):
@@ -253,10 +253,10 @@ def _run_prep_version(tmp_path, switch):
 
 
 @cuda
-def test_prep_v3_against_v2_and_v1(tmp_path):
-    for n in ("TREE_RECURRENCE_GDN_PREP_V1", "TREE_RECURRENCE_GDN_PREP_V2"):
-        assert os.environ.get(n) is None, f"unset {n} to run this test (version 3 runs in this process)"
-    old = {"v2": (_run_prep_version(tmp_path, "TREE_RECURRENCE_GDN_PREP_V2"), PREP_SAME_V2),
+def test_prep_v2_against_v3_and_v1(tmp_path):
+    for n in ("TREE_RECURRENCE_GDN_PREP_V1", "TREE_RECURRENCE_GDN_PREP_V3"):
+        assert os.environ.get(n) is None, f"unset {n} to run this test (version 2 runs in this process)"
+    old = {"v3": (_run_prep_version(tmp_path, "TREE_RECURRENCE_GDN_PREP_V3"), PREP_SAME_V3),
            "v1": (_run_prep_version(tmp_path, "TREE_RECURRENCE_GDN_PREP_V1"), PREP_SAME)}
     bad = []
     for key in V1_CASES:
@@ -265,7 +265,7 @@ def test_prep_v3_against_v2_and_v1(tmp_path):
         new = {n: t.cpu() for n, t in call_stages(c).items()}
         for label, (runs, same_names) in old.items():
             ref_run = runs[key]
-            print(f"\n{key}: prep v3 (this process) vs {label} (subprocess)")
+            print(f"\n{key}: prep v2 (this process) vs {label} (subprocess)")
             for n in STAGES:
                 e = rel_rms(new[n], ref_run[n])
                 same = torch.equal(new[n], ref_run[n])
@@ -274,12 +274,14 @@ def test_prep_v3_against_v2_and_v1(tmp_path):
                     bad.append((key, label, n, "not bitwise"))
                 elif e > EXACT_TOL[n]:  # rounding flips of Ainv / w / u and what follows from them
                     bad.append((key, label, n, e))
-        # version 3 against float64 (the other tests do this on every case too), and version 2
-        for label, st in (("v3", new), ("v2", old["v2"][0][key])):
+        # the default (version 2) against float64, every case (the other tests do this too); version 3 is
+        # opt-in and only reported (it misses the output bound on wide_k16 bf16 by a little: 5.1e-3)
+        for label, st in (("v2", new), ("v3", old["v3"][0][key])):
             report = stage_report({n: t.cuda() for n, t in st.items()}, c, DTYPES[dt])
             print_report(f"{key} {label}", report)
-            bad += [(key, label, n, r) for n, r in report.items() if r[0] > EXACT_TOL[n] or r[1] > LOCAL_TOL[n]]
-    assert not bad, f"prep version 3 vs versions 2 and 1: {bad}"
+            if label == "v2":
+                bad += [(key, label, n, r) for n, r in report.items() if r[0] > EXACT_TOL[n] or r[1] > LOCAL_TOL[n]]
+    assert not bad, f"prep version 2 vs versions 3 and 1: {bad}"
 
 
 @cuda

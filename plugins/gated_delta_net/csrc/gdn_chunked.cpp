@@ -1,4 +1,5 @@
 #include "gdn_chunked.h"
+#include "tree_recurrence/sdk/check.h"
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -20,27 +21,27 @@ namespace {
 void check(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta,
            const at::Tensor& gather, const at::Tensor& scatter) {
   for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"q", &q}, {"k", &k}, {"v", &v}, {"g", &g}, {"beta", &beta}})
-    TORCH_CHECK_TYPE(at::isFloatingType(t->scalar_type()), "gdn_tree_scan: ", name, " has dtype ", t->scalar_type(),
+    TR_CHECK_TYPE(at::isFloatingType(t->scalar_type()), "gdn_tree_scan: ", name, " has dtype ", t->scalar_type(),
                      ", expected float32, float64, bfloat16 or float16");
-  TORCH_CHECK_VALUE(q.dim() == 3 && k.sizes() == q.sizes(), "gdn_tree_scan: q and k must be (tokens, heads, key_dim) alike, got ",
+  TR_CHECK_VALUE(q.dim() == 3 && k.sizes() == q.sizes(), "gdn_tree_scan: q and k must be (tokens, heads, key_dim) alike, got ",
                     q.sizes(), " and ", k.sizes());
   const int64_t T = q.size(0);
-  TORCH_CHECK_VALUE(v.dim() == 3 && v.size(0) == T, "gdn_tree_scan: v must be (tokens=", T, ", value_heads, value_dim), got ",
+  TR_CHECK_VALUE(v.dim() == 3 && v.size(0) == T, "gdn_tree_scan: v must be (tokens=", T, ", value_heads, value_dim), got ",
                     v.sizes());
-  TORCH_CHECK_VALUE(q.size(1) > 0 && v.size(1) % q.size(1) == 0, "gdn_tree_scan: value heads ", v.size(1),
+  TR_CHECK_VALUE(q.size(1) > 0 && v.size(1) % q.size(1) == 0, "gdn_tree_scan: value heads ", v.size(1),
                     " must be a multiple of key heads ", q.size(1));
   for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"g", &g}, {"beta", &beta}})
-    TORCH_CHECK_VALUE(t->dim() == 2 && t->size(0) == T && t->size(1) == v.size(1), "gdn_tree_scan: ", name,
+    TR_CHECK_VALUE(t->dim() == 2 && t->size(0) == T && t->size(1) == v.size(1), "gdn_tree_scan: ", name,
                       " must be (tokens, value_heads)=(", T, ", ", v.size(1), "), got ", t->sizes());
-  TORCH_CHECK_VALUE(gather.dim() == 2 && gather.size(1) > 0 && gather.scalar_type() == at::kLong,
+  TR_CHECK_VALUE(gather.dim() == 2 && gather.size(1) > 0 && gather.scalar_type() == at::kLong,
                     "gdn_tree_scan: gather must be an int64 (chunks, chunk_size) table (TreePlan.chunk_tables), got ",
                     gather.scalar_type(), " ", gather.sizes());
-  TORCH_CHECK_VALUE(scatter.dim() == 1 && scatter.size(0) == T && scatter.scalar_type() == at::kLong,
+  TR_CHECK_VALUE(scatter.dim() == 1 && scatter.size(0) == T && scatter.scalar_type() == at::kLong,
                     "gdn_tree_scan: scatter must be an int64 (tokens=", T, ") table (TreePlan.chunk_tables), got ",
                     scatter.scalar_type(), " ", scatter.sizes());
   for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"k", &k}, {"v", &v}, {"g", &g}, {"beta", &beta},
                                 {"gather", &gather}, {"scatter", &scatter}})
-    TORCH_CHECK_VALUE(t->device() == q.device(), "gdn_tree_scan: ", name, " is on ", t->device(), " but q is on ", q.device(),
+    TR_CHECK_VALUE(t->device() == q.device(), "gdn_tree_scan: ", name, " is on ", t->device(), " but q is on ", q.device(),
                       " (the plan's tables: TreePlan.chunk_tables(chunk, device))");
 }
 
@@ -125,10 +126,10 @@ at::Tensor composite_scan(const at::Tensor& q_in, const at::Tensor& k_in, const 
   if (initial_state) {
     at::Tensor s = *initial_state;
     if (s.dim() == 4 && s.size(0) == 1) s = s[0];
-    TORCH_CHECK_VALUE((s.dim() == 3 || s.dim() == 4) && s.size(-3) == HV && s.size(-2) == K && s.size(-1) == V,
+    TR_CHECK_VALUE((s.dim() == 3 || s.dim() == 4) && s.size(-3) == HV && s.size(-2) == K && s.size(-1) == V,
                       "gdn_tree_scan: initial_state must be (value_heads=", HV, ", key_dim=", K, ", value_dim=", V,
                       ") or (roots, ", HV, ", ", K, ", ", V, "), got ", initial_state->sizes());
-    TORCH_CHECK_VALUE(s.device() == q_in.device(), "gdn_tree_scan: initial_state is on ", s.device(), " but q is on ",
+    TR_CHECK_VALUE(s.device() == q_in.device(), "gdn_tree_scan: initial_state is on ", s.device(), " but q is on ",
                       q_in.device());
     h0 = s.to(f);
   }

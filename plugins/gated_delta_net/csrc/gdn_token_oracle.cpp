@@ -1,4 +1,5 @@
 #include "gdn_token_oracle.h"
+#include "tree_recurrence/sdk/check.h"
 
 #include <ATen/ATen.h>
 
@@ -13,20 +14,20 @@ namespace {
 
 void check(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta,
            const at::Tensor& seg_offsets, const at::Tensor& parents) {
-  TORCH_CHECK_VALUE(q.dim() == 3 && k.sizes() == q.sizes(), "gdn_token_scan: q and k must be (tokens, heads, key_dim) alike, got ",
+  TR_CHECK_VALUE(q.dim() == 3 && k.sizes() == q.sizes(), "gdn_token_scan: q and k must be (tokens, heads, key_dim) alike, got ",
                     q.sizes(), " and ", k.sizes());
-  TORCH_CHECK_VALUE(v.dim() == 3 && v.size(0) == q.size(0), "gdn_token_scan: v must be (tokens, value_heads, value_dim), got ",
+  TR_CHECK_VALUE(v.dim() == 3 && v.size(0) == q.size(0), "gdn_token_scan: v must be (tokens, value_heads, value_dim), got ",
                     v.sizes());
-  TORCH_CHECK_VALUE(v.size(1) % q.size(1) == 0, "gdn_token_scan: value heads ", v.size(1), " must be a multiple of key heads ",
+  TR_CHECK_VALUE(v.size(1) % q.size(1) == 0, "gdn_token_scan: value heads ", v.size(1), " must be a multiple of key heads ",
                     q.size(1));
   for (const at::Tensor* t : {&g, &beta})
-    TORCH_CHECK_VALUE(t->dim() == 2 && t->size(0) == v.size(0) && t->size(1) == v.size(1),
+    TR_CHECK_VALUE(t->dim() == 2 && t->size(0) == v.size(0) && t->size(1) == v.size(1),
                       "gdn_token_scan: g and beta must be (tokens, value_heads)=", v.size(0), "x", v.size(1), ", got ", t->sizes());
-  TORCH_CHECK_VALUE(seg_offsets.is_cpu() && parents.is_cpu() && seg_offsets.scalar_type() == at::kLong &&
+  TR_CHECK_VALUE(seg_offsets.is_cpu() && parents.is_cpu() && seg_offsets.scalar_type() == at::kLong &&
                         parents.scalar_type() == at::kLong,
                     "gdn_token_scan: seg_offsets and parents must be int64 CPU tensors (the plan's host arrays)");
-  TORCH_CHECK_VALUE(seg_offsets.numel() == parents.numel() + 1, "gdn_token_scan: seg_offsets must have one more entry than parents");
-  TORCH_CHECK_VALUE(seg_offsets.numel() >= 2 && seg_offsets.data_ptr<int64_t>()[seg_offsets.numel() - 1] == q.size(0),
+  TR_CHECK_VALUE(seg_offsets.numel() == parents.numel() + 1, "gdn_token_scan: seg_offsets must have one more entry than parents");
+  TR_CHECK_VALUE(seg_offsets.numel() >= 2 && seg_offsets.data_ptr<int64_t>()[seg_offsets.numel() - 1] == q.size(0),
                     "gdn_token_scan: seg_offsets must end at the number of tokens ", q.size(0));
 }
 

@@ -1,4 +1,5 @@
 #include "ssd_chunked.h"
+#include "tree_recurrence/sdk/check.h"
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -14,33 +15,33 @@ namespace {
 void check(const at::Tensor& x, const at::Tensor& dt, const at::Tensor& B, const at::Tensor& C, const at::Tensor& gather,
            const at::Tensor& scatter, const at::Tensor& A, const std::optional<at::Tensor>& D,
            const std::optional<at::Tensor>& dt_bias, at::ArrayRef<double> dt_limit) {
-  TORCH_CHECK_TYPE(at::isFloatingType(x.scalar_type()), "ssd_tree_scan: x has dtype ", x.scalar_type(),
+  TR_CHECK_TYPE(at::isFloatingType(x.scalar_type()), "ssd_tree_scan: x has dtype ", x.scalar_type(),
                    ", expected float32, float64, bfloat16 or float16");
-  TORCH_CHECK_VALUE(x.dim() == 3, "ssd_tree_scan: x must be (tokens, heads, head_dim), got ", x.sizes());
+  TR_CHECK_VALUE(x.dim() == 3, "ssd_tree_scan: x must be (tokens, heads, head_dim), got ", x.sizes());
   const int64_t T = x.size(0), H = x.size(1), P = x.size(2);
-  TORCH_CHECK_VALUE(dt.dim() == 2 && dt.size(0) == T && dt.size(1) == H, "ssd_tree_scan: dt must be (tokens, heads)=", T, "x",
+  TR_CHECK_VALUE(dt.dim() == 2 && dt.size(0) == T && dt.size(1) == H, "ssd_tree_scan: dt must be (tokens, heads)=", T, "x",
                     H, ", got ", dt.sizes());
-  TORCH_CHECK_VALUE(B.dim() == 3 && B.size(0) == T && C.sizes() == B.sizes(),
+  TR_CHECK_VALUE(B.dim() == 3 && B.size(0) == T && C.sizes() == B.sizes(),
                     "ssd_tree_scan: B and C must be (tokens, groups, state) alike, got ", B.sizes(), " and ", C.sizes());
-  TORCH_CHECK_VALUE(B.size(1) > 0 && H % B.size(1) == 0, "ssd_tree_scan: heads ", H, " must be a multiple of groups ",
+  TR_CHECK_VALUE(B.size(1) > 0 && H % B.size(1) == 0, "ssd_tree_scan: heads ", H, " must be a multiple of groups ",
                     B.size(1));
-  TORCH_CHECK_VALUE(A.dim() == 1 && A.size(0) == H, "ssd_tree_scan: A must be (heads=", H, "), got ", A.sizes());
+  TR_CHECK_VALUE(A.dim() == 1 && A.size(0) == H, "ssd_tree_scan: A must be (heads=", H, "), got ", A.sizes());
   if (D)
-    TORCH_CHECK_VALUE((D->dim() == 1 && D->size(0) == H) || (D->dim() == 2 && D->size(0) == H && D->size(1) == P),
+    TR_CHECK_VALUE((D->dim() == 1 && D->size(0) == H) || (D->dim() == 2 && D->size(0) == H && D->size(1) == P),
                       "ssd_tree_scan: D must be (heads=", H, ") or (heads, head_dim=", P, "), got ", D->sizes());
   if (dt_bias)
-    TORCH_CHECK_VALUE(dt_bias->dim() == 1 && dt_bias->size(0) == H, "ssd_tree_scan: dt_bias must be (heads=", H, "), got ",
+    TR_CHECK_VALUE(dt_bias->dim() == 1 && dt_bias->size(0) == H, "ssd_tree_scan: dt_bias must be (heads=", H, "), got ",
                       dt_bias->sizes());
-  TORCH_CHECK_VALUE(dt_limit.size() == 2 && dt_limit[0] <= dt_limit[1],
+  TR_CHECK_VALUE(dt_limit.size() == 2 && dt_limit[0] <= dt_limit[1],
                     "ssd_tree_scan: dt_limit must be (low, high) with low <= high");
-  TORCH_CHECK_VALUE(gather.dim() == 2 && gather.size(1) > 0 && gather.scalar_type() == at::kLong,
+  TR_CHECK_VALUE(gather.dim() == 2 && gather.size(1) > 0 && gather.scalar_type() == at::kLong,
                     "ssd_tree_scan: gather must be an int64 (chunks, chunk_size) table (TreePlan.chunk_tables), got ",
                     gather.scalar_type(), " ", gather.sizes());
-  TORCH_CHECK_VALUE(scatter.dim() == 1 && scatter.size(0) == T && scatter.scalar_type() == at::kLong,
+  TR_CHECK_VALUE(scatter.dim() == 1 && scatter.size(0) == T && scatter.scalar_type() == at::kLong,
                     "ssd_tree_scan: scatter must be an int64 (tokens=", T, ") table (TreePlan.chunk_tables), got ",
                     scatter.scalar_type(), " ", scatter.sizes());
   for (const at::Tensor* t : {&dt, &B, &C, &gather, &scatter, &A})
-    TORCH_CHECK_VALUE(t->device() == x.device(), "ssd_tree_scan: every tensor must be on x's device ", x.device(),
+    TR_CHECK_VALUE(t->device() == x.device(), "ssd_tree_scan: every tensor must be on x's device ", x.device(),
                       ", got one on ", t->device(), " (the plan's tables: TreePlan.chunk_tables(chunk, device))");
 }
 
@@ -89,10 +90,10 @@ at::Tensor composite_scan(const at::Tensor& x_in, const at::Tensor& dt_in, const
   if (initial_state) {
     at::Tensor s = *initial_state;
     if (s.dim() == 4 && s.size(0) == 1) s = s[0];
-    TORCH_CHECK_VALUE((s.dim() == 3 || s.dim() == 4) && s.size(-3) == H && s.size(-2) == P && s.size(-1) == N,
+    TR_CHECK_VALUE((s.dim() == 3 || s.dim() == 4) && s.size(-3) == H && s.size(-2) == P && s.size(-1) == N,
                       "ssd_tree_scan: initial_state must be (heads=", H, ", head_dim=", P, ", state=", N,
                       ") or (roots, heads, head_dim, state), got ", initial_state->sizes());
-    TORCH_CHECK_VALUE(s.device() == x_in.device(), "ssd_tree_scan: initial_state is on ", s.device(), ", x on ", x_in.device());
+    TR_CHECK_VALUE(s.device() == x_in.device(), "ssd_tree_scan: initial_state is on ", s.device(), ", x on ", x_in.device());
     h0 = s.to(f).transpose(-1, -2).contiguous();  // (..., H, N, P): the state pass's (K, V) layout
   }
   static const auto state_pass =
@@ -124,10 +125,10 @@ at::Tensor composite_scan(const at::Tensor& x_in, const at::Tensor& dt_in, const
   if (z_in) {
     at::Tensor z = *z_in;
     if (z.dim() == 4) {
-      TORCH_CHECK_VALUE(z.size(0) == 1, "ssd_tree_scan: z must be (tokens, heads, head_dim) or (1, tokens, ...), got ", z.sizes());
+      TR_CHECK_VALUE(z.size(0) == 1, "ssd_tree_scan: z must be (tokens, heads, head_dim) or (1, tokens, ...), got ", z.sizes());
       z = z[0];
     }
-    TORCH_CHECK_VALUE(z.sizes() == x_in.sizes(), "ssd_tree_scan: z must be shaped like x ", x_in.sizes(), ", got ", z.sizes());
+    TR_CHECK_VALUE(z.sizes() == x_in.sizes(), "ssd_tree_scan: z must be shaped like x ", x_in.sizes(), ", got ", z.sizes());
     y = y * at::silu(z.to(f));
   }
   return y;

@@ -7,6 +7,7 @@
 //   (d) kernels/finalize_bwd.cu   dq, dk at the tokens (group sum, scale, l2norm backward)
 // No host sync: the only host table is level_offsets. Math: tests/python/gdn_bwd_reference.py.
 #include "gdn_fused_bwd.h"
+#include "tree_recurrence/sdk/check.h"
 
 #include <ATen/ATen.h>
 
@@ -36,7 +37,7 @@ struct Stages {
 #ifndef TREE_RECURRENCE_WITH_CUDA
 Stages run(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
            const Tables&, const std::optional<at::Tensor>&, double, bool, const Saved&, bool) {
-  TORCH_CHECK(false, "fused GDN backward: this build has no CUDA kernels");
+  TR_CHECK(false, "fused GDN backward: this build has no CUDA kernels");
 }
 #else
 at::Tensor aligned(const at::Tensor& t) {
@@ -46,15 +47,15 @@ at::Tensor aligned(const at::Tensor& t) {
 }
 
 void check_launch(const char* err, const char* stage) {
-  TORCH_CHECK(err == nullptr || err[0] == '\0', "fused GDN backward (", stage, "): ", err);
+  TR_CHECK(err == nullptr || err[0] == '\0', "fused GDN backward (", stage, "): ", err);
 }
 
 void check_buffer(const at::Tensor& t, const char* name, at::IntArrayRef shape, at::ScalarType dtype, const at::Device& dev) {
-  TORCH_CHECK_VALUE(t.defined(), "fused GDN backward: saved buffer ", name, " is missing");
-  TORCH_CHECK_VALUE(t.sizes() == shape, "fused GDN backward: saved buffer ", name, " must be ", shape, ", got ", t.sizes());
-  TORCH_CHECK_TYPE(t.scalar_type() == dtype, "fused GDN backward: saved buffer ", name, " must be ", dtype, ", got ",
+  TR_CHECK_VALUE(t.defined(), "fused GDN backward: saved buffer ", name, " is missing");
+  TR_CHECK_VALUE(t.sizes() == shape, "fused GDN backward: saved buffer ", name, " must be ", shape, ", got ", t.sizes());
+  TR_CHECK_TYPE(t.scalar_type() == dtype, "fused GDN backward: saved buffer ", name, " must be ", dtype, ", got ",
                    t.scalar_type());
-  TORCH_CHECK_VALUE(t.device() == dev, "fused GDN backward: saved buffer ", name, " is on ", t.device(), ", expected ", dev);
+  TR_CHECK_VALUE(t.device() == dev, "fused GDN backward: saved buffer ", name, " is on ", t.device(), ", expected ", dev);
 }
 
 // keep_stages: clone (b)'s dk^ and dG before (c) adds to them (the stages op only).
@@ -62,29 +63,29 @@ Stages run(const at::Tensor& grad_o, const at::Tensor& q_in, const at::Tensor& k
            const at::Tensor& g_in, const at::Tensor& beta_in, const Tables& tables,
            const std::optional<at::Tensor>& initial_state, double scale, bool use_qk_l2norm, const Saved& saved,
            bool keep_stages) {
-  TORCH_CHECK_VALUE(q_in.is_cuda(), "fused GDN backward: inputs must be on CUDA, got ", q_in.device());
+  TR_CHECK_VALUE(q_in.is_cuda(), "fused GDN backward: inputs must be on CUDA, got ", q_in.device());
   const auto dt = v_in.scalar_type();
-  TORCH_CHECK_TYPE((dt == at::kBFloat16 || dt == at::kHalf) && q_in.scalar_type() == dt && k_in.scalar_type() == dt,
+  TR_CHECK_TYPE((dt == at::kBFloat16 || dt == at::kHalf) && q_in.scalar_type() == dt && k_in.scalar_type() == dt,
                    "fused GDN backward: q, k, v must be bf16 or fp16 alike, got ", q_in.scalar_type(), ", ",
                    k_in.scalar_type(), ", ", dt);
-  TORCH_CHECK_VALUE(q_in.dim() == 3 && k_in.sizes() == q_in.sizes() && v_in.dim() == 3 && v_in.size(0) == q_in.size(0),
+  TR_CHECK_VALUE(q_in.dim() == 3 && k_in.sizes() == q_in.sizes() && v_in.dim() == 3 && v_in.size(0) == q_in.size(0),
                     "fused GDN backward: q, k must be (T, HK, K) alike and v (T, HV, V), got ", q_in.sizes(), ", ",
                     k_in.sizes(), ", ", v_in.sizes());
   const int64_t T = q_in.size(0), HK = q_in.size(1), K = q_in.size(2), HV = v_in.size(1), V = v_in.size(2);
   const int64_t NC = tables.gather.size(0), C = tables.gather.size(1), S = tables.parents.size(0);
-  TORCH_CHECK_VALUE(C == kernels::kBwdChunk, "fused GDN backward: chunk must be 64, got ", C);
-  TORCH_CHECK_VALUE(K % 8 == 0 && K >= 8 && K <= 128 && V % 8 == 0 && V >= 8 && V <= 128,
+  TR_CHECK_VALUE(C == kernels::kBwdChunk, "fused GDN backward: chunk must be 64, got ", C);
+  TR_CHECK_VALUE(K % 8 == 0 && K >= 8 && K <= 128 && V % 8 == 0 && V >= 8 && V <= 128,
                     "fused GDN backward: key and value dims must be multiples of 8 in [8, 128], got ", K, " and ", V);
-  TORCH_CHECK_VALUE(HK > 0 && HV % HK == 0 && HV <= 65535, "fused GDN backward: value heads ", HV,
+  TR_CHECK_VALUE(HK > 0 && HV % HK == 0 && HV <= 65535, "fused GDN backward: value heads ", HV,
                     " must be a multiple of key heads ", HK, " (at most 65535)");
-  TORCH_CHECK_VALUE(NC < (int64_t{1} << 31), "fused GDN backward: ", NC, " chunks (at most 2^31 - 1)");
-  TORCH_CHECK_VALUE(grad_o.dim() == 3 && grad_o.size(0) == T && grad_o.size(1) == HV && grad_o.size(2) == V,
+  TR_CHECK_VALUE(NC < (int64_t{1} << 31), "fused GDN backward: ", NC, " chunks (at most 2^31 - 1)");
+  TR_CHECK_VALUE(grad_o.dim() == 3 && grad_o.size(0) == T && grad_o.size(1) == HV && grad_o.size(2) == V,
                     "fused GDN backward: grad_o must be (", T, ", ", HV, ", ", V, "), got ", grad_o.sizes());
   for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"g", &g_in}, {"beta", &beta_in}})
-    TORCH_CHECK_VALUE(t->dim() == 2 && t->size(0) == T && t->size(1) == HV, "fused GDN backward: ", name, " must be (", T,
+    TR_CHECK_VALUE(t->dim() == 2 && t->size(0) == T && t->size(1) == HV, "fused GDN backward: ", name, " must be (", T,
                       ", ", HV, "), got ", t->sizes());
   const int64_t L = static_cast<int64_t>(tables.level_offsets.size()) - 1;
-  TORCH_CHECK_VALUE(L >= 1 || S == 0, "fused GDN backward: level_offsets must have num_levels + 1 entries");
+  TR_CHECK_VALUE(L >= 1 || S == 0, "fused GDN backward: level_offsets must have num_levels + 1 entries");
   const int64_t R = L >= 1 ? tables.level_offsets[1] - tables.level_offsets[0] : 0;
   const auto dev = q_in.device();
   check_buffer(saved.G, "G", {NC, HV, C}, at::kFloat, dev);

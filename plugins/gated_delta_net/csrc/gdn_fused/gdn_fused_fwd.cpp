@@ -2,6 +2,7 @@
 // (kernels/prep_fwd.cu, the SDK's tensor-core tree state pass, kernels/out_fwd.cu). No host sync:
 // the only host table is level_offsets.
 #include <ATen/ATen.h>
+#include "tree_recurrence/sdk/check.h"
 #include <ATen/core/grad_mode.h>
 
 #include <cmath>
@@ -35,7 +36,7 @@ std::vector<at::Tensor> stages(const at::Tensor& q, const at::Tensor& k, const a
 #ifndef TREE_RECURRENCE_WITH_CUDA
 std::pair<at::Tensor, Saved> forward(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                      const at::Tensor&, const Tables&, const std::optional<at::Tensor>&, double, bool) {
-  TORCH_CHECK(false, "gdn_tree_scan (fused): this build has no CUDA kernels");
+  TR_CHECK(false, "gdn_tree_scan (fused): this build has no CUDA kernels");
 }
 #else
 namespace {
@@ -48,7 +49,7 @@ at::Tensor aligned(const at::Tensor& t) {
 }
 
 void check_launch(const char* err, const char* stage) {
-  TORCH_CHECK(err == nullptr || err[0] == '\0', "gdn_tree_scan (fused forward, ", stage, "): ", err);
+  TR_CHECK(err == nullptr || err[0] == '\0', "gdn_tree_scan (fused forward, ", stage, "): ", err);
 }
 
 }  // namespace
@@ -56,22 +57,22 @@ void check_launch(const char* err, const char* stage) {
 std::pair<at::Tensor, Saved> forward(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
                                      const at::Tensor& g_in, const at::Tensor& beta_in, const Tables& tables,
                                      const std::optional<at::Tensor>& initial_state, double scale, bool use_qk_l2norm) {
-  TORCH_CHECK_VALUE(q_in.is_cuda(), "gdn_tree_scan (fused): inputs must be on CUDA, got ", q_in.device());
+  TR_CHECK_VALUE(q_in.is_cuda(), "gdn_tree_scan (fused): inputs must be on CUDA, got ", q_in.device());
   const auto dt = v_in.scalar_type();
-  TORCH_CHECK_TYPE((dt == at::kBFloat16 || dt == at::kHalf) && q_in.scalar_type() == dt && k_in.scalar_type() == dt,
+  TR_CHECK_TYPE((dt == at::kBFloat16 || dt == at::kHalf) && q_in.scalar_type() == dt && k_in.scalar_type() == dt,
                    "gdn_tree_scan (fused): q, k, v must be bfloat16 or float16 alike, got ", q_in.scalar_type(), ", ",
                    k_in.scalar_type(), ", ", dt);
   const int64_t T = q_in.size(0), HK = q_in.size(1), K = q_in.size(2), HV = v_in.size(1), V = v_in.size(2);
   const int64_t NC = tables.gather.size(0), C = tables.gather.size(1);
-  TORCH_CHECK_VALUE(C == kernels::kChunk, "gdn_tree_scan (fused): chunk must be 64, got ", C);
-  TORCH_CHECK_VALUE(K % 8 == 0 && K >= 8 && K <= 128 && V % 8 == 0 && V >= 8 && V <= 128,
+  TR_CHECK_VALUE(C == kernels::kChunk, "gdn_tree_scan (fused): chunk must be 64, got ", C);
+  TR_CHECK_VALUE(K % 8 == 0 && K >= 8 && K <= 128 && V % 8 == 0 && V >= 8 && V <= 128,
                     "gdn_tree_scan (fused): key_dim and value_dim must be multiples of 8 in 8..128, got ", K, " and ", V);
-  TORCH_CHECK_VALUE(HK > 0 && HV % HK == 0 && HV <= 65535, "gdn_tree_scan (fused): value heads ", HV,
+  TR_CHECK_VALUE(HK > 0 && HV % HK == 0 && HV <= 65535, "gdn_tree_scan (fused): value heads ", HV,
                     " must be a multiple of key heads ", HK, " and at most 65535");
-  TORCH_CHECK_VALUE(NC < (int64_t{1} << 31), "gdn_tree_scan (fused): ", NC, " chunks (at most 2^31 - 1)");
+  TR_CHECK_VALUE(NC < (int64_t{1} << 31), "gdn_tree_scan (fused): ", NC, " chunks (at most 2^31 - 1)");
   const int64_t S = tables.parents.size(0);
   const int64_t L = static_cast<int64_t>(tables.level_offsets.size()) - 1;
-  TORCH_CHECK_VALUE(L >= 0 || S == 0, "gdn_tree_scan (fused): level_offsets must have num_levels + 1 entries");
+  TR_CHECK_VALUE(L >= 0 || S == 0, "gdn_tree_scan (fused): level_offsets must have num_levels + 1 entries");
   const int64_t R = L >= 1 ? tables.level_offsets[1] : 0;
 
   c10::cuda::CUDAGuard guard(q_in.device());
@@ -127,7 +128,7 @@ std::pair<at::Tensor, Saved> forward(const at::Tensor& q_in, const at::Tensor& k
   if (initial_state && initial_state->defined()) {
     at::Tensor s0 = *initial_state;
     if (s0.dim() == 4 && s0.size(0) == 1) s0 = s0[0];
-    TORCH_CHECK_VALUE((s0.dim() == 3 || (s0.dim() == 4 && s0.size(0) == R)) && s0.size(-3) == HV && s0.size(-2) == K &&
+    TR_CHECK_VALUE((s0.dim() == 3 || (s0.dim() == 4 && s0.size(0) == R)) && s0.size(-3) == HV && s0.size(-2) == K &&
                           s0.size(-1) == V,
                       "gdn_tree_scan: initial_state must be (value_heads=", HV, ", key_dim=", K, ", value_dim=", V,
                       ") or (roots=", R, ", ", HV, ", ", K, ", ", V, "), got ", initial_state->sizes());

@@ -17,6 +17,7 @@
 // composite (every other path) still returns fp32 (ssd_chunked.h). A grad_out arriving in any dtype
 // is handed to fused::backward in the in-type, to the interim fallback in the composite's fp32.
 #include "ssd_fused.h"
+#include "tree_recurrence/sdk/check.h"
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/autograd.h>
@@ -39,7 +40,7 @@ namespace {
 // ScanFn::backward in the autograd thread), as the refusals of GPU runs 3 and 4 were. Unset: nothing.
 void diag_throw(const char* where) {
   const char* v = std::getenv("TREE_RECURRENCE_SSD_DIAG_THROW");
-  TORCH_CHECK_VALUE(!(v && std::string(v) == where), "ssd_tree_scan: TREE_RECURRENCE_SSD_DIAG_THROW=", where,
+  TR_CHECK_VALUE(!(v && std::string(v) == where), "ssd_tree_scan: TREE_RECURRENCE_SSD_DIAG_THROW=", where,
                     ": diagnostic throw in the fused path's ", where);
 }
 
@@ -130,9 +131,10 @@ struct ScanFn : public torch::autograd::Function<ScanFn> {
     bool interim = env_is_zero("TREE_RECURRENCE_SSD_FUSED_BWD");
     if (interim && t.gather.size(1) > tree_recurrence::kernels::kChunkStateMaxChunk) {
       // the composite takes chunk <= 64: keep the fused backward (one warning)
-      TORCH_WARN_ONCE("ssd_tree_scan: TREE_RECURRENCE_SSD_FUSED_BWD=0 ignored for chunk ", t.gather.size(1),
-                      " (the interim backward's composite takes chunk <= ",
-                      tree_recurrence::kernels::kChunkStateMaxChunk, "): fused backward used");
+      TORCH_WARN_ONCE(::tree_recurrence::sdk::message::str(
+          "ssd_tree_scan: TREE_RECURRENCE_SSD_FUSED_BWD=0 ignored for chunk ", t.gather.size(1),
+          " (the interim backward's composite takes chunk <= ", tree_recurrence::kernels::kChunkStateMaxChunk,
+          "): fused backward used"));
       interim = false;
     }
     if (!interim) {
@@ -192,7 +194,7 @@ std::pair<Args, Tables> bind(const at::Tensor& x, const at::Tensor& dt, const at
   Args a;
   a.x = x, a.dt = dt, a.B = B, a.C = C, a.A = A;
   a.D = D, a.dt_bias = dt_bias, a.z = z, a.initial_state = initial_state;
-  TORCH_CHECK_VALUE(dt_limit.size() == 2, "ssd_tree_scan: dt_limit must be (low, high)");
+  TR_CHECK_VALUE(dt_limit.size() == 2, "ssd_tree_scan: dt_limit must be (low, high)");
   a.dt_min = dt_limit[0], a.dt_max = dt_limit[1];
   a.dt_softplus = dt_softplus;
   return {a, Tables::of(TREE_RECURRENCE_CHUNK_TABLE_ARGS)};
@@ -204,7 +206,7 @@ std::vector<at::Tensor> stages_op(const at::Tensor& x, const at::Tensor& dt, con
                                   const std::optional<at::Tensor>& dt_bias, bool dt_softplus, const std::optional<at::Tensor>& z) {
   auto [a, t] = bind(x, dt, B, C, TREE_RECURRENCE_CHUNK_TABLE_ARGS, initial_state, A, dt_limit, D, dt_bias, dt_softplus, z);
   const std::string why = unsupported(a, t);
-  TORCH_CHECK_VALUE(why.empty(), "ssd_fused_stages: the fused kernels do not take this call: ", why);
+  TR_CHECK_VALUE(why.empty(), "ssd_fused_stages: the fused kernels do not take this call: ", why);
   at::NoGradGuard no_grad;
   std::vector<at::Tensor> out = forward_stages(a, t);
   if (!out[5].defined()) out[5] = at::empty({0}, x.options());

@@ -15,6 +15,7 @@
 // does with its bf16 states: recomputing them in fp32 would cost another state pass, and their
 // rounding enters only dC (through C s) and ddecay, at the in-type's precision.
 #include "ssd_fused.h"
+#include "tree_recurrence/sdk/check.h"
 #include "ssd_fused_bwd.h"
 
 #include <ATen/ATen.h>
@@ -43,7 +44,7 @@ k::BwdType bwd_type(const at::Tensor& t, const char* name) {
     case at::kBFloat16: return k::BwdType::BFloat16;
     case at::kHalf: return k::BwdType::Float16;
     default:
-      TORCH_CHECK_TYPE(false, "fused SSD backward: ", name, " has dtype ", t.scalar_type(),
+      TR_CHECK_TYPE(false, "fused SSD backward: ", name, " has dtype ", t.scalar_type(),
                        ", expected float32, bfloat16 or float16");
   }
   return k::BwdType::Float32;
@@ -80,56 +81,56 @@ bool ds_fp32_selected() {
 }
 
 void check_launch(int err, const char* what) {
-  TORCH_CHECK(err == 0, "fused SSD backward: the ", what, " kernel failed to launch: ", k::ssd_bwd_error_string(err));
+  TR_CHECK(err == 0, "fused SSD backward: the ", what, " kernel failed to launch: ", k::ssd_bwd_error_string(err));
 }
 
 Stages run(const at::Tensor& grad_out, const Args& a, const Tables& t, const Saved& saved, bool keep_stages) {
 #ifndef TREE_RECURRENCE_WITH_CUDA
   (void)grad_out; (void)a; (void)t; (void)saved; (void)keep_stages;
-  TORCH_CHECK(false, "fused SSD backward: this build has no CUDA kernels");
+  TR_CHECK(false, "fused SSD backward: this build has no CUDA kernels");
 #else
-  TORCH_CHECK_VALUE(a.x.is_cuda(), "fused SSD backward: x must be a CUDA tensor, got one on ", a.x.device());
-  TORCH_CHECK_VALUE(a.x.dim() == 3, "fused SSD backward: x must be (tokens, heads, head_dim), got ", a.x.sizes());
+  TR_CHECK_VALUE(a.x.is_cuda(), "fused SSD backward: x must be a CUDA tensor, got one on ", a.x.device());
+  TR_CHECK_VALUE(a.x.dim() == 3, "fused SSD backward: x must be (tokens, heads, head_dim), got ", a.x.sizes());
   const int64_t T = a.x.size(0), H = a.x.size(1), P = a.x.size(2);
-  TORCH_CHECK_VALUE(a.B.dim() == 3 && a.B.size(0) == T && a.C.sizes() == a.B.sizes(),
+  TR_CHECK_VALUE(a.B.dim() == 3 && a.B.size(0) == T && a.C.sizes() == a.B.sizes(),
                     "fused SSD backward: B and C must be (tokens, groups, state) alike, got ", a.B.sizes(), " and ",
                     a.C.sizes());
   const int64_t G = a.B.size(1), N = a.B.size(2);
-  TORCH_CHECK_VALUE(G > 0 && H % G == 0, "fused SSD backward: heads ", H, " must be a multiple of groups ", G);
-  TORCH_CHECK_VALUE(a.dt.dim() == 2 && a.dt.size(0) == T && a.dt.size(1) == H, "fused SSD backward: dt must be (", T, ", ",
+  TR_CHECK_VALUE(G > 0 && H % G == 0, "fused SSD backward: heads ", H, " must be a multiple of groups ", G);
+  TR_CHECK_VALUE(a.dt.dim() == 2 && a.dt.size(0) == T && a.dt.size(1) == H, "fused SSD backward: dt must be (", T, ", ",
                     H, "), got ", a.dt.sizes());
-  TORCH_CHECK_VALUE(a.A.dim() == 1 && a.A.size(0) == H, "fused SSD backward: A must be (", H, "), got ", a.A.sizes());
-  TORCH_CHECK_VALUE(grad_out.sizes() == a.x.sizes(), "fused SSD backward: grad_out must be shaped like x ", a.x.sizes(),
+  TR_CHECK_VALUE(a.A.dim() == 1 && a.A.size(0) == H, "fused SSD backward: A must be (", H, "), got ", a.A.sizes());
+  TR_CHECK_VALUE(grad_out.sizes() == a.x.sizes(), "fused SSD backward: grad_out must be shaped like x ", a.x.sizes(),
                     ", got ", grad_out.sizes());
-  TORCH_CHECK_VALUE(t.gather.dim() == 2 && t.gather.scalar_type() == at::kLong, "fused SSD backward: gather must be an int64 (chunks, chunk) table, got ",
+  TR_CHECK_VALUE(t.gather.dim() == 2 && t.gather.scalar_type() == at::kLong, "fused SSD backward: gather must be an int64 (chunks, chunk) table, got ",
                     t.gather.scalar_type(), " ", t.gather.sizes());
   const int64_t NC = t.gather.size(0), L = t.gather.size(1), S = t.parents.size(0);
-  TORCH_CHECK_VALUE(L >= 1 && L <= k::kBwdMaxChunk, "fused SSD backward: chunk ", L, " must be in 1..", k::kBwdMaxChunk);
-  TORCH_CHECK_VALUE(t.level_offsets.size() >= 1, "fused SSD backward: level_offsets must not be empty");
-  TORCH_CHECK_VALUE(saved.dt.scalar_type() == at::kFloat && saved.Lam.scalar_type() == at::kFloat &&
+  TR_CHECK_VALUE(L >= 1 && L <= k::kBwdMaxChunk, "fused SSD backward: chunk ", L, " must be in 1..", k::kBwdMaxChunk);
+  TR_CHECK_VALUE(t.level_offsets.size() >= 1, "fused SSD backward: level_offsets must not be empty");
+  TR_CHECK_VALUE(saved.dt.scalar_type() == at::kFloat && saved.Lam.scalar_type() == at::kFloat &&
                         saved.dt.sizes() == at::IntArrayRef({NC, H, L}) && saved.Lam.sizes() == saved.dt.sizes(),
                     "fused SSD backward: saved dt and Lam must be float32 (chunks, heads, chunk) = (", NC, ", ", H, ", ", L,
                     "), got ", saved.dt.scalar_type(), " ", saved.dt.sizes(), " and ", saved.Lam.scalar_type(), " ",
                     saved.Lam.sizes());
-  TORCH_CHECK_VALUE(saved.states.sizes() == at::IntArrayRef({NC, H, P, N}), "fused SSD backward: saved states must be (", NC,
+  TR_CHECK_VALUE(saved.states.sizes() == at::IntArrayRef({NC, H, P, N}), "fused SSD backward: saved states must be (", NC,
                     ", ", H, ", ", P, ", ", N, "), got ", saved.states.sizes());
   if (a.z) {
-    TORCH_CHECK_VALUE(a.z->sizes() == a.x.sizes(), "fused SSD backward: z must be shaped like x ", a.x.sizes(), ", got ",
+    TR_CHECK_VALUE(a.z->sizes() == a.x.sizes(), "fused SSD backward: z must be shaped like x ", a.x.sizes(), ", got ",
                       a.z->sizes());
-    TORCH_CHECK_VALUE(saved.y.defined() && saved.y.sizes() == a.x.sizes(),
+    TR_CHECK_VALUE(saved.y.defined() && saved.y.sizes() == a.x.sizes(),
                       "fused SSD backward: with z the saved y (tokens, heads, head_dim) is required");
   }
   if (a.D)
-    TORCH_CHECK_VALUE((a.D->dim() == 1 && a.D->size(0) == H) || (a.D->dim() == 2 && a.D->size(0) == H && a.D->size(1) == P),
+    TR_CHECK_VALUE((a.D->dim() == 1 && a.D->size(0) == H) || (a.D->dim() == 2 && a.D->size(0) == H && a.D->size(1) == P),
                       "fused SSD backward: D must be (", H, ") or (", H, ", ", P, "), got ", a.D->sizes());
   if (a.dt_bias)
-    TORCH_CHECK_VALUE(a.dt_bias->dim() == 1 && a.dt_bias->size(0) == H, "fused SSD backward: dt_bias must be (", H,
+    TR_CHECK_VALUE(a.dt_bias->dim() == 1 && a.dt_bias->size(0) == H, "fused SSD backward: dt_bias must be (", H,
                       "), got ", a.dt_bias->sizes());
   bool shared_h0 = false;
   int64_t R = t.level_offsets.size() >= 2 ? t.level_offsets[1] - t.level_offsets[0] : 0;  // roots = level 0
   if (a.initial_state) {
     const at::Tensor& s = *a.initial_state;
-    TORCH_CHECK_VALUE((s.dim() == 3 || s.dim() == 4) && s.size(-3) == H && s.size(-2) == P && s.size(-1) == N,
+    TR_CHECK_VALUE((s.dim() == 3 || s.dim() == 4) && s.size(-3) == H && s.size(-2) == P && s.size(-1) == N,
                       "fused SSD backward: initial_state must be (", H, ", ", P, ", ", N, ") or (roots, ", H, ", ", P, ", ",
                       N, "), got ", s.sizes());
     shared_h0 = s.dim() == 3 || s.size(0) == 1;
@@ -174,7 +175,7 @@ Stages run(const at::Tensor& grad_out, const Args& a, const Tables& t, const Sav
   p.num_chunks = NC; p.chunk = L; p.num_segments = S;
   p.x_type = bwd_type(x, "x");
   p.bc_type = bwd_type(B, "B");
-  TORCH_CHECK_TYPE(C.scalar_type() == B.scalar_type(), "fused SSD backward: B and C must share a dtype, got ",
+  TR_CHECK_TYPE(C.scalar_type() == B.scalar_type(), "fused SSD backward: B and C must share a dtype, got ",
                    B.scalar_type(), " and ", C.scalar_type());
   p.dout_type = bwd_type(dout, "grad_out");
   p.states_type = bwd_type(states, "saved states");
@@ -306,7 +307,7 @@ Stages run(const at::Tensor& grad_out, const Args& a, const Tables& t, const Sav
   if (keep_stages) st.local = ds16.defined() ? ds16.to(at::kFloat) : st.ds_leave.clone();  // widened: exact
   for (int64_t lv = static_cast<int64_t>(t.level_offsets.size()) - 2; lv >= 0; --lv) {
     const int64_t begin = t.level_offsets[lv], count = t.level_offsets[lv + 1] - begin;
-    TORCH_CHECK_VALUE(count >= 0 && begin >= 0 && begin + count <= S, "fused SSD backward: level_offsets ", lv, " is out of range");
+    TR_CHECK_VALUE(count >= 0 && begin >= 0 && begin + count <= S, "fused SSD backward: level_offsets ", lv, " is out of range");
     check_launch(k::ssd_bwd_state_pass(p, begin, count, stream), "reverse state pass");
   }
   if (p.ddecay_part != nullptr)
@@ -354,7 +355,7 @@ Stages run(const at::Tensor& grad_out, const Args& a, const Tables& t, const Sav
       const at::Tensor hp = dD_part.sum(0);
       g.dD = (a.D->dim() == 1 && hp.dim() == 2 ? hp.sum(1) : hp).to(a.D->scalar_type());
     } else {
-      TORCH_CHECK(st.dy.defined(), "fused SSD backward: dD needs dy or the post kernel's dD partials");
+      TR_CHECK(st.dy.defined(), "fused SSD backward: dD needs dy or the post kernel's dD partials");
       const at::Tensor xy = st.dy * x.to(at::kFloat);
       g.dD = (a.D->dim() == 1 ? xy.sum(at::IntArrayRef{0, 2}) : xy.sum(0)).to(a.D->scalar_type());
     }
@@ -364,7 +365,7 @@ Stages run(const at::Tensor& grad_out, const Args& a, const Tables& t, const Sav
     if (dz_out.defined()) {
       g.dz = dz_out.to(a.z->scalar_type());  // written in z's dtype: no copy
     } else {
-      TORCH_CHECK(st.dz.defined(), "fused SSD backward: dz needs the gate or the post kernel's dz");
+      TR_CHECK(st.dz.defined(), "fused SSD backward: dz needs the gate or the post kernel's dz");
       g.dz = st.dz.to(a.z->scalar_type());
     }
   }
@@ -388,7 +389,7 @@ Stages run(const at::Tensor& grad_out, const Args& a, const Tables& t, const Sav
                                         const at::Tensor& child_offsets, const at::Tensor& children,
                                         const at::Tensor& saved_dt, const at::Tensor& saved_Lam,
                                         const at::Tensor& saved_states, const std::optional<at::Tensor>& saved_y) {
-  TORCH_CHECK_VALUE(dt_limit.size() == 2, "ssd_fused_backward_stages: dt_limit must be (low, high)");
+  TR_CHECK_VALUE(dt_limit.size() == 2, "ssd_fused_backward_stages: dt_limit must be (low, high)");
   Args a;
   a.x = x; a.dt = dt; a.B = B; a.C = C; a.A = A; a.D = D; a.dt_bias = dt_bias; a.z = z; a.initial_state = initial_state;
   a.dt_min = dt_limit[0]; a.dt_max = dt_limit[1]; a.dt_softplus = dt_softplus;

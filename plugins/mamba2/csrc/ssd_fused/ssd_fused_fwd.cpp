@@ -15,6 +15,7 @@
 // forward_stages (tests) also runs the chunk-state kernel, for the transient chunk_states stage; with
 // the fused pass, dt / Lam / states then come from the fused kernel (which rewrites the same dt / Lam).
 #include "ssd_fused.h"
+#include "tree_recurrence/sdk/check.h"
 
 #include <ATen/ATen.h>
 
@@ -46,11 +47,11 @@ at::Tensor dense(const at::Tensor& t) {
 }
 
 void check_launch(int err, const char* stage) {
-  TORCH_CHECK(err == 0, "fused SSD forward: the ", stage, " kernel failed to launch: ", kernels::ssd_fwd_error_string(err));
+  TR_CHECK(err == 0, "fused SSD forward: the ", stage, " kernel failed to launch: ", kernels::ssd_fwd_error_string(err));
 }
 
 const int64_t* table(const at::Tensor& t, const at::Tensor& x, const char* name) {
-  TORCH_CHECK_VALUE(t.scalar_type() == at::kLong && t.device() == x.device() && t.is_contiguous(), "fused SSD forward: table ",
+  TR_CHECK_VALUE(t.scalar_type() == at::kLong && t.device() == x.device() && t.is_contiguous(), "fused SSD forward: table ",
                     name, " must be a contiguous int64 tensor on ", x.device(), ", got ", t.scalar_type(), " on ",
                     t.device());
   return t.data_ptr<int64_t>();
@@ -89,19 +90,19 @@ Stages run(const Args& a, const Tables& t, bool with_chunk_states, bool save_y) 
   (void)t;
   (void)with_chunk_states;
   (void)save_y;
-  TORCH_CHECK(false, "fused SSD forward: this build has no CUDA kernels");
+  TR_CHECK(false, "fused SSD forward: this build has no CUDA kernels");
 #else
   const c10::cuda::CUDAGuard guard(a.x.device());
   const at::ScalarType in = a.x.scalar_type();
-  TORCH_CHECK_TYPE(in == at::kBFloat16 || in == at::kHalf, "fused SSD forward: x must be bfloat16 or float16, got ", in);
-  TORCH_CHECK_TYPE(a.B.scalar_type() == in && a.C.scalar_type() == in, "fused SSD forward: B and C must have x's dtype ", in,
+  TR_CHECK_TYPE(in == at::kBFloat16 || in == at::kHalf, "fused SSD forward: x must be bfloat16 or float16, got ", in);
+  TR_CHECK_TYPE(a.B.scalar_type() == in && a.C.scalar_type() == in, "fused SSD forward: B and C must have x's dtype ", in,
                    ", got ", a.B.scalar_type(), " and ", a.C.scalar_type());
   const at::Tensor x = dense(a.x), B = dense(a.B), C = dense(a.C);
   const int64_t T = x.size(0), H = x.size(1), P = x.size(2), G = B.size(1), N = B.size(2);
   const int64_t NC = t.gather.size(0), L = t.gather.size(1), S = t.parents.size(0);
   // (no numbers in the message: see docs/kernels.md, the crash on a thrown error that formats one)
-  TORCH_CHECK_VALUE(G > 0 && H % G == 0, "fused SSD forward: the heads must be a multiple of the groups");
-  TORCH_CHECK_VALUE(kernels::fwd_shape_supported(L, P, N), "fused SSD forward: chunk ", L, ", head_dim ", P, ", state ", N,
+  TR_CHECK_VALUE(G > 0 && H % G == 0, "fused SSD forward: the heads must be a multiple of the groups");
+  TR_CHECK_VALUE(kernels::fwd_shape_supported(L, P, N), "fused SSD forward: chunk ", L, ", head_dim ", P, ", state ", N,
                     " outside the kernels' range (chunk 64/128/256; head_dim, state multiples of 8, <= 128, <= 256)");
   const auto f32 = x.options().dtype(at::kFloat);
   const at::Tensor dt_raw = a.dt.to(at::kFloat).contiguous();
@@ -155,7 +156,7 @@ Stages run(const Args& a, const Tables& t, bool with_chunk_states, bool save_y) 
   p.root_index = table(t.root_index, x, "root_index");
   p.level_segments = table(t.level_segments, x, "level_segments");
   p.child_offsets = table(t.child_offsets, x, "child_offsets");
-  TORCH_CHECK_VALUE(!t.level_offsets.empty(), "fused SSD forward: level_offsets is empty");
+  TR_CHECK_VALUE(!t.level_offsets.empty(), "fused SSD forward: level_offsets is empty");
   p.level_offsets = t.level_offsets.data();
   p.num_levels = static_cast<int64_t>(t.level_offsets.size()) - 1;
   p.dt = o.dt.data_ptr<float>(), p.Lam = o.Lam.data_ptr<float>();

@@ -1,4 +1,5 @@
 #include "kda_tree_scan.h"
+#include "tree_recurrence/sdk/check.h"
 
 #include <ATen/ATen.h>
 
@@ -13,26 +14,26 @@ namespace {
 
 void check(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta,
            const at::Tensor& seg_offsets, const at::Tensor& parents) {
-  TORCH_CHECK_VALUE(q.dim() == 3 && k.sizes() == q.sizes(), "kda_tree_scan: q and k must be (tokens, heads, key_dim) alike, got ",
+  TR_CHECK_VALUE(q.dim() == 3 && k.sizes() == q.sizes(), "kda_tree_scan: q and k must be (tokens, heads, key_dim) alike, got ",
                     q.sizes(), " and ", k.sizes());
-  TORCH_CHECK_VALUE(v.dim() == 3 && v.size(0) == q.size(0), "kda_tree_scan: v must be (tokens=", q.size(0),
+  TR_CHECK_VALUE(v.dim() == 3 && v.size(0) == q.size(0), "kda_tree_scan: v must be (tokens=", q.size(0),
                     ", value_heads, value_dim), got ", v.sizes());
-  TORCH_CHECK_VALUE(q.size(1) > 0 && v.size(1) % q.size(1) == 0, "kda_tree_scan: value heads ", v.size(1),
+  TR_CHECK_VALUE(q.size(1) > 0 && v.size(1) % q.size(1) == 0, "kda_tree_scan: value heads ", v.size(1),
                     " must be a multiple of key heads ", q.size(1));
-  TORCH_CHECK_VALUE(g.dim() == 3 && g.size(0) == v.size(0) && g.size(1) == v.size(1) && g.size(2) == q.size(2),
+  TR_CHECK_VALUE(g.dim() == 3 && g.size(0) == v.size(0) && g.size(1) == v.size(1) && g.size(2) == q.size(2),
                     "kda_tree_scan: g must be (tokens, value_heads, key_dim)=(", v.size(0), ", ", v.size(1), ", ", q.size(2),
                     ") (one log decay per key channel), got ", g.sizes());
-  TORCH_CHECK_VALUE(beta.dim() == 2 && beta.size(0) == v.size(0) && beta.size(1) == v.size(1),
+  TR_CHECK_VALUE(beta.dim() == 2 && beta.size(0) == v.size(0) && beta.size(1) == v.size(1),
                     "kda_tree_scan: beta must be (tokens, value_heads)=(", v.size(0), ", ", v.size(1), "), got ", beta.sizes());
   for (const at::Tensor* t : {&k, &v, &g, &beta})
-    TORCH_CHECK_VALUE(t->device() == q.device(), "kda_tree_scan: all tensors must be on ", q.device(), ", got one on ",
+    TR_CHECK_VALUE(t->device() == q.device(), "kda_tree_scan: all tensors must be on ", q.device(), ", got one on ",
                       t->device());
-  TORCH_CHECK_VALUE(seg_offsets.is_cpu() && parents.is_cpu() && seg_offsets.scalar_type() == at::kLong &&
+  TR_CHECK_VALUE(seg_offsets.is_cpu() && parents.is_cpu() && seg_offsets.scalar_type() == at::kLong &&
                         parents.scalar_type() == at::kLong,
                     "kda_tree_scan: seg_offsets and parents must be int64 CPU tensors (the plan's host arrays)");
-  TORCH_CHECK_VALUE(seg_offsets.dim() == 1 && parents.dim() == 1 && seg_offsets.numel() == parents.numel() + 1,
+  TR_CHECK_VALUE(seg_offsets.dim() == 1 && parents.dim() == 1 && seg_offsets.numel() == parents.numel() + 1,
                     "kda_tree_scan: seg_offsets must have one more entry than parents");
-  TORCH_CHECK_VALUE(seg_offsets.numel() >= 2 && seg_offsets.data_ptr<int64_t>()[0] == 0 &&
+  TR_CHECK_VALUE(seg_offsets.numel() >= 2 && seg_offsets.data_ptr<int64_t>()[0] == 0 &&
                         seg_offsets.data_ptr<int64_t>()[seg_offsets.numel() - 1] == q.size(0),
                     "kda_tree_scan: seg_offsets must run from 0 to the number of tokens ", q.size(0));
   // segment order and parents are checked by walk_segments

@@ -31,6 +31,7 @@
 #pragma once
 
 #include <ATen/Parallel.h>
+#include "tree_recurrence/sdk/check.h"
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/matmul.h>
@@ -79,72 +80,72 @@ inline at::ScalarType state_dtype(at::ScalarType in) { return in == at::kDouble 
 // Shapes, dtypes, devices and the host level_offsets. `what` is "chunk_state_pass" or "..._backward".
 inline Sizes check_args(const char* what, const OptTensor& w, const at::Tensor& u, const at::Tensor& kd,
                         const at::Tensor& decay, const OptTensor& initial_state, const Tables& t) {
-  TORCH_CHECK_VALUE(u.dim() == 4, what, ": u must be (chunks, heads, chunk_len, V), got ", u.sizes());
+  TR_CHECK_VALUE(u.dim() == 4, what, ": u must be (chunks, heads, chunk_len, V), got ", u.sizes());
   const int64_t NC = u.size(0), H = u.size(1), C = u.size(2), V = u.size(3);
-  TORCH_CHECK_TYPE(is_float(u.scalar_type()), what, ": u has dtype ", u.scalar_type(),
+  TR_CHECK_TYPE(is_float(u.scalar_type()), what, ": u has dtype ", u.scalar_type(),
                    ", expected float32, float64, bfloat16 or float16");
-  TORCH_CHECK_VALUE(C >= 1 && C <= kernels::kChunkStateMaxChunk, what, ": chunk_len (u.size(2)) is ", C, ", expected 1..",
+  TR_CHECK_VALUE(C >= 1 && C <= kernels::kChunkStateMaxChunk, what, ": chunk_len (u.size(2)) is ", C, ", expected 1..",
                     kernels::kChunkStateMaxChunk);
-  TORCH_CHECK_VALUE(kd.dim() == 4 && kd.size(0) == NC && kd.size(1) == H && kd.size(2) == C, what,
+  TR_CHECK_VALUE(kd.dim() == 4 && kd.size(0) == NC && kd.size(1) == H && kd.size(2) == C, what,
                     ": kd must be (chunks=", NC, ", heads=", H, ", chunk_len=", C, ", K), got ", kd.sizes());
   const int64_t K = kd.size(3);
-  TORCH_CHECK_TYPE(kd.scalar_type() == u.scalar_type(), what, ": kd has dtype ", kd.scalar_type(), " but u has ",
+  TR_CHECK_TYPE(kd.scalar_type() == u.scalar_type(), what, ": kd has dtype ", kd.scalar_type(), " but u has ",
                    u.scalar_type(), " (w, u and kd must share one dtype)");
   if (w) {
-    TORCH_CHECK_VALUE(w->sizes() == kd.sizes(), what, ": w must be (chunks=", NC, ", heads=", H, ", chunk_len=", C,
+    TR_CHECK_VALUE(w->sizes() == kd.sizes(), what, ": w must be (chunks=", NC, ", heads=", H, ", chunk_len=", C,
                       ", K=", K, ") like kd, got ", w->sizes());
-    TORCH_CHECK_TYPE(w->scalar_type() == u.scalar_type(), what, ": w has dtype ", w->scalar_type(), " but u has ",
+    TR_CHECK_TYPE(w->scalar_type() == u.scalar_type(), what, ": w has dtype ", w->scalar_type(), " but u has ",
                      u.scalar_type(), " (w, u and kd must share one dtype)");
   }
-  TORCH_CHECK_VALUE(decay.dim() == 2 && decay.size(0) == NC && decay.size(1) == H, what, ": decay must be (chunks=", NC,
+  TR_CHECK_VALUE(decay.dim() == 2 && decay.size(0) == NC && decay.size(1) == H, what, ": decay must be (chunks=", NC,
                     ", heads=", H, "), got ", decay.sizes());
-  TORCH_CHECK_TYPE(decay.scalar_type() == at::kFloat || decay.scalar_type() == at::kDouble, what, ": decay has dtype ",
+  TR_CHECK_TYPE(decay.scalar_type() == at::kFloat || decay.scalar_type() == at::kDouble, what, ": decay has dtype ",
                    decay.scalar_type(), ", expected float32 or float64");
   // Tables.
   const std::pair<const char*, const at::Tensor*> tables[] = {
       {"seg_chunk_offsets", &t.seg_chunk_offsets}, {"parents", &t.parents},           {"root_index", &t.root_index},
       {"level_segments", &t.level_segments},       {"child_offsets", &t.child_offsets}, {"children", &t.children}};
   for (const auto& [name, tab] : tables) {
-    TORCH_CHECK_TYPE(tab->scalar_type() == at::kLong, what, ": ", name, " must be int64, got ", tab->scalar_type());
-    TORCH_CHECK_VALUE(tab->dim() == 1, what, ": ", name, " must be 1-D, got ", tab->sizes());
-    TORCH_CHECK_VALUE(tab->device() == u.device(), what, ": ", name, " is on ", tab->device(), " but u is on ", u.device(),
+    TR_CHECK_TYPE(tab->scalar_type() == at::kLong, what, ": ", name, " must be int64, got ", tab->scalar_type());
+    TR_CHECK_VALUE(tab->dim() == 1, what, ": ", name, " must be 1-D, got ", tab->sizes());
+    TR_CHECK_VALUE(tab->device() == u.device(), what, ": ", name, " is on ", tab->device(), " but u is on ", u.device(),
                       " (the plan's tables must be on the inputs' device)");
   }
   const int64_t S = t.parents.numel();
-  TORCH_CHECK_VALUE(t.seg_chunk_offsets.numel() == S + 1, what, ": seg_chunk_offsets must have segments+1 = ", S + 1,
+  TR_CHECK_VALUE(t.seg_chunk_offsets.numel() == S + 1, what, ": seg_chunk_offsets must have segments+1 = ", S + 1,
                     " entries, got ", t.seg_chunk_offsets.numel());
-  TORCH_CHECK_VALUE(t.root_index.numel() == S, what, ": root_index must have segments = ", S, " entries, got ",
+  TR_CHECK_VALUE(t.root_index.numel() == S, what, ": root_index must have segments = ", S, " entries, got ",
                     t.root_index.numel());
-  TORCH_CHECK_VALUE(t.level_segments.numel() == S, what, ": level_segments must have segments = ", S, " entries, got ",
+  TR_CHECK_VALUE(t.level_segments.numel() == S, what, ": level_segments must have segments = ", S, " entries, got ",
                     t.level_segments.numel());
-  TORCH_CHECK_VALUE(t.child_offsets.numel() == S + 1, what, ": child_offsets must have segments+1 = ", S + 1,
+  TR_CHECK_VALUE(t.child_offsets.numel() == S + 1, what, ": child_offsets must have segments+1 = ", S + 1,
                     " entries, got ", t.child_offsets.numel());
   const auto& lo = t.level_offsets;
-  TORCH_CHECK_VALUE(lo.size() >= 1 && lo.front() == 0 && lo.back() == S, what,
+  TR_CHECK_VALUE(lo.size() >= 1 && lo.front() == 0 && lo.back() == S, what,
                     ": level_offsets must run from 0 to the number of segments ", S, ", got ", lo);
   for (size_t l = 1; l < lo.size(); ++l)
-    TORCH_CHECK_VALUE(lo[l] >= lo[l - 1], what, ": level_offsets decrease at index ", l, ": ", lo);
+    TR_CHECK_VALUE(lo[l] >= lo[l - 1], what, ": level_offsets decrease at index ", l, ": ", lo);
   const int64_t R = lo.size() >= 2 ? lo[1] : 0;
-  TORCH_CHECK_VALUE(S == 0 || R >= 1, what, ": level 0 (the roots) is empty in level_offsets ", lo);
-  TORCH_CHECK_VALUE(t.children.numel() == S - R, what, ": children must have one entry per non-root segment (", S - R,
+  TR_CHECK_VALUE(S == 0 || R >= 1, what, ": level 0 (the roots) is empty in level_offsets ", lo);
+  TR_CHECK_VALUE(t.children.numel() == S - R, what, ": children must have one entry per non-root segment (", S - R,
                     "), got ", t.children.numel());
-  TORCH_CHECK_VALUE(NC >= S, what, ": ", NC, " chunks for ", S, " segments (every segment has at least one chunk)");
-  TORCH_CHECK_VALUE(S > 0 || NC == 0, what, ": ", NC, " chunks but no segments");
+  TR_CHECK_VALUE(NC >= S, what, ": ", NC, " chunks for ", S, " segments (every segment has at least one chunk)");
+  TR_CHECK_VALUE(S > 0 || NC == 0, what, ": ", NC, " chunks but no segments");
   bool per_root = false;
   if (initial_state) {
     const auto& h0 = *initial_state;
-    TORCH_CHECK_TYPE(is_float(h0.scalar_type()), what, ": initial_state has dtype ", h0.scalar_type(), ", expected a float type");
+    TR_CHECK_TYPE(is_float(h0.scalar_type()), what, ": initial_state has dtype ", h0.scalar_type(), ", expected a float type");
     const bool shared = h0.dim() == 3 && h0.size(0) == H && h0.size(1) == K && h0.size(2) == V;
     per_root = h0.dim() == 4 && h0.size(0) == R && h0.size(1) == H && h0.size(2) == K && h0.size(3) == V;
-    TORCH_CHECK_VALUE(shared || per_root, what, ": initial_state must be (heads=", H, ", K=", K, ", V=", V,
+    TR_CHECK_VALUE(shared || per_root, what, ": initial_state must be (heads=", H, ", K=", K, ", V=", V,
                       ") or (roots=", R, ", ", H, ", ", K, ", ", V, "), got ", h0.sizes());
   }
   const std::pair<const char*, const at::Tensor*> data[] = {{"kd", &kd}, {"decay", &decay}};
   for (const auto& [name, x] : data)
-    TORCH_CHECK_VALUE(x->device() == u.device(), what, ": ", name, " is on ", x->device(), " but u is on ", u.device());
-  if (w) TORCH_CHECK_VALUE(w->device() == u.device(), what, ": w is on ", w->device(), " but u is on ", u.device());
+    TR_CHECK_VALUE(x->device() == u.device(), what, ": ", name, " is on ", x->device(), " but u is on ", u.device());
+  if (w) TR_CHECK_VALUE(w->device() == u.device(), what, ": w is on ", w->device(), " but u is on ", u.device());
   if (initial_state)
-    TORCH_CHECK_VALUE(initial_state->device() == u.device(), what, ": initial_state is on ", initial_state->device(),
+    TR_CHECK_VALUE(initial_state->device() == u.device(), what, ": initial_state is on ", initial_state->device(),
                       " but u is on ", u.device());
   return {NC, H, C, K, V, S, R, per_root};
 }
@@ -189,7 +190,7 @@ void run_cpu(kernels::ChunkStatePassParams p, bool backward, Kernel kernel) {
     kernels::check_chunk_state_params(p, backward);
     kernels::check_chunk_state_tables_cpu(p);
   } catch (const std::invalid_argument& e) {
-    TORCH_CHECK_VALUE(false, e.what());
+    TR_CHECK_VALUE(false, e.what());
   }
   at::parallel_for(0, p.heads, 1, [&](int64_t begin, int64_t end) {
     kernels::ChunkStatePassParams q = p;
@@ -230,7 +231,7 @@ inline std::tuple<at::Tensor, at::Tensor> forward_impl(const OptTensor& w_in, co
   const at::ScalarType acc = state_dtype(u_in.scalar_type());
   const bool cpu = u_in.is_cpu();
   const DeviceGuard guard(u_in);
-  TORCH_CHECK_VALUE(cpu || u_in.is_cuda(), "chunk_state_pass: no kernel for device ", u_in.device());
+  TR_CHECK_VALUE(cpu || u_in.is_cuda(), "chunk_state_pass: no kernel for device ", u_in.device());
   // CPU computes in the state type (half inputs widened); CUDA reads the inputs as they are.
   const at::ScalarType in = cpu ? acc : u_in.scalar_type();
   const OptTensor w = as(w_in, in), h0 = as(h0_in, acc);
@@ -255,11 +256,11 @@ inline std::tuple<at::Tensor, at::Tensor> forward_impl(const OptTensor& w_in, co
   try {
     kernels::chunk_state_pass_forward_cuda(p, c10::cuda::getCurrentCUDAStream().stream());
   } catch (const std::invalid_argument& e) {
-    TORCH_CHECK_VALUE(false, e.what());
+    TR_CHECK_VALUE(false, e.what());
   }
   return {h, v_new};
 #else
-  TORCH_CHECK_VALUE(false, "chunk_state_pass: this build has no CUDA kernels");
+  TR_CHECK_VALUE(false, "chunk_state_pass: this build has no CUDA kernels");
 #endif
 }
 
@@ -273,18 +274,18 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> ba
   const Tables t{seg_chunk_offsets, parents, root_index, level_segments, level_offsets, child_offsets, children};
   const Sizes z = check_args("chunk_state_pass_backward", w_in, v_new_in, kd_in, decay_in, h0, t);
   const at::ScalarType acc = state_dtype(v_new_in.scalar_type());
-  TORCH_CHECK_VALUE(h_in.dim() == 4 && h_in.size(0) == z.NC && h_in.size(1) == z.H && h_in.size(2) == z.K &&
+  TR_CHECK_VALUE(h_in.dim() == 4 && h_in.size(0) == z.NC && h_in.size(1) == z.H && h_in.size(2) == z.K &&
                         h_in.size(3) == z.V,
                     "chunk_state_pass_backward: h must be (", z.NC, ", ", z.H, ", ", z.K, ", ", z.V, "), got ", h_in.sizes());
   if (grad_h_in)
-    TORCH_CHECK_VALUE(grad_h_in->sizes() == h_in.sizes(), "chunk_state_pass_backward: grad_h must be ", h_in.sizes(),
+    TR_CHECK_VALUE(grad_h_in->sizes() == h_in.sizes(), "chunk_state_pass_backward: grad_h must be ", h_in.sizes(),
                       ", got ", grad_h_in->sizes());
   if (grad_v_new_in)
-    TORCH_CHECK_VALUE(grad_v_new_in->sizes() == v_new_in.sizes(), "chunk_state_pass_backward: grad_v_new must be ",
+    TR_CHECK_VALUE(grad_v_new_in->sizes() == v_new_in.sizes(), "chunk_state_pass_backward: grad_v_new must be ",
                       v_new_in.sizes(), ", got ", grad_v_new_in->sizes());
   const bool cpu = v_new_in.is_cpu();
   const DeviceGuard guard(v_new_in);
-  TORCH_CHECK_VALUE(cpu || v_new_in.is_cuda(), "chunk_state_pass_backward: no kernel for device ", v_new_in.device());
+  TR_CHECK_VALUE(cpu || v_new_in.is_cuda(), "chunk_state_pass_backward: no kernel for device ", v_new_in.device());
   const at::ScalarType in = cpu ? acc : v_new_in.scalar_type();
   const OptTensor w = as(w_in, in), grad_h = as(grad_h_in, acc), grad_v_new = as(grad_v_new_in, in);
   const at::Tensor kd = as(kd_in, in), decay = as(decay_in, acc), h = as(h_in, acc), v_new = as(v_new_in, in);
@@ -315,10 +316,10 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> ba
     try {
       kernels::chunk_state_pass_backward_cuda(p, c10::cuda::getCurrentCUDAStream().stream());
     } catch (const std::invalid_argument& e) {
-      TORCH_CHECK_VALUE(false, e.what());
+      TR_CHECK_VALUE(false, e.what());
     }
 #else
-    TORCH_CHECK_VALUE(false, "chunk_state_pass_backward: this build has no CUDA kernels");
+    TR_CHECK_VALUE(false, "chunk_state_pass_backward: this build has no CUDA kernels");
 #endif
   }
   // The parts that reduce over V (or K and V): batched matmuls over every chunk and head at once.
@@ -340,9 +341,9 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> ba
 // Meta kernels: shapes may be symbolic here (torch.compile, AOTAutograd), so they check ranks and
 // dtypes only and build outputs from symbolic sizes; the real kernels check everything.
 inline void check_meta(const char* what, const OptTensor& w, const at::Tensor& u, const at::Tensor& kd, const at::Tensor& decay) {
-  TORCH_CHECK_VALUE(u.dim() == 4 && kd.dim() == 4 && decay.dim() == 2 && (!w || w->dim() == 4), what,
+  TR_CHECK_VALUE(u.dim() == 4 && kd.dim() == 4 && decay.dim() == 2 && (!w || w->dim() == 4), what,
                     ": u, kd, w must be 4-D (chunks, heads, chunk_len, V or K) and decay 2-D (chunks, heads)");
-  TORCH_CHECK_TYPE(is_float(u.scalar_type()) && kd.scalar_type() == u.scalar_type() && (!w || w->scalar_type() == u.scalar_type()),
+  TR_CHECK_TYPE(is_float(u.scalar_type()) && kd.scalar_type() == u.scalar_type() && (!w || w->scalar_type() == u.scalar_type()),
                    what, ": w, u and kd must share one float dtype");
 }
 

@@ -11,6 +11,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include "tree_recurrence/sdk/check.h"
 #include <ATen/ops/zeros.h>
 
 #include <optional>
@@ -22,7 +23,7 @@ template <class Step>
 void walk_segments(const char* op, const at::Tensor& seg_offsets, const at::Tensor& parents,
                    const std::optional<at::Tensor>& initial_state, at::IntArrayRef state_shape,
                    const at::TensorOptions& options, Step&& step) {
-  TORCH_CHECK_VALUE(seg_offsets.is_cpu() && parents.is_cpu() && seg_offsets.scalar_type() == at::kLong &&
+  TR_CHECK_VALUE(seg_offsets.is_cpu() && parents.is_cpu() && seg_offsets.scalar_type() == at::kLong &&
                         parents.scalar_type() == at::kLong && seg_offsets.numel() == parents.numel() + 1,
                     op, ": seg_offsets (S+1) and parents (S) must be int64 CPU tensors (the plan's host arrays)");
   const int64_t S = parents.numel();
@@ -30,8 +31,8 @@ void walk_segments(const char* op, const at::Tensor& seg_offsets, const at::Tens
   const int64_t* parent = parents.data_ptr<int64_t>();
   int64_t roots = 0;
   for (int64_t s = 0; s < S; ++s) {
-    TORCH_CHECK_VALUE(offsets[s] <= offsets[s + 1], op, ": seg_offsets decrease at segment ", s);
-    TORCH_CHECK_VALUE(parent[s] >= -1 && parent[s] < s, op, ": segment ", s, " has parent ", parent[s],
+    TR_CHECK_VALUE(offsets[s] <= offsets[s + 1], op, ": seg_offsets decrease at segment ", s);
+    TR_CHECK_VALUE(parent[s] >= -1 && parent[s] < s, op, ": segment ", s, " has parent ", parent[s],
                       ", expected -1 or an earlier segment");
     roots += parent[s] < 0;
   }
@@ -40,7 +41,7 @@ void walk_segments(const char* op, const at::Tensor& seg_offsets, const at::Tens
     const bool shared = h0.sizes() == state_shape;
     const bool per_root = h0.dim() == static_cast<int64_t>(state_shape.size()) + 1 && h0.size(0) == roots &&
                           h0.sizes().slice(1) == state_shape;
-    TORCH_CHECK_VALUE(shared || per_root, op, ": initial_state must be ", state_shape, " or (roots=", roots, ", ",
+    TR_CHECK_VALUE(shared || per_root, op, ": initial_state must be ", state_shape, " or (roots=", roots, ", ",
                       state_shape, "), got ", h0.sizes());
   }
   std::vector<at::Tensor> final_state(S);

@@ -11,6 +11,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include "tree_recurrence/sdk/check.h"
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/zeros.h>
@@ -34,26 +35,26 @@ inline kernels::DType kernel_dtype(const at::Tensor& t) {
     case at::kDouble: return kernels::DType::Float64;
     case at::kBFloat16: return kernels::DType::BFloat16;
     case at::kHalf: return kernels::DType::Float16;
-    default: TORCH_CHECK_TYPE(false, "tree_conv: x has dtype ", t.scalar_type(), ", expected float32, float64, bfloat16 or float16");
+    default: TR_CHECK_TYPE(false, "tree_conv: x has dtype ", t.scalar_type(), ", expected float32, float64, bfloat16 or float16");
   }
 }
 
 inline void check_inputs(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                          const at::Tensor& ancestors) {
   kernel_dtype(x);  // refuses integer and bool inputs before anything is converted
-  TORCH_CHECK_VALUE(x.dim() == 2, "tree_conv: x must be (tokens, channels), got ", x.sizes());
-  TORCH_CHECK_VALUE(weight.dim() == 2 && weight.size(0) == x.size(1),
+  TR_CHECK_VALUE(x.dim() == 2, "tree_conv: x must be (tokens, channels), got ", x.sizes());
+  TR_CHECK_VALUE(weight.dim() == 2 && weight.size(0) == x.size(1),
                     "tree_conv: weight must be (channels=", x.size(1), ", width), got ", weight.sizes());
   const int64_t W = weight.size(1);
-  TORCH_CHECK_VALUE(W >= 1 && W <= kernels::kTreeConvMaxWidth, "tree_conv: width ", W, " not in [1, ",
+  TR_CHECK_VALUE(W >= 1 && W <= kernels::kTreeConvMaxWidth, "tree_conv: width ", W, " not in [1, ",
                     kernels::kTreeConvMaxWidth, "]");
-  TORCH_CHECK_VALUE(ancestors.dim() == 2 && ancestors.size(0) == x.size(0) && ancestors.size(1) == W - 1,
+  TR_CHECK_VALUE(ancestors.dim() == 2 && ancestors.size(0) == x.size(0) && ancestors.size(1) == W - 1,
                     "tree_conv: ancestors must be (tokens=", x.size(0), ", width-1=", W - 1, "), got ", ancestors.sizes());
-  TORCH_CHECK_TYPE(ancestors.scalar_type() == at::kLong, "tree_conv: ancestors must be int64");
-  if (bias) TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == x.size(1), "tree_conv: bias must be (channels), got ", bias->sizes());
+  TR_CHECK_TYPE(ancestors.scalar_type() == at::kLong, "tree_conv: ancestors must be int64");
+  if (bias) TR_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == x.size(1), "tree_conv: bias must be (channels), got ", bias->sizes());
   for (const at::Tensor* t : {&weight, &ancestors})
-    TORCH_CHECK_VALUE(t->device() == x.device(), "tree_conv: all tensors must be on ", x.device(), ", got one on ", t->device());
-  if (bias) TORCH_CHECK_VALUE(bias->device() == x.device(), "tree_conv: bias is on ", bias->device(), ", x on ", x.device());
+    TR_CHECK_VALUE(t->device() == x.device(), "tree_conv: all tensors must be on ", x.device(), ", got one on ", t->device());
+  if (bias) TR_CHECK_VALUE(bias->device() == x.device(), "tree_conv: bias is on ", bias->device(), ", x on ", x.device());
 }
 
 // CPU kernels compute in float32 or float64; half types are widened and rounded back.
@@ -115,7 +116,7 @@ inline void run_kernel(Launch&& launch) {
   try {
     launch();
   } catch (const std::invalid_argument& e) {
-    TORCH_CHECK_VALUE(false, e.what());
+    TR_CHECK_VALUE(false, e.what());
   }
 }
 
@@ -179,7 +180,7 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_any(const at::Ten
 #ifdef TREE_RECURRENCE_WITH_CUDA
   if (x.is_cuda()) return backward_cuda(grad_y, x, weight, bias, ancestors, reader_offsets, readers, silu);
 #endif
-  TORCH_CHECK_VALUE(x.is_cpu(), "tree_conv: no kernel for device ", x.device(), " in this build");
+  TR_CHECK_VALUE(x.is_cpu(), "tree_conv: no kernel for device ", x.device(), " in this build");
   return backward_cpu(grad_y, x, weight, bias, ancestors, reader_offsets, readers, silu);
 }
 

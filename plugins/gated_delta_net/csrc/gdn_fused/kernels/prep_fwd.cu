@@ -641,19 +641,20 @@ __global__ void __launch_bounds__(kThreads, 5) prep_fwd_kernel_v3(const PrepPara
   store_rows<T>(static_cast<T*>(p.u) + tile * kChunk * V, s.av.v, V);
 }
 
-// Version 3 (prep_fwd_kernel_v3) is the default. TREE_RECURRENCE_GDN_PREP_V2=1 (read once) gives
-// version 2 (54 KB, 4 blocks per SM, w and u rounded as Ainv diag(.) products), whose 4
-// shared-memory hazards under racecheck on the H200 (2026-12-02: phase 4a's 16-byte loads of the
-// diagonal blocks against the stores of D_b over them) are fixed by a barrier in block_inverse;
-// TREE_RECURRENCE_GDN_PREP_V1=1 version 1 (column-wise substitution). Both until the GPU run
-// confirms version 3.
+// Version 2 (block_inverse) is the default: on the H200 (2026-12-02, GRPO, bf16) it gave the faster
+// forward (tree 3.31 ms, flat 3.90 ms against version 3's 3.44 / 3.97) and version 3 missed the 5e-3
+// output bound on one case (wide_k16 bf16: 5.08e-3, version 2 3.61e-3). Its 4 shared-memory hazards under
+// racecheck (2026-12-02: phase 4a's 16-byte loads of the diagonal blocks against the stores of D_b over
+// them) are fixed by a barrier in block_inverse. TREE_RECURRENCE_GDN_PREP_V3=1 (read once) gives
+// version 3 (44.5 KB, 5 blocks per SM, w and u from Ainv rounded once), TREE_RECURRENCE_GDN_PREP_V1=1
+// version 1 (column-wise substitution).
 int version() {
   static const int v = [] {
     const char* v1 = std::getenv("TREE_RECURRENCE_GDN_PREP_V1");
-    const char* v2 = std::getenv("TREE_RECURRENCE_GDN_PREP_V2");
+    const char* v3 = std::getenv("TREE_RECURRENCE_GDN_PREP_V3");
     if (v1 != nullptr && v1[0] == '1') return 1;
-    if (v2 != nullptr && v2[0] == '1') return 2;
-    return 3;
+    if (v3 != nullptr && v3[0] == '1') return 3;
+    return 2;
   }();
   return v;
 }
