@@ -695,11 +695,9 @@ __global__ void __launch_bounds__(kThreads, 2) post_bf16_kernel(BwdParams p) {
 // of two float4: 16 KB instead of 32 KB per head at P 64, N 128, ~1.6 GB less over GRPO), version 1 by a
 // warp-uniform branch. ptxas: version 2 with ds16 128 registers, 84 (z: 88) bytes spill stores, 56-byte stack;
 // version 1 (branch) 4 bytes (dy-buffer mode: 12) spill stores.
-constexpr int kTailThreads = 64;             // warps 0-1: the rows' tail
+constexpr int kTailThreads = 64;             // warps 0-1: the next head's Lam / dt; warp 0: the rows' tail
 constexpr int kPfThreads = kThreads - kTailThreads;  // warps 2-7: the next head's row tiles
 constexpr int kDsPf = 4;  // dS chunks of 8 per thread loaded before barrier c (P 64, N 128: all of them)
-
-__device__ __forceinline__ void tail_bar() { asm volatile("bar.sync 1, %0;\n" ::"n"(kTailThreads) : "memory"); }
 
 template <typename T, bool kFly, bool kZ, bool kDs16>
 __global__ void __launch_bounds__(kThreads, 2) post_bf16_v2_kernel(BwdParams p) {
@@ -1216,60 +1214,75 @@ __global__ void __launch_bounds__(kThreads, 2) post_bf16_v2_kernel(BwdParams p) 
     __syncthreads();
 
     if (warp < kTailThreads / 32) {
-      // the rows' tail on warps 0-1 (tid = row k), version 1's arithmetic in version 1's order
-      const int k = tid;
-      const int t = tok[k];
-      const float ddec = p.ddecay[ch], Ah = p.A[h];
-      const float dtr = t >= 0 ? p.dt_raw[static_cast<int64_t>(t) * H + h] : 0.f;
-      const float bias = p.dt_bias != nullptr ? p.dt_bias[h] : 0.f;
-      if (more) load_small(h + 1);
-      float q = 0.f, v = 0.f, dd = 0.f;
-      for (int ct = 0; ct < ncolP; ++ct) {
-        q += qpart[ct * kL + k];
-        dd += dpart[ct * kL + k];
-        v += vpart[ct * kL + k];
-      }
-      q *= el[k];
-      v *= dts[k] * wl[k];
-      qs[k] = q;
-      vs[k] = v;
-      p.q[chl + k] = q;
-      p.v[chl + k] = v;
-      p.ddt_direct[chl + k] = dd;
-      {  // row-exclusive prefix of W's row k (lower part: j <= k), in place
-        float run = 0.f;
-        for (int j = 0; j <= k; ++j) {
-          const float w = Wm[k * kLW + j];
-          Wm[k * kLW + j] = run;
-          run += w;
+      if (more) load_small(h + 1);  // warps 0-1 (tid < kL): the next head's Lam / dt in registers
+      if (warp == 0) {
+        // the rows' tail on warp 0 alone (lane: rows lane and lane + 32), version 1's arithmetic in version 1's
+        // order. Its two cross-row steps are ordered by __syncwarp: the tail used to run on warps 0-1 under a
+        // named barrier (bar.sync 1, 64) and racecheck reported hazards on every phase of the head loop (H6); a
+        // warp-local tail leaves version 2 with block-wide barriers only (every warp the same count per head)
+        static_assert(kL == 64, "the tail's row mapping (lane, lane + 32)");
+        const float ddec = p.ddecay[ch], Ah = p.A[h];
+        const float bias = p.dt_bias != nullptr ? p.dt_bias[h] : 0.f;
+        #pragma unroll 1
+        for (int r = 0; r < 2; ++r) {
+          const int k = lane + 32 * r;
+          float q = 0.f, v = 0.f, dd = 0.f;
+          for (int ct = 0; ct < ncolP; ++ct) {
+            q += qpart[ct * kL + k];
+            dd += dpart[ct * kL + k];
+            v += vpart[ct * kL + k];
+          }
+          q *= el[k];
+          v *= dts[k] * wl[k];
+          qs[k] = q;
+          vs[k] = v;
+          p.q[chl + k] = q;
+          p.v[chl + k] = v;
+          p.ddt_direct[chl + k] = dd;
+          {  // row-exclusive prefix of W's row k (lower part: j <= k), in place
+            float run = 0.f;
+            for (int j = 0; j <= k; ++j) {
+              const float w = Wm[k * kLW + j];
+              Wm[k * kLW + j] = run;
+              run += w;
+            }
+          }
         }
-      }
-      tail_bar();  // W prefixes (all rows), qs, vs -> column k / the sums below
-      float dpairs = 0.f;
-      for (int i = k; i < kL; ++i) dpairs += Wm[i * kLW + k];
-      float qsum = 0.f, vsum = 0.f;
-      for (int m = kL - 1; m >= k; --m) qsum += qs[m];
-      for (int j = 0; j < k; ++j) vsum += vs[j];
-      const float d = dpairs + qsum + vsum + el[kL - 1] * ddec;
-      p.d_dtA[chl + k] = d;
-      red[k] = dts[k] * d;
-      if (t >= 0) {
-        const float ddt = dd + Ah * d;
-        p.ddt[static_cast<int64_t>(t) * H + h] = ddt;
-        const float vv = dtr + bias;
-        float deriv = 1.f, pre = vv;
-        if (p.dt_softplus && vv <= 20.f) {
-          pre = fmaxf(vv, 0.f) + log1pf(expf(-fabsf(vv)));
-          deriv = 1.f / (1.f + expf(-vv));
+        __syncwarp();  // W prefixes (row k by lane k % 32), qs, vs (all rows) -> column k / the sums below
+        #pragma unroll 1
+        for (int r = 0; r < 2; ++r) {
+          const int k = lane + 32 * r;
+          const int t = tok[k];
+          float dd = 0.f;  // ddt_direct again (the same sum in the same order: the same bits as above)
+          for (int ct = 0; ct < ncolP; ++ct) dd += dpart[ct * kL + k];
+          float dpairs = 0.f;
+          for (int i = k; i < kL; ++i) dpairs += Wm[i * kLW + k];
+          float qsum = 0.f, vsum = 0.f;
+          for (int m = kL - 1; m >= k; --m) qsum += qs[m];
+          for (int j = 0; j < k; ++j) vsum += vs[j];
+          const float d = dpairs + qsum + vsum + el[kL - 1] * ddec;
+          p.d_dtA[chl + k] = d;
+          red[k] = dts[k] * d;
+          if (t >= 0) {
+            const float dtr = p.dt_raw[static_cast<int64_t>(t) * H + h];
+            const float ddt = dd + Ah * d;
+            p.ddt[static_cast<int64_t>(t) * H + h] = ddt;
+            const float vv = dtr + bias;
+            float deriv = 1.f, pre = vv;
+            if (p.dt_softplus && vv <= 20.f) {
+              pre = fmaxf(vv, 0.f) + log1pf(expf(-fabsf(vv)));
+              deriv = 1.f / (1.f + expf(-vv));
+            }
+            const bool pass = pre >= p.dt_min && pre <= p.dt_max;
+            p.ddt_raw[static_cast<int64_t>(t) * H + h] = pass ? ddt * deriv : 0.f;
+          }
         }
-        const bool pass = pre >= p.dt_min && pre <= p.dt_max;
-        p.ddt_raw[static_cast<int64_t>(t) * H + h] = pass ? ddt * deriv : 0.f;
-      }
-      tail_bar();  // red (all rows) -> the dA sum
-      if (tid == 0) {
-        float s = 0.f;
-        for (int m = 0; m < kL; ++m) s += red[m];
-        p.dA_part[ch] = s;
+        __syncwarp();  // red (all rows) -> lane 0's dA sum
+        if (lane == 0) {
+          float s = 0.f;
+          for (int m = 0; m < kL; ++m) s += red[m];
+          p.dA_part[ch] = s;
+        }
       }
     } else if (more && prow) {
       load_rows(h + 1);  // warps 2-7: dy / x tiles are dead since barrier f
