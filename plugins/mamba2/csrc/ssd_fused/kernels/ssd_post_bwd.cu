@@ -675,14 +675,15 @@ __global__ void __launch_bounds__(kThreads, 2) post_bf16_kernel(BwdParams p) {
 // the default; version 2 is opt-in), rescheduled so that the next head's loads overlap this head's tail:
 //   * after the dB product (barrier e) every thread issues head h+1's s tile into mat by cp.async (mat is dead
 //     then); it lands while dyx, the W prefixes and the d(dt A) rows run;
-//   * after dyx (barrier f) warps 0-1 run the rows' tail (q / v / ddt_direct sums, W prefixes, d(dt A), ddt,
-//     ddt_raw, dA) under their own named barrier (2 warps, 2 waits) while warps 2-7 load head h+1's x, dout, z,
+//   * after dyx (barrier f) warp 0 runs the rows' tail (q / v / ddt_direct sums, W prefixes, d(dt A), ddt,
+//     ddt_raw, dA; 2 rows per lane, 2 __syncwarp) while warps 2-7 load head h+1's x, dout, z,
 //     y (or the fp32 dy), write dy (input type) and x into their tiles, dz to global, keep the dD partial in
 //     registers and e^Lam per row in the dy tile's padding column; warps 0-1 hold the next Lam / dt in registers;
 //   * the head then starts with ONE barrier: e^Lam . dy from the dy tile (its own rows), dD slots, small arrays;
 //   * dS (fp32) is loaded into registers before the barrier that ends the C s products (4 x 32 B in flight per
 //     thread), then rounded into mat after it.
-// Barriers per head: 6 block-wide (v1: 9) + 2 named ones of warps 0-1. Bytes moved as version 1 (dout / z are
+// Barriers per head: 6 block-wide (v1: 9), the same count on every warp; no named barrier (H6: the tail ran on
+// warps 0-1 under bar.sync 1, 64 and racecheck reported hazards across the block barriers of the head loop). Bytes moved as version 1 (dout / z are
 // read once instead of twice: dz is formed with dy). Arithmetic as version 1 except (a) e^Lam . dy is rounded
 // from the rounded dy (version 1: from the fp32 dy), which moves the head term of dC by one rounding of the input
 // type, and (b) dD sums its slots in another fixed order (fp32 reassociation); every other output is the same
