@@ -27,8 +27,8 @@
 // pass): ~1.5 MB per CTA, ~9.6 GB over NC 768 x G 8 (~2 ms of HBM at GRPO); ~1.2k mma per head.
 // Deterministic: fixed mma order, xor shuffles and fixed-order partial sums, heads in order; no
 // atomics. 64-bit global indexing. Requirements: ssd_bwd_post_bf16_supported.
-// Two versions: post_bf16_v2_kernel (the default since issue 20 H1; its own comment below says what changed) and
-// post_bf16_kernel (version 1, described above; the default) and post_bf16_v2_kernel (TREE_RECURRENCE_SSD_POST_V2=1, read once per process).
+// Two versions: post_bf16_kernel (version 1, described above; the default) and post_bf16_v2_kernel (issue 20 H1;
+// its own comment below says what changed; TREE_RECURRENCE_SSD_POST_V2=1, read once per process).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -683,10 +683,10 @@ __global__ void __launch_bounds__(kThreads, 2) post_bf16_kernel(BwdParams p) {
 //   * dS (fp32) is loaded into registers before the barrier that ends the C s products (4 x 32 B in flight per
 //     thread), then rounded into mat after it.
 // Barriers per head: 6 block-wide (v1: 9), the same count on every warp; no named barrier (H6: the tail ran on
-// warps 0-1 under bar.sync 1, 64 and racecheck reported hazards across the block barriers of the head loop). Bytes moved as version 1 (dout / z are
-// read once instead of twice: dz is formed with dy). Arithmetic as version 1 except (a) e^Lam . dy is rounded
-// from the rounded dy (version 1: from the fp32 dy), which moves the head term of dC by one rounding of the input
-// type, and (b) dD sums its slots in another fixed order (fp32 reassociation); every other output is the same
+// warps 0-1 under bar.sync 1, 64 and racecheck reported hazards across the block barriers of the head loop).
+// Bytes moved as version 1 (dout / z are read once instead of twice: dz is formed with dy). Arithmetic as
+// version 1 except (a) e^Lam . dy is rounded from the rounded dy (version 1: from the fp32 dy), which moves the
+// head term of dC by one rounding of the input type, and (b) dD sums its slots in another fixed order (fp32 reassociation); every other output is the same
 // arithmetic in the same order. Shared memory: version 1's plan (112.25 KiB at P 64, N 128: 2 CTAs per SM).
 // ptxas (CUDA 13.0, sm_90a): 128 registers (launch bound), 84-byte spill stores / 96-byte loads, 64-byte stack
 // (version 1: 4 bytes): the loop-invariant row mapping and the prefetch registers (dD partial, next Lam / dt).
