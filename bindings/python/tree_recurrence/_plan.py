@@ -161,7 +161,8 @@ class TreePlan:
     def chunk_tables(self, chunk_size: int, device: torch.device | str | None = None) -> ChunkTables:
         """Segment-aligned chunk tables for chunked recurrent kernels (``ChunkTables``), built by the C++
         plan (``TreePlan::chunk_tables``), wrapped as tensors and copied to ``device`` once, cached per
-        chunk size and device (rebuilt if one of them was written in place)."""
+        chunk size and device (rebuilt if one of them was written in place). ``chunk_size`` in 1..65536
+        (the core's kMaxChunkSize; larger is a ValueError)."""
         chunk_size = int(chunk_size)
         if chunk_size < 1:
             raise ValueError(f"chunk_size: must be >= 1, got {chunk_size}")

@@ -273,6 +273,7 @@ def tree_plan(kwargs: Mapping[str, Any], num_tokens: int | None = None) -> TreeP
     key = tuple((name, id(kwargs[name]), tensor_version(kwargs[name])) for name in given)
     key += ((LEVEL_COUNT, _level_count(kwargs)),)
     values = tuple(_snapshot(kwargs[name]) for name in given if not isinstance(kwargs[name], torch.Tensor))
+    fast = _fast_key(kwargs, given, values)  # versions read with the key's, before the values are copied
     cached = getattr(cu_q, _CACHE_ATTR, None) if isinstance(cu_q, torch.Tensor) else _sequence_plans.get(id(cu_q))
     if cached is not None and cached[1] == key and cached[3] == values and \
             (num_tokens is None or cached[0].num_tokens == num_tokens):
@@ -291,7 +292,7 @@ def tree_plan(kwargs: Mapping[str, Any], num_tokens: int | None = None) -> TreeP
     plan = TreePlan.build(parts, num_tokens, device)
     _check_level_sizes(plan, parts, _level_count(kwargs))
     # The companions are kept alive with the entry so their ids cannot be reused while it is cached.
-    entry = (plan, key, [kwargs[name] for name in given], values, _fast_key(kwargs, given, values))
+    entry = (plan, key, [kwargs[name] for name in given], values, fast)
     if isinstance(cu_q, torch.Tensor):
         setattr(cu_q, _CACHE_ATTR, entry)
     else:

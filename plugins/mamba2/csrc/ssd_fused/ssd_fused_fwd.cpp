@@ -121,7 +121,7 @@ Stages run(const Args& a, const Tables& t, bool with_chunk_states, bool save_y) 
     h0 = *a.initial_state;
     if (h0.dim() == 4 && h0.size(0) == 1) h0 = h0[0];
     per_root = h0.dim() == 4;
-    h0 = h0.to(at::kFloat).contiguous();
+    h0 = dense(h0.to(at::kFloat));  // the state passes read it 16 / 8 bytes at a time: aligned, contiguous
   }
 
   Stages o;
