@@ -12,6 +12,7 @@ import torch
 
 import tree_recurrence as tr
 from tree_recurrence._plan import ChunkTables
+from tries import random_forest
 
 CHUNKS = (1, 2, 3, 4, 5, 7, 16, 64)
 
@@ -36,21 +37,6 @@ def python_chunk_tables(plan, chunk_size: int) -> ChunkTables:
     return ChunkTables(gather, scatter, seg_chunk_offsets, parents.clone(), root_index,
                        plan.array("level_segments").clone(), [int(v) for v in plan.array("level_offsets").tolist()],
                        plan.array("child_offsets").clone(), plan.array("children").clone(), num_chunks)
-
-
-def random_forest(rng):
-    """(segment lengths, parents) in DFS pre-order (test_plan_fuzz.py's generator)."""
-    lengths, parents, stack = [], [], []
-    for s in range(rng.randint(1, 12)):
-        if stack and rng.random() < 0.7:
-            stack = stack[: rng.randint(1, len(stack))]
-            parent = stack[-1]
-        else:
-            stack, parent = [], -1
-        lengths.append(rng.randint(1, 6))
-        parents.append(parent)
-        stack.append(s)
-    return lengths, parents
 
 
 def kwargs_of(lengths, parents, trl_format: bool) -> dict:

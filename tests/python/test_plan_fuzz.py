@@ -11,6 +11,7 @@ found at its source in its path; conv ancestors are the previous tokens on the t
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -24,19 +25,12 @@ rng = random.Random(20261201)
 CASES = int(sys.argv[1])
 failures, counts = [], {"built": 0, "refused": 0, "checked": 0}
 
+sys.path.insert(0, sys.argv[2])  # tests/python: the generator is tries.random_forest
+from tries import random_forest as _random_forest
+
 def random_forest():
     """(segment lengths, parents) in DFS pre-order."""
-    lengths, parents, stack = [], [], []
-    for s in range(rng.randint(1, 12)):
-        if stack and rng.random() < 0.7:
-            stack = stack[: rng.randint(1, len(stack))]
-            parent = stack[-1]
-        else:
-            stack, parent = [], -1
-        lengths.append(rng.randint(1, 6))
-        parents.append(parent)
-        stack.append(s)
-    return lengths, parents
+    return _random_forest(rng)
 
 def pack(lengths, parents):
     cu = [0]
@@ -188,7 +182,7 @@ print(json.dumps({"counts": counts, "failures": failures[:20], "num_failures": l
 
 
 def test_tree_plan_fuzz_builds_or_refuses_every_input():
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(FUZZ), "3000"], capture_output=True, text=True, timeout=240)
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(FUZZ), "3000", os.path.dirname(os.path.abspath(__file__))], capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, f"fuzz process died (rc {done.returncode}): {done.stderr[-3000:]}"
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["num_failures"] == 0, json.dumps(result["failures"], indent=1)

@@ -6,6 +6,7 @@ TreePlan.chunk_tables, shared by test_gdn_chunked.py, test_ssd_chunked.py, test_
 * ``chunk_tables(seg_offsets, parents, chunk, device)``: ``ChunkTables`` (a named tuple in the
   native ops' argument order; ``["gather"]`` works too, ``._asdict()`` gives the mapping).
 * ``rand_spec(rng, shape)``: the deep (20 levels) and wide (64 children) tries.
+* ``random_forest(rng)``: random (segment lengths, parents) in DFS pre-order (the plan fuzz and chunk tests).
 * ``gdn_inputs(T, ...)``: float64 Gated DeltaNet leaf tensors; ``rel_err`` / ``rel_rms``.
 """
 
@@ -82,6 +83,22 @@ def chunk_tables(seg_offsets, parents, chunk=64, device="cpu") -> ChunkTables:
     t = lambda v: torch.tensor(v, dtype=torch.int64, device=device)  # noqa: E731
     return ChunkTables(gather.to(device), scatter.to(device), t(sco), t(par), t(root_index), t(order), level_offsets,
                        t(child_offsets), t([c for k in kids for c in k]))
+
+
+def random_forest(rng):
+    """(segment lengths, parents) in DFS pre-order: 1-12 segments of 1-6 tokens, a new root or a child of
+    one of the open path's segments (``rng`` a random.Random; the same draws in the same order always)."""
+    lengths, parents, stack = [], [], []
+    for s in range(rng.randint(1, 12)):
+        if stack and rng.random() < 0.7:
+            stack = stack[: rng.randint(1, len(stack))]
+            parent = stack[-1]
+        else:
+            stack, parent = [], -1
+        lengths.append(rng.randint(1, 6))
+        parents.append(parent)
+        stack.append(s)
+    return lengths, parents
 
 
 def rand_spec(rng, shape):
