@@ -197,29 +197,7 @@ def backward(dout, x, dt_raw, B, C, A, tabs, saved, D=None, dt_bias=None, z=None
     local = torch.einsum("chi,chip,chin->chpn", eL, dyc, Cc)
     r["local"] = local
     # stage 3: reverse tree state pass, deepest level first
-    sco = tabs["seg_chunk_offsets"].cpu().tolist()
-    ridx = tabs["root_index"].cpu().tolist()
-    order = tabs["level_segments"].cpu().tolist()
-    co, kids = tabs["child_offsets"].cpu().tolist(), tabs["children"].cpu().tolist()
-    lo = tabs["level_offsets"]
-    S = len(ridx)
-    R = sum(1 for v in ridx if v >= 0)
-    ws = torch.zeros(S, H, P, N, dtype=torch.float64)
-    ds_leave = torch.zeros(NC, H, P, N, dtype=torch.float64)
-    ddecay = torch.zeros(NC, H, dtype=torch.float64)
-    d_roots = torch.zeros(R, H, P, N, dtype=torch.float64)
-    for lv in reversed(range(len(lo) - 1)):
-        for s in order[lo[lv]:lo[lv + 1]]:
-            carry = torch.zeros(H, P, N, dtype=torch.float64)
-            for k in kids[co[s]:co[s + 1]]:
-                carry = carry + ws[k]
-            for c in reversed(range(sco[s], sco[s + 1])):
-                ds_leave[c] = carry
-                ddecay[c] = (states[c] * carry).sum((-1, -2))
-                carry = torch.exp(Lam[c, :, -1]).view(H, 1, 1) * carry + local[c]
-            ws[s] = carry
-            if ridx[s] >= 0:
-                d_roots[ridx[s]] = carry
+    ds_leave, ddecay, d_roots = state_pass(local, Lam, states, tabs)
     r["ds_leave"], r["ddecay"], r["d_roots"] = ds_leave, ddecay, d_roots
     if initial_state is not None:
         r["d_initial_state"] = d_roots.sum(0) if initial_state.dim() == 3 else d_roots
@@ -273,3 +251,33 @@ def backward(dout, x, dt_raw, B, C, A, tabs, saved, D=None, dt_bias=None, z=None
     if dt_bias is not None:
         r["ddt_bias"] = dv.sum(0)
     return r
+
+
+def state_pass(local, Lam, states, tabs):
+    """Stage 3 alone: the reverse tree state pass in float64 from given locals (deepest level first; a
+    segment's last chunk starts from the sum of its children's carries in children order): ds_leave,
+    ddecay (from the unrounded carry) and d_roots."""
+    NC, H, P, N = local.shape
+    local, Lam, states = local.double(), Lam.double(), states.double()
+    sco = tabs["seg_chunk_offsets"].cpu().tolist()
+    ridx = tabs["root_index"].cpu().tolist()
+    order = tabs["level_segments"].cpu().tolist()
+    co, kids = tabs["child_offsets"].cpu().tolist(), tabs["children"].cpu().tolist()
+    lo = tabs["level_offsets"]
+    ws = torch.zeros(len(ridx), H, P, N, dtype=torch.float64)
+    ds_leave = torch.zeros(NC, H, P, N, dtype=torch.float64)
+    ddecay = torch.zeros(NC, H, dtype=torch.float64)
+    d_roots = torch.zeros(sum(1 for v in ridx if v >= 0), H, P, N, dtype=torch.float64)
+    for lv in reversed(range(len(lo) - 1)):
+        for s in order[lo[lv]:lo[lv + 1]]:
+            carry = torch.zeros(H, P, N, dtype=torch.float64)
+            for k in kids[co[s]:co[s + 1]]:
+                carry = carry + ws[k]
+            for c in reversed(range(sco[s], sco[s + 1])):
+                ds_leave[c] = carry
+                ddecay[c] = (states[c] * carry).sum((-1, -2))
+                carry = torch.exp(Lam[c, :, -1]).view(H, 1, 1) * carry + local[c]
+            ws[s] = carry
+            if ridx[s] >= 0:
+                d_roots[ridx[s]] = carry
+    return ds_leave, ddecay, d_roots

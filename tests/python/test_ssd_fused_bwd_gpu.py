@@ -378,35 +378,6 @@ DS16_CASES = {
 }
 
 
-def state_pass64(local, Lam, states, tabs):
-    """The reverse tree state pass in float64 from given locals (ssd_bwd_reference.backward's stage 3): ds_leave,
-    ddecay (from the unrounded carry) and d_roots."""
-    NC, H, P, N = local.shape
-    sco = tabs["seg_chunk_offsets"].cpu().tolist()
-    ridx = tabs["root_index"].cpu().tolist()
-    order = tabs["level_segments"].cpu().tolist()
-    co, kids = tabs["child_offsets"].cpu().tolist(), tabs["children"].cpu().tolist()
-    lo = tabs["level_offsets"]
-    ws = torch.zeros(len(ridx), H, P, N, dtype=torch.float64)
-    ds_leave = torch.zeros(NC, H, P, N, dtype=torch.float64)
-    ddecay = torch.zeros(NC, H, dtype=torch.float64)
-    d_roots = torch.zeros(sum(1 for v in ridx if v >= 0), H, P, N, dtype=torch.float64)
-    local, Lam, states = local.double(), Lam.double(), states.double()
-    for lv in reversed(range(len(lo) - 1)):
-        for s in order[lo[lv]:lo[lv + 1]]:
-            carry = torch.zeros(H, P, N, dtype=torch.float64)
-            for k in kids[co[s]:co[s + 1]]:
-                carry = carry + ws[k]
-            for c in reversed(range(sco[s], sco[s + 1])):
-                ds_leave[c] = carry
-                ddecay[c] = (states[c] * carry).sum((-1, -2))
-                carry = torch.exp(Lam[c, :, -1]).view(H, 1, 1) * carry + local[c]
-            ws[s] = carry
-            if ridx[s] >= 0:
-                d_roots[ridx[s]] = carry
-    return ds_leave, ddecay, d_roots
-
-
 def _ds_fp32_outputs(case, tmp_path):
     import subprocess
     import sys
@@ -447,7 +418,7 @@ def test_ds_in_input_type(monkeypatch, tmp_path, case):
     for k, v in (("local", local), ("ds_leave", leave)):
         assert v.dtype == torch.float32 and torch.equal(v.to(dtype).float(), v), f"{case}: {k} is not {dtype}-valued"
     # 2) the state pass on these locals in float64: ds_leave one rounding away, ddecay / d_roots unrounded
-    want_leave, want_ddecay, want_roots = state_pass64(local, saved["Lam"], saved["states"], tabs)
+    want_leave, want_ddecay, want_roots = ref.state_pass(local, saved["Lam"], saved["states"], tabs)
     err = (leave.double() - want_leave).abs()
     bound = DS16_ROUND[dtype] * want_leave.abs() + 1e-5 * want_leave.abs().max()
     worst = float((err / bound.clamp_min(1e-30)).max())

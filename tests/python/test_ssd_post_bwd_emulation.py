@@ -16,7 +16,8 @@ import pytest
 import torch
 
 import ssd_bwd_reference as ref
-from test_ssd_fused_bwd_gpu import MIXED, make, rel_rms, state_pass64
+from ssd_bwd_reference import state_pass
+from test_ssd_fused_bwd_gpu import MIXED, make, rel_rms
 
 
 def emu(seg, par, dtype, H, P, G, N, chunk=64, seed=0, ds16=True):
@@ -42,7 +43,7 @@ def emu(seg, par, dtype, H, P, G, N, chunk=64, seed=0, ds16=True):
         # comes from the unrounded carry. ds16=False: the fp32 ds (TREE_RECURRENCE_SSD_DS_FP32=1; local exact here)
         dyu = ref._chunks(w["dy"], gather).permute(0, 2, 1, 3)
         local = rd(torch.einsum("chip,chin->chpn", rd(torch.exp(Lam).unsqueeze(-1) * dyu), Cc))
-        leave, ddecay16, _ = state_pass64(local, Lam, states, tabs)
+        leave, ddecay16, _ = state_pass(local, Lam, states, tabs)
         dS = rd(leave)
         w_ddecay = ddecay16
     else:
