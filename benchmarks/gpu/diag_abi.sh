@@ -62,6 +62,6 @@ echo "--- our plugin libraries"
 for so in $(python3 -c "import tree_recurrence, pathlib; print(' '.join(str(p) for p in pathlib.Path(tree_recurrence.__file__).parent.rglob('*.so')))"); do
   echo "$so"; ldd "$so" | grep -E "stdc|gcc_s|c10|torch_cpu|yaml|boost" | sed 's/^/    /'
   echo "    GLIBCXX needed: $(objdump -T "$so" 2>/dev/null | grep -oE 'GLIBCXX_[0-9.]+' | sort -uV | tail -3 | tr '\n' ' ')"
-  echo "    local ostream/num_put symbols: $(nm -C "$so" 2>/dev/null | grep -cE 'num_put|basic_ostream<char.*>::_M_insert|locale::id')"
-  nm -C "$so" 2>/dev/null | grep -E " [tTwWvVuU] .*(num_put|_M_insert<|locale::id|ios_base::Init)" | head -8 | sed 's/^/      /'
+  echo "    ostream / locale symbols the library defines itself (dynamic table): $(nm -D -C --defined-only "$so" 2>/dev/null | grep -cE 'num_put|ostream::_M_insert|locale::id')"
+  nm -D -C --defined-only "$so" 2>/dev/null | grep -E " [tTwWvVuU] .*(num_put|_M_insert<|locale::id|ios_base::Init)" | head -8 | sed 's/^/      /'
 done
