@@ -14,11 +14,11 @@ from test_ssd_chunked import chunk_tables
 SEG, PAR = [0, 5, 9, 12], [-1, 0, 0]
 
 
-def _ssd_call(A, x_dims=None):
+def _ssd_call(A, x=None):
     ops = plugins.ops("mamba2")
     tabs = chunk_tables(SEG, PAR, 64, "cpu")
     n, H, P, G, N = SEG[-1], 4, 8, 2, 16
-    x = torch.randn(*(x_dims or (n, H, P)))
+    x = torch.randn(n, H, P) if x is None else x
     return ops.ssd_tree_scan(x, torch.randn(n, H), torch.randn(n, G, N), torch.randn(n, G, N), tabs["gather"],
                              tabs["scatter"], tabs["seg_chunk_offsets"], tabs["parents"], tabs["root_index"],
                              tabs["level_segments"], tabs["level_offsets"], tabs["child_offsets"], tabs["children"],
@@ -32,19 +32,12 @@ def test_integer_and_sizes_in_a_value_error():
 
 def test_sizes_of_several_dims():
     with pytest.raises(ValueError, match=r"x must be \(tokens, heads, head_dim\), got \[12, 4\]"):
-        _ssd_call(torch.zeros(4), x_dims=(12, 4))
+        _ssd_call(torch.zeros(4), x=torch.randn(12, 4))
 
 
 def test_dtype_in_a_type_error():
     with pytest.raises(TypeError, match=r"x has dtype Long, expected"):
-        ops = plugins.ops("mamba2")
-        tabs = chunk_tables(SEG, PAR, 64, "cpu")
-        n = SEG[-1]
-        ops.ssd_tree_scan(torch.zeros(n, 4, 8, dtype=torch.long), torch.randn(n, 4), torch.randn(n, 2, 16),
-                          torch.randn(n, 2, 16), tabs["gather"], tabs["scatter"], tabs["seg_chunk_offsets"],
-                          tabs["parents"], tabs["root_index"], tabs["level_segments"], tabs["level_offsets"],
-                          tabs["child_offsets"], tabs["children"], None, A=torch.zeros(4), dt_limit=[0.0, 1.0],
-                          D=None, dt_bias=None, dt_softplus=True, z=None)
+        _ssd_call(torch.zeros(4), x=torch.zeros(SEG[-1], 4, 8, dtype=torch.long))
 
 
 def test_no_torch_check_left_in_our_cpp():
