@@ -1,7 +1,7 @@
 """Where the time of the fused GDN / SSD cores goes, kernel by kernel (torch.profiler, CUDA time per
 kernel name over a few forward + backward passes of the GRPO trie), and a single pass for ncu.
 
-  python benchmarks/profile_kernels.py [--family gdn|ssd|both] [--repeats 3] [--once] [--small]
+  python benchmarks/profile_kernels.py [--family gdn|ssd|both] [--layout trie|flat|both] [--repeats 3] [--once] [--small]
   ncu --clock-control none --section SpeedOfLight -k 'regex:...' python benchmarks/profile_kernels.py --once
 
 --once: one untimed warm-up and one forward + backward per family, no profiler (for ncu).
@@ -21,28 +21,33 @@ import ssd_bench  # noqa: E402
 from timing import Shape  # noqa: E402
 
 
-def cases(small: bool, family: str):
+def cases(small: bool, family: str, layout_name: str):
+    """(label, forward / backward closures) per family and layout: the GRPO trie, or its unique tokens
+    as one flat row (one segment: the long serial state pass)."""
     shape = Shape(small)
-    layout = shape.trie()
+    layouts = shape.layouts()
     out = []
-    if family in ("gdn", "both"):
-        dims = (2, 4, 16, 16) if small else (16, 32, 128, 128)
-        out.append(("gdn", gdn_bench.ours(layout, dims, torch.bfloat16, "cuda")[1]))
-    if family in ("ssd", "both"):
-        dims = (8, 16, 2, 16) if small else (128, 64, 8, 128)
-        out.append(("ssd", ssd_bench.ours(layout, dims, torch.bfloat16, "cuda", 64)[1]))
+    for lname in (("trie", "flat") if layout_name == "both" else (layout_name,)):
+        layout = layouts[lname]
+        if family in ("gdn", "both"):
+            dims = (2, 4, 16, 16) if small else (16, 32, 128, 128)
+            out.append((f"gdn {lname}", gdn_bench.ours(layout, dims, torch.bfloat16, "cuda")[1]))
+        if family in ("ssd", "both"):
+            dims = (8, 16, 2, 16) if small else (128, 64, 8, 128)
+            out.append((f"ssd {lname}", ssd_bench.ours(layout, dims, torch.bfloat16, "cuda", 64)[1]))
     return out
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--family", default="both")
+    ap.add_argument("--layout", default="trie", choices=["trie", "flat", "both"])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--once", action="store_true")
     ap.add_argument("--small", action="store_true")
     ap.add_argument("--rows", type=int, default=30)
     args = ap.parse_args()
-    for name, fns in cases(args.small, args.family):
+    for name, fns in cases(args.small, args.family, args.layout):
         try:
             fns["fwd_bwd"]()  # warm-up (allocator, cudaFuncSetAttribute, ...)
             torch.cuda.synchronize()
@@ -63,7 +68,7 @@ def main():
         events = [e for e in prof.key_averages() if e.device_time_total > 0]
         events.sort(key=lambda e: -e.device_time_total)
         total = sum(e.device_time_total for e in events) / args.repeats / 1e3
-        print(f"\n== {name}: forward + backward of the GRPO trie, {total:.2f} ms of kernel time per pass "
+        print(f"\n== {name}: forward + backward, {total:.2f} ms of kernel time per pass "
               f"(mean of {args.repeats})")
         print(f"{'ms/pass':>8} {'calls':>6} {'%':>5}  kernel")
         for e in events[: args.rows]:

@@ -22,6 +22,7 @@
 #   Bitwise repeatability is in the fused tests themselves (gdn_fwd test_bitwise_repeatable, gdn_bwd
 #   test_bitwise_deterministic, ssd_fwd test_chunk_sizes_agree_and_runs_repeat_bitwise, ssd_bwd
 #   run_case's second run): no separate determinism part.
+#   SKIP="ssd_fwd san_gdn_memcheck ..." skips the pytest / sanitizer parts of those names (see the logs' names).
 #   BUDGET_S (default 540) bounds the whole run: later parts are skipped when time runs out.
 source "$(dirname "$0")/common.sh"
 export TREE_RECURRENCE_TEST_OPS=1  # the oracle and stage ops (tests only) for the scripts run here outside pytest
@@ -34,6 +35,7 @@ left() { echo $(( BUDGET_S - ($(date +%s) - start) )); }
 NVCC=(nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -Isdk/include -Icore/include)
 pytest_part() {  # name seconds test-file [pytest args...]: one file, -s (the per-stage tables), no -x
   local name=$1 secs=$2 file=$3; shift 3
+  [[ " ${SKIP:-} " == *" $name "* ]] && { stamp "$name: skipped (SKIP)"; return; }
   [ -f "$file" ] || { stamp "$name: $file absent"; return; }
   local l; l=$(left); [ "$secs" -gt "$l" ] && secs=$l
   [ "$secs" -lt 20 ] && { stamp "$name: skipped (no time left)"; return; }
@@ -58,6 +60,7 @@ SAN_SSD_RACE=("tests/python/test_ssd_fused_gpu.py::test_stages_bf16[around_chunk
               "tests/python/test_ssd_post_bwd_gpu.py::test_post_pads_wide_shared_h0_fp16")
 sanitize_pytest() {
   local name=$1 tool=$2 secs=$3; shift 3
+  [[ " ${SKIP:-} " == *" $name "* ]] && { stamp "$name: skipped (SKIP)"; return; }
   local l; l=$(left); [ "$secs" -gt "$l" ] && secs=$l
   [ "$secs" -lt 30 ] && { stamp "$name: skipped (no time left)"; return; }
   local filt=()
@@ -119,7 +122,7 @@ if has large; then
 fi
 if has profile; then
   stamp "profile (per kernel, torch.profiler)"
-  timeout $(( $(left) < 90 ? $(left) : 90 )) python3 benchmarks/profile_kernels.py --repeats 3 >"$LOGS/profile.txt" 2>&1
+  timeout $(( $(left) < 90 ? $(left) : 90 )) python3 benchmarks/profile_kernels.py --repeats 3 --layout ${PROFILE_LAYOUT:-both} >"$LOGS/profile.txt" 2>&1
   echo "  profile exit $?"; grep -E "^==|^ +[0-9.]+ +[0-9]+ +[0-9.]+ " "$LOGS/profile.txt" | cut -c1-170 | head -40
 fi
 if has diag && [ -f benchmarks/gpu/diag_throw.py ]; then  # errors raised on the CUDA paths: raise or crash?
@@ -156,7 +159,7 @@ if has ncu; then
     timeout $(( l < ${NCU_S:-90} ? l : ${NCU_S:-90} )) ncu --clock-control none --section SpeedOfLight --section Occupancy \
       --section WarpStateStats --metrics sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active \
       --kernel-name-base demangled -k "$OURS" -c ${NCU_COUNT:-16} \
-      python3 benchmarks/profile_kernels.py --once --family $fam >"$LOGS/ncu_$fam.txt" 2>&1
+      python3 benchmarks/profile_kernels.py --once --family $fam --layout ${NCU_LAYOUT:-trie} >"$LOGS/ncu_$fam.txt" 2>&1
     echo "  ncu exit $?"
   done
 fi
