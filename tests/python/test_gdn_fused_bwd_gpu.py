@@ -440,3 +440,80 @@ def test_wy_v2_against_v1(tmp_path):
                      (label, "dbeta", rel_rms(got["dbeta"], bref._tokens(want["dbeta_c"], scatter)), STAGE_TOL)]
         bad += report(name, rows)
     assert not bad, f"wy version 2 vs version 1: {bad}"
+
+
+# ---- dqk_bwd.cu version 3 (default) vs version 1 (TREE_RECURRENCE_GDN_DQK_V1=1, read once per process: a subprocess)
+# Version 3 computes every dq^ / dk^ tile and every row part of dG with version 1's operations in version 1's order
+# (exp(G) per row is the same expf of the same value); only <h, dS> (the last token row's dG term) is summed in
+# another fixed order. So the stages before (b) are bit for bit the same, dq_hv and dk_b agree to 1e-6 (bitwise
+# expected), dG_b and everything after (b) within 1e-3 of version 1 (a bf16 rounding of dq / dk may flip), and
+# version 3's stage b within STAGE_TOL of the float64 twin (test_stages checks the default kernel too).
+
+DQK_CASES = {
+    "dqk_grpo_like": dict(WY_CASES["wy_grpo_like"]),
+    "dqk_grpo_like_fp16": dict(WY_CASES["wy_grpo_like_fp16"]),
+    "dqk_strong": dict(CASES["strong"]),
+    "dqk_pad": dict(CASES["grouped_no_l2"]),   # K = 24, V = 40: one state half, padded columns
+    "dqk_k64": dict(CASES["around_chunk"]),    # K = V = 64: one full state half
+    "dqk_one_token": dict(CASES["one_token"]),
+    "dqk_k96": dict(spec=[(-1, 100), (0, 30), (0, 70)], h0="shared", K=96, V=72, HK=1, HV=2),  # a partial 2nd half
+}
+
+_DQK_SCRIPT = r"""
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+from test_gdn_fused_bwd_gpu import DQK_CASES, setup_case, run_stages, NAMES
+out = {}
+for name, cfg in DQK_CASES.items():
+    got = run_stages(setup_case(**cfg))
+    out[name] = {n: got[n].cpu() for n in NAMES}
+torch.save(out, sys.argv[2])
+"""
+
+_DQK_BEFORE = ["dv_local", "q_g", "do_c", "grad_state_out", "dv_total", "d_root", "d_initial_state"]
+
+
+def test_dqk_v3_against_v1(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    if not hasattr(plugins.ops(FAMILY), "gdn_fused_backward_stages"):
+        pytest.skip("this build has no gdn_fused_backward_stages op")
+    assert os.environ.get("TREE_RECURRENCE_GDN_DQK_V1") is None, "unset TREE_RECURRENCE_GDN_DQK_V1 to run this test"
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = str(tmp_path / "dqk_v1.pt")
+    env = dict(os.environ, TREE_RECURRENCE_GDN_DQK_V1="1")
+    res = subprocess.run([sys.executable, "-c", _DQK_SCRIPT, here, path], env=env, cwd=here, capture_output=True,
+                         text=True, timeout=900)
+    assert res.returncode == 0, f"version-1 subprocess failed:\n{res.stdout}\n{res.stderr}"
+    old_all = torch.load(path, weights_only=False)
+    bad = []
+    for name, cfg in DQK_CASES.items():
+        case = setup_case(**cfg)
+        new, new2 = run_stages(case), run_stages(case)
+        new = {n: t.cpu() for n, t in new.items()}
+        old = old_all[name]
+        rows = []
+        for n in NAMES:
+            if new[n].numel() == 0 and old[n].numel() == 0:
+                continue
+            same = torch.equal(new[n], old[n])
+            print(f"{name} {n:>16} v3 vs v1 bitwise {same}  rel RMS {rel_rms(new[n], old[n]):.3e}")
+            if n in _DQK_BEFORE:
+                if not same:
+                    bad.append(f"{name}/{n} not bitwise")
+            else:
+                rows.append(("v3-v1", n, rel_rms(new[n], old[n]), 1e-6 if n in ("dq_hv", "dk_b") else 1e-3))
+            if not torch.equal(new2[n].cpu(), new[n]):
+                bad.append(f"{name}/{n} two runs of version 3 differ")
+        x = case["x64"]
+        inp = bref.inputs(x["grad"], x["q"], x["k"], x["v"], x["g"], x["beta"], case["tabs_cpu"], 0.0, case["l2norm"])
+        G = c64(case["saved"]["G"])
+        sv = {n: c64(t) for n, t in case["saved"].items()}
+        for label, got in (("v3", new), ("v1", old)):
+            want = bref.stage_b(inp["qc"], inp["kc"], G, c64(got["do_c"]), sv["h"], sv["v_new"],
+                                c64(got["grad_state_out"]), inp["valid"])
+            rows += [(label, n, rel_rms(got[n], want[n]), STAGE_TOL) for n in ("dq_hv", "dk_b", "dG_b")]
+        bad += report(name, rows)
+    assert not bad, f"dqk version 3 vs version 1: {bad}"

@@ -20,6 +20,8 @@ namespace tree_recurrence::gdn::fused::kernels {
 namespace bwd {
 namespace {
 
+// Version 1 (TREE_RECURRENCE_GDN_DQK_V1=1; version 3, the default, follows it; version 2, a
+// persistent one-CTA-per-SM kernel, measured slower and was removed).
 // 16 warps per CTA, two CTAs per SM (~101 KB of shared memory at K = V = 128): two tile buffers
 // are reused across the phases, all loads by cp.async:
 //   A (C x V):            dO (dP, dq^)                 -> v_new (dk^)
