@@ -138,6 +138,34 @@ __device__ inline void dg_rows(float* dG, const float* partQ, const float* partT
   }
 }
 
+// The 16 x 16 fp32 tile at (r0, c0) of a C x K output, two columns per store.
+__device__ __forceinline__ void dqk_store(const FragC (&acc)[1][2], float* out, int K, int r0, int c0) {
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+    for (int eh = 0; eh < 2; ++eh) {
+      const int i = el_row(r0, 2 * eh), col = el_col(c0, nt, 2 * eh);
+      if (col < K)
+        *reinterpret_cast<float2*>(out + static_cast<int64_t>(i) * K + col) =
+            make_float2(acc[0][nt].x[2 * eh], acc[0][nt].x[2 * eh + 1]);
+    }
+}
+// acc *= rowscale(row); the tile's row dots <acc_i, Y_i> (Y = q^ or k^) to part.
+template <typename T, typename Scale>
+__device__ __forceinline__ void dqk_scale_rowdot(FragC (&acc)[1][2], Scale rowscale, const T* Y, int ldk, float* part, int r0,
+                                                 int c0) {
+  float s[2] = {0.f, 0.f};
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int i = el_row(r0, e), col = el_col(c0, nt, e);
+      acc[0][nt].x[e] *= rowscale(i);
+      s[e >> 1] += acc[0][nt].x[e] * mma::Elem<T>::to_float(Y[i * ldk + col]);
+    }
+  tile_rowdot_store(s[0], s[1], part, r0, c0);
+}
+
 template <typename T>
 __global__ void __launch_bounds__(kDqkThreads, 2) dqk_kernel(GdnBwdParams p) {
   extern __shared__ __align__(16) char smem_raw[];
@@ -216,24 +244,9 @@ __global__ void __launch_bounds__(kDqkThreads, 2) dqk_kernel(GdnBwdParams p) {
     FragC acc[1][2];
     zero(acc);
     tile_mma<T, true, false>(acc, A, ldv, X, ldv, r0, c0, Vp / 16);
-    float s[2] = {0.f, 0.f};
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int i = el_row(r0, e), col = el_col(c0, nt, e);
-        acc[0][nt].x[e] *= expf(G[i]);
-        s[e >> 1] += acc[0][nt].x[e] * mma::Elem<T>::to_float(qh[i * ldk + col]);
-      }
-    tile_rowdot_store(s[0], s[1], partQ, r0, c0);
+    dqk_scale_rowdot<T>(acc, [&](int i) { return expf(G[i]); }, qh, ldk, partQ, r0, c0);
     tile_mma<T, true, true>(acc, dP, kPitchC, kh, ldk, r0, c0, C / 16);
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int i = el_row(r0, e), col = el_col(c0, nt, e);
-        if (col < K) dq_out[i * K + col] = acc[0][nt].x[e];
-      }
+    dqk_store(acc, dq_out, K, r0, c0);
   }
   __syncthreads();  // every warp is done with A = dO and X = h
   async_matrix<T>(X, ldv, dS_g, K, Kp, V, Vp);  // X = dS
@@ -247,24 +260,9 @@ __global__ void __launch_bounds__(kDqkThreads, 2) dqk_kernel(GdnBwdParams p) {
     FragC acc[1][2];
     zero(acc);
     tile_mma<T, true, false>(acc, A, ldv, X, ldv, r0, c0, Vp / 16);
-    float s[2] = {0.f, 0.f};
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int j = el_row(r0, e), col = el_col(c0, nt, e);
-        acc[0][nt].x[e] *= expf(g_last - G[j]);
-        s[e >> 1] += acc[0][nt].x[e] * mma::Elem<T>::to_float(kh[j * ldk + col]);
-      }
-    tile_rowdot_store(s[0], s[1], partT, r0, c0);
+    dqk_scale_rowdot<T>(acc, [&](int j) { return expf(g_last - G[j]); }, kh, ldk, partT, r0, c0);
     tile_mma<T, false, true>(acc, dP, kPitchC, qh, ldk, r0, c0, C / 16);
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int j = el_row(r0, e), col = el_col(c0, nt, e);
-        if (col < K) dk_out[j * K + col] = acc[0][nt].x[e];
-      }
+    dqk_store(acc, dk_out, K, r0, c0);
   }
   const float hds_all = block_sum<kDqkThreads>(hds, red);  // (contains __syncthreads: parts are complete after it)
   dg_rows(p.dG + ch * C, partQ, partT, partD, *lastRow, Kp, g_last, hds_all);
@@ -317,34 +315,6 @@ __device__ __forceinline__ float dqk3_dot(const uint4 (&a)[kDqkHdsRegs], const u
   }
   return s;
 }
-// The 16 x 16 fp32 tile at (r0, c0) of a C x K output, two columns per store.
-__device__ __forceinline__ void dqk3_store(const FragC (&acc)[1][2], float* out, int K, int r0, int c0) {
-#pragma unroll
-  for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-    for (int eh = 0; eh < 2; ++eh) {
-      const int i = el_row(r0, 2 * eh), col = el_col(c0, nt, 2 * eh);
-      if (col < K)
-        *reinterpret_cast<float2*>(out + static_cast<int64_t>(i) * K + col) =
-            make_float2(acc[0][nt].x[2 * eh], acc[0][nt].x[2 * eh + 1]);
-    }
-}
-// acc *= rowscale[row]; the tile's row dots <acc_i, Y_i> (Y = q^ or k^) to part (version 1's order).
-template <typename T>
-__device__ __forceinline__ void dqk3_scale_rowdot(FragC (&acc)[1][2], const float* rowscale, const T* Y, int ldk, float* part,
-                                                  int r0, int c0) {
-  float s[2] = {0.f, 0.f};
-#pragma unroll
-  for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int i = el_row(r0, e), col = el_col(c0, nt, e);
-      acc[0][nt].x[e] *= rowscale[i];
-      s[e >> 1] += acc[0][nt].x[e] * mma::Elem<T>::to_float(Y[i * ldk + col]);
-    }
-  tile_rowdot_store(s[0], s[1], part, r0, c0);
-}
-
 template <typename T>
 __global__ void __launch_bounds__(kDqkThreads, 2) dqk_kernel_v3(GdnBwdParams p) {
   extern __shared__ __align__(16) char smem_raw[];
@@ -419,6 +389,12 @@ __global__ void __launch_bounds__(kDqkThreads, 2) dqk_kernel_v3(GdnBwdParams p) 
   float* dk_out = p.dk_hv + ch * C * K;
   uint4 hr0[kDqkHdsRegs], hr1[kDqkHdsRegs];
   const int rows_p1 = two ? Kp - kDqkHalf : 0;
+  // the rest of a dq^ tile once its dO h^T part is in acc (dO and h no longer read)
+  auto dq_finish = [&](FragC(&acc)[1][2], int c0) {
+    dqk_scale_rowdot<T>(acc, [&](int i) { return eG[i]; }, qh, ldk, partQ, r0, c0);
+    tile_mma<T, true, true>(acc, dP, kPitchC, kh, ldk, r0, c0, C / 16);
+    dqk_store(acc, dq_out, K, r0, c0);
+  };
   {
     if (two)
       mma::cp_async_wait<1>();
@@ -437,11 +413,7 @@ __global__ void __launch_bounds__(kDqkThreads, 2) dqk_kernel_v3(GdnBwdParams p) 
       async_matrix<T>(A, ldv, vn_g, C, C, V, Vp);  // g6: A = v_new
       mma::cp_async_commit();
     }
-    if (act) {
-      dqk3_scale_rowdot<T>(acc, eG, qh, ldk, partQ, r0, cl);
-      tile_mma<T, true, true>(acc, dP, kPitchC, kh, ldk, r0, cl, C / 16);
-      dqk3_store(acc, dq_out, K, r0, cl);
-    }
+    if (act) dq_finish(acc, cl);
   }
   if (two) {
     mma::cp_async_wait<1>();
@@ -458,11 +430,7 @@ __global__ void __launch_bounds__(kDqkThreads, 2) dqk_kernel_v3(GdnBwdParams p) 
     mma::cp_async_commit();
     dqk3_state_half<T>(B0, ldv, dS_g, 1, K, Kp, V, Vp);  // g7: B0 = dS rows 64..
     mma::cp_async_commit();
-    if (act) {
-      dqk3_scale_rowdot<T>(acc, eG, qh, ldk, partQ, r0, c0);
-      tile_mma<T, true, true>(acc, dP, kPitchC, kh, ldk, r0, c0, C / 16);
-      dqk3_store(acc, dq_out, K, r0, c0);
-    }
+    if (act) dq_finish(acc, c0);
   }
 
   // dk^ = exp(G_last - G) (v_new dS^T) + dP^T q^ by state half; partT: T_j
@@ -478,9 +446,9 @@ __global__ void __launch_bounds__(kDqkThreads, 2) dqk_kernel_v3(GdnBwdParams p) 
       FragC acc[1][2];
       zero(acc);
       tile_mma<T, true, false>(acc, A, ldv, Sb, ldv, r0, cl, Vp / 16);
-      dqk3_scale_rowdot<T>(acc, eL, kh, ldk, partT, r0, c0);
+      dqk_scale_rowdot<T>(acc, [&](int j) { return eL[j]; }, kh, ldk, partT, r0, c0);
       tile_mma<T, false, true>(acc, dP, kPitchC, qh, ldk, r0, c0, C / 16);
-      dqk3_store(acc, dk_out, K, r0, c0);
+      dqk_store(acc, dk_out, K, r0, c0);
     }
   };
   if (two) {
