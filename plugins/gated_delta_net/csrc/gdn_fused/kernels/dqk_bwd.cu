@@ -269,7 +269,8 @@ __global__ void __launch_bounds__(kDqkThreads, 2) dqk_kernel(GdnBwdParams p) {
 }
 
 // ---- Version 3 (the default; TREE_RECURRENCE_GDN_DQK_V1=1 gives version 1 above) ----------------
-// The same grid, CTA (16 warps, 2 CTA/SM), tile work split and math as version 1 (dq^, dk^ and the
+// The same (NC, HV) grid (read head-fastest), CTA (16 warps, 2 CTA/SM, 112,480 B at K = V = 128),
+// tile work split and math as version 1 (dq^, dk^ and the
 // row parts of dG bit for bit the same; <h, dS> summed in another fixed order), with the loads
 // issued as soon as a buffer frees so that each one overlaps the MMAs before its first use. The
 // K x V states travel in two 64-row halves (K <= 64: one), through two C x V buffers:
@@ -278,9 +279,11 @@ __global__ void __launch_bounds__(kDqkThreads, 2) dqk_kernel(GdnBwdParams p) {
 //   B1: h rows 0..63 (dq^, 1st half)                   -> dS rows 0..63 (dk^, 1st half)
 // Commit groups in issue order: g1 dO, v_new | g2 q, k | g3 h0 | (after dP) g4 h1 | (after the dq^
 // MMAs of half 0) g5 dS0 | (after those of the last half) g6 v_new, g7 dS1. <h, dS> from smem: each
-// thread keeps its 16 elements of an h half in registers until the dS half replaces it. exp(G_i)
+// thread keeps its 16 elements of an h half (the second half's last 8 in an 8 KB smem stash, which
+// keeps ptxas at 64 registers without spills) until the dS half replaces it. exp(G_i)
 // and exp(G_last - G_j) once per row (the same expf of the same value as version 1's per element).
-// dq^ / dk^ stored as float2. No second dS read from global memory, 4 exposed waits fewer.
+// dq^ / dk^ stored as float2; the grid taken head-fastest (below). No second dS read from global
+// memory, no load waited on with nothing in flight but the first (dO, v_new) and, partly, v_new's reload.
 constexpr int kDqkHalf = 64;  // rows of a state half
 static_assert(kDqkHalf == C && (kDqkHalf / 16) * (kDqkHalf / 16) == kDqkWarps, "dqk v3: one 16 x 16 tile per warp and half");
 constexpr int kDqkHdsRegs = kDqkHalf * (kBwdMaxDim / 8) / kDqkThreads;  // uint4 of an h half per thread (2)
@@ -318,8 +321,12 @@ __device__ __forceinline__ float dqk3_dot(const uint4 (&a)[kDqkHdsRegs], const u
 template <typename T>
 __global__ void __launch_bounds__(kDqkThreads, 2) dqk_kernel_v3(GdnBwdParams p) {
   extern __shared__ __align__(16) char smem_raw[];
-  const int64_t c = blockIdx.x, hv = blockIdx.y;
-  const int64_t HV = p.hv, HK = p.hk, hk = hv / (HV / HK);
+  // (NC, HV) grid read head-fastest: block ch of the dispatch order (x fastest) is (c, hv) = (ch / HV, ch % HV),
+  // so the value heads of a chunk run side by side (the second reads q, k rows, rq, rk and the gather row from
+  // L2; the chunk-major h, dS, dO, v_new are read in address order)
+  const int64_t HV = p.hv, HK = p.hk;
+  const int64_t ch = static_cast<int64_t>(blockIdx.y) * gridDim.x + blockIdx.x;  // = c * HV + hv
+  const int64_t c = ch / HV, hk = (ch - c * HV) / (HV / HK);
   const int K = static_cast<int>(p.k_dim), V = static_cast<int>(p.v_dim);
   const int Kp = round16(K), Vp = round16(V), ldk = pitch_of(Kp), ldv = pitch_of(Vp);
   const bool two = Kp > kDqkHalf;  // two state halves
@@ -343,7 +350,6 @@ __global__ void __launch_bounds__(kDqkThreads, 2) dqk_kernel_v3(GdnBwdParams p) 
   int64_t* tok = sm.take<int64_t>(C);
   uint4* hstash = sm.take<uint4>(kDqkThreads);  // the last uint4 of each thread's h half 1 (registers spared)
 
-  const int64_t ch = c * HV + hv;
   dqk_tables(p, c, ch, hk, G, tok, rqs, rks, lastRow);
   const T* vn_g = static_cast<const T*>(p.v_new) + ch * C * V;
   const T* h_g = static_cast<const T*>(p.h) + ch * static_cast<int64_t>(K) * V;
