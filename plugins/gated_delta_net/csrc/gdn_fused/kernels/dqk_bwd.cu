@@ -204,8 +204,6 @@ __global__ void __launch_bounds__(kDqkThreads, 2) dqk_kernel(GdnBwdParams p) {
   __syncthreads();
 
   const int warp = threadIdx.x / 32;
-  // dP(i, j) = exp(G_i - G_j) <dO_i, v_new_j> for j <= i: warp's tile (dr0, dc0), kept in fp32 (dpf)
-  // for D and stored in-type for the dq^, dk^ products.
   const int dr0 = (warp / (C / 16)) * 16, dc0 = (warp % (C / 16)) * 16;
   float dpf[2][4];
   dp_tile<T>(dpf, A, ldv, X, ldv, dP, G, dr0, dc0, Vp);
@@ -217,9 +215,7 @@ __global__ void __launch_bounds__(kDqkThreads, 2) dqk_kernel(GdnBwdParams p) {
   scale_rows<T>(qh, ldk, Kp, rqs);  // q^ = scale rq q
   scale_rows<T>(kh, ldk, Kp, rks);  // k^ = rk k
   __syncthreads();
-  // D = dP * (q^ k^T), strictly lower, on the warp's tile: row parts (quad butterfly) to partD slot
-  // dc0 / 16, column parts (over the 8 row groups, then the two row halves) to slot 4 + dr0 / 16.
-  d_parts<T>(dpf, qh, kh, ldk, partD, dr0, dc0, Kp);
+  d_parts<T>(dpf, qh, kh, ldk, partD, dr0, dc0, Kp);  // D's row and column parts
   mma::cp_async_wait<0>();
   __syncthreads();  // X = h
   // <h, dS>: h from X, dS straight from global memory, 8 elements per step (fixed per-thread order,
