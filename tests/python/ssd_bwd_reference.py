@@ -53,6 +53,17 @@ def prepare_dt(dt_raw, dt_bias=None, dt_softplus=False, dt_limit=(0.0, float("in
     return dt.clamp(dt_limit[0], dt_limit[1])
 
 
+def _entry_state(s, par, done, initial_state, root_index, shape):
+    """Segment ``s``'s state on entry: its parent's final state (from ``done``), else the initial state
+    (shared, or the root's ``root_index(s)``-th), else zeros of ``shape``."""
+    if par[s] >= 0:
+        return done[par[s]]
+    if initial_state is None:
+        return torch.zeros(*shape, dtype=torch.float64)
+    h0 = initial_state.double()
+    return h0 if h0.dim() == 3 else h0[root_index(s)]
+
+
 def token_scan(x, dt_raw, B, C, A, seg_offsets, parents, D=None, dt_bias=None, z=None, initial_state=None,
                dt_softplus=False, dt_limit=(0.0, float("inf"))):
     """Float64 token-by-token recurrence over the trie (differentiable): the oracle."""
@@ -66,13 +77,7 @@ def token_scan(x, dt_raw, B, C, A, seg_offsets, parents, D=None, dt_bias=None, z
     final = {}
     ys = [None] * T
     for s in range(len(par)):
-        if par[s] >= 0:
-            st = final[par[s]]
-        elif initial_state is None:
-            st = torch.zeros(H, P, N, dtype=torch.float64)
-        else:
-            h0 = initial_state.double()
-            st = h0 if h0.dim() == 3 else h0[roots.index(s)]
+        st = _entry_state(s, par, final, initial_state, roots.index, (H, P, N))
         for t in range(so[s], so[s + 1]):
             st = st * torch.exp(dt[t] * A).view(H, 1, 1) + (dt[t].view(H, 1) * x[t]).unsqueeze(-1) * B[t].unsqueeze(1)
             ys[t] = (st * C[t].unsqueeze(1)).sum(-1)
@@ -125,13 +130,7 @@ def forward(x, dt_raw, B, C, A, tabs, D=None, dt_bias=None, z=None, initial_stat
     order = tabs["level_segments"].cpu().tolist()
     leave = {}
     for s in order:
-        if par[s] >= 0:
-            st = leave[par[s]]
-        elif initial_state is None:
-            st = torch.zeros(H, P, N, dtype=torch.float64)
-        else:
-            h0 = initial_state.double()
-            st = h0 if h0.dim() == 3 else h0[ridx[s]]
+        st = _entry_state(s, par, leave, initial_state, ridx.__getitem__, (H, P, N))
         for c in range(sco[s], sco[s + 1]):
             states[c] = st
             st = torch.exp(Lam[c, :, -1]).view(H, 1, 1) * st + S_local[c]

@@ -84,6 +84,27 @@ def make(T, H, P, G, N, roots, D_per_channel, seed):
                 A_log=r(H) * 0.5)
 
 
+def oracle_grads(d, seg_offsets, parents, D, dt_bias, z, h0t, h0, dt_softplus, dt_limit, oracle_chunk=None):
+    """Float64 leaves of ``d`` with their gradients of sum(y * dout), y the float64 forward (the token
+    recurrence, or the chunked forward at ``oracle_chunk`` for long rows); the optional inputs used where
+    ``D`` / ``dt_bias`` / ``z`` / ``h0t`` are given (``h0 == "shared"``: one initial state for every root)."""
+    leaves = {k: v.clone().requires_grad_() for k, v in d.items()}
+    A_leaf = -torch.exp(leaves["A_log"])
+    oopt = dict(D=leaves["D"] if D is not None else None, dt_bias=leaves["dt_bias"] if dt_bias is not None else None,
+                z=leaves["z"] if z is not None else None,
+                initial_state=None if h0t is None else (leaves["h0"][0] if h0 == "shared" else leaves["h0"]),
+                dt_softplus=dt_softplus, dt_limit=dt_limit)
+    if oracle_chunk is None:
+        y = ref.token_scan(leaves["x"], leaves["dt"], leaves["B"], leaves["C"], A_leaf, seg_offsets, parents, **oopt)
+    else:
+        # long rows: autograd through the float64 chunked forward at another chunk size (checked against the
+        # token recurrence in test_ssd_bwd_reference.py), which a Python token loop would take minutes for
+        otabs = ref.chunk_tables(seg_offsets, parents, oracle_chunk)
+        y = ref.forward(leaves["x"], leaves["dt"], leaves["B"], leaves["C"], A_leaf, otabs, **oopt)["out"]
+    (y * d["dout"]).sum().backward()
+    return leaves
+
+
 def run_case(seg_offsets, parents, chunk=64, dtype=torch.float32, H=4, P=16, G=2, N=16, D_per_channel=False,
              use=("D", "dt_bias", "z", "h0"), h0="per_root", dt_softplus=True, dt_limit=(0.0, float("inf")),
              seed=0, stage_tol=None, final_tol=None, saved_from_forward=False, oracle_chunk=None, name="", keep=None):
@@ -172,20 +193,7 @@ def run_case(seg_offsets, parents, chunk=64, dtype=torch.float32, H=4, P=16, G=2
           " ".join(f"{k}={v:.2e}" for k, v in stage_err.items()))
 
     # 2) final gradients against float64 autograd through the token recurrence
-    leaves = {k: v.clone().requires_grad_() for k, v in d.items()}
-    A_leaf = -torch.exp(leaves["A_log"])
-    oopt = dict(D=leaves["D"] if D is not None else None, dt_bias=leaves["dt_bias"] if dt_bias is not None else None,
-                z=leaves["z"] if z is not None else None,
-                initial_state=None if h0t is None else (leaves["h0"][0] if h0 == "shared" else leaves["h0"]),
-                dt_softplus=dt_softplus, dt_limit=dt_limit)
-    if oracle_chunk is None:
-        y = ref.token_scan(leaves["x"], leaves["dt"], leaves["B"], leaves["C"], A_leaf, seg_offsets, parents, **oopt)
-    else:
-        # long rows: autograd through the float64 chunked forward at another chunk size (checked against the
-        # token recurrence in test_ssd_bwd_reference.py), which a Python token loop would take minutes for
-        otabs = ref.chunk_tables(seg_offsets, parents, oracle_chunk)
-        y = ref.forward(leaves["x"], leaves["dt"], leaves["B"], leaves["C"], A_leaf, otabs, **oopt)["out"]
-    (y * d["dout"]).sum().backward()
+    leaves = oracle_grads(d, seg_offsets, parents, D, dt_bias, z, h0t, h0, dt_softplus, dt_limit, oracle_chunk)
     finals = dict(dx=("x", got["dx"]), ddt_final=("dt", got["ddt_final"]), dB=("B", got["dB"]), dC=("C", got["dC"]),
                   dA=("A_log", got["dA"].double().cpu() * A))
     if D is not None:

@@ -31,7 +31,7 @@ import pytest
 import torch
 
 import ssd_bwd_reference as ref
-from test_ssd_fused_bwd_gpu import FINAL_NAMES, MIXED, STAGE_NAMES, WIDE, make, rel_rms
+from test_ssd_fused_bwd_gpu import FINAL_NAMES, MIXED, STAGE_NAMES, WIDE, make, oracle_grads, rel_rms
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -58,15 +58,11 @@ def _set_env(monkeypatch, variant):
         monkeypatch.setenv("TREE_RECURRENCE_SSD_POST_DY", "buffer")
 
 
-def run_post_case(monkeypatch, seg_offsets, parents, dtype=torch.bfloat16, H=4, P=16, G=2, N=16,
-                  D_per_channel=False, use=("D", "dt_bias", "z", "h0"), h0="per_root", dt_softplus=True,
-                  dt_limit=(0.0, float("inf")), seed=0, oracle_chunk=None, variants=("new", "dy_buffer", "v1"),
-                  name=""):
-    chunk = 64
-    seg_offsets, parents = list(seg_offsets), list(parents)
+def _post_inputs(seg_offsets, parents, chunk, dtype, H, P, G, N, D_per_channel, use, h0, seed):
+    """A case's float64 inputs (x, B, C, z, dout rounded to ``dtype`` first), A, the optional inputs named in
+    ``use`` (None otherwise; ``h0 == "shared"``: one initial state for every root) and the CPU chunk tables."""
     roots = sum(p < 0 for p in parents)
-    T = seg_offsets[-1]
-    d = make(T, H, P, G, N, 1 if h0 == "shared" else roots, D_per_channel, seed)
+    d = make(seg_offsets[-1], H, P, G, N, 1 if h0 == "shared" else roots, D_per_channel, seed)
     for k in ("x", "B", "C", "z", "dout"):
         d[k] = d[k].to(dtype).double()
     A = -torch.exp(d["A_log"]).float().double()
@@ -74,7 +70,17 @@ def run_post_case(monkeypatch, seg_offsets, parents, dtype=torch.bfloat16, H=4, 
     dt_bias = d["dt_bias"] if "dt_bias" in use else None
     z = d["z"] if "z" in use else None
     h0t = None if "h0" not in use else (d["h0"][0] if h0 == "shared" else d["h0"])
-    tabs = ref.chunk_tables(seg_offsets, parents, chunk)
+    return d, A, D, dt_bias, z, h0t, ref.chunk_tables(seg_offsets, parents, chunk)
+
+
+def run_post_case(monkeypatch, seg_offsets, parents, dtype=torch.bfloat16, H=4, P=16, G=2, N=16,
+                  D_per_channel=False, use=("D", "dt_bias", "z", "h0"), h0="per_root", dt_softplus=True,
+                  dt_limit=(0.0, float("inf")), seed=0, oracle_chunk=None, variants=("new", "dy_buffer", "v1"),
+                  name=""):
+    chunk = 64
+    seg_offsets, parents = list(seg_offsets), list(parents)
+    d, A, D, dt_bias, z, h0t, tabs = _post_inputs(seg_offsets, parents, chunk, dtype, H, P, G, N, D_per_channel, use,
+                                                  h0, seed)
     opt = dict(D=D, dt_bias=dt_bias, z=z, initial_state=h0t, dt_softplus=dt_softplus, dt_limit=dt_limit)
     dev = torch.device(DEVICE)
     tabs_dev = ref.chunk_tables(seg_offsets, parents, chunk, dev)
@@ -100,18 +106,7 @@ def run_post_case(monkeypatch, seg_offsets, parents, dtype=torch.bfloat16, H=4, 
     # float64 twins: stages on the same saved buffers, finals by autograd
     want = ref.backward(d["dout"], d["x"], d["dt"], d["B"], d["C"], A, tabs, saved, **opt)
     want["dA_part"] = (saved["dt"] * want["d_dtA"]).sum(-1)
-    leaves = {k: v.clone().requires_grad_() for k, v in d.items()}
-    A_leaf = -torch.exp(leaves["A_log"])
-    oopt = dict(D=leaves["D"] if D is not None else None, dt_bias=leaves["dt_bias"] if dt_bias is not None else None,
-                z=leaves["z"] if z is not None else None,
-                initial_state=None if h0t is None else (leaves["h0"][0] if h0 == "shared" else leaves["h0"]),
-                dt_softplus=dt_softplus, dt_limit=dt_limit)
-    if oracle_chunk is None:
-        y = ref.token_scan(leaves["x"], leaves["dt"], leaves["B"], leaves["C"], A_leaf, seg_offsets, parents, **oopt)
-    else:
-        otabs = ref.chunk_tables(seg_offsets, parents, oracle_chunk)
-        y = ref.forward(leaves["x"], leaves["dt"], leaves["B"], leaves["C"], A_leaf, otabs, **oopt)["out"]
-    (y * d["dout"]).sum().backward()
+    leaves = oracle_grads(d, seg_offsets, parents, D, dt_bias, z, h0t, h0, dt_softplus, dt_limit, oracle_chunk)
     finals = dict(dx="x", ddt_final="dt", dB="B", dC="C", dA="A_log")
     if D is not None:
         finals["dD"] = "D"
@@ -214,16 +209,8 @@ def _post_outputs(seg_offsets, parents, dtype=torch.bfloat16, H=4, P=16, G=2, N=
     with the environment as it is: the version of the post kernel is the process's (read once)."""
     chunk, dt_limit, dt_softplus = 64, (0.0, float("inf")), True
     seg_offsets, parents = list(seg_offsets), list(parents)
-    roots = sum(p < 0 for p in parents)
-    d = make(seg_offsets[-1], H, P, G, N, roots, D_per_channel, seed)
-    for k in ("x", "B", "C", "z", "dout"):
-        d[k] = d[k].to(dtype).double()
-    A = -torch.exp(d["A_log"]).float().double()
-    D = d["D"] if "D" in use else None
-    dt_bias = d["dt_bias"] if "dt_bias" in use else None
-    z = d["z"] if "z" in use else None
-    h0t = d["h0"] if "h0" in use else None
-    tabs = ref.chunk_tables(seg_offsets, parents, chunk)
+    d, A, D, dt_bias, z, h0t, tabs = _post_inputs(seg_offsets, parents, chunk, dtype, H, P, G, N, D_per_channel, use,
+                                                  "per_root", seed)
     dev = torch.device(DEVICE)
     tabs_dev = ref.chunk_tables(seg_offsets, parents, chunk, dev)
     cu = lambda t, dt_=dtype: None if t is None else t.to(dev, dt_).contiguous()  # noqa: E731
