@@ -291,6 +291,17 @@ def pack_forest(name: str, seed: int = 0) -> PackedTree:
 # ------------------------------------------------------------------------------------------------
 
 
+def gdn_inputs(n: int, key_heads: int, value_heads: int, gen: torch.Generator, dim: int = 8,
+               dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, ...]:
+    """Random gated delta rule inputs of one row of ``n`` tokens: q, k (1, n, key_heads, dim), v
+    (1, n, value_heads, dim), g (log decays, <= 0) and beta (1, n, value_heads), drawn in that order."""
+    q, k = (torch.randn(1, n, key_heads, dim, generator=gen, dtype=dtype) for _ in range(2))
+    v = torch.randn(1, n, value_heads, dim, generator=gen, dtype=dtype)
+    g = -torch.rand(1, n, value_heads, generator=gen, dtype=dtype)
+    beta = torch.rand(1, n, value_heads, generator=gen, dtype=dtype)
+    return q, k, v, g, beta
+
+
 def loss_weights(samples: list[torch.Tensor], seed: int = 7, vocab: int = VOCAB) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randn(len(s), vocab, generator=gen) for s in samples]

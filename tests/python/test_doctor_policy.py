@@ -48,22 +48,16 @@ def test_doctor_text_output():
 
 def test_broken_plugins_on_the_plugin_path_are_refused_and_reported(tmp_path):
     (tmp_path / "bad_yaml.yaml").write_text("schema: 1\nfamily: [unclosed\n")
-    (tmp_path / "no_library.yaml").write_text(textwrap.dedent("""\
-        schema: 1
-        family: ghost
-        version: 1.0.0
-        library: libghost.so
-        models: [{model_type: ghost, module: ghost.modeling, mixers: [GhostMixer], layer_types: [ghost]}]
-        seams: {causal_conv1d_fn: {adapter: conv}}
-        """))
-    (tmp_path / "not_a_library.yaml").write_text(textwrap.dedent("""\
-        schema: 1
-        family: fake
-        version: 1.0.0
-        library: fake.so
-        models: [{model_type: fake, module: fake.modeling, mixers: [FakeMixer], layer_types: [fake]}]
-        seams: {causal_conv1d_fn: {adapter: conv}}
-        """))
+    for file, family, library in (("no_library", "ghost", "libghost.so"), ("not_a_library", "fake", "fake.so")):
+        mixer = family.capitalize() + "Mixer"
+        (tmp_path / f"{file}.yaml").write_text(textwrap.dedent(f"""\
+            schema: 1
+            family: {family}
+            version: 1.0.0
+            library: {library}
+            models: [{{model_type: {family}, module: {family}.modeling, mixers: [{mixer}], layer_types: [{family}]}}]
+            seams: {{causal_conv1d_fn: {{adapter: conv}}}}
+            """))
     (tmp_path / "fake.so").write_bytes(b"this is not an ELF file")
     report = doctor({"TREE_RECURRENCE_PLUGIN_PATH": str(tmp_path)})
     assert {p["family"] for p in report["plugins"]} >= {"gated_delta_net", "mamba2", "short_conv"}

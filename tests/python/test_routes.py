@@ -152,11 +152,7 @@ def gdn_inputs():
     plan = tr.tree_plan(tree.trl_kwargs())
     n = plan.num_tokens
     gen = torch.Generator().manual_seed(3)
-    q, k = (torch.randn(1, n, 2, 8, generator=gen, dtype=torch.float64) for _ in range(2))
-    v = torch.randn(1, n, 2, 8, generator=gen, dtype=torch.float64)
-    g = -torch.rand(1, n, 2, generator=gen, dtype=torch.float64)
-    beta = torch.rand(1, n, 2, generator=gen, dtype=torch.float64)
-    return tree, plan, [t.requires_grad_() for t in (q, k, v, g, beta)]
+    return tree, plan, [t.requires_grad_() for t in M.gdn_inputs(n, 2, 2, gen)]
 
 
 @pytest.fixture

@@ -533,9 +533,7 @@ def test_gdn_and_ssd_scan_components():
     plan = tr.tree_plan(tree.trl_kwargs())
     n = plan.num_tokens
     gen = torch.Generator().manual_seed(1)
-    q, k = (torch.randn(1, n, 2, 8, generator=gen, dtype=torch.float64) for _ in range(2))
-    v = torch.randn(1, n, 4, 8, generator=gen, dtype=torch.float64)
-    g, beta = -torch.rand(1, n, 4, generator=gen, dtype=torch.float64), torch.rand(1, n, 4, generator=gen, dtype=torch.float64)
+    q, k, v, g, beta = M.gdn_inputs(n, 2, 4, gen)
     for backend in ("auto", "kernel"):
         out = components.gdn_scan(q, k, v, g, beta, plan, use_qk_l2norm_in_kernel=True, backend=backend)
         for pos in tree.sample_positions:

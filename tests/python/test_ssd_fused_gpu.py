@@ -192,6 +192,14 @@ def test_scan_v3_vs_v2(dims, chunk, dtype, monkeypatch):
         assert torch.equal(runs["default"]["y"], runs["v2"]["y"]), diff
 
 
+def op_before_and_after(monkeypatch, ins, tabs, switch, value):
+    """The op's output, then its output with the environment switch set to ``value``, and their rel RMS."""
+    before = call(_ops().ssd_tree_scan, ins, tabs)
+    monkeypatch.setenv(switch, value)
+    after = call(_ops().ssd_tree_scan, ins, tabs)
+    return before, after, rel_rms(before, after)
+
+
 def test_scan_v3_through_the_op(monkeypatch):
     """The op (v3 scan, default) on the benchmark's argument pattern: forward + fused backward vs float64; the
     op's output with v3 bitwise equals the one with v2."""
@@ -201,10 +209,7 @@ def test_scan_v3_through_the_op(monkeypatch):
     roots = sum(p < 0 for p in par)
     ins = make(off[-1], roots=roots, H=16, P=64, G=2, N=128)
     tabs = chunk_tables(off, par, 64, "cuda")
-    a = call(_ops().ssd_tree_scan, ins, tabs)
-    monkeypatch.setenv("TREE_RECURRENCE_SSD_FWD_SCAN", "v2")
-    b = call(_ops().ssd_tree_scan, ins, tabs)
-    e = rel_rms(a, b)
+    a, b, e = op_before_and_after(monkeypatch, ins, tabs, "TREE_RECURRENCE_SSD_FWD_SCAN", "v2")
     print(f"\n[op v3 vs v2] rel diff {e:.2e} bitwise {torch.equal(a, b)}")
     assert torch.equal(a, b), e
 
@@ -311,10 +316,7 @@ def test_disabled_by_env_runs_the_composite(monkeypatch):
     off, par = CRAFTED["deep"]
     ins = make(off[-1])
     tabs = chunk_tables(off, par, 64, "cuda")
-    fused = call(_ops().ssd_tree_scan, ins, tabs)
-    monkeypatch.setenv("TREE_RECURRENCE_SSD_FUSED", "0")
-    composite = call(_ops().ssd_tree_scan, ins, tabs)
-    e = rel_rms(fused, composite)
+    fused, composite, e = op_before_and_after(monkeypatch, ins, tabs, "TREE_RECURRENCE_SSD_FUSED", "0")
     print(f"\n[ssd fused vs composite] rel_rms={e:.2e}")
     assert e <= TOL[torch.bfloat16]
     assert not torch.equal(fused, composite)  # the env switch really changed the path
