@@ -33,12 +33,7 @@ void check(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const 
   for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"g", &g}, {"beta", &beta}})
     TR_CHECK_VALUE(t->dim() == 2 && t->size(0) == T && t->size(1) == v.size(1), "gdn_tree_scan: ", name,
                       " must be (tokens, value_heads)=(", T, ", ", v.size(1), "), got ", t->sizes());
-  TR_CHECK_VALUE(gather.dim() == 2 && gather.size(1) > 0 && gather.scalar_type() == at::kLong,
-                    "gdn_tree_scan: gather must be an int64 (chunks, chunk_size) table (TreePlan.chunk_tables), got ",
-                    gather.scalar_type(), " ", gather.sizes());
-  TR_CHECK_VALUE(scatter.dim() == 1 && scatter.size(0) == T && scatter.scalar_type() == at::kLong,
-                    "gdn_tree_scan: scatter must be an int64 (tokens=", T, ") table (TreePlan.chunk_tables), got ",
-                    scatter.scalar_type(), " ", scatter.sizes());
+  check_gather_scatter("gdn_tree_scan", gather, scatter, T);
   for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"k", &k}, {"v", &v}, {"g", &g}, {"beta", &beta},
                                 {"gather", &gather}, {"scatter", &scatter}})
     TR_CHECK_VALUE(t->device() == q.device(), "gdn_tree_scan: ", name, " is on ", t->device(), " but q is on ", q.device(),

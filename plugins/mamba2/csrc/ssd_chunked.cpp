@@ -17,35 +17,49 @@ void check(const at::Tensor& x, const at::Tensor& dt, const at::Tensor& B, const
            const std::optional<at::Tensor>& dt_bias, at::ArrayRef<double> dt_limit) {
   TR_CHECK_TYPE(at::isFloatingType(x.scalar_type()), "ssd_tree_scan: x has dtype ", x.scalar_type(),
                    ", expected float32, float64, bfloat16 or float16");
-  TR_CHECK_VALUE(x.dim() == 3, "ssd_tree_scan: x must be (tokens, heads, head_dim), got ", x.sizes());
-  const int64_t T = x.size(0), H = x.size(1), P = x.size(2);
-  TR_CHECK_VALUE(dt.dim() == 2 && dt.size(0) == T && dt.size(1) == H, "ssd_tree_scan: dt must be (tokens, heads)=", T, "x",
-                    H, ", got ", dt.sizes());
-  TR_CHECK_VALUE(B.dim() == 3 && B.size(0) == T && C.sizes() == B.sizes(),
-                    "ssd_tree_scan: B and C must be (tokens, groups, state) alike, got ", B.sizes(), " and ", C.sizes());
-  TR_CHECK_VALUE(B.size(1) > 0 && H % B.size(1) == 0, "ssd_tree_scan: heads ", H, " must be a multiple of groups ",
-                    B.size(1));
-  TR_CHECK_VALUE(A.dim() == 1 && A.size(0) == H, "ssd_tree_scan: A must be (heads=", H, "), got ", A.sizes());
-  if (D)
-    TR_CHECK_VALUE((D->dim() == 1 && D->size(0) == H) || (D->dim() == 2 && D->size(0) == H && D->size(1) == P),
-                      "ssd_tree_scan: D must be (heads=", H, ") or (heads, head_dim=", P, "), got ", D->sizes());
-  if (dt_bias)
-    TR_CHECK_VALUE(dt_bias->dim() == 1 && dt_bias->size(0) == H, "ssd_tree_scan: dt_bias must be (heads=", H, "), got ",
-                      dt_bias->sizes());
-  TR_CHECK_VALUE(dt_limit.size() == 2 && dt_limit[0] <= dt_limit[1],
-                    "ssd_tree_scan: dt_limit must be (low, high) with low <= high");
-  TR_CHECK_VALUE(gather.dim() == 2 && gather.size(1) > 0 && gather.scalar_type() == at::kLong,
-                    "ssd_tree_scan: gather must be an int64 (chunks, chunk_size) table (TreePlan.chunk_tables), got ",
-                    gather.scalar_type(), " ", gather.sizes());
-  TR_CHECK_VALUE(scatter.dim() == 1 && scatter.size(0) == T && scatter.scalar_type() == at::kLong,
-                    "ssd_tree_scan: scatter must be an int64 (tokens=", T, ") table (TreePlan.chunk_tables), got ",
-                    scatter.scalar_type(), " ", scatter.sizes());
+  check_scan_args("ssd_tree_scan", x, dt, B, C, A, D, dt_bias, dt_limit);
+  const int64_t T = x.size(0);
+  check_gather_scatter("ssd_tree_scan", gather, scatter, T);
   for (const at::Tensor* t : {&dt, &B, &C, &gather, &scatter, &A})
     TR_CHECK_VALUE(t->device() == x.device(), "ssd_tree_scan: every tensor must be on x's device ", x.device(),
                       ", got one on ", t->device(), " (the plan's tables: TreePlan.chunk_tables(chunk, device))");
 }
 
 }  // namespace
+
+void check_scan_args(const char* op, const at::Tensor& x, const at::Tensor& dt, const at::Tensor& B, const at::Tensor& C,
+                     const at::Tensor& A, const std::optional<at::Tensor>& D, const std::optional<at::Tensor>& dt_bias,
+                     at::ArrayRef<double> dt_limit) {
+  TR_CHECK_VALUE(x.dim() == 3, op, ": x must be (tokens, heads, head_dim), got ", x.sizes());
+  const int64_t T = x.size(0), H = x.size(1), P = x.size(2);
+  TR_CHECK_VALUE(dt.dim() == 2 && dt.size(0) == T && dt.size(1) == H, op, ": dt must be (tokens, heads)=", T, "x",
+                    H, ", got ", dt.sizes());
+  TR_CHECK_VALUE(B.dim() == 3 && B.size(0) == T && C.sizes() == B.sizes(),
+                    op, ": B and C must be (tokens, groups, state) alike, got ", B.sizes(), " and ", C.sizes());
+  TR_CHECK_VALUE(B.size(1) > 0 && H % B.size(1) == 0, op, ": heads ", H, " must be a multiple of groups ",
+                    B.size(1));
+  TR_CHECK_VALUE(A.dim() == 1 && A.size(0) == H, op, ": A must be (heads=", H, "), got ", A.sizes());
+  if (D)
+    TR_CHECK_VALUE((D->dim() == 1 && D->size(0) == H) || (D->dim() == 2 && D->size(0) == H && D->size(1) == P),
+                      op, ": D must be (heads=", H, ") or (heads, head_dim=", P, "), got ", D->sizes());
+  if (dt_bias)
+    TR_CHECK_VALUE(dt_bias->dim() == 1 && dt_bias->size(0) == H, op, ": dt_bias must be (heads=", H, "), got ",
+                      dt_bias->sizes());
+  TR_CHECK_VALUE(dt_limit.size() == 2 && dt_limit[0] <= dt_limit[1],
+                    op, ": dt_limit must be (low, high) with low <= high");
+}
+
+at::Tensor gate_by_z(const char* op, at::Tensor y, const std::optional<at::Tensor>& z_in, at::IntArrayRef x_sizes,
+                     at::ScalarType f) {
+  if (!z_in) return y;
+  at::Tensor z = *z_in;
+  if (z.dim() == 4) {
+    TR_CHECK_VALUE(z.size(0) == 1, op, ": z must be (tokens, heads, head_dim) or (1, tokens, ...), got ", z.sizes());
+    z = z[0];
+  }
+  TR_CHECK_VALUE(z.sizes() == x_sizes, op, ": z must be shaped like x ", x_sizes, ", got ", z.sizes());
+  return y * at::silu(z.to(f));
+}
 
 at::Tensor composite_scan(const at::Tensor& x_in, const at::Tensor& dt_in, const at::Tensor& B_in, const at::Tensor& C_in,
                           TREE_RECURRENCE_CHUNK_TABLE_PARAMS, const std::optional<at::Tensor>& initial_state,
@@ -122,16 +136,7 @@ at::Tensor composite_scan(const at::Tensor& x_in, const at::Tensor& dt_in, const
   at::Tensor y = y_state.add_(at::matmul(scores, u)).permute({0, 2, 1, 3}).reshape({NC * L, H, P}).index_select(0, scatter);
 
   if (D) y = y + (D->dim() == 1 ? D->to(f).view({H, 1}) : D->to(f)) * x_in.to(f);
-  if (z_in) {
-    at::Tensor z = *z_in;
-    if (z.dim() == 4) {
-      TR_CHECK_VALUE(z.size(0) == 1, "ssd_tree_scan: z must be (tokens, heads, head_dim) or (1, tokens, ...), got ", z.sizes());
-      z = z[0];
-    }
-    TR_CHECK_VALUE(z.sizes() == x_in.sizes(), "ssd_tree_scan: z must be shaped like x ", x_in.sizes(), ", got ", z.sizes());
-    y = y * at::silu(z.to(f));
-  }
-  return y;
+  return gate_by_z("ssd_tree_scan", y, z_in, x_in.sizes(), f);
 }
 
 at::Tensor chunked_scan(const at::Tensor& x, const at::Tensor& dt, const at::Tensor& B, const at::Tensor& C,

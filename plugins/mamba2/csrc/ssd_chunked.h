@@ -49,4 +49,14 @@ at::Tensor composite_scan(const at::Tensor& x, const at::Tensor& dt, const at::T
                           const at::Tensor& A, at::ArrayRef<double> dt_limit, const std::optional<at::Tensor>& D,
                           const std::optional<at::Tensor>& dt_bias, bool dt_softplus, const std::optional<at::Tensor>& z);
 
+// The checks of x, dt, B, C, A, D, dt_bias and dt_limit both SSD scan ops make (ssd_tree_scan and the
+// float64 oracle ssd_token_scan); ``op`` names the op in the messages.
+void check_scan_args(const char* op, const at::Tensor& x, const at::Tensor& dt, const at::Tensor& B, const at::Tensor& C,
+                     const at::Tensor& A, const std::optional<at::Tensor>& D, const std::optional<at::Tensor>& dt_bias,
+                     at::ArrayRef<double> dt_limit);
+
+// y * silu(z) in dtype f (z: (T, H, P) like x, or (1, T, H, P)); y itself without z. Both scan ops' output gate.
+at::Tensor gate_by_z(const char* op, at::Tensor y, const std::optional<at::Tensor>& z_in, at::IntArrayRef x_sizes,
+                     at::ScalarType f);
+
 }  // namespace tree_recurrence::ssd

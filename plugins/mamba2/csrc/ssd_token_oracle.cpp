@@ -1,4 +1,5 @@
 #include "ssd_token_oracle.h"
+#include "ssd_chunked.h"
 #include "tree_recurrence/sdk/check.h"
 
 #include <ATen/ATen.h>
@@ -13,23 +14,8 @@ namespace {
 void check(const at::Tensor& x, const at::Tensor& dt, const at::Tensor& B, const at::Tensor& C, const at::Tensor& seg_offsets,
            const at::Tensor& parents, const at::Tensor& A, const std::optional<at::Tensor>& D,
            const std::optional<at::Tensor>& dt_bias, at::ArrayRef<double> dt_limit) {
-  TR_CHECK_VALUE(x.dim() == 3, "ssd_token_scan: x must be (tokens, heads, head_dim), got ", x.sizes());
-  const int64_t T = x.size(0), H = x.size(1), P = x.size(2);
-  TR_CHECK_VALUE(dt.dim() == 2 && dt.size(0) == T && dt.size(1) == H, "ssd_token_scan: dt must be (tokens, heads)=", T, "x",
-                    H, ", got ", dt.sizes());
-  TR_CHECK_VALUE(B.dim() == 3 && B.size(0) == T && C.sizes() == B.sizes(),
-                    "ssd_token_scan: B and C must be (tokens, groups, state) alike, got ", B.sizes(), " and ", C.sizes());
-  TR_CHECK_VALUE(B.size(1) > 0 && H % B.size(1) == 0, "ssd_token_scan: heads ", H, " must be a multiple of groups ",
-                    B.size(1));
-  TR_CHECK_VALUE(A.dim() == 1 && A.size(0) == H, "ssd_token_scan: A must be (heads=", H, "), got ", A.sizes());
-  if (D)
-    TR_CHECK_VALUE((D->dim() == 1 && D->size(0) == H) || (D->dim() == 2 && D->size(0) == H && D->size(1) == P),
-                      "ssd_token_scan: D must be (heads=", H, ") or (heads, head_dim=", P, "), got ", D->sizes());
-  if (dt_bias)
-    TR_CHECK_VALUE(dt_bias->dim() == 1 && dt_bias->size(0) == H, "ssd_token_scan: dt_bias must be (heads=", H, "), got ",
-                      dt_bias->sizes());
-  TR_CHECK_VALUE(dt_limit.size() == 2 && dt_limit[0] <= dt_limit[1],
-                    "ssd_token_scan: dt_limit must be (low, high) with low <= high");
+  check_scan_args("ssd_token_scan", x, dt, B, C, A, D, dt_bias, dt_limit);
+  const int64_t T = x.size(0);
   TR_CHECK_VALUE(seg_offsets.is_cpu() && parents.is_cpu() && seg_offsets.scalar_type() == at::kLong &&
                         parents.scalar_type() == at::kLong,
                     "ssd_token_scan: seg_offsets and parents must be int64 CPU tensors (the plan's host arrays)");
@@ -72,16 +58,7 @@ at::Tensor token_oracle(const at::Tensor& x_in, const at::Tensor& dt_in, const a
   });
   at::Tensor y = at::stack(outputs);  // (T, H, P) fp32
   if (D) y = y + (D->dim() == 1 ? D->view({H, 1}) : *D) * x;
-  if (z_in) {
-    at::Tensor z = *z_in;
-    if (z.dim() == 4) {
-      TR_CHECK_VALUE(z.size(0) == 1, "ssd_token_scan: z must be (tokens, heads, head_dim) or (1, tokens, ...), got ", z.sizes());
-      z = z[0];
-    }
-    TR_CHECK_VALUE(z.sizes() == x_in.sizes(), "ssd_token_scan: z must be shaped like x ", x_in.sizes(), ", got ", z.sizes());
-    y = y * at::silu(z.to(f));
-  }
-  return y;
+  return gate_by_z("ssd_token_scan", y, z_in, x_in.sizes(), f);
 }
 
 }  // namespace tree_recurrence::ssd

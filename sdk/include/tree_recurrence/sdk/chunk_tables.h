@@ -11,6 +11,8 @@
 #include <cstring>
 #include <vector>
 
+#include "tree_recurrence/sdk/check.h"
+
 // The tables as an op's parameters, in schema order (gather ... children), and the same names as the
 // arguments of a call: `at::Tensor op(const at::Tensor& x, TREE_RECURRENCE_CHUNK_TABLE_PARAMS, ...)`.
 #define TREE_RECURRENCE_CHUNK_TABLE_PARAMS                                                                  \
@@ -21,6 +23,16 @@
   gather, scatter, seg_chunk_offsets, parents, root_index, level_segments, level_offsets, child_offsets, children
 
 namespace tree_recurrence {
+
+// An op's check of the two token tables: gather (chunks, chunk_size) int64, scatter (T) int64.
+inline void check_gather_scatter(const char* op, const at::Tensor& gather, const at::Tensor& scatter, int64_t T) {
+  TR_CHECK_VALUE(gather.dim() == 2 && gather.size(1) > 0 && gather.scalar_type() == at::kLong, op,
+                 ": gather must be an int64 (chunks, chunk_size) table (TreePlan.chunk_tables), got ",
+                 gather.scalar_type(), " ", gather.sizes());
+  TR_CHECK_VALUE(scatter.dim() == 1 && scatter.size(0) == T && scatter.scalar_type() == at::kLong, op,
+                 ": scatter must be an int64 (tokens=", T, ") table (TreePlan.chunk_tables), got ",
+                 scatter.scalar_type(), " ", scatter.sizes());
+}
 
 // The tables held (level_offsets copied to the host vector the kernels' launchers read).
 struct ChunkTableSet {
