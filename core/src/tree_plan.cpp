@@ -11,6 +11,16 @@ namespace {
 
 std::string at_segment(Index s) { return "segment " + std::to_string(s) + ": "; }
 
+// A given per-segment field must equal the one the plan derived: one entry per segment, each the same
+// (mismatch(s, given, derived) words the error at the first segment that differs).
+template <class Mismatch>
+void check_given(const std::string& field, const IndexVector& given, const IndexVector& derived, Mismatch&& mismatch) {
+  const auto S = derived.size();
+  if (given.size() != S) fail(field, "has " + std::to_string(given.size()) + " entries, expected " + std::to_string(S));
+  for (std::size_t s = 0; s < S; ++s)
+    if (given[s] != derived[s]) fail(field, mismatch(static_cast<Index>(s), given[s], derived[s]));
+}
+
 void check_offsets(const IndexVector& cu, Index num_tokens) {
   if (cu.size() < 2) fail("tree_cu_seqlens_q", "needs at least 2 entries (one segment), got " + std::to_string(cu.size()));
   if (cu.front() != 0) fail("tree_cu_seqlens_q", "must start at 0, starts at " + std::to_string(cu.front()));
@@ -108,15 +118,10 @@ void TreePlan::derive_parents(const TreeInput& input) {
       fail("tree_kv_index", at_segment(s) + "key path prefix is not the key path of its parent segment " + std::to_string(p));
     parents_[s] = p;
   }
-  if (input.segment_parents) {
-    const IndexVector& given = *input.segment_parents;
-    if (static_cast<Index>(given.size()) != S)
-      fail("tree_segment_parents", "has " + std::to_string(given.size()) + " entries, expected " + std::to_string(S));
-    for (Index s = 0; s < S; ++s)
-      if (given[s] != parents_[s])
-        fail("tree_segment_parents", at_segment(s) + "parent is " + std::to_string(given[s]) + " but tree_kv_index says " +
-                                         std::to_string(parents_[s]));
-  }
+  if (input.segment_parents)
+    check_given("tree_segment_parents", *input.segment_parents, parents_, [](Index s, Index given, Index want) {
+      return at_segment(s) + "parent is " + std::to_string(given) + " but tree_kv_index says " + std::to_string(want);
+    });
 }
 
 void TreePlan::check_parents(const TreeInput& input) {
@@ -134,15 +139,11 @@ void TreePlan::check_parents(const TreeInput& input) {
                                        " does not come before its child (segments must be in DFS pre-order; this also excludes cycles)");
     levels_[s] = p < 0 ? 0 : levels_[p] + 1;
   }
-  if (input.segment_depths) {
-    const IndexVector& depths = *input.segment_depths;
-    if (static_cast<Index>(depths.size()) != S)
-      fail("tree_segment_depths", "has " + std::to_string(depths.size()) + " entries, expected " + std::to_string(S));
-    for (Index s = 0; s < S; ++s)
-      if (depths[s] != levels_[s])
-        fail("tree_segment_depths", at_segment(s) + "depth is " + std::to_string(depths[s]) + " but its level in the tree is " +
-                                        std::to_string(levels_[s]) + " (depth counts segments from the root, root = 0)");
-  }
+  if (input.segment_depths)
+    check_given("tree_segment_depths", *input.segment_depths, levels_, [](Index s, Index given, Index want) {
+      return at_segment(s) + "depth is " + std::to_string(given) + " but its level in the tree is " + std::to_string(want) +
+             " (depth counts segments from the root, root = 0)";
+    });
 }
 
 void TreePlan::build_topology() {
