@@ -143,6 +143,7 @@ def case_ssd_bad_table():
 
 def _diag(where, grad=True, backward=False):
     os.environ["TREE_RECURRENCE_SSD_DIAG_THROW"] = where
+    os.environ["TREE_RECURRENCE_TEST_OPS"] = "1"  # the hook is armed only in test processes (ssd_fused.cpp)
     T, torch, tabs, ins = _ssd_inputs(grad=grad)
     if not grad:
         with torch.no_grad():

@@ -25,23 +25,34 @@
 
 #include <array>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 
 #include "../ssd_chunked.h"
 #include "kernels/params.h"
 #include "tree_recurrence/kernels/chunk_state_pass.h"  // kChunkStateMaxChunk
+#include "tree_recurrence/sdk/test_ops.h"
 
 namespace tree_recurrence::ssd::fused {
 namespace {
 
-// Diagnosis of the open crash-on-throw bug (benchmarks/gpu/diag_throw.py): with
-// TREE_RECURRENCE_SSD_DIAG_THROW set to "scan", "forward" or "backward", a ValueError is thrown at that
-// point of the fused path (in scan() before Function::apply, inside ScanFn::forward, inside
-// ScanFn::backward in the autograd thread), as the refusals of GPU runs 3 and 4 were. Unset: nothing.
+// Diagnosis hook for errors thrown on the fused path (benchmarks/gpu/diag_throw.py: thrown errors must
+// raise, not crash): with TREE_RECURRENCE_SSD_DIAG_THROW set to "scan", "forward" or "backward", a
+// ValueError is thrown at that point (in scan() before Function::apply, inside ScanFn::forward, inside
+// ScanFn::backward in the autograd thread). Armed only in test processes (TREE_RECURRENCE_TEST_OPS=1,
+// tests/python/conftest.py and benchmarks/gpu/kernels.sh set it), so a variable left set in a user's
+// environment does nothing; both variables are read once per process.
+const char* diag_point() {
+  static const std::string point = [] {
+    const char* v = std::getenv("TREE_RECURRENCE_SSD_DIAG_THROW");
+    return (v != nullptr && tree_recurrence::test_ops_enabled()) ? std::string(v) : std::string();
+  }();
+  return point.c_str();
+}
+
 void diag_throw(const char* where) {
-  const char* v = std::getenv("TREE_RECURRENCE_SSD_DIAG_THROW");
-  TR_CHECK_VALUE(!(v && std::string(v) == where), "ssd_tree_scan: TREE_RECURRENCE_SSD_DIAG_THROW=", where,
-                    ": diagnostic throw in the fused path's ", where);
+  TR_CHECK_VALUE(std::strcmp(diag_point(), where) != 0, "ssd_tree_scan: TREE_RECURRENCE_SSD_DIAG_THROW=",
+                 where, ": diagnostic throw in the fused path's ", where);
 }
 
 // Why the fused kernels do not take this call, or "" when they do.
