@@ -3,9 +3,8 @@ float64 (dy, e^Lam dy, dS, M = cb e^{Lam_i - Lam_j}, wlast dt x and sum_h dCB ro
 every product and sum exact) against the float64 stage reference. Measured (MIXED trie): bf16 q 1.3e-3,
 v 1.1e-3, ddt_direct 2.2e-3, d_dtA 1.7e-3, dx 2.9e-3, dB / dC 2.4e-3 (P 64, N 128); fp16 ~8x smaller. The GPU
 tests (test_ssd_post_bwd_gpu.py) allow 2e-2 / 5e-3 per stage, so a failure there is a kernel bug, not rounding.
-e^Lam dy is emulated from the rounded dy, rounded again: what the kernel's version 2 (opt-in,
-TREE_RECURRENCE_SSD_POST_V2=1, issue 20 H1) does; version 1 (the default) rounds it once from the fp32 dy (one
-rounding closer, so this bound covers both).
+e^Lam dy is emulated from the rounded dy, rounded again (the deleted version 2 of the kernel did that); the kernel
+rounds it once from the fp32 dy (one rounding closer, so this bound covers it).
 ds16 (issue 20 H5, the default): ds_local rounded to the input type by the local kernel (from e^Lam dy rounded once),
 the state pass on those values (fp32 there, exact here), ds_leave rounded, ddecay from the unrounded carry. Measured
 (bf16, P 64, N 128, MIXED / DEEP): ds_leave 2.8e-3 / 2.6e-3 relative, v 2.1e-3 / 2.7e-3 (fp32 ds: 0.8e-3 / 1.9e-3),
