@@ -374,16 +374,55 @@ WY_CASES = {
     "wy_one_token": dict(CASES["one_token"]),
 }
 
-_WY_SCRIPT = r"""
+_PREVIOUS_SCRIPT = r"""
 import sys, torch
 sys.path.insert(0, sys.argv[1])
-from test_gdn_fused_bwd_gpu import WY_CASES, setup_case, run_stages, NAMES
+import test_gdn_fused_bwd_gpu as t
 out = {}
-for name, cfg in WY_CASES.items():
-    got = run_stages(setup_case(**cfg))
-    out[name] = {n: got[n].cpu() for n in NAMES}
+for name, cfg in getattr(t, sys.argv[3]).items():
+    got = t.run_stages(t.setup_case(**cfg))
+    out[name] = {n: got[n].cpu() for n in t.NAMES}
 torch.save(out, sys.argv[2])
 """
+
+
+def _previous_version(tmp_path, switch, cases_name):
+    """Stage outputs of the previous kernel, selected by the environment switch `switch` (read once per process, so
+    in a subprocess), for each case of the module-level table `cases_name`."""
+    import os
+    import subprocess
+    import sys
+
+    if not hasattr(plugins.ops(FAMILY), "gdn_fused_backward_stages"):
+        pytest.skip("this build has no gdn_fused_backward_stages op")
+    assert os.environ.get(switch) is None, f"unset {switch} to run this test"
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = str(tmp_path / f"{cases_name}_previous.pt")
+    env = dict(os.environ, **{switch: "1"})
+    res = subprocess.run([sys.executable, "-c", _PREVIOUS_SCRIPT, here, path, cases_name], env=env, cwd=here,
+                         capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, f"previous-version subprocess failed:\n{res.stdout}\n{res.stderr}"
+    return torch.load(path, weights_only=False)
+
+
+def _against_previous(name, new, new2, old, label, bitwise, tol, bad):
+    """new (and its repeat new2) against the previous version's old, output by output: the names in `bitwise` must be
+    bit for bit equal, the others within tol(n) (rows for report); every output equal on the repeat."""
+    rows = []
+    for n in NAMES:
+        if new[n].numel() == 0 and old[n].numel() == 0:
+            continue
+        same = torch.equal(new[n], old[n])
+        print(f"{name} {n:>16} {label} vs v1 bitwise {same}  rel RMS {rel_rms(new[n], old[n]):.3e}")
+        if n in bitwise:
+            if not same:
+                bad.append(f"{name}/{n} not bitwise")
+        else:
+            rows.append((f"{label}-v1", n, rel_rms(new[n], old[n]), tol(n)))
+        if not torch.equal(new2[n].cpu(), new[n]):
+            bad.append(f"{name}/{n} two runs of version {label[1:]} differ")
+    return rows
+
 
 _WY_SAME = ["dv_local", "q_g", "do_c", "grad_state_out", "dv_total", "d_root", "dq_hv", "dk_b", "dG_b", "dq",
             "d_initial_state"]
@@ -398,39 +437,15 @@ def _stage_c_want(case, got):
 
 
 def test_wy_v2_against_v1(tmp_path):
-    import os
-    import subprocess
-    import sys
-
-    if not hasattr(plugins.ops(FAMILY), "gdn_fused_backward_stages"):
-        pytest.skip("this build has no gdn_fused_backward_stages op")
-    assert os.environ.get("TREE_RECURRENCE_GDN_WY_V1") is None, "unset TREE_RECURRENCE_GDN_WY_V1 to run this test"
-    here = os.path.dirname(os.path.abspath(__file__))
-    path = str(tmp_path / "wy_v1.pt")
-    env = dict(os.environ, TREE_RECURRENCE_GDN_WY_V1="1")
-    res = subprocess.run([sys.executable, "-c", _WY_SCRIPT, here, path], env=env, cwd=here, capture_output=True,
-                         text=True, timeout=900)
-    assert res.returncode == 0, f"version-1 subprocess failed:\n{res.stdout}\n{res.stderr}"
-    old_all = torch.load(path, weights_only=False)
+    old_all = _previous_version(tmp_path, "TREE_RECURRENCE_GDN_WY_V1", "WY_CASES")
     bad = []
     for name, cfg in WY_CASES.items():
         case = setup_case(**cfg)
         new, new2 = run_stages(case), run_stages(case)
         new = {n: t.cpu() for n, t in new.items()}
         old = old_all[name]
-        rows = []
-        for n in NAMES:
-            if new[n].numel() == 0 and old[n].numel() == 0:
-                continue
-            same = torch.equal(new[n], old[n])
-            print(f"{name} {n:>16} v2 vs v1 bitwise {same}  rel RMS {rel_rms(new[n], old[n]):.3e}")
-            if n in _WY_SAME:
-                if not same:
-                    bad.append(f"{name}/{n} not bitwise")
-            else:
-                rows.append(("v2-v1", n, rel_rms(new[n], old[n]), 1e-3 if n == "dv" else STAGE_TOL))
-            if not torch.equal(new2[n].cpu(), new[n]):
-                bad.append(f"{name}/{n} two runs of version 2 differ")
+        rows = _against_previous(name, new, new2, old, "v2", _WY_SAME,
+                                 lambda n: 1e-3 if n == "dv" else STAGE_TOL, bad)
         scatter = case["tabs_cpu"][1]
         for label, got in (("v2", new), ("v1", old)):
             want = _stage_c_want(case, got)
@@ -459,54 +474,19 @@ DQK_CASES = {
     "dqk_k96": dict(spec=[(-1, 100), (0, 30), (0, 70)], h0="shared", K=96, V=72, HK=1, HV=2),  # a partial 2nd half
 }
 
-_DQK_SCRIPT = r"""
-import sys, torch
-sys.path.insert(0, sys.argv[1])
-from test_gdn_fused_bwd_gpu import DQK_CASES, setup_case, run_stages, NAMES
-out = {}
-for name, cfg in DQK_CASES.items():
-    got = run_stages(setup_case(**cfg))
-    out[name] = {n: got[n].cpu() for n in NAMES}
-torch.save(out, sys.argv[2])
-"""
-
 _DQK_BEFORE = ["dv_local", "q_g", "do_c", "grad_state_out", "dv_total", "d_root", "d_initial_state"]
 
 
 def test_dqk_v3_against_v1(tmp_path):
-    import os
-    import subprocess
-    import sys
-
-    if not hasattr(plugins.ops(FAMILY), "gdn_fused_backward_stages"):
-        pytest.skip("this build has no gdn_fused_backward_stages op")
-    assert os.environ.get("TREE_RECURRENCE_GDN_DQK_V1") is None, "unset TREE_RECURRENCE_GDN_DQK_V1 to run this test"
-    here = os.path.dirname(os.path.abspath(__file__))
-    path = str(tmp_path / "dqk_v1.pt")
-    env = dict(os.environ, TREE_RECURRENCE_GDN_DQK_V1="1")
-    res = subprocess.run([sys.executable, "-c", _DQK_SCRIPT, here, path], env=env, cwd=here, capture_output=True,
-                         text=True, timeout=900)
-    assert res.returncode == 0, f"version-1 subprocess failed:\n{res.stdout}\n{res.stderr}"
-    old_all = torch.load(path, weights_only=False)
+    old_all = _previous_version(tmp_path, "TREE_RECURRENCE_GDN_DQK_V1", "DQK_CASES")
     bad = []
     for name, cfg in DQK_CASES.items():
         case = setup_case(**cfg)
         new, new2 = run_stages(case), run_stages(case)
         new = {n: t.cpu() for n, t in new.items()}
         old = old_all[name]
-        rows = []
-        for n in NAMES:
-            if new[n].numel() == 0 and old[n].numel() == 0:
-                continue
-            same = torch.equal(new[n], old[n])
-            print(f"{name} {n:>16} v3 vs v1 bitwise {same}  rel RMS {rel_rms(new[n], old[n]):.3e}")
-            if n in _DQK_BEFORE:
-                if not same:
-                    bad.append(f"{name}/{n} not bitwise")
-            else:
-                rows.append(("v3-v1", n, rel_rms(new[n], old[n]), 1e-6 if n in ("dq_hv", "dk_b") else 1e-3))
-            if not torch.equal(new2[n].cpu(), new[n]):
-                bad.append(f"{name}/{n} two runs of version 3 differ")
+        rows = _against_previous(name, new, new2, old, "v3", _DQK_BEFORE,
+                                 lambda n: 1e-6 if n in ("dq_hv", "dk_b") else 1e-3, bad)
         x = case["x64"]
         inp = bref.inputs(x["grad"], x["q"], x["k"], x["v"], x["g"], x["beta"], case["tabs_cpu"], 0.0, case["l2norm"])
         G = c64(case["saved"]["G"])
