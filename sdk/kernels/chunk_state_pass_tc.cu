@@ -1,7 +1,7 @@
 // Tensor-core tree state pass (math, tables and schedule: chunk_state_pass_tc.h).
 //
 // One launch per trie level and direction; a CTA of 4 warps owns (segment of the level, head, V tile
-// of BV = 16, 32 or 64 columns) and walks the segment's chunks. The fp32 state tile [KP, BV] (KP = K
+// of BV = 32 or 64 columns) and walks the segment's chunks. The fp32 state tile [KP, BV] (KP = K
 // padded to 64 or 128) lives in registers as mma.sync accumulator fragments: warp wi owns state rows
 // [wi*KP/4, (wi+1)*KP/4). Per chunk the state is rounded into shared memory (the MMA operand), the
 // C x BV product (v_new forward, dv_total backward) is split by rows of C (16 per warp), and the
@@ -25,7 +25,6 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-#include <cstdlib>
 #include <string>
 
 #include "tree_recurrence/kernels/mma.cuh"
@@ -51,7 +50,7 @@ struct Cfg {
   static constexpr size_t fwd_elems = size_t(2) * kC * LDK + size_t(kC) * LDV + size_t(KP) * LDV + size_t(kC) * LDV;
   static constexpr size_t bwd_elems = size_t(3) * kC * LDK + size_t(2) * kC * LDV + size_t(KP) * LDV + size_t(kC) * LDV;
   static_assert(KP == 64 || KP == 128, "KP is 64 or 128");
-  static_assert(BV == 16 || BV == 32 || BV == 64, "BV is 16, 32 or 64");
+  static_assert(BV == 32 || BV == 64, "BV is 32 or 64");
 };
 
 template <typename T>
@@ -361,8 +360,8 @@ std::string check_params(const ChunkStatePassTcParams& p, bool backward) {
   if (p.v_dim < 1 || p.v_dim > kChunkStateTcMaxV || p.v_dim % 8 != 0)
     return op + "V = " + std::to_string(p.v_dim) + " must be a multiple of 8 in 8..128";
   if (p.heads > 65535) return op + "at most 65535 heads, got " + std::to_string(p.heads);
-  if (p.v_tile != 0 && p.v_tile != 16 && p.v_tile != 32 && p.v_tile != 64)
-    return op + "v_tile must be 0 (automatic), 16, 32 or 64, got " + std::to_string(p.v_tile);
+  if (p.v_tile != 0 && p.v_tile != 32 && p.v_tile != 64)
+    return op + "v_tile must be 0 (automatic), 32 or 64, got " + std::to_string(p.v_tile);
   if (!p.level_offsets || p.num_levels < 0) return op + "level_offsets (host) are required";
   if (p.level_offsets[0] != 0 || p.level_offsets[p.num_levels] != p.num_segments)
     return op + "level_offsets must run from 0 to the number of segments " + std::to_string(p.num_segments);
@@ -415,19 +414,6 @@ cudaError_t launch_level(const ChunkStatePassTcParams& p, int64_t begin, int64_t
   return cudaGetLastError();
 }
 
-// TREE_RECURRENCE_STATE_PASS_BV16 (read once): unset / "0": automatic tiles are 32 or 64 (default);
-// "1": BV = 16 on levels where even BV = 32 gives fewer than two CTAs per SM; "force": BV = 16 on
-// every level (tests). An explicit v_tile overrides it.
-int state_pass_bv16_mode() {
-  static const int mode = [] {
-    const char* e = std::getenv("TREE_RECURRENCE_STATE_PASS_BV16");
-    if (!e) return 0;
-    const std::string v(e);
-    return v == "force" ? 2 : (v == "1" ? 1 : 0);
-  }();
-  return mode;
-}
-
 template <typename T, bool kBackward>
 const char* run_levels(const ChunkStatePassTcParams& p, cudaStream_t stream) {
   int device = 0, sms = 132;
@@ -435,7 +421,6 @@ const char* run_levels(const ChunkStatePassTcParams& p, cudaStream_t stream) {
     if (cudaGetDevice(&device) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
       sms = 132;
   }
-  const int bv16 = p.v_tile == 0 ? state_pass_bv16_mode() : 0;
   const bool k64 = p.k_dim <= 64;
   for (int64_t step = 0; step < p.num_levels; ++step) {
     const int64_t level = kBackward ? p.num_levels - 1 - step : step;
@@ -445,16 +430,10 @@ const char* run_levels(const ChunkStatePassTcParams& p, cudaStream_t stream) {
     // V tile: 64 when the level still gives every SM two CTAs at that width, else 32 (more CTAs).
     // K <= 64 always runs BV = 32.
     int bv = p.v_tile;
-    // With TREE_RECURRENCE_STATE_PASS_BV16 (see above) 16 where even 32 gives < 2 CTAs per SM.
-    if (bv == 0) {
-      if (bv16 == 2 || (bv16 == 1 && count * p.heads * ((p.v_dim + 31) / 32) < 2LL * sms)) bv = 16;
-      else bv = (p.v_dim > 32 && count * p.heads * ((p.v_dim + 63) / 64) >= 2LL * sms) ? 64 : 32;
-    }
+    if (bv == 0) bv = (p.v_dim > 32 && count * p.heads * ((p.v_dim + 63) / 64) >= 2LL * sms) ? 64 : 32;
     cudaError_t err;
-    if (k64) err = bv == 16 ? launch_level<T, 64, 16, kBackward>(p, begin, count, stream)
-                            : launch_level<T, 64, 32, kBackward>(p, begin, count, stream);  // (KP 64, BV 64 spilled)
+    if (k64) err = launch_level<T, 64, 32, kBackward>(p, begin, count, stream);  // (KP 64, BV 64 spilled)
     else err = bv == 64 ? launch_level<T, 128, 64, kBackward>(p, begin, count, stream)
-             : bv == 16 ? launch_level<T, 128, 16, kBackward>(p, begin, count, stream)
                         : launch_level<T, 128, 32, kBackward>(p, begin, count, stream);
     if (err != cudaSuccess)
       return fail(std::string(kBackward ? "chunk_state_pass_tc_backward" : "chunk_state_pass_tc_forward") +

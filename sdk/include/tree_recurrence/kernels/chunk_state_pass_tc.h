@@ -82,8 +82,6 @@ struct ChunkStatePassTcParams {
 
   // V columns per CTA: 0 picks per level (64 when the level gives every SM two CTAs at that width,
   // else 32); 32 or 64 force it (tests, tuning).
-  // 16 also forces (bitwise equal to 32). Automatic picks 16 only with the environment variable
-  // TREE_RECURRENCE_STATE_PASS_BV16 (read once): "1" where BV 32 gives < 2 CTAs per SM, "force" always.
   int v_tile = 0;
 };
 
