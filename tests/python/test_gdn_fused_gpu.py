@@ -18,7 +18,6 @@ Run: .venv/bin/python -m pytest tests/python/test_gdn_fused_gpu.py -q -s   (-s s
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
@@ -132,17 +131,22 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
 @pytest.mark.parametrize("name", list(CASES))
 def test_stages_against_float64(name, dtype_name):
+    _stages_against_float64(name, dtype_name, seed=0, token_oracle=True)
+
+
+def _stages_against_float64(name, dtype_name, seed, token_oracle):
     dtype = DTYPES[dtype_name]
-    c = make_case(name, dtype)
+    c = make_case(name, dtype, seed=seed)
     got = call_stages(c)
     torch.cuda.synchronize()
     report = stage_report(got, c, dtype)
-    print_report(f"{name} {dtype_name}", report)
-    o_oracle = rel_rms(got["o"], oracle(c))
-    print(f"  o vs token oracle: {o_oracle:.3e}")
+    print_report(f"{name} {dtype_name} seed {seed}", report)
     bad = {n: r for n, r in report.items() if r[0] > EXACT_TOL[n] or r[1] > LOCAL_TOL[n]}
     assert not bad, f"{name} {dtype_name}: stages over tolerance (exact, local): {bad}"
-    assert o_oracle <= 5e-3, f"{name} {dtype_name}: o vs token oracle {o_oracle:.3e}"
+    if token_oracle:
+        o_oracle = rel_rms(got["o"], oracle(c))
+        print(f"  o vs token oracle: {o_oracle:.3e}")
+        assert o_oracle <= 5e-3, f"{name} {dtype_name}: o vs token oracle {o_oracle:.3e}"
 
 
 @cuda
@@ -215,73 +219,19 @@ def test_interim_backward_is_the_composites(name, monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------------
-# CUDA: prep_fwd version 2 (the default: block inverse) against versions 3 (TREE_RECURRENCE_GDN_PREP_V3=1:
-# the same block inverse, w and u from Ainv rounded once) and 1 (TREE_RECURRENCE_GDN_PREP_V1=1:
-# column-wise substitution); the switches are read once per process, so the old versions run in
-# subprocesses
+# CUDA: prep_fwd (the block inverse; its versions 1 and 3 were compared here until they were deleted)
+# against float64 on more seeds and dtypes: every stage, exact and local
 # ------------------------------------------------------------------------------------------------
 
-_V1_SCRIPT = r"""
-import sys, torch
-sys.path.insert(0, sys.argv[1])
-from test_gdn_fused_gpu import make_case, call_stages, DTYPES
-out = {}
-for key in sys.argv[3].split(","):
-    name, dt = key.split(":")
-    c = make_case(name, DTYPES[dt], seed=5)
-    out[key] = {n: t.cpu() for n, t in call_stages(c).items()}
-torch.save(out, sys.argv[2])
-"""
-
-V1_CASES = ["around_chunk_strong:bf16", "long_8k_strong:bf16", "k24_v88_groups3:fp16", "wide_k16:bf16",
-            "odd_dims_none:fp16", "deep_k128:fp16"]
-PREP_SAME = ["G", "kd", "decay", "rq", "rk"]  # phases all versions share: bit for bit
-PREP_SAME_V3 = PREP_SAME + ["Ainv"]  # version 3 has version 2's block inverse
-
-
-def _run_prep_version(tmp_path, switch):
-    import subprocess
-    import sys
-
-    here = os.path.dirname(os.path.abspath(__file__))
-    path = str(tmp_path / f"prep_{switch}.pt")
-    env = dict(os.environ, **{switch: "1"})
-    res = subprocess.run([sys.executable, "-c", _V1_SCRIPT, here, path, ",".join(V1_CASES)], env=env, cwd=here,
-                         capture_output=True, text=True, timeout=900)
-    assert res.returncode == 0, f"{switch} subprocess failed:\n{res.stdout}\n{res.stderr}"
-    return torch.load(path)
+PREP_CASES = ["around_chunk_strong:bf16", "long_8k_strong:bf16", "k24_v88_groups3:fp16", "wide_k16:bf16",
+              "odd_dims_none:fp16", "deep_k128:fp16"]
 
 
 @cuda
-def test_prep_v2_against_v3_and_v1(tmp_path):
-    for n in ("TREE_RECURRENCE_GDN_PREP_V1", "TREE_RECURRENCE_GDN_PREP_V3"):
-        assert os.environ.get(n) is None, f"unset {n} to run this test (version 2 runs in this process)"
-    old = {"v3": (_run_prep_version(tmp_path, "TREE_RECURRENCE_GDN_PREP_V3"), PREP_SAME_V3),
-           "v1": (_run_prep_version(tmp_path, "TREE_RECURRENCE_GDN_PREP_V1"), PREP_SAME)}
-    bad = []
-    for key in V1_CASES:
-        name, dt = key.split(":")
-        c = make_case(name, DTYPES[dt], seed=5)
-        new = {n: t.cpu() for n, t in call_stages(c).items()}
-        for label, (runs, same_names) in old.items():
-            ref_run = runs[key]
-            print(f"\n{key}: prep v2 (this process) vs {label} (subprocess)")
-            for n in STAGES:
-                e = rel_rms(new[n], ref_run[n])
-                same = torch.equal(new[n], ref_run[n])
-                print(f"  {n:12s} rel RMS {e:.3e}  bitwise {same}")
-                if n in same_names and not same:
-                    bad.append((key, label, n, "not bitwise"))
-                elif e > EXACT_TOL[n]:  # rounding flips of Ainv / w / u and what follows from them
-                    bad.append((key, label, n, e))
-        # the default (version 2) against float64, every case (the other tests do this too); version 3 is
-        # opt-in and only reported (it misses the output bound on wide_k16 bf16 by a little: 5.1e-3)
-        for label, st in (("v2", new), ("v3", old["v3"][0][key])):
-            report = stage_report({n: t.cuda() for n, t in st.items()}, c, DTYPES[dt])
-            print_report(f"{key} {label}", report)
-            if label == "v2":
-                bad += [(key, label, n, r) for n, r in report.items() if r[0] > EXACT_TOL[n] or r[1] > LOCAL_TOL[n]]
-    assert not bad, f"prep version 2 vs versions 3 and 1: {bad}"
+@pytest.mark.parametrize("key", PREP_CASES)
+def test_stages_against_float64_seed5(key):
+    name, dtype_name = key.split(":")
+    _stages_against_float64(name, dtype_name, seed=5, token_oracle=False)
 
 
 @cuda

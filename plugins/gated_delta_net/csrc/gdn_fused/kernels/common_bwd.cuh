@@ -119,6 +119,33 @@ __device__ inline void scale_rows(T* dst, int ld, int Dp, const float* row_scale
   }
 }
 
+// Per-row tables of chunk c (ch = c * HV + hv): G, the rows' tokens, rq * scale and rk of the rows'
+// tokens (0 for padding rows). Ends with a __syncthreads (the tables are complete after it).
+__device__ __forceinline__ void row_tables(const GdnBwdParams& p, int64_t c, int64_t ch, int64_t hk, float* G, int64_t* tok,
+                                           float* rqs, float* rks) {
+  const int64_t HK = p.hk;
+  for (int i = threadIdx.x; i < C; i += blockDim.x) {
+    G[i] = p.G[ch * C + i];
+    const int64_t t = p.gather[c * C + i];
+    tok[i] = t;
+    rqs[i] = t >= 0 ? p.rq[t * HK + hk] * p.scale : 0.f;
+    rks[i] = t >= 0 ? p.rk[t * HK + hk] * 1.f : 0.f;
+  }
+  __syncthreads();
+}
+// Thread 0: *lastRow = the chunk's last row holding a token (C - 1 when none); tok complete.
+__device__ __forceinline__ void last_token_row(const int64_t* tok, int* lastRow) {
+  if (threadIdx.x == 0) {
+    int L = C - 1;
+    for (int i = C - 1; i >= 0; --i)
+      if (tok[i] >= 0) {
+        L = i;
+        break;
+      }
+    *lastRow = L;
+  }
+}
+
 // acc (one 16 x 16 output tile at (r0, c0), as two 16x8 blocks) += A(r0.., :) B(:, c0..) over
 // `ksteps` steps of 16. A_ROW: A(r, k) at A[r * lda + k], else at A[k * lda + r]. B_KN: B(k, n) at
 // B[k * ldb + n], else at B[n * ldb + k].
@@ -183,6 +210,19 @@ __device__ inline float block_sum(float x, float* red) {
 inline const char* launch_error() {
   const cudaError_t e = cudaGetLastError();
   return e == cudaSuccess ? "" : cudaGetErrorString(e);
+}
+
+// kernel<<<grid, threads, bytes, stream>>>(p) with `bytes` of dynamic shared memory allowed and the
+// largest shared-memory carveout preferred; "" or the CUDA error string (no host sync).
+inline const char* launch_cta(void (*kernel)(GdnBwdParams), dim3 grid, int threads, size_t bytes, const GdnBwdParams& p,
+                              void* stream) {
+  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+  if (e != cudaSuccess) return cudaGetErrorString(e);
+  e = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                           static_cast<int>(cudaSharedmemCarveoutMaxShared));
+  if (e != cudaSuccess) return cudaGetErrorString(e);
+  kernel<<<grid, threads, bytes, static_cast<cudaStream_t>(stream)>>>(p);
+  return launch_error();
 }
 
 }  // namespace tree_recurrence::gdn::fused::kernels::bwd

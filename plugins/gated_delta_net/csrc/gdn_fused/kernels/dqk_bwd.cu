@@ -12,49 +12,19 @@
 //   L = the chunk's last row holding a token (C - 1 when none; pad rows have g = 0, so G_L = G_last
 //   and T_L = exp(0) <..> is the exactly cancelling term left out).
 // dq^, dk^ (fp32, chunk-major per value head) and dG go to workspaces; (c) adds the WY terms.
-#include <cstdlib>
-
 #include "common_bwd.cuh"
 
 namespace tree_recurrence::gdn::fused::kernels {
 namespace bwd {
 namespace {
 
-// Version 1 (TREE_RECURRENCE_GDN_DQK_V1=1; version 3, the default, follows it; version 2, a
-// persistent one-CTA-per-SM kernel, measured slower and was removed).
-// 16 warps per CTA, two CTAs per SM (~101 KB of shared memory at K = V = 128): two tile buffers
-// are reused across the phases, all loads by cp.async:
-//   A (C x V):            dO (dP, dq^)                 -> v_new (dk^)
-//   X (max(K, C) x V):    v_new (dP) -> h (dq^)         -> dS (dk^)
-// v_new is loaded twice and dS is read once more from global memory for <h, dS> (while h is in X).
+// 16 warps per CTA, two CTAs per SM (112,480 B of shared memory at K = V = 128); the kernel
+// (dqk_kernel_v3, "version 3") follows its tile helpers. (Version 1, one max(K, C) x V state buffer
+// with v_new loaded twice and dS read twice, was deleted after version 3 passed its GPU runs against it
+// and the float64 twin; version 2, a persistent one-CTA-per-SM kernel, measured slower and was removed.)
 constexpr int kDqkWarps = 16;
 constexpr int kDqkThreads = kDqkWarps * 32;
 static_assert((C / 16) * (C / 16) == kDqkWarps, "dqk: one C x C tile of dP / D per warp");
-
-// Per-row tables of the chunk: G, the rows' tokens, rq * scale and rk (0 for padding rows), and
-// (thread 0) the last row holding a token. Contains one __syncthreads (tok is complete after it).
-template <typename P>
-__device__ inline void dqk_tables(const P& p, int64_t c, int64_t ch, int64_t hk, float* G, int64_t* tok, float* rqs,
-                                  float* rks, int* lastRow) {
-  const int64_t HK = p.hk;
-  for (int i = threadIdx.x; i < C; i += blockDim.x) {
-    G[i] = p.G[ch * C + i];
-    const int64_t t = p.gather[c * C + i];
-    tok[i] = t;
-    rqs[i] = t >= 0 ? p.rq[t * HK + hk] * p.scale : 0.f;
-    rks[i] = t >= 0 ? p.rk[t * HK + hk] * 1.f : 0.f;
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    int L = C - 1;
-    for (int i = C - 1; i >= 0; --i)
-      if (tok[i] >= 0) {
-        L = i;
-        break;
-      }
-    *lastRow = L;
-  }
-}
 
 // dP(i, j) = exp(G_i - G_j) <dO_i, v_new_j> for j <= i on the warp's tile (dr0, dc0): kept in fp32
 // (dpf) for D and stored in-type (dP, pitch kPitchC) for the dq^, dk^ products.
@@ -166,108 +136,10 @@ __device__ __forceinline__ void dqk_scale_rowdot(FragC (&acc)[1][2], Scale rowsc
   tile_rowdot_store(s[0], s[1], part, r0, c0);
 }
 
-template <typename T>
-__global__ void __launch_bounds__(kDqkThreads, 2) dqk_kernel(GdnBwdParams p) {
-  extern __shared__ __align__(16) char smem_raw[];
-  const int64_t c = blockIdx.x, hv = blockIdx.y;
-  const int64_t HV = p.hv, HK = p.hk, hk = hv / (HV / HK);
-  const int K = static_cast<int>(p.k_dim), V = static_cast<int>(p.v_dim);
-  const int Kp = round16(K), Vp = round16(V), ldk = pitch_of(Kp), ldv = pitch_of(Vp);
-  Smem sm{smem_raw};
-  T* qh = sm.take<T>(C * ldk);
-  T* kh = sm.take<T>(C * ldk);
-  T* A = sm.take<T>(C * ldv);
-  T* X = sm.take<T>((Kp > C ? Kp : C) * ldv);
-  T* dP = sm.take<T>(C * kPitchC);
-  float* G = sm.take<float>(C);
-  float* partQ = sm.take<float>(C * 8);
-  float* partT = sm.take<float>(C * 8);  // row parts of T (by K column tile)
-  float* partD = sm.take<float>(C * 8);  // row parts of D (slots 0..3, by column tile), column parts (4..7, by row tile)
-  int* lastRow = sm.take<int>(4);
-  float* red = sm.take<float>(kDqkWarps + 1);
-  float* rqs = sm.take<float>(C);  // rq scale of the row's token (0 for padding rows)
-  float* rks = sm.take<float>(C);
-  int64_t* tok = sm.take<int64_t>(C);
-
-  const int64_t ch = c * HV + hv;
-  dqk_tables(p, c, ch, hk, G, tok, rqs, rks, lastRow);
-  const T* vn_g = static_cast<const T*>(p.v_new) + ch * C * V;
-  const T* h_g = static_cast<const T*>(p.h) + ch * static_cast<int64_t>(K) * V;
-  const T* dS_g = static_cast<const T*>(p.grad_state_out) + ch * static_cast<int64_t>(K) * V;
-  async_matrix<T>(A, ldv, static_cast<const T*>(p.do_c) + ch * C * V, C, C, V, Vp);  // A = dO
-  async_matrix<T>(X, ldv, vn_g, C, C, V, Vp);                                          // X = v_new
-  mma::cp_async_commit();
-  async_token_rows<T>(qh, ldk, static_cast<const T*>(p.q), tok, HK, hk, K, Kp);
-  async_token_rows<T>(kh, ldk, static_cast<const T*>(p.k), tok, HK, hk, K, Kp);
-  mma::cp_async_commit();
-  mma::cp_async_wait<1>();
-  __syncthreads();
-
-  const int warp = threadIdx.x / 32;
-  const int dr0 = (warp / (C / 16)) * 16, dc0 = (warp % (C / 16)) * 16;
-  float dpf[2][4];
-  dp_tile<T>(dpf, A, ldv, X, ldv, dP, G, dr0, dc0, Vp);
-  __syncthreads();  // every warp is done with X = v_new
-  async_matrix<T>(X, ldv, h_g, K, Kp, V, Vp);  // X = h
-  mma::cp_async_commit();
-  mma::cp_async_wait<1>();  // q^, k^ are here (h may still be in flight)
-  __syncthreads();
-  scale_rows<T>(qh, ldk, Kp, rqs);  // q^ = scale rq q
-  scale_rows<T>(kh, ldk, Kp, rks);  // k^ = rk k
-  __syncthreads();
-  d_parts<T>(dpf, qh, kh, ldk, partD, dr0, dc0, Kp);  // D's row and column parts
-  mma::cp_async_wait<0>();
-  __syncthreads();  // X = h
-  // <h, dS>: h from X, dS straight from global memory, 8 elements per step (fixed per-thread order,
-  // then block_sum).
-  float hds = 0.f;
-  for (int idx = threadIdx.x; idx < K * (V / 8); idx += blockDim.x) {
-    const int r = idx / (V / 8), c8 = (idx % (V / 8)) * 8;
-    const uint4 gv = *reinterpret_cast<const uint4*>(dS_g + static_cast<int64_t>(r) * V + c8);
-    const uint4 sv = *reinterpret_cast<const uint4*>(X + r * ldv + c8);
-    const T* ge = reinterpret_cast<const T*>(&gv);
-    const T* se = reinterpret_cast<const T*>(&sv);
-#pragma unroll
-    for (int m = 0; m < 8; ++m) hds += mma::Elem<T>::to_float(se[m]) * mma::Elem<T>::to_float(ge[m]);
-  }
-
-  const float g_last = G[C - 1];
-  float* dq_out = p.dq_hv + ch * C * K;
-  float* dk_out = p.dk_hv + ch * C * K;
-  for (int t = warp; t < (C / 16) * (Kp / 16); t += kDqkWarps) {
-    const int r0 = (t / (Kp / 16)) * 16, c0 = (t % (Kp / 16)) * 16;
-    // dq^ = exp(G) (dO h^T) + dP k^; partQ: <exp(G_i) (dO h^T)_i, q^_i> (the inter-chunk term)
-    FragC acc[1][2];
-    zero(acc);
-    tile_mma<T, true, false>(acc, A, ldv, X, ldv, r0, c0, Vp / 16);
-    dqk_scale_rowdot<T>(acc, [&](int i) { return expf(G[i]); }, qh, ldk, partQ, r0, c0);
-    tile_mma<T, true, true>(acc, dP, kPitchC, kh, ldk, r0, c0, C / 16);
-    dqk_store(acc, dq_out, K, r0, c0);
-  }
-  __syncthreads();  // every warp is done with A = dO and X = h
-  async_matrix<T>(X, ldv, dS_g, K, Kp, V, Vp);  // X = dS
-  async_matrix<T>(A, ldv, vn_g, C, C, V, Vp);   // A = v_new
-  mma::cp_async_commit();
-  mma::cp_async_wait<0>();
-  __syncthreads();
-  for (int t = warp; t < (C / 16) * (Kp / 16); t += kDqkWarps) {
-    const int r0 = (t / (Kp / 16)) * 16, c0 = (t % (Kp / 16)) * 16;
-    // dk^ = exp(G_last - G) (v_new dS^T) + dP^T q^; partT: T_j
-    FragC acc[1][2];
-    zero(acc);
-    tile_mma<T, true, false>(acc, A, ldv, X, ldv, r0, c0, Vp / 16);
-    dqk_scale_rowdot<T>(acc, [&](int j) { return expf(g_last - G[j]); }, kh, ldk, partT, r0, c0);
-    tile_mma<T, false, true>(acc, dP, kPitchC, qh, ldk, r0, c0, C / 16);
-    dqk_store(acc, dk_out, K, r0, c0);
-  }
-  const float hds_all = block_sum<kDqkThreads>(hds, red);  // (contains __syncthreads: parts are complete after it)
-  dg_rows(p.dG + ch * C, partQ, partT, partD, *lastRow, Kp, g_last, hds_all);
-}
-
-// ---- Version 3 (the default; TREE_RECURRENCE_GDN_DQK_V1=1 gives version 1 above) ----------------
-// The same (NC, HV) grid (read head-fastest), CTA (16 warps, 2 CTA/SM, 112,480 B at K = V = 128),
-// tile work split and math as version 1 (dq^, dk^ and the
-// row parts of dG bit for bit the same; <h, dS> summed in another fixed order), with the loads
+// ---- Version 3 --------------------------------------------------------------------------------
+// The (NC, HV) grid (read head-fastest), CTA (16 warps, 2 CTA/SM, 112,480 B at K = V = 128),
+// tile work split and math of version 1 (deleted; dq^, dk^ and the
+// row parts of dG were bit for bit the same; <h, dS> is summed in another fixed order), with the loads
 // issued as soon as a buffer frees so that each one overlaps the MMAs before its first use. The
 // K x V states travel in two 64-row halves (K <= 64: one), through two C x V buffers:
 //   A:  dO (dP, dq^)                                  -> v_new (dk^)
@@ -346,7 +218,8 @@ __global__ void __launch_bounds__(kDqkThreads, 2) dqk_kernel_v3(GdnBwdParams p) 
   int64_t* tok = sm.take<int64_t>(C);
   uint4* hstash = sm.take<uint4>(kDqkThreads);  // the last uint4 of each thread's h half 1 (registers spared)
 
-  dqk_tables(p, c, ch, hk, G, tok, rqs, rks, lastRow);
+  row_tables(p, c, ch, hk, G, tok, rqs, rks);  // (contains __syncthreads: tok is complete after it)
+  last_token_row(tok, lastRow);
   const T* vn_g = static_cast<const T*>(p.v_new) + ch * C * V;
   const T* h_g = static_cast<const T*>(p.h) + ch * static_cast<int64_t>(K) * V;
   const T* dS_g = static_cast<const T*>(p.grad_state_out) + ch * static_cast<int64_t>(K) * V;
@@ -467,14 +340,7 @@ __global__ void __launch_bounds__(kDqkThreads, 2) dqk_kernel_v3(GdnBwdParams p) 
   dg_rows(p.dG + ch * C, partQ, partT, partD, *lastRow, Kp, g_last, hds_all);
 }
 
-size_t dqk_smem(const GdnBwdParams& p) {
-  const int Kp = round16(static_cast<int>(p.k_dim)), ldk = pitch_of(Kp), ldv = pitch_of(round16(static_cast<int>(p.v_dim)));
-  return 2 * smem_bytes<uint16_t>(C * ldk) + smem_bytes<uint16_t>(C * ldv) + smem_bytes<uint16_t>((Kp > C ? Kp : C) * ldv) +
-         smem_bytes<uint16_t>(C * kPitchC) + smem_bytes<float>(C) + 3 * smem_bytes<float>(C * 8) + smem_bytes<int>(4) +
-         smem_bytes<float>(kDqkWarps + 1) + 2 * smem_bytes<float>(C) + smem_bytes<int64_t>(C);
-}
-
-// Version 3: version 1's pieces, two C x V half buffers for its max(K, C) x V one, exp(G) per row.
+// Two C x V half buffers for the states, exp(G) per row.
 size_t dqk3_smem(const GdnBwdParams& p) {
   const int Kp = round16(static_cast<int>(p.k_dim)), ldk = pitch_of(Kp), ldv = pitch_of(round16(static_cast<int>(p.v_dim)));
   return 2 * smem_bytes<uint16_t>(C * ldk) + smem_bytes<uint16_t>(C * ldv) + 2 * smem_bytes<uint16_t>(kDqkHalf * ldv) +
@@ -483,29 +349,11 @@ size_t dqk3_smem(const GdnBwdParams& p) {
          smem_bytes<uint4>(kDqkThreads);
 }
 
-// TREE_RECURRENCE_GDN_DQK_V1=1 (read once): version 1.
-bool dqk_use_v1() {
-  static const bool on = [] {
-    const char* e = std::getenv("TREE_RECURRENCE_GDN_DQK_V1");
-    return e != nullptr && e[0] == '1';
-  }();
-  return on;
-}
-
 template <typename T>
 const char* launch(const GdnBwdParams& p, void* stream) {
   if (p.num_chunks == 0) return "";
-  const bool v1 = dqk_use_v1();
-  const size_t bytes = v1 ? dqk_smem(p) : dqk3_smem(p);
-  void (*kernel)(GdnBwdParams) = v1 ? dqk_kernel<T> : dqk_kernel_v3<T>;
-  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
-  if (e != cudaSuccess) return cudaGetErrorString(e);
-  e = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                           static_cast<int>(cudaSharedmemCarveoutMaxShared));
-  if (e != cudaSuccess) return cudaGetErrorString(e);
-  kernel<<<dim3(static_cast<unsigned>(p.num_chunks), static_cast<unsigned>(p.hv)), kDqkThreads, bytes,
-           static_cast<cudaStream_t>(stream)>>>(p);
-  return launch_error();
+  return launch_cta(dqk_kernel_v3<T>, dim3(static_cast<unsigned>(p.num_chunks), static_cast<unsigned>(p.hv)), kDqkThreads,
+                    dqk3_smem(p), p, stream);
 }
 
 }  // namespace

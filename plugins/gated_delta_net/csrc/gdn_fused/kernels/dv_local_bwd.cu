@@ -45,14 +45,7 @@ __global__ void __launch_bounds__(kDvThreads, 4) dv_local_kernel(GdnBwdParams p)
   int64_t* tok = sm.take<int64_t>(C);
 
   const int64_t ch = c * HV + hv;
-  for (int i = threadIdx.x; i < C; i += blockDim.x) {
-    G[i] = p.G[ch * C + i];
-    const int64_t t = p.gather[c * C + i];
-    tok[i] = t;
-    rqs[i] = t >= 0 ? p.rq[t * HK + hk] * p.scale : 0.f;
-    rks[i] = t >= 0 ? p.rk[t * HK + hk] * 1.f : 0.f;
-  }
-  __syncthreads();
+  row_tables(p, c, ch, hk, G, tok, rqs, rks);
   async_token_rows<T>(qh, ldk, static_cast<const T*>(p.q), tok, HK, hk, K, Kp);
   async_token_rows<T>(kh, ldk, static_cast<const T*>(p.k), tok, HK, hk, K, Kp);
   async_token_rows<T>(dO, ldv, static_cast<const T*>(p.grad_o), tok, HV, hv, V, Vp);
@@ -146,14 +139,8 @@ __global__ void __launch_bounds__(kDvThreads, 4) dv_local_kernel(GdnBwdParams p)
 template <typename T>
 const char* launch(const GdnBwdParams& p, void* stream) {
   if (p.num_chunks == 0) return "";
-  const size_t bytes = dv_local_smem(p);
-  cudaError_t e = cudaFuncSetAttribute(dv_local_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
-  if (e != cudaSuccess) return cudaGetErrorString(e);
-  e = cudaFuncSetAttribute(dv_local_kernel<T>, cudaFuncAttributePreferredSharedMemoryCarveout, 100);
-  if (e != cudaSuccess) return cudaGetErrorString(e);
-  dv_local_kernel<T><<<dim3(static_cast<unsigned>(p.num_chunks), static_cast<unsigned>(p.hv)), kDvThreads, bytes,
-                       static_cast<cudaStream_t>(stream)>>>(p);
-  return launch_error();
+  return launch_cta(dv_local_kernel<T>, dim3(static_cast<unsigned>(p.num_chunks), static_cast<unsigned>(p.hv)), kDvThreads,
+                    dv_local_smem(p), p, stream);
 }
 
 }  // namespace

@@ -31,6 +31,25 @@ struct OutSmem {
   int64_t tok[kChunk];
 };
 
+// O += q^ (rows 16 rw.., k blocks kt0..kt1-1) times the rows of h held in hk (h's row 16 kt0 at hk's row 0),
+// output columns v0.. (vb16 blocks of 16 at most 4); k blocks in order.
+template <typename T>
+__device__ __forceinline__ void q_times_h(mm::FragC (&O)[8], const T* q, const T* hk, int rw, int v0, int vb16, int kt0,
+                                          int kt1) {
+  for (int kt = kt0; kt < kt1; ++kt) {
+    const mm::FragA a = mm::load_a_row(q + rw * 16 * kLdX + kt * 16, kLdX);
+#pragma unroll
+    for (int np = 0; np < 4; ++np) {
+      if (np < vb16) {
+        mm::FragB b0, b1;
+        mm::load_b_kn(b0, b1, hk + (kt - kt0) * 16 * kLdX + v0 + np * 16, kLdX);
+        mm::mma<T>(O[2 * np], a, b0);
+        mm::mma<T>(O[2 * np + 1], a, b1);
+      }
+    }
+  }
+}
+
 template <typename T>
 __global__ void __launch_bounds__(kThreads, 3) out_fwd_kernel(const OutParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -102,35 +121,11 @@ __global__ void __launch_bounds__(kThreads, 3) out_fwd_kernel(const OutParams p)
   mm::FragC O[8];
 #pragma unroll
   for (int nt = 0; nt < 8; ++nt) O[nt].zero();
-  if (vb16 > 0) {
-    for (int kt = 0; kt < kb_lo; ++kt) {
-      const mm::FragA a = mm::load_a_row(s.q + rw * 16 * kLdX + kt * 16, kLdX);
-#pragma unroll
-      for (int np = 0; np < 4; ++np) {
-        if (np < vb16) {
-          mm::FragB b0, b1;
-          mm::load_b_kn(b0, b1, s.h + kt * 16 * kLdX + v0 + np * 16, kLdX);
-          mm::mma<T>(O[2 * np], a, b0);
-          mm::mma<T>(O[2 * np + 1], a, b1);
-        }
-      }
-    }
-  }
+  if (vb16 > 0) q_times_h<T>(O, s.q, s.h, rw, v0, vb16, 0, kb_lo);
   mm::cp_async_wait<0>();
   __syncthreads();  // rows 64.. of h and v_new visible to every warp
   if (vb16 > 0) {
-    for (int kt = 4; kt < kb16; ++kt) {
-      const mm::FragA a = mm::load_a_row(s.q + rw * 16 * kLdX + kt * 16, kLdX);
-#pragma unroll
-      for (int np = 0; np < 4; ++np) {
-        if (np < vb16) {
-          mm::FragB b0, b1;
-          mm::load_b_kn(b0, b1, s.k + (kt - 4) * 16 * kLdX + v0 + np * 16, kLdX);
-          mm::mma<T>(O[2 * np], a, b0);
-          mm::mma<T>(O[2 * np + 1], a, b1);
-        }
-      }
-    }
+    q_times_h<T>(O, s.q, s.k, rw, v0, vb16, 4, kb16);
     const float e0 = exp_nonpos(s.G[rw * 16 + mm::c_row(lane, 0)]);
     const float e1 = exp_nonpos(s.G[rw * 16 + mm::c_row(lane, 2)]);
 #pragma unroll
@@ -188,12 +183,7 @@ const char* launch(const OutParams& p, cudaStream_t stream) {
 }  // namespace
 
 const char* launch_out_fwd(const OutParams& p, void* cuda_stream) {
-  if (p.k_dim < 8 || p.k_dim > kMaxDim || p.k_dim % 8 || p.v_dim < 8 || p.v_dim > kMaxDim || p.v_dim % 8)
-    return "gdn fused out: K and V must be multiples of 8 in 8..128";
-  if (p.num_chunks > 0x7fffffffLL || p.value_heads > 65535 || p.key_heads <= 0 || p.value_heads % p.key_heads)
-    return "gdn fused out: chunks must be < 2^31, value heads <= 65535 and a multiple of key heads";
-  auto stream = static_cast<cudaStream_t>(cuda_stream);
-  return p.in == InType::BFloat16 ? launch<__nv_bfloat16>(p, stream) : launch<__half>(p, stream);
+  return launch_checked(p, cuda_stream, launch<__nv_bfloat16>, launch<__half>);
 }
 
 }  // namespace tree_recurrence::gdn::fused::kernels

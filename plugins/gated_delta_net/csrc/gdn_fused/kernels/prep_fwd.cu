@@ -1,29 +1,22 @@
 // Stage 1 of the fused GDN forward (../gdn_fused.h, params.h): per (chunk, value head) one block of
-// 128 threads (4 warps, warp w owns rows 16w..16w+15), grid value head fastest (tile_grid). Version 3
-// (prep_fwd_kernel_v3, the default: 44.5 KB, 5 blocks per SM) is version 2 below with v copied late
-// over A and phase 5's scaling on the other operand (see there). Versions 1 and 2 (54 KB, 4 blocks
-// per SM):
-//   1. rows through gather: k, v in cp.async copies (zero-filled pad rows and columns; each thread
-//      reads its rows' tokens from gather itself, ChunkRows); then k^ = l2norm(k) in place, rk (q is
-//      not read: the out stage, which loads q anyway, writes rq);
+// 128 threads (4 warps, warp w owns rows 16w..16w+15), grid value head fastest (tile_grid), 54 KB of
+// shared memory (4 blocks per SM). ("Version 2": version 1, a column-wise forward substitution, and
+// version 3, 44.5 KB with w and u from Ainv rounded once, were deleted after GPU runs preferred this one.)
+//   1. rows through gather: k, then v in two cp.async groups (zero-filled pad rows and columns; each
+//      thread reads its rows' tokens from gather itself, ChunkRows); then k^ = l2norm(k) in place, rk
+//      (q is not read: the out stage, which loads q anyway, writes rq);
 //   2. G = cumsum(g) (one thread, sequential from registers: G is non-increasing exactly),
 //      decay = exp(G_63); the per-row factors beta exp(G), exp(G_63 - G);
-//   3. A_ij = beta_i exp(G_i - G_j) <k^_i, k^_j>, j < i (K K^T on tensor cores, fp32 acc), and
-//      kd_j = exp(G_63 - G_j) k^_j;
-//   4. version 2 (TREE_RECURRENCE_GDN_PREP_V2=1, block_inverse): A is written transposed (strict upper triangle),
-//      the 16 x 16 diagonal blocks are inverted by substitution, the off-diagonal blocks by fp32
-//      block products (3 levels, all 128 threads), in place; Ainv and the operands leave with
-//      16-byte stores; v in a second cp.async group; phase 5 by column blocks per warp (balanced;
-//      lower_times_cols). Version 1 (TREE_RECURRENCE_GDN_PREP_V1=1): Ainv = (I + A)^-1 by forward
-//      substitution in fp32 (one thread per column, the column in registers, each row's sum in
-//      four interleaved partial sums added in a fixed order: deterministic, a dependency chain a
-//      quarter as long); Ainv goes to global from registers;
+//   3. A_ij = beta_i exp(G_i - G_j) <k^_i, k^_j>, j < i (K K^T on tensor cores, fp32 acc), written
+//      transposed (strict upper triangle), and kd_j = exp(G_63 - G_j) k^_j;
+//   4. block_inverse: the 16 x 16 diagonal blocks are inverted by substitution, the off-diagonal blocks
+//      by fp32 block products (3 levels, all 128 threads), in place; Ainv and the operands leave with
+//      16-byte stores;
 //   5. w = (Ainv diag(beta exp G)) k^, u = (Ainv diag(beta)) v on tensor cores (operands rounded to
-//      the input type, fp32 acc), staged in shared memory and stored with 16-byte writes.
+//      the input type, fp32 acc) by column blocks per warp (balanced; lower_times_cols), staged in
+//      shared memory and stored with 16-byte writes.
 // Shared memory is reused across phases: A (3-4) and the two scaled Ainv operands (5) share one
 // buffer. Every exponent is min(., 0) (G is non-increasing, so this only guards against g > 0 input).
-#include <cstdlib>
-
 #include "fwd_common.cuh"
 
 namespace tree_recurrence::gdn::fused::kernels {
@@ -53,48 +46,10 @@ struct PrepSmem {
   int64_t tok[kChunk];
 };
 
-// acc (16 x 128, 16 tiles of 8 columns, only the first ncols columns) rounded into rows
-// 16 * warp.. of dst (pitch kLdX).
-template <typename T>
-__device__ __forceinline__ void stash(T* dst, const mm::FragC (&acc)[16], int warp, int nblocks16) {
-  const int l = mm::lane_id();
-#pragma unroll
-  for (int nt = 0; nt < 16; ++nt) {
-    if ((nt >> 1) < nblocks16) {
-      const int col = nt * 8 + mm::c_col(l, 0);
-      const int r0 = warp * 16 + mm::c_row(l, 0), r1 = warp * 16 + mm::c_row(l, 2);
-      *reinterpret_cast<uint32_t*>(dst + r0 * kLdX + col) = mm::Elem<T>::pack(acc[nt].x[0], acc[nt].x[1]);
-      *reinterpret_cast<uint32_t*>(dst + r1 * kLdX + col) = mm::Elem<T>::pack(acc[nt].x[2], acc[nt].x[3]);
-    }
-  }
-}
-
-// acc = Op (16 x 64, rows 16 * warp.. of op, pitch kLdI; lower block triangular: k blocks <= warp)
-// times X (64 x 16 * nblocks16, pitch kLdX).
-template <typename T>
-__device__ __forceinline__ void lower_times(mm::FragC (&acc)[16], const T* op, const T* X, int warp, int nblocks16) {
-#pragma unroll
-  for (int nt = 0; nt < 16; ++nt) acc[nt].zero();
-#pragma unroll
-  for (int kt = 0; kt < 4; ++kt) {
-    if (kt > warp) break;
-    const mm::FragA a = mm::load_a_row(op + warp * 16 * kLdI + kt * 16, kLdI);
-#pragma unroll
-    for (int np = 0; np < 8; ++np) {
-      if (np < nblocks16) {
-        mm::FragB b0, b1;
-        mm::load_b_kn(b0, b1, X + kt * 16 * kLdX + np * 16, kLdX);
-        mm::mma<T>(acc[2 * np], a, b0);
-        mm::mma<T>(acc[2 * np + 1], a, b1);
-      }
-    }
-  }
-}
-
-// Version 2 of phase 5: the warp owns 16-column blocks warp and warp + 4 of X (all 64 rows) instead of
-// a row block, so the lower-triangular work is the same for every warp (10 row-block x k-block
-// steps each). acc[rb * 4 + 2 n + h] = rows 16 rb.., columns 16 (warp + 4 n) + 8 h..; each output's
-// sum over k blocks 0..rb runs in the same order as lower_times (bit for bit the same result).
+// Phase 5: acc = op X with op (64 x 64, pitch kLdI) lower block triangular and X (64 x 16 nblocks16, pitch
+// kLdX). The warp owns 16-column blocks warp and warp + 4 of X (all 64 rows), so the lower-triangular
+// work is the same for every warp (10 row-block x k-block steps each). acc[rb * 4 + 2 n + h] = rows
+// 16 rb.., columns 16 (warp + 4 n) + 8 h..; each output's sum over k blocks 0..rb runs in order.
 // The warp reads only its own columns of X, so it may stash over them without a block barrier.
 template <typename T>
 __device__ __forceinline__ void lower_times_cols(mm::FragC (&acc)[16], const T* op, const T* X, int warp, int nblocks16) {
@@ -191,11 +146,10 @@ __device__ __forceinline__ void store_kd(T* __restrict__ kd, const T* kh, const 
 }
 
 // 3a's gating of acc = k^ k^T (rows of this warp's block, lower_nt): A_ij = beta_i exp(G_i - G_j)
-// acc_ij for j < i. Transposed: into A[j][i] (strict upper triangle, nothing else written; version
-// 2's block_inverse layout), else into A[i][j] with zeros for j >= i (version 1). The lane's rows
+// acc_ij for j < i, into A[j][i] (strict upper triangle, nothing else written: block_inverse's
+// layout). The lane's rows
 // r0 = 16 warp + lane / 4 (elements 0, 1) and r0 + 8 (2, 3), columns nt * 8 + 2 (lane % 4) + (e & 1);
 // G and beta read once per row and column pair; column blocks right of the diagonal one skipped.
-template <bool Transposed>
 __device__ __forceinline__ void store_gated_A(float* A, const mm::FragC (&acc)[8], const float* G, const float* beta,
                                               int warp) {
   const int lane = mm::lane_id();
@@ -210,10 +164,7 @@ __device__ __forceinline__ void store_gated_A(float* A, const mm::FragC (&acc)[8
     for (int e = 0; e < 4; ++e) {
       const int r = e < 2 ? r0 : r1, col = c0 + (e & 1);
       const float gr = e < 2 ? g0 : g1, br = e < 2 ? b0 : b1, gcol = (e & 1) ? gc.y : gc.x;
-      if (!Transposed)
-        A[r * kLdA + col] = below && col < r ? br * exp_nonpos(gr - gcol) * acc[nt].x[e] : 0.f;
-      else if (below && col < r)
-        A[col * kLdA + r] = br * exp_nonpos(gr - gcol) * acc[nt].x[e];
+      if (below && col < r) A[col * kLdA + r] = br * exp_nonpos(gr - gcol) * acc[nt].x[e];
     }
   }
 }
@@ -231,7 +182,7 @@ __device__ __forceinline__ void load_inverse(float (&xr)[4][8], const float* M, 
   }
 }
 
-// Phase 4 of version 2: Ainv = (I + A)^-1 by 16 x 16 blocks, fp32 on CUDA cores, all 128 threads.
+// Phase 4: Ainv = (I + A)^-1 by 16 x 16 blocks, fp32 on CUDA cores, all 128 threads.
 // On entry the buffer M (pitch kLdA) holds A transposed in its strict upper triangle (M[c][r] =
 // A(r, c), c < r); on exit its lower triangle with the diagonal holds X = Ainv (M[r][c] = X(r, c),
 // c <= r; the diagonal blocks' upper triangles hold 0, the other upper blocks still A^T). Blocks
@@ -336,10 +287,7 @@ __device__ __forceinline__ void block_inverse(float* M, int tid) {
   }
 }
 
-// V2 selects phase 4 (and the transposed A layout it needs): false = version 1 (the column-wise
-// forward substitution, TREE_RECURRENCE_GDN_PREP_V1=1), true = block_inverse. Every other phase is
-// the same code.
-template <typename T, bool V2>
+template <typename T>
 __global__ void __launch_bounds__(kThreads, 4) prep_fwd_kernel(const PrepParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   PrepSmem<T>& s = *reinterpret_cast<PrepSmem<T>*>(smem_raw);
@@ -357,14 +305,11 @@ __global__ void __launch_bounds__(kThreads, 4) prep_fwd_kernel(const PrepParams 
   const bool writer = hv % groups == 0;
   ChunkRows<kThreads> rows;
   rows.load(p.gather + c * kChunk);
-  // (version 2: k in the first group, v in a second one, waited for only before phase 5)
+  // k in the first group, v in a second one, waited for only before phase 5
   rows.copy<T>(s.k, kLdX, static_cast<const T*>(p.k), HK, hk, K);
-  if (!V2) rows.copy<T>(s.v, kLdX, static_cast<const T*>(p.v), HV, hv, V);
   mm::cp_async_commit();
-  if (V2) {
-    rows.copy<T>(s.v, kLdX, static_cast<const T*>(p.v), HV, hv, V);
-    mm::cp_async_commit();
-  }
+  rows.copy<T>(s.v, kLdX, static_cast<const T*>(p.v), HV, hv, V);
+  mm::cp_async_commit();
   if (tid < kChunk) {
     const int64_t t = p.gather[c * kChunk + tid];
     s.tok[tid] = t;
@@ -374,10 +319,7 @@ __global__ void __launch_bounds__(kThreads, 4) prep_fwd_kernel(const PrepParams 
   __syncthreads();  // graw, beta, tok
   // 2. the chunk-local cumsum (sequential: exactly non-increasing for g <= 0), while the copies fly
   if (tid == 0) p.decay[tile] = chunk_cumsum(s.graw, s.G);
-  if (V2)
-    mm::cp_async_wait<1>();  // k landed; v may still fly
-  else
-    mm::cp_async_wait<0>();
+  mm::cp_async_wait<1>();  // k landed; v may still fly
   __syncthreads();
   if (tid < kChunk) {  // the per-row factors of phases 3b and 4 (64 exps instead of one per element)
     const float Gi = s.G[tid];
@@ -392,52 +334,14 @@ __global__ void __launch_bounds__(kThreads, 4) prep_fwd_kernel(const PrepParams 
   {
     mm::FragC acc[8];
     lower_nt<T>(acc, s.k, s.k, kLdX, warp, kb16);
-    store_gated_A<V2>(s.u.A, acc, s.G, s.beta, warp);
+    store_gated_A(s.u.A, acc, s.G, s.beta, warp);
   }
   // 3b. kd_j = exp(G_63 - G_j) k^_j (16-byte stores)
   store_kd<T>(static_cast<T*>(p.kd) + tile * kChunk * K, s.k, s.dlast, K);
   __syncthreads();
 
-  if (!V2) {
-    // 4. Ainv = (I + A)^-1: thread `col` solves (I + A) x = e_col top-down, x in registers; row i's
-    // sum in four partial sums (j = 0, 1, 2, 3 mod 4) added as (p0 + p1) + (p2 + p3).
-    float x[kChunk];
-    if (tid < kChunk) {
-      const int col = tid;
-  #pragma unroll
-      for (int i = 0; i < kChunk; ++i) {
-        float p0 = i == col ? 1.f : 0.f, p1 = 0.f, p2 = 0.f, p3 = 0.f;
-        const float* Ai = s.u.A + i * kLdA;
-  #pragma unroll
-        for (int j = 0; j + 3 < i; j += 4) {
-          const float4 a4 = *reinterpret_cast<const float4*>(Ai + j);
-          p0 = fmaf(-a4.x, x[j], p0);
-          p1 = fmaf(-a4.y, x[j + 1], p1);
-          p2 = fmaf(-a4.z, x[j + 2], p2);
-          p3 = fmaf(-a4.w, x[j + 3], p3);
-        }
-        const int jt = i & ~3;
-        if (jt < i) p0 = fmaf(-Ai[jt], x[jt], p0);
-        if (jt + 1 < i) p1 = fmaf(-Ai[jt + 1], x[jt + 1], p1);
-        if (jt + 2 < i) p2 = fmaf(-Ai[jt + 2], x[jt + 2], p2);
-        x[i] = (p0 + p1) + (p2 + p3);
-      }
-    }
-    __syncthreads();  // every thread is done reading A (the operands take its place)
-    if (tid < kChunk) {
-      const int col = tid;
-      const float b = s.beta[col], bg = s.bg[col];
-      T* dst = static_cast<T*>(p.Ainv) + tile * kChunk * kChunk + col;  // row i: 64 threads, 128 contiguous bytes
-  #pragma unroll
-      for (int i = 0; i < kChunk; ++i) {
-        dst[i * kChunk] = mm::Elem<T>::from_float(x[i]);
-        s.u.op.ab[i * kLdI + col] = mm::Elem<T>::from_float(x[i] * b);
-        s.u.op.abg[i * kLdI + col] = mm::Elem<T>::from_float(x[i] * bg);
-      }
-    }
-    __syncthreads();
-  } else {
-    // 4. (version 2) Ainv by 16 x 16 blocks in place; then each thread takes 8 columns
+  {
+    // 4. Ainv by 16 x 16 blocks in place; then each thread takes 8 columns
     // (c0 = 8 (tid % 8)..) of 4 rows (tid / 8 + 16 e) into registers, stores them to global (a warp
     // writes 4 whole 128-byte rows per store) and, after a barrier (the operands overlay A), the
     // two scaled operands.
@@ -470,214 +374,31 @@ __global__ void __launch_bounds__(kThreads, 4) prep_fwd_kernel(const PrepParams 
     __syncthreads();
   }
 
-  if (V2) {  // v's rows
-    mm::cp_async_wait<0>();
-    __syncthreads();
-  }
-  // 5. w, u
+  mm::cp_async_wait<0>();  // v's rows
+  __syncthreads();
+  // 5. w, u: column blocks per warp, no barrier until the stores
   mm::FragC acc[16];
-  if (!V2) {
-    lower_times<T>(acc, s.u.op.abg, s.k, warp, kb16);
-    __syncthreads();  // every warp is done reading k^
-    stash<T>(s.k, acc, warp, kb16);
-    lower_times<T>(acc, s.u.op.ab, s.v, warp, vb16);
-    __syncthreads();  // every warp is done reading v
-    stash<T>(s.v, acc, warp, vb16);
-  } else {  // column blocks per warp: no barrier until the stores
-    lower_times_cols<T>(acc, s.u.op.abg, s.k, warp, kb16);
-    __syncwarp();
-    stash_cols<T>(s.k, acc, warp, kb16);
-    lower_times_cols<T>(acc, s.u.op.ab, s.v, warp, vb16);
-    __syncwarp();
-    stash_cols<T>(s.v, acc, warp, vb16);
-  }
+  lower_times_cols<T>(acc, s.u.op.abg, s.k, warp, kb16);
+  __syncwarp();
+  stash_cols<T>(s.k, acc, warp, kb16);
+  lower_times_cols<T>(acc, s.u.op.ab, s.v, warp, vb16);
+  __syncwarp();
+  stash_cols<T>(s.v, acc, warp, vb16);
   __syncthreads();
   store_rows<T>(static_cast<T*>(p.w) + tile * kChunk * K, s.k, K);
   store_rows<T>(static_cast<T*>(p.u) + tile * kChunk * V, s.v, V);
 }
 
-// Version 3 (the default): version 2's phases 1-4 in 44.5 KB of shared memory and <= 96 registers,
-// so 5 blocks per SM (20 warps; version 2: 54 KB, 4 blocks):
-//   * v is not copied at the start: it goes over A (dead after phase 4) and flies while w runs;
-//   * phase 5 takes one operand, Ainv rounded to the input type (the values Ainv leaves with), and
-//     scales the rows of the other instead: w = Ainv (bg k^), u = Ainv (beta v), bg k^ and beta v
-//     rounded to the input type (FLA's rounding; version 2 rounds Ainv diag(bg) and Ainv diag(beta)
-//     instead, so w and u differ from version 2's by a rounding, everything else is bit for bit);
-//     each warp scales the columns it then reads (its two column blocks, as lower_times_cols), so
-//     only __syncwarp between;
-//   * the cumsum runs in place (no separate raw-g buffer).
-template <typename T>
-struct PrepSmem3 {
-  T k[kChunk * kLdX];  // k^, then bg k^ (phase 5), then the w staging
-  union {
-    float A[kChunk * kLdA];  // phases 3-4
-    T v[kChunk * kLdX];      // phase 5: v, beta v, then the u staging
-  } av;
-  T op[kChunk * kLdI];  // Ainv in the input type (phase 5's A operand)
-  float G[kChunk];      // raw g, then G (in place)
-  float beta[kChunk];
-  float bg[kChunk];     // beta_i exp(G_i)
-  float dlast[kChunk];  // exp(G_63 - G_i)
-  int64_t tok[kChunk];
-};
-
-// 5 blocks per SM: 228 KB of shared memory per SM, 1 KB of it reserved per block
-static_assert(5 * (sizeof(PrepSmem3<__nv_bfloat16>) + 1024) <= 228 * 1024, "prep v3: 5 blocks per SM");
-
-// Rows 0..63 of X's column blocks warp and warp + 4 (those below nblocks16; the ones
-// lower_times_cols reads) times factor[row], in place, by this warp alone.
-template <typename T>
-__device__ __forceinline__ void scale_cols_of_warp(T* X, const float* factor, int warp, int nblocks16) {
-  const int l = mm::lane_id();
-#pragma unroll
-  for (int n = 0; n < 2; ++n) {
-    const int np = warp + 4 * n;
-    if (np < nblocks16) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {  // 64 rows x 2 words of 8 elements = 128 words, 4 per lane
-        const int idx = l + 32 * i, row = idx >> 1, col = np * 16 + (idx & 1) * 8;
-        float f[8];
-        unpack8<T>(*reinterpret_cast<const uint4*>(X + row * kLdX + col), f);
-        const float fr = factor[row];
-#pragma unroll
-        for (int e = 0; e < 8; ++e) f[e] *= fr;
-        *reinterpret_cast<uint4*>(X + row * kLdX + col) = pack8<T>(f);
-      }
-    }
-  }
-}
-
-template <typename T>
-__global__ void __launch_bounds__(kThreads, 5) prep_fwd_kernel_v3(const PrepParams p) {
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  PrepSmem3<T>& s = *reinterpret_cast<PrepSmem3<T>*>(smem_raw);
-  const int64_t c = tile_chunk();
-  if (c >= p.num_chunks) return;
-  const int hv = blockIdx.x;
-  const int HV = p.value_heads, HK = p.key_heads, groups = HV / HK, hk = hv / groups;
-  const int K = p.k_dim, V = p.v_dim;
-  const int kb16 = (K + 15) >> 4, vb16 = (V + 15) >> 4;
-  const int tid = threadIdx.x, warp = tid >> 5;
-  const int64_t tile = c * HV + hv;
-
-  // 1. k's rows (the tokens read from gather by each thread), g, beta
-  const bool writer = hv % groups == 0;
-  {
-    ChunkRows<kThreads> rows;
-    rows.load(p.gather + c * kChunk);
-    rows.copy<T>(s.k, kLdX, static_cast<const T*>(p.k), HK, hk, K);
-    mm::cp_async_commit();
-  }
-  if (tid < kChunk) {
-    const int64_t t = p.gather[c * kChunk + tid];
-    s.tok[tid] = t;
-    s.G[tid] = t >= 0 ? p.g[t * HV + hv] : 0.f;
-    s.beta[tid] = t >= 0 ? p.beta[t * HV + hv] : 0.f;
-  }
-  __syncthreads();  // raw g, beta, tok
-  // 2. the chunk-local cumsum in place (as version 2: the same sequential sums), while k flies
-  if (tid == 0) p.decay[tile] = chunk_cumsum(s.G, s.G);
-  mm::cp_async_wait<0>();
-  __syncthreads();  // G, k's rows
-  if (tid < kChunk) {
-    const float Gi = s.G[tid];
-    s.bg[tid] = s.beta[tid] * exp_nonpos(Gi);
-    s.dlast[tid] = exp_nonpos(s.G[kChunk - 1] - Gi);
-  }
-  scale_rows_smem<T, kThreads / 32>(s.k, kLdX, s.tok, HK, hk, p.use_qk_l2norm, 1.f, writer ? p.rk : nullptr, true);
-  __syncthreads();  // k^, bg, dlast complete
-  if (tid < kChunk) p.G[tile * kChunk + tid] = s.G[tid];
-
-  // 3a. A (transposed, strict upper triangle), as version 2
-  {
-    mm::FragC acc[8];
-    lower_nt<T>(acc, s.k, s.k, kLdX, warp, kb16);
-    store_gated_A<true>(s.av.A, acc, s.G, s.beta, warp);
-  }
-  // 3b. kd
-  store_kd<T>(static_cast<T*>(p.kd) + tile * kChunk * K, s.k, s.dlast, K);
-  __syncthreads();  // A complete; every read of k^ as such done
-
-  // 4. Ainv by 16 x 16 blocks in place (block_inverse); each thread takes 8 columns of 4 rows into
-  // registers and stores them to global and, rounded the same way, to op
-  block_inverse(s.av.A, tid);
-  {
-    const int c0 = (tid & 7) * 8, rr = tid >> 3;
-    T* dst = static_cast<T*>(p.Ainv) + tile * kChunk * kChunk + c0;
-    float xr[4][8];
-    load_inverse(xr, s.av.A, c0, rr);
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int r = rr + 16 * e;
-      const uint4 packed = pack8<T>(xr[e]);
-      *reinterpret_cast<uint4*>(dst + r * kChunk) = packed;
-      *reinterpret_cast<uint4*>(s.op + r * kLdI + c0) = packed;
-    }
-  }
-  __syncthreads();  // every read of A done (v goes over it), op complete
-  {
-    ChunkRows<kThreads> rows;
-    rows.load(s.tok);
-    rows.copy<T>(s.av.v, kLdX, static_cast<const T*>(p.v), HV, hv, V);
-    mm::cp_async_commit();
-  }
-
-  // 5. w = op (bg k^) while v flies, then u = op (beta v); each warp its own column blocks
-  mm::FragC acc[16];
-  scale_cols_of_warp<T>(s.k, s.bg, warp, kb16);
-  __syncwarp();
-  lower_times_cols<T>(acc, s.op, s.k, warp, kb16);
-  __syncwarp();
-  stash_cols<T>(s.k, acc, warp, kb16);
-  mm::cp_async_wait<0>();
-  __syncthreads();  // v's rows (copied by every thread) visible
-  scale_cols_of_warp<T>(s.av.v, s.beta, warp, vb16);
-  __syncwarp();
-  lower_times_cols<T>(acc, s.op, s.av.v, warp, vb16);
-  __syncwarp();
-  stash_cols<T>(s.av.v, acc, warp, vb16);
-  __syncthreads();
-  store_rows<T>(static_cast<T*>(p.w) + tile * kChunk * K, s.k, K);
-  store_rows<T>(static_cast<T*>(p.u) + tile * kChunk * V, s.av.v, V);
-}
-
-// Version 2 (block_inverse) is the default: on the H200 (2026-12-02, GRPO, bf16) it gave the faster
-// forward (tree 3.31 ms, flat 3.90 ms against version 3's 3.44 / 3.97) and version 3 missed the 5e-3
-// output bound on one case (wide_k16 bf16: 5.08e-3, version 2 3.61e-3). Its 4 shared-memory hazards under
-// racecheck (2026-12-02: phase 4a's 16-byte loads of the diagonal blocks against the stores of D_b over
-// them) are fixed by a barrier in block_inverse. TREE_RECURRENCE_GDN_PREP_V3=1 (read once) gives
-// version 3 (44.5 KB, 5 blocks per SM, w and u from Ainv rounded once), TREE_RECURRENCE_GDN_PREP_V1=1
-// version 1 (column-wise substitution).
-int version() {
-  static const int v = [] {
-    const char* v1 = std::getenv("TREE_RECURRENCE_GDN_PREP_V1");
-    const char* v3 = std::getenv("TREE_RECURRENCE_GDN_PREP_V3");
-    if (v1 != nullptr && v1[0] == '1') return 1;
-    if (v3 != nullptr && v3[0] == '1') return 3;
-    return 2;
-  }();
-  return v;
-}
-
 template <typename T>
 const char* launch(const PrepParams& p, cudaStream_t stream) {
   if (p.num_chunks == 0) return "";
-  const int v = version();
-  if (v == 3) return launch_tiles(prep_fwd_kernel_v3<T>, kThreads, static_cast<int>(sizeof(PrepSmem3<T>)), p, stream);
-  const int smem = static_cast<int>(sizeof(PrepSmem<T>));
-  return v == 2 ? launch_tiles(prep_fwd_kernel<T, true>, kThreads, smem, p, stream)
-                : launch_tiles(prep_fwd_kernel<T, false>, kThreads, smem, p, stream);
+  return launch_tiles(prep_fwd_kernel<T>, kThreads, static_cast<int>(sizeof(PrepSmem<T>)), p, stream);
 }
 
 }  // namespace
 
 const char* launch_prep_fwd(const PrepParams& p, void* cuda_stream) {
-  if (p.k_dim < 8 || p.k_dim > kMaxDim || p.k_dim % 8 || p.v_dim < 8 || p.v_dim > kMaxDim || p.v_dim % 8)
-    return "gdn fused prep: K and V must be multiples of 8 in 8..128";
-  if (p.num_chunks > 0x7fffffffLL || p.value_heads > 65535 || p.key_heads <= 0 || p.value_heads % p.key_heads)
-    return "gdn fused prep: chunks must be < 2^31, value heads <= 65535 and a multiple of key heads";
-  auto stream = static_cast<cudaStream_t>(cuda_stream);
-  return p.in == InType::BFloat16 ? launch<__nv_bfloat16>(p, stream) : launch<__half>(p, stream);
+  return launch_checked(p, cuda_stream, launch<__nv_bfloat16>, launch<__half>);
 }
 
 }  // namespace tree_recurrence::gdn::fused::kernels
