@@ -11,6 +11,9 @@
 // workspace); the same stage outputs. Otherwise the fp32 CUDA-core kernels above.
 // The bf16 / fp16 path (local_bf16 + folded ddecay + post_bf16) keeps ds (ds_local, then ds_leave in place) in x's
 // 16-bit type (issue 20 H5; TREE_RECURRENCE_SSD_DS_FP32=1: fp32); the state pass carries in fp32.
+// On that path, for tries (fused_pass_auto; TREE_RECURRENCE_SSD_BWD_FUSED_PASS forces either way), the fused
+// reverse local + state pass (kernels/ssd_state_pass_bwd.cu, one launch per level) replaces local_bf16 + the
+// state pass: ds_local is formed inside the reverse pass and never stored; only ds_leave is written.
 // Saved states are used as the forward stored them (in-type, rounded), as mamba-ssm's backward
 // does with its bf16 states: recomputing them in fp32 would cost another state pass, and their
 // rounding enters only dC (through C s) and ddecay, at the in-type's precision.
@@ -21,6 +24,7 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -79,6 +83,25 @@ bool ds_fp32_selected() {
   }();
   return v;
 }
+
+// TREE_RECURRENCE_SSD_BWD_FUSED_PASS (read once per process): the fused reverse local + state pass
+// (kernels/ssd_state_pass_bwd.cu: ds_local formed inside the reverse pass, never stored) instead of
+// local_bf16 + state_pass_kernel. Unset: auto (fused_pass_auto); "1": fused wherever it is supported; "0": never.
+int fused_pass_mode() {
+  static const int v = [] {
+    const char* e = std::getenv("TREE_RECURRENCE_SSD_BWD_FUSED_PASS");
+    if (e == nullptr || *e == '\0') return -1;
+    return std::strcmp(e, "0") == 0 ? 0 : std::strcmp(e, "1") == 0 ? 1 : -1;
+  }();
+  return v;
+}
+// The auto rule (host values only: no sync), the forward's rule for its fused chunk-state pass: fused when the
+// segments average at most 64 chunks (NC <= 64 S). The fused pass walks each (segment, head) sequentially with
+// one CTA of 8 warps per (segment, head, N tile); on a trie (GRPO: 72 segments, 8 / 32 chunks each) that is 1,024
+// to 8,192 CTAs per level over short chains, while one long row (one segment of 768 chunks) gives only H CTAs
+// (128 < 132 SMs x 2 slots) walking 768 dependent steps, against local_bf16's NC x H fully parallel CTAs plus the
+// elementwise pass's 8 x H CTAs: there the two-kernel path keeps its parallelism (to be confirmed on the H200).
+bool fused_pass_auto(int64_t NC, int64_t S) { return NC <= 64 * std::max<int64_t>(S, 1); }
 
 void check_launch(int err, const char* what) {
   TR_CHECK(err == 0, "fused SSD backward: the ", what, " kernel failed to launch: ", k::ssd_bwd_error_string(err));
@@ -285,17 +308,37 @@ Stages run(const at::Tensor& grad_out, const Args& a, const Tables& t, const Sav
       p.dz = st.dz.data_ptr<float>();
     }
   }
+  // issue 20: the fused reverse local + state pass replaces local_bf16 + the state pass (same ds_leave / ws /
+  // d_roots bits, ddecay partials of its own layout); decided once the ds / ws / droots pointers are set
+  const int fmode = fused_pass_mode();
+  const bool fused_pass = local_new && fmode != 0 && (fmode == 1 || fused_pass_auto(NC, S)) &&
+                          k::ssd_bwd_fused_pass_supported(p);
   // folded ddecay: per-warp partials written by the state pass (parts depends on the pointers above)
   at::Tensor ddecay_part;
   if (!v1) {
-    const int64_t parts = k::ssd_bwd_ddecay_parts(p);
+    const int64_t parts = fused_pass ? k::ssd_bwd_fused_pass_ddecay_parts(p) : k::ssd_bwd_ddecay_parts(p);
     ddecay_part = at::empty({NC, H, parts}, f32);
     p.ddecay_part = ddecay_part.data_ptr<float>();
     p.ddecay_parts = parts;
   }
 
   if (need_gate) check_launch(k::ssd_bwd_gate(p, stream), "gate (dy, dz)");
-  if (local_new) {
+  if (fused_pass) {
+    // the stage op's local stage: local_bf16 into a buffer of its own (the fused pass never forms ds_local in
+    // memory); the backward itself runs no local kernel
+    if (keep_stages) {
+      k::BwdParams q = p;
+      at::Tensor tmp = at::empty({NC, H, P, N}, ds16.defined() ? x.options() : f32);
+      if (ds16.defined()) q.ds16 = tmp.data_ptr(); else q.ds = tmp.data_ptr<float>();
+      check_launch(k::ssd_bwd_local_bf16(q, stream), "bf16 / fp16 local state gradient (stage output)");
+      st.local = tmp.to(at::kFloat);
+    }
+    for (int64_t lv = static_cast<int64_t>(t.level_offsets.size()) - 2; lv >= 0; --lv) {
+      const int64_t begin = t.level_offsets[lv], count = t.level_offsets[lv + 1] - begin;
+      TR_CHECK_VALUE(count >= 0 && begin >= 0 && begin + count <= S, "fused SSD backward: level_offsets ", lv, " is out of range");
+      check_launch(k::ssd_bwd_fused_pass(p, begin, count, stream), "fused reverse local + state pass");
+    }
+  } else if (local_new) {
     check_launch(k::ssd_bwd_local_bf16(p, stream), "bf16 / fp16 local state gradient (dy on the fly)");
   } else if (tc) {
     check_launch(k::ssd_bwd_local_tc(p, stream), "tensor-core local state gradient");
@@ -304,11 +347,13 @@ Stages run(const at::Tensor& grad_out, const Args& a, const Tables& t, const Sav
     check_launch(k::ssd_bwd_dyx(p, stream), "dy x^T");
     check_launch(k::ssd_bwd_local(p, stream), "local state gradient");
   }
-  if (keep_stages) st.local = ds16.defined() ? ds16.to(at::kFloat) : st.ds_leave.clone();  // widened: exact
-  for (int64_t lv = static_cast<int64_t>(t.level_offsets.size()) - 2; lv >= 0; --lv) {
-    const int64_t begin = t.level_offsets[lv], count = t.level_offsets[lv + 1] - begin;
-    TR_CHECK_VALUE(count >= 0 && begin >= 0 && begin + count <= S, "fused SSD backward: level_offsets ", lv, " is out of range");
-    check_launch(k::ssd_bwd_state_pass(p, begin, count, stream), "reverse state pass");
+  if (!fused_pass) {
+    if (keep_stages) st.local = ds16.defined() ? ds16.to(at::kFloat) : st.ds_leave.clone();  // widened: exact
+    for (int64_t lv = static_cast<int64_t>(t.level_offsets.size()) - 2; lv >= 0; --lv) {
+      const int64_t begin = t.level_offsets[lv], count = t.level_offsets[lv + 1] - begin;
+      TR_CHECK_VALUE(count >= 0 && begin >= 0 && begin + count <= S, "fused SSD backward: level_offsets ", lv, " is out of range");
+      check_launch(k::ssd_bwd_state_pass(p, begin, count, stream), "reverse state pass");
+    }
   }
   if (p.ddecay_part != nullptr)
     check_launch(k::ssd_bwd_ddecay_finish(p, stream), "ddecay (sum of the state pass's partials)");

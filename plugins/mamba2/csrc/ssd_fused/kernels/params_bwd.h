@@ -136,6 +136,16 @@ int ssd_bwd_ddecay_finish(const BwdParams& p, void* stream);  // ddecay from dde
 bool ssd_bwd_local_bf16_supported(const BwdParams& p);
 int ssd_bwd_local_bf16(const BwdParams& p, void* stream);  // ds = local (reads dout, z; not dy)
 
+// Fused reverse local + state pass (ssd_state_pass_bwd.cu, issue 20): per level (deepest first), local_bf16's
+// ds_local formed inside the reverse pass (never stored) and state_pass_kernel's ds_leave (into ds16 or ds), ws,
+// d_roots and folded ddecay partials (ddecay_part with ssd_bwd_fused_pass_ddecay_parts(p) partials per (chunk,
+// head), then ssd_bwd_ddecay_finish). Replaces ssd_bwd_local_bf16 + ssd_bwd_state_pass; ds_leave, ws and
+// d_roots bitwise equal to theirs. Chunk 64, P and N in 1..128 multiples of 8, C / dout / states (/ z) of one
+// 16-bit type (ds16, when set, too), C / dout / z 16-byte and states / ds / ws / droots 8-byte aligned.
+bool ssd_bwd_fused_pass_supported(const BwdParams& p);
+int64_t ssd_bwd_fused_pass_ddecay_parts(const BwdParams& p);
+int ssd_bwd_fused_pass(const BwdParams& p, int64_t begin, int64_t count, void* stream);  // ds_leave, ws, droots
+
 // bf16 / fp16 post kernel (ssd_post_bwd.cu, round 3): post_tc's outputs (cb if set, dx in dx_type, q, v,
 // ddt_direct, d_dtA, ddt, ddt_raw, dA_part, dB, dC) and, per the fields above, dz_out and dD_part; one
 // bf16 / fp16 MMA per product, ldmatrix fragments. Chunk 64, P and N in 1..128 multiples of 8, x / B / C
