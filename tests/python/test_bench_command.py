@@ -58,3 +58,27 @@ def test_bench_refuses_unknown_model(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "tree_recurrence", "bench", "--tiny", "--models", str(TABLE),
                            "--model", "no_such", "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "--model 'no_such': not in" in proc.stderr
+
+
+def test_grpo_rows_score_completions_only_by_default_and_every_sample_token_with_loss_all():
+    import torch
+
+    from tree_recurrence.bench import grpo_rows
+
+    groups, rollouts, prompt, completion = 2, 3, 5, 4
+    for loss in ("completions", "all"):
+        rows = grpo_rows(groups, rollouts, prompt, completion, 50, 0, torch.device("cpu"), loss)
+        for mode, (row, weights, sample_tokens) in rows.items():
+            assert sample_tokens == groups * rollouts * (prompt + completion)
+            if loss == "all":
+                # every token weighs the samples through it: the weights sum to the sample tokens
+                assert "logits_to_keep" not in row and int(weights.sum()) == sample_tokens, mode
+                continue
+            keep = row["logits_to_keep"]
+            # one logit row per completion token, each weighing 1, and those positions are the completions' tokens
+            assert keep.numel() == weights.numel() == groups * rollouts * completion, mode
+            assert bool((weights == 1).all()), mode
+            assert torch.equal(keep, torch.sort(keep).values) and int(keep[-1]) < row["input_ids"].shape[1], mode
+    # rollouts 1: a prompt token is in one sample, still not scored under "completions"
+    row, weights, _ = grpo_rows(1, 1, 3, 2, 50, 0, torch.device("cpu"))["tree"]
+    assert row["logits_to_keep"].tolist() == [3, 4] and weights.tolist() == [1, 1]

@@ -12,9 +12,11 @@ swept) in three layouts of the same samples:
 * ``flat``: the tree's unique tokens, one chain per prompt group (prompt then its completions
   laid end to end): what the unique tokens cost with no branching at all.
 
-The loss is the same function of every sample in each layout (sum over each sample's tokens of
-the log-sum-exp of its logits, a shared token counted once per sample through it), so ``tree``
-and ``chains`` give equal losses; ``flat`` computes other outputs (no tree) at the tree's cost
+The loss is the same function of every sample in each layout (sum over each sample's completion
+tokens of the log-sum-exp of their logits, as a GRPO trainer scores completions only and computes
+their logits alone, through the models' ``logits_to_keep``; ``--loss all``: over every token of
+every sample, a shared prompt token counted once per sample through it), so ``tree`` and
+``chains`` give equal losses; ``flat`` computes other outputs (no tree) at the tree's cost
 floor. Reports tokens/s (sample tokens: the tokens the samples hold), speed-up against chains,
 the ratio to flat, peak memory, and which kernel ran for each recurrent family (the driver's
 decisions). Writes ``bench.json`` and ``bench.png`` (speed-up against the token ratio, with the
@@ -37,6 +39,7 @@ import torch
 
 DEFAULT_TABLE = Path("benchmarks") / "bench_models.json"
 MODES = ("tree", "chains", "flat")
+LOSSES = ("completions", "all")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -56,8 +59,16 @@ def _row(segments: list[tuple[torch.Tensor, int, int]], device) -> dict:
             "tree_cu_seqlens_q": offsets.to(device), "tree_segment_parents": parents.to(device)}
 
 
-def grpo_rows(groups: int, rollouts: int, prompt: int, completion: int, vocab: int, seed: int, device) -> dict:
-    """The three layouts of one GRPO batch: {mode: (row dict, per-token sample counts, sample tokens)}."""
+def grpo_rows(groups: int, rollouts: int, prompt: int, completion: int, vocab: int, seed: int, device,
+              loss: str = "completions") -> dict:
+    """The three layouts of one GRPO batch: {mode: (row dict, per-token loss weights, sample tokens)}.
+
+    loss "all": every token's weight is the number of samples through it. loss "completions": only
+    completion tokens count (weight 1), and the row carries ``logits_to_keep`` (their indices), so
+    the model computes no logits for prompt tokens (at GRPO with a 150k-word vocabulary the chains'
+    prompt logits alone take ~100 GB)."""
+    if loss not in LOSSES:
+        raise ValueError(f"bench: loss must be one of {LOSSES}, got {loss!r}")
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(0, vocab, (prompt,), generator=g) for _ in range(groups)]
     completions = [[torch.randint(0, vocab, (completion,), generator=g) for _ in range(rollouts)] for _ in range(groups)]
@@ -68,19 +79,28 @@ def grpo_rows(groups: int, rollouts: int, prompt: int, completion: int, vocab: i
         if prompt:
             root = len(tree)
             tree.append((p, -1, 0))
-            counts_tree.append(torch.full((prompt,), rollouts))
+            counts_tree.append(torch.full((prompt,), rollouts if loss == "all" else 0))
         for c in cs:
             tree.append((c, root, prompt))
             counts_tree.append(torch.ones(completion, dtype=torch.int64))
             chains.append((torch.cat([p, c]), -1, 0))
         flat.append((torch.cat([p, *cs]), -1, 0))
-    counts = torch.cat(counts_tree).to(device)
+    counts = torch.cat(counts_tree)
     sample_tokens = groups * rollouts * (prompt + completion)
-    return {
-        "tree": (_row(tree, device), counts, sample_tokens),
-        "chains": (_row(chains, device), torch.ones(sample_tokens, dtype=torch.int64, device=device), sample_tokens),
-        "flat": (_row(flat, device), counts, sample_tokens),
-    }
+    chain_counts = torch.ones(sample_tokens, dtype=torch.int64)
+    if loss == "completions":  # prompt tokens weigh 0 and get no logits
+        chain_counts = torch.cat([torch.cat([torch.zeros(prompt, dtype=torch.int64), torch.ones(completion, dtype=torch.int64)])
+                                  for _ in range(groups * rollouts)])
+    layouts = {"tree": (tree, counts), "chains": (chains, chain_counts), "flat": (flat, counts)}
+    out = {}
+    for mode, (segments, weights) in layouts.items():
+        row = _row(segments, device)
+        if loss == "completions":
+            keep = weights.nonzero().squeeze(1)
+            row["logits_to_keep"] = keep.to(device)
+            weights = weights[keep]
+        out[mode] = (row, weights.to(device), sample_tokens)
+    return out
 
 
 # ------------------------------------------------------------------------------------------------
@@ -200,6 +220,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpointing", default="off,on", help="gradient checkpointing settings: off,on / off / on")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps per point (default 2; tiny 1)")
     parser.add_argument("--repeat", type=int, default=None, help="timed steps per point, median taken (default 3; tiny 1)")
+    parser.add_argument("--loss", default="completions", choices=list(LOSSES),
+                        help="tokens the loss scores: completions (default, as GRPO: no prompt logits) or all")
     parser.add_argument("--out", default="bench-results", help="folder for bench.json and bench.png")
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG")
 
@@ -233,6 +255,7 @@ def run(args: argparse.Namespace) -> int:
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "dtype": str(dtype).replace("torch.", ""), "tiny": tiny, "attention": args.attn,
         "shape": {"groups": groups, "rollouts": rollouts, "completion": completion, "prompts": prompts},
+        "loss": args.loss,
         "warmup": warmup, "repeat": repeat, "models": {}, "results": [],
     }
     out = Path(args.out)
@@ -254,7 +277,8 @@ def run(args: argparse.Namespace) -> int:
                 "reason": support.reason, "families": dict(support.families),
                 "parameters": sum(p.numel() for p in model.parameters()), "kernels": {}, "kernel_reasons": {}})
             try:
-                rows = grpo_rows(groups, rollouts, prompt, completion, model.config.get_text_config().vocab_size, prompt, device)
+                rows = grpo_rows(groups, rollouts, prompt, completion, model.config.get_text_config().vocab_size, prompt, device,
+                                 args.loss)
                 unique = rows["tree"][0]["input_ids"].shape[1]
                 for ckpt in checkpointing:
                     if ckpt:
