@@ -8,23 +8,34 @@
 // state update K x BV (k over C) by the warps' own state rows.
 //
 // Forward, chunk c (phases separated by the CTA barriers A and B):
-//   h_s = bf16(S)                                  | A: w(c), u(c) landed; h_s complete
-//   issue kd(c); h[c] <- h_s; v = u - w h_s -> vn_s | B: kd(c) landed; vn_s complete
-//   issue w(c+1), u(c+1); v_new[c] <- vn_s; S = decay S + kd^T vn_s
+//   h_s = bf16(S)                                  | A: w(c), u(c) [, kd(c)] landed; h_s complete
+//   h[c] <- h_s; v = u - w h_s -> vn_s             | B: vn_s complete
+//   v_new[c] <- vn_s; S = decay S + kd^T vn_s
 // Backward, chunk c (reverse):
-//   dS_s = bf16(dS)                                | A: kd, q_g, grad_out, dv_local (c) landed
-//   issue w(c); grad_state_out[c] <- dS_s; dv = dv_local + kd dS_s -> dv_s (stored negated);
-//   dS = decay dS + q_g^T grad_out                 | B: w(c) landed; dv_s complete
-//   issue kd.. (c-1); dv_total[c] <- -dv_s; dS += w^T (-dv)
-// Every operand buffer is single-buffered but filled one phase ahead (cp.async, overlapping the
-// other phase's MMAs); the small shared footprint (54-96 KB) leaves 2-4 CTAs per SM, whose phases
-// interleave. Deterministic: fixed MMA order, no atomics. No host sync.
+//   dS_s = bf16(dS)                                | A: kd, q_g, grad_out, dv_local [, w] (c) landed
+//   grad_state_out[c] <- dS_s; dv = dv_local + kd dS_s -> dv_s (stored negated);
+//   dS = decay dS + q_g^T grad_out                 | B: dv_s complete
+//   dv_total[c] <- -dv_s; dS += w^T (-dv)
+// Two load schedules (template NST), the same arithmetic in the same order (bitwise equal):
+// * NST = 0, the previous kernel: every operand tile single-buffered and filled one phase ahead
+//   (forward: kd(c) issued at A, w(c+1), u(c+1) at B; backward: w(c) at A, the rest of c-1 at B).
+//   54-96 KB of shared memory, 2-4 CTAs per SM, whose phases interleave.
+// * NST >= 2, the pipelined kernel (BV = 32 only): a ring of NST stages, each holding all of one
+//   chunk's operand tiles; at barrier A of chunk c the loads of chunk c + NST - 1 go into the stage
+//   chunk c - 1 just freed, one cp.async group per chunk (empty groups past the segment's end keep
+//   the count), and chunk c waits with cp.async.wait_group NST - 2: NST - 1 chunks in flight while
+//   one computes. For levels with at most one CTA per SM (a long flat row), where nothing else
+//   hides a load's latency; the host picks it (run_levels).
+// Deterministic: fixed MMA order, no atomics. No host sync.
 #include "tree_recurrence/kernels/chunk_state_pass_tc.h"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <cstdlib>
+#include <cstring>
+#include <initializer_list>
 #include <string>
 
 #include "tree_recurrence/kernels/mma.cuh"
@@ -37,6 +48,8 @@ namespace m = tree_recurrence::kernels::mma;
 constexpr int kC = 64;         // chunk rows
 constexpr int kWarps = 4;
 constexpr int kThreads = 32 * kWarps;
+constexpr int kFwdStages = 4;  // pipelined forward: 3 chunks in flight
+constexpr int kBwdStages = 3;  // pipelined backward: 2 chunks in flight (4 stages exceed 227 KB at K = 128)
 
 template <int KP, int BV>
 struct Cfg {
@@ -47,8 +60,14 @@ struct Cfg {
   static constexpr int NT = BV / 8;      // 8-column tiles
   static constexpr int KTK = KP / 16;    // k steps over K
   static constexpr int KTC = kC / 16;    // k steps over C
-  static constexpr size_t fwd_elems = size_t(2) * kC * LDK + size_t(kC) * LDV + size_t(KP) * LDV + size_t(kC) * LDV;
-  static constexpr size_t bwd_elems = size_t(3) * kC * LDK + size_t(2) * kC * LDV + size_t(KP) * LDV + size_t(kC) * LDV;
+  static constexpr size_t KT = size_t(kC) * LDK;  // a C x K tile
+  static constexpr size_t VT = size_t(kC) * LDV;  // a C x BV tile
+  static constexpr size_t ST = size_t(KP) * LDV;  // the rounded state tile
+  static constexpr size_t fwd_stage = 2 * KT + VT;      // w, kd, u
+  static constexpr size_t bwd_stage = 3 * KT + 2 * VT;  // kd, q_g, w, grad_out, dv_local
+  // Elements of shared memory with NST stages (0: the single-buffered kernel, one stage).
+  static constexpr size_t fwd_elems(int nst) { return size_t(nst ? nst : 1) * fwd_stage + ST + VT; }
+  static constexpr size_t bwd_elems(int nst) { return size_t(nst ? nst : 1) * bwd_stage + ST + VT; }
   static_assert(KP == 64 || KP == 128, "KP is 64 or 128");
   static_assert(BV == 32 || BV == 64, "BV is 32 or 64");
 };
@@ -64,34 +83,36 @@ __device__ __forceinline__ float2 unpack2<__half>(uint32_t v) {
   return __half22float2(*reinterpret_cast<__half2*>(&v));
 }
 
-// cp.async a ROWS x COLS tile (global row pitch gstride elements; columns >= valid_cols zero-filled)
-// into shared memory of pitch LD. COLS and valid_cols are multiples of 8 (16-byte pieces).
-template <typename T, int ROWS, int COLS, int LD>
-__device__ __forceinline__ void load_tile(T* smem, const T* __restrict__ g, int64_t gstride, int valid_cols) {
+// Calls f(r, col) for this thread's 16-byte pieces (8 elements, columns col..col+7 of row r) of a
+// ROWS x COLS tile, the pieces split evenly over the CTA.
+template <int ROWS, int COLS, typename F>
+__device__ __forceinline__ void for_pieces(F&& f) {
   constexpr int PR = COLS / 8;
   constexpr int PIECES = ROWS * PR;
   static_assert(PIECES % kThreads == 0, "tile pieces split evenly over the CTA");
 #pragma unroll
   for (int i = 0; i < PIECES / kThreads; ++i) {
     const int idx = i * kThreads + static_cast<int>(threadIdx.x);
-    const int r = idx / PR, col = (idx % PR) * 8;
+    f(idx / PR, (idx % PR) * 8);
+  }
+}
+
+// cp.async a ROWS x COLS tile (global row pitch gstride elements; columns >= valid_cols zero-filled)
+// into shared memory of pitch LD. COLS and valid_cols are multiples of 8 (16-byte pieces).
+template <typename T, int ROWS, int COLS, int LD>
+__device__ __forceinline__ void load_tile(T* smem, const T* __restrict__ g, int64_t gstride, int valid_cols) {
+  for_pieces<ROWS, COLS>([&](int r, int col) {
     const bool ok = col < valid_cols;
     const T* src = ok ? g + r * gstride + col : g;
     m::cp_async_16(smem + r * LD + col, src, ok ? 16 : 0);
-  }
+  });
 }
 
 // Stores rows < valid_rows, columns < valid_cols of a ROWS x COLS shared tile (pitch LD) to global
 // memory (row pitch gstride) in 16-byte pieces; kNegate flips the sign bit of every element.
 template <typename T, int ROWS, int COLS, int LD, bool kNegate>
 __device__ __forceinline__ void store_tile(const T* smem, T* __restrict__ g, int64_t gstride, int valid_rows, int valid_cols) {
-  constexpr int PR = COLS / 8;
-  constexpr int PIECES = ROWS * PR;
-  static_assert(PIECES % kThreads == 0, "tile pieces split evenly over the CTA");
-#pragma unroll
-  for (int i = 0; i < PIECES / kThreads; ++i) {
-    const int idx = i * kThreads + static_cast<int>(threadIdx.x);
-    const int r = idx / PR, col = (idx % PR) * 8;
+  for_pieces<ROWS, COLS>([&](int r, int col) {
     if (r < valid_rows && col < valid_cols) {
       uint4 v = *reinterpret_cast<const uint4*>(smem + r * LD + col);
       if (kNegate) {
@@ -102,62 +123,66 @@ __device__ __forceinline__ void store_tile(const T* smem, T* __restrict__ g, int
       }
       *reinterpret_cast<uint4*>(g + r * gstride + col) = v;
     }
-  }
+  });
 }
 
-// The warp's state fragments (rows wi*RW.., columns 0..BV-1 of the tile) rounded into shared memory.
-template <typename T, int KP, int BV>
-__device__ __forceinline__ void state_to_smem(const m::FragC (&S)[Cfg<KP, BV>::MTS][Cfg<KP, BV>::NT], T* dst, int wi, int l) {
+template <int KP, int BV>
+using StateFrags = m::FragC[Cfg<KP, BV>::MTS][Cfg<KP, BV>::NT];
+
+// Calls f(frag, e, row, col) for each pair (e, e + 1) of the warp's state fragments (rows wi*RW..,
+// tile columns col, col + 1).
+template <int KP, int BV, typename Frags, typename F>
+__device__ __forceinline__ void for_state_pairs(Frags& S, int wi, int l, F&& f) {
   using G = Cfg<KP, BV>;
 #pragma unroll
   for (int mt = 0; mt < G::MTS; ++mt)
 #pragma unroll
     for (int nt = 0; nt < G::NT; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; e += 2) {
-        const int row = wi * G::RW + mt * 16 + m::c_row(l, e), col = nt * 8 + m::c_col(l, e);
-        *reinterpret_cast<uint32_t*>(dst + row * G::LDV + col) = m::Elem<T>::pack(S[mt][nt].x[e], S[mt][nt].x[e + 1]);
-      }
+      for (int e = 0; e < 4; e += 2) f(S[mt][nt], e, wi * G::RW + mt * 16 + m::c_row(l, e), nt * 8 + m::c_col(l, e));
+}
+
+// The warp's state fragments rounded into shared memory.
+template <typename T, int KP, int BV>
+__device__ __forceinline__ void state_to_smem(const StateFrags<KP, BV>& S, T* dst, int wi, int l) {
+  for_state_pairs<KP, BV>(S, wi, l, [&](const m::FragC& f, int e, int row, int col) {
+    *reinterpret_cast<uint32_t*>(dst + row * Cfg<KP, BV>::LDV + col) = m::Elem<T>::pack(f.x[e], f.x[e + 1]);
+  });
 }
 
 // fp32 global state (K x V, row pitch V, tile origin at column n0 already applied) <-> fragments.
 template <int KP, int BV>
-__device__ __forceinline__ void state_load(m::FragC (&S)[Cfg<KP, BV>::MTS][Cfg<KP, BV>::NT], const float* src, int64_t K,
-                                           int64_t V, int vvalid, int wi, int l, bool accumulate) {
-  using G = Cfg<KP, BV>;
-#pragma unroll
-  for (int mt = 0; mt < G::MTS; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < G::NT; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; e += 2) {
-        const int row = wi * G::RW + mt * 16 + m::c_row(l, e), col = nt * 8 + m::c_col(l, e);
-        float2 v = make_float2(0.f, 0.f);
-        if (src && row < K && col < vvalid) v = *reinterpret_cast<const float2*>(src + row * V + col);
-        if (accumulate) {
-          S[mt][nt].x[e] += v.x;
-          S[mt][nt].x[e + 1] += v.y;
-        } else {
-          S[mt][nt].x[e] = v.x;
-          S[mt][nt].x[e + 1] = v.y;
-        }
-      }
+__device__ __forceinline__ void state_load(StateFrags<KP, BV>& S, const float* src, int64_t K, int64_t V, int vvalid, int wi,
+                                           int l, bool accumulate) {
+  for_state_pairs<KP, BV>(S, wi, l, [&](m::FragC& f, int e, int row, int col) {
+    float2 v = make_float2(0.f, 0.f);
+    if (src && row < K && col < vvalid) v = *reinterpret_cast<const float2*>(src + row * V + col);
+    if (accumulate) {
+      f.x[e] += v.x;
+      f.x[e + 1] += v.y;
+    } else {  // not 0 + v: that would turn -0 into +0
+      f.x[e] = v.x;
+      f.x[e + 1] = v.y;
+    }
+  });
 }
 
 template <int KP, int BV>
-__device__ __forceinline__ void state_store(const m::FragC (&S)[Cfg<KP, BV>::MTS][Cfg<KP, BV>::NT], float* dst, int64_t K,
-                                            int64_t V, int vvalid, int wi, int l) {
-  using G = Cfg<KP, BV>;
+__device__ __forceinline__ void state_store(const StateFrags<KP, BV>& S, float* dst, int64_t K, int64_t V, int vvalid, int wi,
+                                            int l) {
+  for_state_pairs<KP, BV>(S, wi, l, [&](const m::FragC& f, int e, int row, int col) {
+    if (row < K && col < vvalid) *reinterpret_cast<float2*>(dst + row * V + col) = make_float2(f.x[e], f.x[e + 1]);
+  });
+}
+
+template <int KP, int BV>
+__device__ __forceinline__ void state_scale(StateFrags<KP, BV>& S, float d) {
 #pragma unroll
-  for (int mt = 0; mt < G::MTS; ++mt)
+  for (int mt = 0; mt < Cfg<KP, BV>::MTS; ++mt)
 #pragma unroll
-    for (int nt = 0; nt < G::NT; ++nt)
+    for (int nt = 0; nt < Cfg<KP, BV>::NT; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; e += 2) {
-        const int row = wi * G::RW + mt * 16 + m::c_row(l, e), col = nt * 8 + m::c_col(l, e);
-        if (row < K && col < vvalid)
-          *reinterpret_cast<float2*>(dst + row * V + col) = make_float2(S[mt][nt].x[e], S[mt][nt].x[e + 1]);
-      }
+      for (int e = 0; e < 4; ++e) S[mt][nt].x[e] *= d;
 }
 
 // out (rows 16*wi.., BV columns, in shared memory) = round(sign_out * (acc + base)), base from a
@@ -179,93 +204,138 @@ __device__ __forceinline__ void rows_epilogue(const m::FragC (&acc)[1][BV / 8], 
     }
 }
 
+// A warp's C x BV rows product (rows 16*wi.., k over K): A (rows, pitch LDK) times the state tile.
 template <typename T, int KP, int BV>
+__device__ __forceinline__ void rows_product(m::FragC (&acc)[1][BV / 8], const T* a_s, const T* state_s, int wi) {
+  using G = Cfg<KP, BV>;
+#pragma unroll
+  for (int nt = 0; nt < G::NT; ++nt) acc[0][nt].zero();
+  m::warp_gemm<T, 1, G::NT, G::KTK, true, true>(acc, a_s + 16 * wi * G::LDK, G::LDK, state_s, G::LDV);
+}
+
+// S += A^T B over the chunk's rows: A a C x K tile (pitch LDK; the warp's state rows), B C x BV.
+template <typename T, int KP, int BV>
+__device__ __forceinline__ void state_update(StateFrags<KP, BV>& S, const T* a_s, const T* b_s, int wi) {
+  using G = Cfg<KP, BV>;
+  m::warp_gemm<T, G::MTS, G::NT, G::KTC, false, true>(S, a_s + wi * G::RW, G::LDK, b_s, G::LDV);
+}
+
+// What a CTA works on.
+template <int BV>
+struct Cta {
+  int wi, l;
+  int64_t H, K, V, KV, s, head;
+  int n0, vvalid, kvalid;
+  __device__ __forceinline__ Cta(const ChunkStatePassTcParams& p, int64_t level_begin)
+      : wi(static_cast<int>(threadIdx.x >> 5)),
+        l(static_cast<int>(threadIdx.x & 31)),
+        H(p.heads),
+        K(p.k_dim),
+        V(p.v_dim),
+        KV(p.k_dim * p.v_dim),
+        s(p.level_segments[level_begin + blockIdx.x]),
+        head(blockIdx.y),
+        n0(static_cast<int>(blockIdx.z) * BV),
+        vvalid(static_cast<int>(p.v_dim - n0 < BV ? p.v_dim - n0 : BV)),
+        kvalid(static_cast<int>(p.k_dim)) {}
+};
+
+// cp.async.wait_group before barrier A: NST - 2 chunks may stay in flight (0 for the old kernel).
+template <int NST>
+__device__ __forceinline__ void wait_chunk() {
+  if constexpr (NST == 0) m::cp_async_wait<0>();
+  else m::cp_async_wait<NST - 2>();
+}
+
+template <typename T, int KP, int BV, int NST>
 __global__ void __launch_bounds__(kThreads) tc_forward_kernel(ChunkStatePassTcParams p, int64_t level_begin) {
   using G = Cfg<KP, BV>;
+  static_assert(NST == 0 || (NST >= 2 && BV == 32), "pipelined kernel: BV 32, at least 2 stages");
+  constexpr int NB = NST ? NST : 1;  // stages
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  T* w_s = reinterpret_cast<T*>(smem_raw);  // C x LDK
-  T* kd_s = w_s + kC * G::LDK;              // C x LDK
-  T* u_s = kd_s + kC * G::LDK;              // C x LDV
-  T* h_s = u_s + kC * G::LDV;               // KP x LDV
-  T* vn_s = h_s + KP * G::LDV;              // C x LDV
+  T* const stages = reinterpret_cast<T*>(smem_raw);  // NB x {w: C x LDK, kd: C x LDK, u: C x LDV}
+  T* const h_s = stages + NB * G::fwd_stage;          // KP x LDV
+  T* const vn_s = h_s + G::ST;                        // C x LDV
 
-  const int wi = static_cast<int>(threadIdx.x >> 5), l = static_cast<int>(threadIdx.x & 31);
-  const int64_t H = p.heads, K = p.k_dim, V = p.v_dim, KV = K * V;
-  const int64_t s = p.level_segments[level_begin + blockIdx.x];
-  const int64_t head = blockIdx.y;
-  const int n0 = static_cast<int>(blockIdx.z) * BV;
-  const int vvalid = static_cast<int>(V - n0 < BV ? V - n0 : BV);
-  const int kvalid = static_cast<int>(K);
+  const Cta<BV> t(p, level_begin);
+  const int wi = t.wi, l = t.l;
   const T* w = static_cast<const T*>(p.w);
   const T* u = static_cast<const T*>(p.u);
   const T* kd = static_cast<const T*>(p.kd);
   T* h = static_cast<T*>(p.h);
   T* v_new = static_cast<T*>(p.v_new);
 
-  m::FragC S[G::MTS][G::NT];
+  StateFrags<KP, BV> S;
   {
     const float* start = nullptr;
-    const int64_t parent = p.parents[s];
-    if (parent >= 0) start = p.final_state + (parent * H + head) * KV;
-    else if (p.initial_state) start = p.initial_state + ((p.initial_per_root ? p.root_index[s] * H : 0) + head) * KV;
-    state_load<KP, BV>(S, start ? start + n0 : nullptr, K, V, vvalid, wi, l, false);
+    const int64_t parent = p.parents[t.s];
+    if (parent >= 0) start = p.final_state + (parent * t.H + t.head) * t.KV;
+    else if (p.initial_state) start = p.initial_state + ((p.initial_per_root ? p.root_index[t.s] * t.H : 0) + t.head) * t.KV;
+    state_load<KP, BV>(S, start ? start + t.n0 : nullptr, t.K, t.V, t.vvalid, wi, l, false);
   }
-  const int64_t c_begin = p.seg_chunk_offsets[s], c_end = p.seg_chunk_offsets[s + 1];
-  auto issue_wu = [&](int64_t c) {
-    const int64_t ch = c * H + head;
-    if (w) load_tile<T, kC, KP, G::LDK>(w_s, w + ch * kC * K, K, kvalid);
-    load_tile<T, kC, BV, G::LDV>(u_s, u + ch * kC * V + n0, V, vvalid);
+  const int64_t c_begin = p.seg_chunk_offsets[t.s], c_end = p.seg_chunk_offsets[t.s + 1];
+  // Issues chunk c's w, u (wu) and kd (kdd) into stage st as one cp.async group (empty past c_end).
+  auto issue = [&](int64_t c, T* st, bool wu, bool kdd) {
+    if (c < c_end) {
+      const int64_t ch = c * t.H + t.head;
+      if (wu && w) load_tile<T, kC, KP, G::LDK>(st, w + ch * kC * t.K, t.K, t.kvalid);
+      if (kdd) load_tile<T, kC, KP, G::LDK>(st + G::KT, kd + ch * kC * t.K, t.K, t.kvalid);
+      if (wu) load_tile<T, kC, BV, G::LDV>(st + 2 * G::KT, u + ch * kC * t.V + t.n0, t.V, t.vvalid);
+    }
     m::cp_async_commit();
   };
-  issue_wu(c_begin);
-  for (int64_t c = c_begin; c < c_end; ++c) {
-    const int64_t ch = c * H + head;
-    const float d = p.decay[ch];
-    state_to_smem<T, KP, BV>(S, h_s, wi, l);
-    m::cp_async_wait<0>();
-    __syncthreads();  // A: w(c), u(c) landed; h_s complete; kd_s free
-    load_tile<T, kC, KP, G::LDK>(kd_s, kd + ch * kC * K, K, kvalid);
-    m::cp_async_commit();
-    store_tile<T, KP, BV, G::LDV, false>(h_s, h + ch * KV + n0, V, kvalid, vvalid);
-    m::FragC acc[1][G::NT];
+  if constexpr (NST == 0) {
+    issue(c_begin, stages, true, false);
+  } else {
 #pragma unroll
-    for (int nt = 0; nt < G::NT; ++nt) acc[0][nt].zero();
-    if (w) m::warp_gemm<T, 1, G::NT, G::KTK, true, true>(acc, w_s + 16 * wi * G::LDK, G::LDK, h_s, G::LDV);
-    rows_epilogue<T, BV>(acc, u_s, -1.f, 1.f, vn_s, wi, l);  // v_new = u - w h
-    m::cp_async_wait<0>();
-    __syncthreads();  // B: kd(c) landed; vn_s complete; w_s, u_s, h_s free
-    if (c + 1 < c_end) issue_wu(c + 1);
-    store_tile<T, kC, BV, G::LDV, false>(vn_s, v_new + ch * kC * V + n0, V, kC, vvalid);
-#pragma unroll
-    for (int mt = 0; mt < G::MTS; ++mt)
-#pragma unroll
-      for (int nt = 0; nt < G::NT; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) S[mt][nt].x[e] *= d;
-    m::warp_gemm<T, G::MTS, G::NT, G::KTC, false, true>(S, kd_s + wi * G::RW, G::LDK, vn_s, G::LDV);
+    for (int i = 0; i < NST - 1; ++i) issue(c_begin + i, stages + i * G::fwd_stage, true, true);
   }
-  state_store<KP, BV>(S, p.final_state + (s * H + head) * KV + n0, K, V, vvalid, wi, l);
+  int cur = 0;  // stage of chunk c
+  for (int64_t c = c_begin; c < c_end; ++c) {
+    const int64_t ch = c * t.H + t.head;
+    const float d = p.decay[ch];
+    T* const st = stages + cur * G::fwd_stage;
+    state_to_smem<T, KP, BV>(S, h_s, wi, l);
+    wait_chunk<NST>();
+    __syncthreads();  // A: w(c), u(c) (pipelined: and kd(c)) landed; h_s complete; chunk c-1's stage free
+    const int prev = cur == 0 ? NB - 1 : cur - 1;
+    if constexpr (NST == 0) issue(c, st, false, true);
+    else issue(c + NST - 1, stages + prev * G::fwd_stage, true, true);
+    store_tile<T, KP, BV, G::LDV, false>(h_s, h + ch * t.KV + t.n0, t.V, t.kvalid, t.vvalid);
+    m::FragC acc[1][G::NT];
+    if (w) {
+      rows_product<T, KP, BV>(acc, st, h_s, wi);
+    } else {
+#pragma unroll
+      for (int nt = 0; nt < G::NT; ++nt) acc[0][nt].zero();
+    }
+    rows_epilogue<T, BV>(acc, st + 2 * G::KT, -1.f, 1.f, vn_s, wi, l);  // v_new = u - w h
+    if constexpr (NST == 0) m::cp_async_wait<0>();
+    __syncthreads();  // B: (single-buffered: kd(c) landed;) vn_s complete; h_s free
+    if constexpr (NST == 0) {
+      if (c + 1 < c_end) issue(c + 1, st, true, false);
+    }
+    store_tile<T, kC, BV, G::LDV, false>(vn_s, v_new + ch * kC * t.V + t.n0, t.V, kC, t.vvalid);
+    state_scale<KP, BV>(S, d);
+    state_update<T, KP, BV>(S, st + G::KT, vn_s, wi);
+    cur = cur + 1 == NB ? 0 : cur + 1;
+  }
+  state_store<KP, BV>(S, p.final_state + (t.s * t.H + t.head) * t.KV + t.n0, t.K, t.V, t.vvalid, wi, l);
 }
 
-template <typename T, int KP, int BV>
+template <typename T, int KP, int BV, int NST>
 __global__ void __launch_bounds__(kThreads) tc_backward_kernel(ChunkStatePassTcParams p, int64_t level_begin) {
   using G = Cfg<KP, BV>;
+  static_assert(NST == 0 || (NST >= 2 && BV == 32), "pipelined kernel: BV 32, at least 2 stages");
+  constexpr int NB = NST ? NST : 1;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  T* kd_s = reinterpret_cast<T*>(smem_raw);  // C x LDK
-  T* q_s = kd_s + kC * G::LDK;               // C x LDK
-  T* w_s = q_s + kC * G::LDK;                // C x LDK
-  T* go_s = w_s + kC * G::LDK;               // C x LDV
-  T* dvl_s = go_s + kC * G::LDV;             // C x LDV
-  T* ds_s = dvl_s + kC * G::LDV;             // KP x LDV
-  T* dv_s = ds_s + KP * G::LDV;              // C x LDV, holds -dv_total
+  // NB x {kd, q_g, w: C x LDK each; grad_out, dv_local: C x LDV each}
+  T* const stages = reinterpret_cast<T*>(smem_raw);
+  T* const ds_s = stages + NB * G::bwd_stage;  // KP x LDV
+  T* const dv_s = ds_s + G::ST;                // C x LDV, holds -dv_total
 
-  const int wi = static_cast<int>(threadIdx.x >> 5), l = static_cast<int>(threadIdx.x & 31);
-  const int64_t H = p.heads, K = p.k_dim, V = p.v_dim, KV = K * V;
-  const int64_t s = p.level_segments[level_begin + blockIdx.x];
-  const int64_t head = blockIdx.y;
-  const int n0 = static_cast<int>(blockIdx.z) * BV;
-  const int vvalid = static_cast<int>(V - n0 < BV ? V - n0 : BV);
-  const int kvalid = static_cast<int>(K);
+  const Cta<BV> t(p, level_begin);
+  const int wi = t.wi, l = t.l;
   const T* w = static_cast<const T*>(p.w);
   const T* kd = static_cast<const T*>(p.kd);
   const T* q_g = static_cast<const T*>(p.q_g);
@@ -275,58 +345,68 @@ __global__ void __launch_bounds__(kThreads) tc_backward_kernel(ChunkStatePassTcP
   T* grad_state_out = static_cast<T*>(p.grad_state_out);
   T* dv_total = static_cast<T*>(p.dv_total);
 
-  m::FragC dS[G::MTS][G::NT];
-#pragma unroll
-  for (int mt = 0; mt < G::MTS; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < G::NT; ++nt) dS[mt][nt].zero();
-  for (int64_t e = p.child_offsets[s]; e < p.child_offsets[s + 1]; ++e)
-    state_load<KP, BV>(dS, p.workspace + (p.children[e] * H + head) * KV + n0, K, V, vvalid, wi, l, true);
+  StateFrags<KP, BV> dS;
+  state_load<KP, BV>(dS, nullptr, t.K, t.V, t.vvalid, wi, l, false);  // zeros
+  for (int64_t e = p.child_offsets[t.s]; e < p.child_offsets[t.s + 1]; ++e)
+    state_load<KP, BV>(dS, p.workspace + (p.children[e] * t.H + t.head) * t.KV + t.n0, t.K, t.V, t.vvalid, wi, l, true);
 
-  const int64_t c_begin = p.seg_chunk_offsets[s], c_last = p.seg_chunk_offsets[s + 1] - 1;
-  auto issue_phase1 = [&](int64_t c) {
-    const int64_t ch = c * H + head;
-    load_tile<T, kC, KP, G::LDK>(kd_s, kd + ch * kC * K, K, kvalid);
-    if (has_q) {
-      load_tile<T, kC, KP, G::LDK>(q_s, q_g + ch * kC * K, K, kvalid);
-      load_tile<T, kC, BV, G::LDV>(go_s, grad_out + ch * kC * V + n0, V, vvalid);
+  const int64_t c_begin = p.seg_chunk_offsets[t.s], c_last = p.seg_chunk_offsets[t.s + 1] - 1;
+  // Issues chunk c's kd, q_g, grad_out, dv_local (p1) and w (pw) into stage st as one cp.async
+  // group (empty before c_begin).
+  auto issue = [&](int64_t c, T* st, bool p1, bool pw) {
+    if (c >= c_begin) {
+      const int64_t ch = c * t.H + t.head;
+      const int64_t ok = ch * kC * t.K, ov = ch * kC * t.V + t.n0;
+      if (p1) {
+        load_tile<T, kC, KP, G::LDK>(st, kd + ok, t.K, t.kvalid);
+        if (has_q) {
+          load_tile<T, kC, KP, G::LDK>(st + G::KT, q_g + ok, t.K, t.kvalid);
+          load_tile<T, kC, BV, G::LDV>(st + 3 * G::KT, grad_out + ov, t.V, t.vvalid);
+        }
+        if (dv_local) load_tile<T, kC, BV, G::LDV>(st + 3 * G::KT + G::VT, dv_local + ov, t.V, t.vvalid);
+      }
+      if (pw && w) load_tile<T, kC, KP, G::LDK>(st + 2 * G::KT, w + ok, t.K, t.kvalid);
     }
-    if (dv_local) load_tile<T, kC, BV, G::LDV>(dvl_s, dv_local + ch * kC * V + n0, V, vvalid);
     m::cp_async_commit();
   };
-  issue_phase1(c_last);
-  for (int64_t c = c_last; c >= c_begin; --c) {
-    const int64_t ch = c * H + head;
-    const float d = p.decay[ch];
-    state_to_smem<T, KP, BV>(dS, ds_s, wi, l);
-    m::cp_async_wait<0>();
-    __syncthreads();  // A: kd, q_g, grad_out, dv_local (c) landed; ds_s complete; w_s, dv_s free
-    if (w) {
-      load_tile<T, kC, KP, G::LDK>(w_s, w + ch * kC * K, K, kvalid);
-      m::cp_async_commit();
-    }
-    store_tile<T, KP, BV, G::LDV, false>(ds_s, grad_state_out + ch * KV + n0, V, kvalid, vvalid);
-    m::FragC acc[1][G::NT];
+  if constexpr (NST == 0) {
+    issue(c_last, stages, true, false);
+  } else {
 #pragma unroll
-    for (int nt = 0; nt < G::NT; ++nt) acc[0][nt].zero();
-    m::warp_gemm<T, 1, G::NT, G::KTK, true, true>(acc, kd_s + 16 * wi * G::LDK, G::LDK, ds_s, G::LDV);
-    rows_epilogue<T, BV>(acc, dv_local ? dvl_s : nullptr, 1.f, -1.f, dv_s, wi, l);  // -(dv_local + kd dS)
-#pragma unroll
-    for (int mt = 0; mt < G::MTS; ++mt)
-#pragma unroll
-      for (int nt = 0; nt < G::NT; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) dS[mt][nt].x[e] *= d;
-    if (has_q) m::warp_gemm<T, G::MTS, G::NT, G::KTC, false, true>(dS, q_s + wi * G::RW, G::LDK, go_s, G::LDV);
-    m::cp_async_wait<0>();
-    __syncthreads();  // B: w(c) landed; dv_s complete; kd_s, q_s, go_s, dvl_s, ds_s free
-    if (c > c_begin) issue_phase1(c - 1);
-    store_tile<T, kC, BV, G::LDV, true>(dv_s, dv_total + ch * kC * V + n0, V, kC, vvalid);
-    if (w) m::warp_gemm<T, G::MTS, G::NT, G::KTC, false, true>(dS, w_s + wi * G::RW, G::LDK, dv_s, G::LDV);
+    for (int i = 0; i < NST - 1; ++i) issue(c_last - i, stages + i * G::bwd_stage, true, true);
   }
-  float* out = p.parents[s] >= 0 ? p.workspace + (s * H + head) * KV
-                                 : p.grad_initial + (p.root_index[s] * H + head) * KV;
-  state_store<KP, BV>(dS, out + n0, K, V, vvalid, wi, l);
+  int cur = 0;
+  for (int64_t c = c_last; c >= c_begin; --c) {
+    const int64_t ch = c * t.H + t.head;
+    const float d = p.decay[ch];
+    T* const st = stages + cur * G::bwd_stage;
+    state_to_smem<T, KP, BV>(dS, ds_s, wi, l);
+    wait_chunk<NST>();
+    __syncthreads();  // A: kd, q_g, grad_out, dv_local (pipelined: and w) (c) landed; ds_s complete; dv_s free
+    const int prev = cur == 0 ? NB - 1 : cur - 1;
+    if constexpr (NST == 0) {
+      if (w) issue(c, st, false, true);
+    } else {
+      issue(c - (NST - 1), stages + prev * G::bwd_stage, true, true);
+    }
+    store_tile<T, KP, BV, G::LDV, false>(ds_s, grad_state_out + ch * t.KV + t.n0, t.V, t.kvalid, t.vvalid);
+    m::FragC acc[1][G::NT];
+    rows_product<T, KP, BV>(acc, st, ds_s, wi);
+    rows_epilogue<T, BV>(acc, dv_local ? st + 3 * G::KT + G::VT : nullptr, 1.f, -1.f, dv_s, wi, l);  // -(dv_local + kd dS)
+    state_scale<KP, BV>(dS, d);
+    if (has_q) state_update<T, KP, BV>(dS, st + G::KT, st + 3 * G::KT, wi);
+    if constexpr (NST == 0) m::cp_async_wait<0>();
+    __syncthreads();  // B: (single-buffered: w(c) landed;) dv_s complete; ds_s free
+    if constexpr (NST == 0) {
+      if (c > c_begin) issue(c - 1, st, true, false);
+    }
+    store_tile<T, kC, BV, G::LDV, true>(dv_s, dv_total + ch * kC * t.V + t.n0, t.V, kC, t.vvalid);
+    if (w) state_update<T, KP, BV>(dS, st + 2 * G::KT, dv_s, wi);
+    cur = cur + 1 == NB ? 0 : cur + 1;
+  }
+  float* out = p.parents[t.s] >= 0 ? p.workspace + (t.s * t.H + t.head) * t.KV
+                                   : p.grad_initial + (p.root_index[t.s] * t.H + t.head) * t.KV;
+  state_store<KP, BV>(dS, out + t.n0, t.K, t.V, t.vvalid, wi, l);
 }
 
 // --- host side ---------------------------------------------------------------------------------
@@ -348,7 +428,17 @@ const char* dtype_name(ChunkDType t) {
   return "unknown";
 }
 
-bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
+struct Ptr {
+  const void* ptr;
+  const char* name;
+};
+
+// The name of the first given pointer that is not 16-byte aligned, else null.
+const char* misaligned(std::initializer_list<Ptr> ptrs) {
+  for (const Ptr& x : ptrs)
+    if (x.ptr && (reinterpret_cast<uintptr_t>(x.ptr) & 15u) != 0) return x.name;
+  return nullptr;
+}
 
 std::string check_params(const ChunkStatePassTcParams& p, bool backward) {
   const std::string op = backward ? "chunk_state_pass_tc_backward: " : "chunk_state_pass_tc_forward: ";
@@ -362,6 +452,8 @@ std::string check_params(const ChunkStatePassTcParams& p, bool backward) {
   if (p.heads > 65535) return op + "at most 65535 heads, got " + std::to_string(p.heads);
   if (p.v_tile != 0 && p.v_tile != 32 && p.v_tile != 64)
     return op + "v_tile must be 0 (automatic), 32 or 64, got " + std::to_string(p.v_tile);
+  if (p.pipe < -1 || p.pipe > 1) return op + "pipe must be -1 (automatic), 0 or 1, got " + std::to_string(p.pipe);
+  if (p.pipe == 1 && p.v_tile == 64) return op + "the pipelined kernel (pipe 1) runs V tiles of 32 only, not v_tile 64";
   if (!p.level_offsets || p.num_levels < 0) return op + "level_offsets (host) are required";
   if (p.level_offsets[0] != 0 || p.level_offsets[p.num_levels] != p.num_segments)
     return op + "level_offsets must run from 0 to the number of segments " + std::to_string(p.num_segments);
@@ -375,37 +467,45 @@ std::string check_params(const ChunkStatePassTcParams& p, bool backward) {
       (!p.children && p.num_segments > p.num_roots))
     return op + "index tables are required";
   if (!p.kd || !p.decay) return op + "kd and decay are required";
-  struct Ptr {
-    const void* ptr;
-    const char* name;
-  };
-  const Ptr common[] = {{p.w, "w"}, {p.kd, "kd"}, {p.decay, "decay"}};
-  for (const Ptr& x : common)
-    if (x.ptr && !aligned16(x.ptr)) return op + x.name + " must be 16-byte aligned";
+  const char* bad = misaligned({{p.w, "w"}, {p.kd, "kd"}, {p.decay, "decay"}});
   if (!backward) {
     if (!p.u || !p.h || !p.v_new || !p.final_state) return op + "u, h, v_new and final_state are required";
-    const Ptr f[] = {{p.u, "u"}, {p.h, "h"}, {p.v_new, "v_new"}, {p.final_state, "final_state"},
-                     {p.initial_state, "initial_state"}};
-    for (const Ptr& x : f)
-      if (x.ptr && !aligned16(x.ptr)) return op + x.name + " must be 16-byte aligned";
+    if (!bad)
+      bad = misaligned({{p.u, "u"}, {p.h, "h"}, {p.v_new, "v_new"}, {p.final_state, "final_state"},
+                        {p.initial_state, "initial_state"}});
   } else {
     if (!p.grad_state_out || !p.dv_total || !p.grad_initial || !p.workspace)
       return op + "grad_state_out, dv_total, grad_initial and workspace are required";
     if ((p.q_g == nullptr) != (p.grad_out == nullptr)) return op + "q_g and grad_out are given together or not at all";
-    const Ptr b[] = {{p.dv_local, "dv_local"},       {p.q_g, "q_g"},           {p.grad_out, "grad_out"},
-                     {p.grad_state_out, "grad_state_out"}, {p.dv_total, "dv_total"}, {p.grad_initial, "grad_initial"},
-                     {p.workspace, "workspace"}};
-    for (const Ptr& x : b)
-      if (x.ptr && !aligned16(x.ptr)) return op + x.name + " must be 16-byte aligned";
+    if (!bad)
+      bad = misaligned({{p.dv_local, "dv_local"}, {p.q_g, "q_g"}, {p.grad_out, "grad_out"},
+                        {p.grad_state_out, "grad_state_out"}, {p.dv_total, "dv_total"}, {p.grad_initial, "grad_initial"},
+                        {p.workspace, "workspace"}});
   }
+  if (bad) return op + bad + " must be 16-byte aligned";
   return "";
 }
 
-template <typename T, int KP, int BV, bool kBackward>
+// TREE_RECURRENCE_STATE_PASS_PIPE, read once: "0" the previous (single-buffered) kernel on every
+// level, "1" the pipelined one on every level, anything else or unset (-1) the rule in run_levels.
+int env_pipe() {
+  static const int mode = [] {
+    const char* e = std::getenv("TREE_RECURRENCE_STATE_PASS_PIPE");
+    if (e && std::strcmp(e, "0") == 0) return 0;
+    if (e && std::strcmp(e, "1") == 0) return 1;
+    return -1;
+  }();
+  return mode;
+}
+
+template <typename T, int KP, int BV, int NST, bool kBackward>
 cudaError_t launch_level(const ChunkStatePassTcParams& p, int64_t begin, int64_t count, cudaStream_t stream) {
   using G = Cfg<KP, BV>;
-  auto kernel = kBackward ? tc_backward_kernel<T, KP, BV> : tc_forward_kernel<T, KP, BV>;
-  const size_t bytes = sizeof(T) * (kBackward ? G::bwd_elems : G::fwd_elems);
+  auto kernel = [] {  // only the direction's kernel is instantiated
+    if constexpr (kBackward) return tc_backward_kernel<T, KP, BV, NST>;
+    else return tc_forward_kernel<T, KP, BV, NST>;
+  }();
+  const size_t bytes = sizeof(T) * (kBackward ? G::bwd_elems(NST) : G::fwd_elems(NST));
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
   if (err != cudaSuccess) return err;
   const dim3 grid(static_cast<unsigned>(count), static_cast<unsigned>(p.heads),
@@ -416,25 +516,31 @@ cudaError_t launch_level(const ChunkStatePassTcParams& p, int64_t begin, int64_t
 
 template <typename T, bool kBackward>
 const char* run_levels(const ChunkStatePassTcParams& p, cudaStream_t stream) {
+  constexpr int kStages = kBackward ? kBwdStages : kFwdStages;
   int device = 0, sms = 132;
-  if (p.v_tile == 0) {
-    if (cudaGetDevice(&device) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
-      sms = 132;
-  }
+  if (cudaGetDevice(&device) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
+    sms = 132;
+  const int pipe = p.pipe >= 0 ? p.pipe : env_pipe();
   const bool k64 = p.k_dim <= 64;
   for (int64_t step = 0; step < p.num_levels; ++step) {
     const int64_t level = kBackward ? p.num_levels - 1 - step : step;
     const int64_t begin = p.level_offsets[level], count = p.level_offsets[level + 1] - begin;
     if (count == 0) continue;
     if (count > 0x7fffffffLL) return fail("chunk_state_pass_tc: more than 2^31-1 segments in one level");
-    // V tile: 64 when the level still gives every SM two CTAs at that width, else 32 (more CTAs).
-    // K <= 64 always runs BV = 32.
+    // The pipelined kernel (BV 32) when the level's grid at BV 32 has at most one CTA per SM (one
+    // long flat row: nothing else hides a load's latency, and its 100-200 KB of shared memory cost
+    // no occupancy); else the previous kernel, whose 2-4 CTAs per SM interleave their phases.
+    const bool piped = pipe == 1 || (pipe < 0 && p.v_tile != 64 && count * p.heads * ((p.v_dim + 31) / 32) <= sms);
+    // Previous kernel's V tile: 64 when the level still gives every SM two CTAs at that width, else
+    // 32 (more CTAs). K <= 64 always runs BV = 32.
     int bv = p.v_tile;
     if (bv == 0) bv = (p.v_dim > 32 && count * p.heads * ((p.v_dim + 63) / 64) >= 2LL * sms) ? 64 : 32;
     cudaError_t err;
-    if (k64) err = launch_level<T, 64, 32, kBackward>(p, begin, count, stream);  // (KP 64, BV 64 spilled)
-    else err = bv == 64 ? launch_level<T, 128, 64, kBackward>(p, begin, count, stream)
-                        : launch_level<T, 128, 32, kBackward>(p, begin, count, stream);
+    if (piped) err = k64 ? launch_level<T, 64, 32, kStages, kBackward>(p, begin, count, stream)
+                         : launch_level<T, 128, 32, kStages, kBackward>(p, begin, count, stream);
+    else if (k64) err = launch_level<T, 64, 32, 0, kBackward>(p, begin, count, stream);  // (KP 64, BV 64 spilled)
+    else err = bv == 64 ? launch_level<T, 128, 64, 0, kBackward>(p, begin, count, stream)
+                        : launch_level<T, 128, 32, 0, kBackward>(p, begin, count, stream);
     if (err != cudaSuccess)
       return fail(std::string(kBackward ? "chunk_state_pass_tc_backward" : "chunk_state_pass_tc_forward") +
                   ": launch of level " + std::to_string(level) + " failed: " + cudaGetErrorString(err));

@@ -2,11 +2,14 @@
 // sdk/include/tree_recurrence/kernels/chunk_state_pass_tc.h). No torch. Build and run on the GPU:
 //   nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -Isdk/include
 //     tests/cuda/test_chunk_state_pass_tc.cu sdk/kernels/chunk_state_pass_tc.cu -o /tmp/t && /tmp/t
-//   /tmp/t --bench     (GRPO shape: 8 roots x 32 chunks, 8 children x 8 chunks each, H 32, K = V = 128)
-// Every case builds a trie on the host, runs forward and backward with V tiles 32 and 64, and
-// compares every output against a host float64 twin that rounds where the kernel rounds (h and
-// v_new, dS and dv_total to the input type: the MMA operands), printing the relative RMS per
-// quantity; fails above 1e-2; also checks that two runs are bitwise equal. Exits non-zero on failure.
+//   /tmp/t --bench     (GRPO trie: 8 roots x 32 chunks, 8 children x 8 chunks each; the flat row of
+//                       768 chunks; H 32, K = V = 128; every kernel choice)
+// Every case builds a trie on the host, runs forward and backward with the previous kernel at V
+// tiles 32 and 64 and with the pipelined kernel (BV 32), and compares every output against a host
+// float64 twin that rounds where the kernel rounds (h and v_new, dS and dv_total to the input type:
+// the MMA operands), printing the relative RMS per quantity; fails above 1e-2; also checks that two
+// runs are bitwise equal and that the pipelined kernel equals the previous BV 32 one bit for bit.
+// Exits non-zero on failure.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -65,8 +68,21 @@ static const Type kBF16{ChunkDType::BFloat16, "bf16", f2bf, bf2f};
 static const Type kFP16{ChunkDType::Float16, "fp16", f2h, h2f};
 
 // --- tries and their tables ------------------------------------------------------------------------
+// items = 0..n-1 grouped by key (key[i] in 0..groups-1, -1 in none), in increasing order inside a
+// group; offsets[g]..offsets[g+1] delimit group g (the plan's CSR layout).
+static void group_by(const std::vector<int64_t>& key, int64_t groups, std::vector<int64_t>& items, std::vector<int64_t>& offsets) {
+  offsets.assign(groups + 1, 0);
+  items.clear();
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int64_t i = 0; i < static_cast<int64_t>(key.size()); ++i)
+      if (key[i] == g) items.push_back(i);
+    offsets[g + 1] = static_cast<int64_t>(items.size());
+  }
+}
+
 struct Trie {
   std::vector<int64_t> parent, chunks;  // per segment, DFS order (parents first)
+  std::vector<int64_t> last_valid;      // per segment: valid rows of its last chunk, 0 random
   // tables
   std::vector<int64_t> seg_chunk_offsets, parents, root_index, level_segments, level_offsets, child_offsets, children;
   int64_t S = 0, R = 0, NC = 0, L = 0;
@@ -84,26 +100,17 @@ struct Trie {
       else level[s] = level[parent[s]] + 1;
     }
     L = S ? *std::max_element(level.begin(), level.end()) + 1 : 0;
-    level_offsets.assign(L + 1, 0);
-    level_segments.clear();
-    for (int64_t l = 0; l < L; ++l) {
-      for (int64_t s = 0; s < S; ++s)
-        if (level[s] == l) level_segments.push_back(s);
-      level_offsets[l + 1] = static_cast<int64_t>(level_segments.size());
-    }
-    child_offsets.assign(S + 1, 0);
-    children.clear();
-    for (int64_t s = 0; s < S; ++s) {
-      for (int64_t c = 0; c < S; ++c)
-        if (parent[c] == s) children.push_back(c);
-      child_offsets[s + 1] = static_cast<int64_t>(children.size());
-    }
+    group_by(level, L, level_segments, level_offsets);
+    group_by(parent, S, children, child_offsets);
   }
-  int64_t add(int64_t par, int64_t nch) {
+  int64_t add(int64_t par, int64_t nch, int64_t valid_last = 0) {
     parent.push_back(par);
     chunks.push_back(nch);
+    last_valid.push_back(valid_last);
     return static_cast<int64_t>(parent.size()) - 1;
   }
+  // A segment of `tokens` tokens: ceil(tokens / C) chunks, the last one's rows past them zero.
+  int64_t add_tokens(int64_t par, int64_t tokens) { return add(par, (tokens + C - 1) / C, tokens - C * ((tokens - 1) / C)); }
 };
 
 // --- device buffers ------------------------------------------------------------------------------
@@ -128,6 +135,18 @@ static X* alloc_poison(size_t n) {
   return d;
 }
 
+// The trie's sizes and tables into p (tables uploaded; level_offsets stays on the host, in t).
+static void upload_tables(const Trie& t, ChunkStatePassTcParams& p) {
+  p.num_chunks = t.NC, p.num_segments = t.S, p.num_roots = t.R;
+  p.seg_chunk_offsets = upload(t.seg_chunk_offsets), p.parents = upload(t.parents), p.root_index = upload(t.root_index);
+  p.level_segments = upload(t.level_segments), p.child_offsets = upload(t.child_offsets), p.children = upload(t.children);
+  p.level_offsets = t.level_offsets.data(), p.num_levels = t.L;
+}
+static void free_tables(const ChunkStatePassTcParams& p) {
+  for (const int64_t* x : {p.seg_chunk_offsets, p.parents, p.root_index, p.level_segments, p.child_offsets, p.children})
+    cudaFree(const_cast<int64_t*>(x));
+}
+
 struct Case {
   std::string name;
   Trie trie;
@@ -146,6 +165,21 @@ struct Err {
     den += ref * ref;
   }
   double rel() const { return nan ? INFINITY : std::sqrt(num / std::max(den, 1e-300)); }
+};
+
+template <typename X>
+static bool same_bits(const std::vector<X>& a, const std::vector<X>& b) {
+  return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(X)) == 0);
+}
+
+// Every output of one forward + backward run; == compares bits.
+struct Outputs {
+  std::vector<uint16_t> h, vn, gso, dvt;
+  std::vector<float> fin, gi;
+  bool operator==(const Outputs& o) const {
+    return same_bits(h, o.h) && same_bits(vn, o.vn) && same_bits(gso, o.gso) && same_bits(dvt, o.dvt) && same_bits(fin, o.fin) &&
+           same_bits(gi, o.gi);
+  }
 };
 
 static int run_case(const Case& cs, std::mt19937& rng) {
@@ -174,7 +208,7 @@ static int run_case(const Case& cs, std::mt19937& rng) {
   randvec(size_t(NC) * H * C * V, 1.0, dvl_e, dvl);
   for (int64_t s = 0; s < S; ++s) {
     const int64_t c = t.seg_chunk_offsets[s + 1] - 1;
-    const int64_t valid = 1 + int64_t(rng() % C);
+    const int64_t valid = t.last_valid[s] ? t.last_valid[s] : 1 + int64_t(rng() % C);
     for (int64_t hh = 0; hh < H; ++hh)
       for (int64_t r = valid; r < C; ++r) {
         const size_t base = size_t((c * H + hh) * C + r);
@@ -260,12 +294,8 @@ static int run_case(const Case& cs, std::mt19937& rng) {
     }
 
   // Device.
-  int64_t* d_off = upload(t.seg_chunk_offsets);
-  int64_t* d_par = upload(t.parents);
-  int64_t* d_ri = upload(t.root_index);
-  int64_t* d_ls = upload(t.level_segments);
-  int64_t* d_co = upload(t.child_offsets);
-  int64_t* d_ch = upload(t.children);
+  ChunkStatePassTcParams base;  // sizes, tables, inputs
+  upload_tables(t, base);
   uint16_t* d_w = upload(w_e);
   uint16_t* d_u = upload(u_e);
   uint16_t* d_kd = upload(kd_e);
@@ -276,9 +306,15 @@ static int run_case(const Case& cs, std::mt19937& rng) {
   float* d_init = cs.init ? upload(init) : nullptr;
   const size_t n_h = size_t(NC) * H * KV, n_v = size_t(NC) * H * C * V, n_s = size_t(S) * H * KV, n_r = size_t(R) * H * KV;
   int bad = 0;
-  std::vector<std::vector<uint16_t>> first16;
-  std::vector<std::vector<float>> first32;
-  for (int v_tile : {32, 64}) {
+  // The kernels: the previous (single-buffered) one at V tiles 32 and 64, and the pipelined one
+  // (BV 32), which must equal the previous BV 32 kernel bit for bit.
+  struct Mode {
+    const char* name;
+    int v_tile, pipe;
+  };
+  const Mode modes[] = {{"prev BV 32", 32, 0}, {"prev BV 64", 64, 0}, {"pipelined", 32, 1}};
+  std::vector<Outputs> first;
+  for (const Mode& mode : modes) {
     for (int rep = 0; rep < 2; ++rep) {
       uint16_t* d_h = alloc_poison<uint16_t>(n_h);
       uint16_t* d_vn = alloc_poison<uint16_t>(n_v);
@@ -287,48 +323,47 @@ static int run_case(const Case& cs, std::mt19937& rng) {
       uint16_t* d_dvt = alloc_poison<uint16_t>(n_v);
       float* d_gi = alloc_poison<float>(n_r);
       float* d_ws = alloc_poison<float>(n_s);
-      ChunkStatePassTcParams p;
-      p.num_chunks = NC, p.heads = H, p.k_dim = K, p.v_dim = V, p.num_segments = S, p.num_roots = R, p.in = ty.dt;
-      p.seg_chunk_offsets = d_off, p.parents = d_par, p.root_index = d_ri, p.level_segments = d_ls;
-      p.level_offsets = t.level_offsets.data(), p.num_levels = t.L, p.child_offsets = d_co, p.children = d_ch;
+      ChunkStatePassTcParams p = base;
+      p.heads = H, p.k_dim = K, p.v_dim = V, p.in = ty.dt;
       p.w = cs.has_w ? d_w : nullptr, p.u = d_u, p.kd = d_kd, p.decay = d_decay, p.initial_state = d_init;
       p.initial_per_root = cs.init == 2;
       p.h = d_h, p.v_new = d_vn, p.final_state = d_fin;
       p.dv_local = cs.has_dvl ? d_dvl : nullptr, p.q_g = cs.has_q ? d_q : nullptr, p.grad_out = cs.has_q ? d_go : nullptr;
       p.grad_state_out = d_gso, p.dv_total = d_dvt, p.grad_initial = d_gi, p.workspace = d_ws;
-      p.v_tile = v_tile;
+      p.v_tile = mode.v_tile, p.pipe = mode.pipe;
       const char* e1 = tree_recurrence::kernels::chunk_state_pass_tc_forward(p, nullptr);
       if (*e1) { std::printf("%s: forward error: %s\n", cs.name.c_str(), e1); return 1; }
       const char* e2 = tree_recurrence::kernels::chunk_state_pass_tc_backward(p, nullptr);
       if (*e2) { std::printf("%s: backward error: %s\n", cs.name.c_str(), e2); return 1; }
       CHECK(cudaDeviceSynchronize());
-      auto h = download(d_h, n_h), vn = download(d_vn, n_v), gso = download(d_gso, n_h), dvt = download(d_dvt, n_v);
-      auto fin = download(d_fin, n_s), gi = download(d_gi, n_r);
+      Outputs o{download(d_h, n_h), download(d_vn, n_v), download(d_gso, n_h), download(d_dvt, n_v),
+                download(d_fin, n_s), download(d_gi, n_r)};
       cudaFree(d_h), cudaFree(d_vn), cudaFree(d_fin), cudaFree(d_gso), cudaFree(d_dvt), cudaFree(d_gi), cudaFree(d_ws);
       if (rep == 0) {
         Err eh, ev, ef, eg, ed, ei;
-        for (size_t i = 0; i < n_h; ++i) eh.add(ty.dec(h[i]), h_ref[i]), eg.add(ty.dec(gso[i]), gso_ref[i]);
-        for (size_t i = 0; i < n_v; ++i) ev.add(ty.dec(vn[i]), vn_ref[i]), ed.add(ty.dec(dvt[i]), dvt_ref[i]);
-        for (size_t i = 0; i < n_s; ++i) ef.add(fin[i], fin_ref[i]);
-        for (size_t i = 0; i < n_r; ++i) ei.add(gi[i], gi_ref[i]);
+        for (size_t i = 0; i < n_h; ++i) eh.add(ty.dec(o.h[i]), h_ref[i]), eg.add(ty.dec(o.gso[i]), gso_ref[i]);
+        for (size_t i = 0; i < n_v; ++i) ev.add(ty.dec(o.vn[i]), vn_ref[i]), ed.add(ty.dec(o.dvt[i]), dvt_ref[i]);
+        for (size_t i = 0; i < n_s; ++i) ef.add(o.fin[i], fin_ref[i]);
+        for (size_t i = 0; i < n_r; ++i) ei.add(o.gi[i], gi_ref[i]);
         const double tol = 1e-2;
         const bool ok = eh.rel() < tol && ev.rel() < tol && ef.rel() < tol && eg.rel() < tol && ed.rel() < tol && ei.rel() < tol;
-        std::printf("%-34s %s BV %2d  h %.2e  v_new %.2e  final %.2e | grad_state_out %.2e  dv_total %.2e  grad_initial %.2e  %s\n",
-                    cs.name.c_str(), ty.name, v_tile, eh.rel(), ev.rel(), ef.rel(), eg.rel(), ed.rel(), ei.rel(), ok ? "ok" : "FAIL");
+        std::printf("%-36s %s %-10s  h %.2e  v_new %.2e  final %.2e | grad_state_out %.2e  dv_total %.2e  grad_initial %.2e  %s\n",
+                    cs.name.c_str(), ty.name, mode.name, eh.rel(), ev.rel(), ef.rel(), eg.rel(), ed.rel(), ei.rel(), ok ? "ok" : "FAIL");
         bad += !ok;
-        first16 = {h, vn, gso, dvt};
-        first32 = {fin, gi};
-      } else {
-        const bool same = first16[0] == h && first16[1] == vn && first16[2] == gso && first16[3] == dvt && first32[0] == fin &&
-                          first32[1] == gi;
-        if (!same) {
-          std::printf("%-34s %s BV %2d  two runs differ bitwise: FAIL\n", cs.name.c_str(), ty.name, v_tile);
-          ++bad;
-        }
+        first.push_back(std::move(o));
+      } else if (!(o == first.back())) {
+        std::printf("%-36s %s %-10s  two runs differ bitwise: FAIL\n", cs.name.c_str(), ty.name, mode.name);
+        ++bad;
       }
     }
   }
-  for (void* ptr : {(void*)d_off, (void*)d_par, (void*)d_ri, (void*)d_ls, (void*)d_co, (void*)d_ch, (void*)d_w, (void*)d_u,
+  // modes[2] (pipelined) against modes[0] (previous, BV 32): the same arithmetic, bit for bit.
+  const bool piped_same = first[2] == first[0];
+  std::printf("%-36s %s pipelined vs previous BV 32: %s; previous BV 64 vs BV 32: %s\n", cs.name.c_str(), ty.name,
+              piped_same ? "bitwise equal" : "DIFFER: FAIL", first[1] == first[0] ? "bitwise equal" : "differ (not required)");
+  bad += !piped_same;
+  free_tables(base);
+  for (void* ptr : {(void*)d_w, (void*)d_u,
                     (void*)d_kd, (void*)d_q, (void*)d_go, (void*)d_dvl, (void*)d_decay, (void*)d_init})
     if (ptr) cudaFree(ptr);
   return bad;
@@ -348,16 +383,12 @@ __global__ void fill_decay(float* x, size_t n) {
     x[i] = 0.3f + 0.7f * float((uint32_t(i) * 2654435761u) >> 8) / float(1u << 24);
 }
 
-static int bench() {
-  Trie t;
-  for (int r = 0; r < 8; ++r) {
-    const int64_t root = t.add(-1, 32);
-    for (int c = 0; c < 8; ++c) t.add(root, 8);
-  }
+// Times forward and backward on one trie (bf16, H 32, K = V = 128) for each kernel choice.
+static int bench_trie(const char* name, Trie t) {
   t.build();
   const int64_t H = 32, K = 128, V = 128, NC = t.NC, S = t.S, R = t.R;
   const size_t n_k = size_t(NC) * H * C * K, n_v = size_t(NC) * H * C * V, n_h = size_t(NC) * H * K * V, n_s = size_t(S) * H * K * V;
-  std::printf("bench: GRPO shape, %lld segments, %lld chunks (%lld tokens), H %lld, K %lld, V %lld, bf16\n", (long long)S,
+  std::printf("bench: %s, %lld segments, %lld chunks (%lld tokens), H %lld, K %lld, V %lld, bf16\n", name, (long long)S,
               (long long)NC, (long long)NC * C, (long long)H, (long long)K, (long long)V);
   uint16_t *w, *u, *kd, *q, *go, *dvl, *h, *vn, *gso, *dvt;
   float *decay, *fin, *gi, *ws;
@@ -373,23 +404,22 @@ static int bench() {
   for (uint16_t* x : {u, go, dvl}) fill_kernel<<<1024, 256>>>(x, n_v, seed++, 1.f, true);
   fill_decay<<<64, 256>>>(decay, size_t(NC) * H);
   CHECK(cudaGetLastError());
-  int64_t* d_off = upload(t.seg_chunk_offsets);
-  int64_t* d_par = upload(t.parents);
-  int64_t* d_ri = upload(t.root_index);
-  int64_t* d_ls = upload(t.level_segments);
-  int64_t* d_co = upload(t.child_offsets);
-  int64_t* d_ch = upload(t.children);
   ChunkStatePassTcParams p;
-  p.num_chunks = NC, p.heads = H, p.k_dim = K, p.v_dim = V, p.num_segments = S, p.num_roots = R, p.in = ChunkDType::BFloat16;
-  p.seg_chunk_offsets = d_off, p.parents = d_par, p.root_index = d_ri, p.level_segments = d_ls;
-  p.level_offsets = t.level_offsets.data(), p.num_levels = t.L, p.child_offsets = d_co, p.children = d_ch;
+  upload_tables(t, p);
+  p.heads = H, p.k_dim = K, p.v_dim = V, p.in = ChunkDType::BFloat16;
   p.w = w, p.u = u, p.kd = kd, p.decay = decay, p.h = h, p.v_new = vn, p.final_state = fin;
   p.dv_local = dvl, p.q_g = q, p.grad_out = go, p.grad_state_out = gso, p.dv_total = dvt, p.grad_initial = gi, p.workspace = ws;
   cudaEvent_t a, b;
   CHECK(cudaEventCreate(&a));
   CHECK(cudaEventCreate(&b));
-  for (int v_tile : {0, 32, 64}) {
-    p.v_tile = v_tile;
+  struct Mode {
+    const char* name;
+    int v_tile, pipe;
+  };
+  const Mode modes[] = {{"default (rule)", 0, -1}, {"previous, auto BV", 0, 0}, {"previous BV 32", 32, 0},
+                        {"previous BV 64", 64, 0}, {"pipelined", 32, 1}};
+  for (const Mode& mode : modes) {
+    p.v_tile = mode.v_tile, p.pipe = mode.pipe;
     for (int dir = 0; dir < 2; ++dir) {
       std::vector<float> ms;
       for (int it = 0; it < 23; ++it) {
@@ -404,11 +434,27 @@ static int bench() {
         if (it >= 3) ms.push_back(x);  // 3 warm-up runs
       }
       std::sort(ms.begin(), ms.end());
-      std::printf("bench: %-8s v_tile %-4s median of 20: %.3f ms (min %.3f)\n", dir == 0 ? "forward" : "backward",
-                  v_tile == 0 ? "auto" : v_tile == 32 ? "32" : "64", 0.5 * (ms[9] + ms[10]), ms[0]);
+      std::printf("bench: %-8s %-18s median of 20: %.3f ms (min %.3f)\n", dir == 0 ? "forward" : "backward", mode.name,
+                  0.5 * (ms[9] + ms[10]), ms[0]);
     }
   }
+  for (void* ptr : {(void*)w, (void*)u, (void*)kd, (void*)q, (void*)go, (void*)dvl, (void*)h, (void*)vn, (void*)gso, (void*)dvt,
+                    (void*)decay, (void*)fin, (void*)gi, (void*)ws})
+    cudaFree(ptr);
+  free_tables(p);
   return 0;
+}
+
+// The GRPO trie (8 roots x 32 chunks, 8 children x 8 chunks each) and the flat row of the same
+// 768 chunks (one segment).
+static int bench() {
+  Trie grpo, flat;
+  for (int r = 0; r < 8; ++r) {
+    const int64_t root = grpo.add(-1, 32);
+    for (int c = 0; c < 8; ++c) grpo.add(root, 8);
+  }
+  flat.add(-1, 768);
+  return bench_trie("GRPO trie", grpo) | bench_trie("flat row", flat);
 }
 
 int main(int argc, char** argv) {
@@ -472,6 +518,51 @@ int main(int argc, char** argv) {
     c.trie.add(r0, 2);
     c.trie.add(r0, 1);
     c.trie.add(-1, 2);
+    cases.push_back(c);
+  }
+  // Pipelined-kernel shapes (its ring of stages wraps many times; short and ragged segments).
+  {  // a flat row of many chunks (the issue-19 flat row's shape, fewer heads)
+    Case c{"flat row 160 chunks, K=V=128", {}, 2, 128, 128, &kBF16, 1};
+    c.trie.add_tokens(-1, 160 * C - 17);
+    cases.push_back(c);
+  }
+  {  // flat, K = 64 (the KP = 64 instances), fp16, per-root init
+    Case c{"flat row 300 chunks, K=V=64 fp16", {}, 2, 64, 64, &kFP16, 2};
+    c.trie.add(-1, 300);
+    cases.push_back(c);
+  }
+  {  // 1-token segments: a 12-deep chain with 5-way fan-outs of 1-token leaves every third level
+    Case c{"1-token segments, K=V=128", {}, 2, 128, 128, &kBF16, 1};
+    int64_t s = c.trie.add_tokens(-1, 1);
+    for (int l = 1; l < 12; ++l) {
+      if (l % 3 == 0)
+        for (int i = 0; i < 5; ++i) c.trie.add_tokens(s, 1);
+      s = c.trie.add_tokens(s, 1);
+    }
+    cases.push_back(c);
+  }
+  {  // the same with K = 64, V = 128: two 1-token roots, 1-token chains, one 130-token leaf
+    Case c{"1-token segments, K=64 V=128, 2 roots", {}, 2, 64, 128, &kBF16, 2};
+    for (int r = 0; r < 2; ++r) {
+      const int64_t root = c.trie.add_tokens(-1, 1);
+      for (int i = 0; i < 4; ++i) c.trie.add_tokens(c.trie.add_tokens(root, 1), 1 + 129 * (i == 3));
+    }
+    cases.push_back(c);
+  }
+  for (int64_t k : {int64_t(128), int64_t(64)}) {  // 63 / 64 / 65-token segments at every level
+    Case c{"63/64/65-token segments, K=" + std::to_string(k) + " V=128", {}, 2, k, 128, &kBF16, 1};
+    const int64_t root = c.trie.add_tokens(-1, 65);
+    for (int64_t tok : {63, 64, 65}) {
+      const int64_t a = c.trie.add_tokens(root, tok);
+      for (int64_t tok2 : {65, 64, 63}) c.trie.add_tokens(a, tok2);
+    }
+    c.trie.add_tokens(-1, 63);
+    c.trie.add_tokens(-1, 64);
+    cases.push_back(c);
+  }
+  {  // null operands in the pipelined kernel too, V = 40 (a partial 32-tile), K = 32 (KP 64)
+    Case c{"flat 70 chunks, no w/q_g/dv_local", {}, 2, 32, 40, &kBF16, 0, false, false, false};
+    c.trie.add(-1, 70);
     cases.push_back(c);
   }
   int bad = 0;

@@ -38,7 +38,21 @@ enum class ChunkDType { Float32, Float64, BFloat16, Float16 };
 constexpr int64_t kChunkStateMaxChunk = 64;  // C
 constexpr int64_t kChunkStateCudaMaxK = 256;  // K on CUDA (any K on CPU)
 
-struct ChunkStatePassParams {
+// The plan's chunk tables (TreePlan.chunk_tables(C, device)), int64, on the device of the call;
+// level_offsets on the HOST. Shared by the state pass parameter blocks (a base, so the fields keep
+// their names there).
+struct ChunkTreeTables {
+  const int64_t* seg_chunk_offsets = nullptr;  // S+1
+  const int64_t* parents = nullptr;            // S
+  const int64_t* root_index = nullptr;         // S, -1 for non-roots
+  const int64_t* level_segments = nullptr;     // S
+  const int64_t* level_offsets = nullptr;      // HOST, num_levels+1
+  int64_t num_levels = 0;
+  const int64_t* child_offsets = nullptr;      // S+1
+  const int64_t* children = nullptr;           // child_offsets[S] = S - R
+};
+
+struct ChunkStatePassParams : ChunkTreeTables {  // tables: the base
   int64_t num_chunks = 0;     // NC
   int64_t heads = 0;          // H
   int64_t chunk = 0;          // C, 1..kChunkStateMaxChunk
@@ -48,16 +62,6 @@ struct ChunkStatePassParams {
   int64_t num_roots = 0;      // R: rows of a per-root initial state / grad_initial_roots
   ChunkDType in = ChunkDType::Float32;
   ChunkDType acc = ChunkDType::Float32;
-
-  // Tables (device of the call), int64.
-  const int64_t* seg_chunk_offsets = nullptr;  // S+1
-  const int64_t* parents = nullptr;            // S
-  const int64_t* root_index = nullptr;         // S, -1 for non-roots
-  const int64_t* level_segments = nullptr;     // S
-  const int64_t* level_offsets = nullptr;      // HOST, num_levels+1
-  int64_t num_levels = 0;
-  const int64_t* child_offsets = nullptr;      // S+1
-  const int64_t* children = nullptr;           // child_offsets[S]
 
   // Forward inputs.
   const void* w = nullptr;       // NC x H x C x K (in), or null

@@ -23,7 +23,10 @@
 //
 // Schedule: one launch per trie level and direction (forward: levels in increasing order,
 // backward: deepest first), one CTA per (segment of the level, head, V tile); host loop over the
-// host level_offsets, no host sync. Deterministic: no atomics.
+// host level_offsets, no host sync. Deterministic: no atomics. Per level one of two kernels with
+// the same arithmetic (bitwise equal at BV 32): the pipelined one (the next chunks' operand tiles in flight
+// while one computes) where the level has at most one CTA per SM, else the single-buffered one
+// (see `pipe` below).
 //
 // Arrays are contiguous, row-major, on the current CUDA device; the tables are the plan's
 // (TreePlan.chunk_tables(64, device)), int64.
@@ -31,7 +34,7 @@
 
 #include <cstdint>
 
-#include "tree_recurrence/kernels/chunk_state_pass.h"  // ChunkDType
+#include "tree_recurrence/kernels/chunk_state_pass.h"  // ChunkDType, ChunkTreeTables
 
 namespace tree_recurrence::kernels {
 
@@ -39,7 +42,7 @@ constexpr int64_t kChunkStateTcChunk = 64;   // C
 constexpr int64_t kChunkStateTcMaxK = 128;   // K <= 128
 constexpr int64_t kChunkStateTcMaxV = 128;   // V <= 128 (split into V tiles)
 
-struct ChunkStatePassTcParams {
+struct ChunkStatePassTcParams : ChunkTreeTables {  // tables (device; level_offsets HOST): the base
   int64_t num_chunks = 0;    // NC
   int64_t heads = 0;         // H
   int64_t k_dim = 0;         // K, 1..128, a multiple of 8
@@ -47,16 +50,6 @@ struct ChunkStatePassTcParams {
   int64_t num_segments = 0;  // S
   int64_t num_roots = 0;     // R
   ChunkDType in = ChunkDType::BFloat16;  // BFloat16 or Float16
-
-  // Tables (device), int64; level_offsets on the HOST.
-  const int64_t* seg_chunk_offsets = nullptr;  // S+1
-  const int64_t* parents = nullptr;            // S
-  const int64_t* root_index = nullptr;         // S, -1 for non-roots
-  const int64_t* level_segments = nullptr;     // S
-  const int64_t* level_offsets = nullptr;      // HOST, num_levels+1
-  int64_t num_levels = 0;
-  const int64_t* child_offsets = nullptr;      // S+1
-  const int64_t* children = nullptr;           // S - R
 
   // Forward inputs.
   const void* w = nullptr;             // (NC, H, C, K) in, or null
@@ -83,6 +76,12 @@ struct ChunkStatePassTcParams {
   // V columns per CTA: 0 picks per level (64 when the level gives every SM two CTAs at that width,
   // else 32); 32 or 64 force it (tests, tuning).
   int v_tile = 0;
+  // Kernel: -1 follows TREE_RECURRENCE_STATE_PASS_PIPE (read once: "0" the previous kernel, "1" the
+  // pipelined one on every level), unset the rule: the pipelined kernel (operand tiles of the next
+  // 2-3 chunks in flight, BV 32) on levels whose BV-32 grid has at most one CTA per SM, else the
+  // previous single-buffered one; 0 / 1 force the previous / the pipelined kernel (tests, tuning;
+  // 1 needs v_tile 0 or 32). The pipelined kernel equals the previous one at BV 32 bit for bit.
+  int pipe = -1;
 };
 
 // Both return an empty string on success, else what is wrong (bad parameters, or the launch error;
