@@ -445,3 +445,97 @@ def test_ds_in_input_type(monkeypatch, tmp_path, case):
     print(f"[{case}] ds16 vs ds fp32 (rel RMS):", " ".join(f"{k}={v:.2e}" for k, v in diff.items()))
     bad = {k: v for k, v in diff.items() if not v <= DS16_VS_FP32_TOL[dtype]}
     assert not bad, f"{case}: 16-bit ds vs fp32 ds above {DS16_VS_FP32_TOL[dtype]}: {bad}"
+
+
+# ---- issue 20: the fused reverse local + state pass (kernels/ssd_state_pass_bwd.cu) ------------------------------
+# TREE_RECURRENCE_SSD_BWD_FUSED_PASS (read once per process, so each mode runs in a subprocess): "1" forces the fused
+# pass (ds_local formed inside the reverse pass, never stored), "0" the two kernels (local_bf16 + state pass). Each
+# subprocess runs run_case on every case (float64 stage twins and autograd oracle, bitwise repeat on two runs); here
+# the two modes are compared output by output. The fused pass reproduces local_bf16's products and the state pass's
+# fmaf chain and children's sums, so every output is bitwise the two-kernel path's except ddecay (per-warp partials
+# of another layout: fp32 summation order) and what it feeds (d(dt A) -> ddt, ddt_raw, dA partials, dt / A / dt_bias
+# gradients): those within FUSED_VS_OLD_TOL. (The default process runs the auto rule: fused on these tries.)
+FUSED_CASES = {
+    # GRPO head shape (P 64, N 128, 16 heads per group), segments of 1 / 63 / 64 / 65 / 130 tokens, 2 roots with
+    # their own initial states, z, D (H, P)
+    "grpo_shape_mixed_z": dict(seg_offsets=MIXED[0], parents=MIXED[1], dtype=torch.bfloat16, H=32, P=64, G=2, N=128,
+                               chunk=64, D_per_channel=True),
+    # segments of 63, 64, 65, 1, 64 tokens; no z
+    "seg_63_64_65_no_z": dict(seg_offsets=[0, 63, 127, 192, 193, 257], parents=[-1, 0, 0, 1, 3], dtype=torch.bfloat16,
+                              H=8, P=64, G=2, N=128, chunk=64, use=("D", "dt_bias", "h0")),
+    "one_token_segments": dict(seg_offsets=[0, 1, 2, 3, 4, 5], parents=[-1, 0, 0, 2, -1], dtype=torch.bfloat16, H=4,
+                               P=16, G=2, N=16, chunk=64),
+    "deep_bf16": dict(seg_offsets=DEEP[0], parents=DEEP[1], dtype=torch.bfloat16, H=8, P=64, G=2, N=128, chunk=64),
+    # 12 children of one root (one shared initial state), zero-padded tiles P 40 -> 64, N 24 -> 32, fp16
+    "wide_pads_fp16_shared_h0": dict(seg_offsets=WIDE[0], parents=WIDE[1], dtype=torch.float16, H=4, P=40, G=1, N=24,
+                                     chunk=64, h0="shared"),
+    # P 128 (4 warp rows), N 64 (P 128 / N 128 is off the tensor-core path: PostPlan's shared memory)
+    "p128_n64": dict(seg_offsets=[0, 200, 300], parents=[-1, 0], dtype=torch.bfloat16, H=4, P=128, G=2, N=64,
+                     chunk=64),
+    # P 96 (3 of the 4 warp rows busy), N 96: two N tiles of 64 (the second half empty; 16 ddecay partials)
+    "p96_n96_two_tiles": dict(seg_offsets=MIXED[0], parents=MIXED[1], dtype=torch.bfloat16, H=4, P=96, G=2, N=96,
+                              chunk=64),
+    # P 32 (one warp row), N 40 (2 of the 8 warp columns busy, 24 columns zero)
+    "p32_n40_idle_warps": dict(seg_offsets=MIXED[0], parents=MIXED[1], dtype=torch.bfloat16, H=4, P=32, G=2, N=40,
+                               chunk=64),
+    # one segment of 79 chunks (NC > 64 S: the auto rule's two-kernel case): a long chain through the fused pass
+    "long_row": dict(seg_offsets=[0, 5000], parents=[-1], dtype=torch.bfloat16, H=4, P=64, G=1, N=64, chunk=64,
+                     oracle_chunk=64),
+}
+FUSED_DDECAY_DEPENDENT = {"ddecay", "d_dtA", "ddt", "ddt_raw", "dA_part", "ddt_final", "dA", "ddt_bias"}
+FUSED_VS_OLD_TOL = 1e-5
+_FUSED_RUNS = {}
+
+
+def _fused_mode_outputs(mode, ds_fp32, tmp_path_factory):
+    """All FUSED_CASES run in one subprocess with TREE_RECURRENCE_SSD_BWD_FUSED_PASS=mode (and
+    TREE_RECURRENCE_SSD_DS_FP32=1 when ds_fp32): {case: {output name: tensor}} (cached per module)."""
+    import subprocess
+    import sys
+
+    key = (mode, ds_fp32)
+    if key in _FUSED_RUNS:
+        return _FUSED_RUNS[key]
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = tmp_path_factory.mktemp("fused_pass") / f"mode{mode}_ds{'32' if ds_fp32 else '16'}.pt"
+    code = ("import sys, torch; sys.path.insert(0, %r); import test_ssd_fused_bwd_gpu as t; res = {}\n"
+            "for case, kw in t.FUSED_CASES.items():\n"
+            "    keep = {}; t.run_case(keep=keep, name=case + %r, **kw)\n"
+            "    res[case] = {k: v.cpu() for k, v in keep.items() if not k.startswith('_')}\n"
+            "torch.save(res, %r)\n" % (here, f" fused_pass={mode}{' ds fp32' if ds_fp32 else ''}", str(path)))
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("TREE_RECURRENCE_SSD_BWD_V1", "TREE_RECURRENCE_SSD_BWD_TC", "TREE_RECURRENCE_SSD_DS_FP32")}
+    env["TREE_RECURRENCE_SSD_BWD_FUSED_PASS"] = mode
+    if ds_fp32:
+        env["TREE_RECURRENCE_SSD_DS_FP32"] = "1"
+    env["TREE_RECURRENCE_TEST_OPS"] = "1"  # the stage op (conftest sets it for this process)
+    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=here, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    print(proc.stdout[-3000:])
+    _FUSED_RUNS[key] = torch.load(path)
+    return _FUSED_RUNS[key]
+
+
+@pytest.mark.parametrize("ds_fp32", [False, True], ids=["ds16", "ds_fp32"])
+@pytest.mark.parametrize("case", list(FUSED_CASES))
+def test_fused_pass_vs_two_kernels(tmp_path_factory, case, ds_fp32):
+    """The fused reverse local + state pass (=1) against local_bf16 + the state pass (=0), each also against float64
+    and bitwise on two runs (inside run_case, in its subprocess): bitwise equal outputs except the ddecay-dependent
+    ones (FUSED_VS_OLD_TOL); with 16-bit ds (the default) and with TREE_RECURRENCE_SSD_DS_FP32=1 (the fused pass's
+    fp32-ds instantiation)."""
+    kw = FUSED_CASES[case]
+    assert uses_new_local(kw["chunk"], kw["P"], kw["N"], kw["dtype"]), f"{case}: not on the bf16 / fp16 local path"
+    new = _fused_mode_outputs("1", ds_fp32, tmp_path_factory)[case]
+    old = _fused_mode_outputs("0", ds_fp32, tmp_path_factory)[case]
+    assert new.keys() == old.keys()
+    differ = [k for k in new if k not in FUSED_DDECAY_DEPENDENT and not torch.equal(new[k], old[k])]
+    diff = {k: rel_rms(new[k], old[k]) for k in FUSED_DDECAY_DEPENDENT
+            if k in new and new[k].numel() > 0 and old[k].norm() > 0}
+    print(f"[{case}{' ds fp32' if ds_fp32 else ''}] fused pass vs two kernels: not bitwise {differ}; rel RMS "
+          + " ".join(f"{k}={v:.2e}" for k, v in diff.items()))
+    assert not differ, f"{case}: fused pass not bitwise equal to the two-kernel path in {differ}"
+    bad = {k: v for k, v in diff.items() if not v <= FUSED_VS_OLD_TOL}
+    assert not bad, f"{case}: fused pass vs two kernels above {FUSED_VS_OLD_TOL}: {bad}"
+    if case == "grpo_shape_mixed_z":
+        # the two processes did run different kernels: the ddecay partials are summed in another order
+        assert not torch.equal(new["ddecay"], old["ddecay"]), f"{case}: ddecay bitwise equal: did the fused pass run?"
