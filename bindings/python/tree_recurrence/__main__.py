@@ -62,7 +62,7 @@ def doctor_report(gpu: str | None = None) -> dict:
 
 
 def _has_native_scan(record: dict) -> bool:
-    return any(isinstance(spec, dict) and spec.get("native") for spec in (record["manifest"].get("seams") or {}).values())
+    return any(spec.native is not None for spec in plugins.seam_specs(record).values())
 
 
 def print_doctor(report: dict) -> None:

@@ -21,6 +21,8 @@ from typing import Any, Mapping
 
 import torch
 
+from ._specs import SeamSpec, parse_seams
+
 CHUNKED_TABLES = ("gather", "scatter", "seg_chunk_offsets", "parents", "root_index", "level_segments",
                   "level_offsets", "child_offsets", "children")
 TOKEN_TABLES = ("seg_offsets", "parents")
@@ -35,22 +37,21 @@ def schema_of(namespace: str, op: str):
     return schemas[0] if schemas else None
 
 
-def expected_positionals(spec: Mapping) -> list[tuple[str | None, tuple[str, ...], str]]:
+def expected_positionals(spec: SeamSpec) -> list[tuple[str | None, tuple[str, ...], str]]:
     """(name or None for any, accepted types, role) of each positional argument the driver passes."""
-    native = spec["native"]
-    out: list[tuple[str | None, tuple[str, ...], str]] = [(None, _TENSOR, f"sequence '{s}'") for s in spec["sequence"]]
-    tables = CHUNKED_TABLES if native.get("chunk") is not None else TOKEN_TABLES
+    out: list[tuple[str | None, tuple[str, ...], str]] = [(None, _TENSOR, f"sequence '{s}'") for s in spec.sequence]
+    tables = CHUNKED_TABLES if spec.native.chunk is not None else TOKEN_TABLES
     out += [(t, _TABLE_TYPES.get(t, _TENSOR), "plan table") for t in tables]
     out.append((None, _OPTIONAL_TENSOR, "initial state"))
     return out
 
 
-def check(source: str, seam: str, spec: Mapping, namespace: str) -> str | None:
+def check(source: str, seam: str, spec: SeamSpec, namespace: str) -> str | None:
     """Why ``spec``'s native op does not take what the driver passes, or None."""
-    native = spec.get("native") if isinstance(spec, Mapping) else None
-    if spec.get("adapter") != "scan" or not isinstance(native, Mapping) or not native.get("op"):
+    native = spec.native
+    if spec.adapter != "scan" or native is None:
         return None
-    op = native["op"]
+    op = native.op
     where = f"{source}: seam '{seam}': native op '{namespace}::{op}'"
     schema = schema_of(namespace, op)
     if schema is None:
@@ -58,10 +59,10 @@ def check(source: str, seam: str, spec: Mapping, namespace: str) -> str | None:
     args = list(schema.arguments)
     shown = f"its schema: {schema}"[:1500]
     expected = expected_positionals(spec)
-    convention = "chunked (native.chunk given)" if native.get("chunk") is not None else "token-walking (no native.chunk)"
+    convention = "chunked (native.chunk given)" if native.chunk is not None else "token-walking (no native.chunk)"
     if len(args) < len(expected):
         return (f"{where} takes {len(args)} arguments, the driver passes {len(expected)} positionally for a "
-                f"{convention} op ({len(spec['sequence'])} sequence tensors, the plan tables, the initial state); {shown}")
+                f"{convention} op ({len(spec.sequence)} sequence tensors, the plan tables, the initial state); {shown}")
     for i, (name, types, role) in enumerate(expected):
         arg = args[i]
         if arg.kwarg_only:
@@ -72,7 +73,7 @@ def check(source: str, seam: str, spec: Mapping, namespace: str) -> str | None:
         if str(arg.type) not in types:
             return f"{where}: argument {i} '{arg.name}' is {arg.type}, the driver passes the {role} ({types[-1]}); {shown}"
     rest = {a.name: a for a in args[len(expected):]}
-    kwargs = native.get("kwargs") or {}
+    kwargs = native.kwargs
     unknown = [k for k in kwargs if k not in rest]
     if unknown:
         return (f"{where}: native.kwargs names '{unknown[0]}', which is not a parameter after the driver's "
@@ -87,20 +88,22 @@ def check(source: str, seam: str, spec: Mapping, namespace: str) -> str | None:
     return None
 
 
-def expected_names(spec: Mapping) -> list[str]:
-    names = [f"<{s}>" for s in spec["sequence"]]
-    names += list(CHUNKED_TABLES if spec["native"].get("chunk") is not None else TOKEN_TABLES)
+def expected_names(spec: SeamSpec) -> list[str]:
+    names = [f"<{s}>" for s in spec.sequence]
+    names += list(CHUNKED_TABLES if spec.native.chunk is not None else TOKEN_TABLES)
     return names + ["<initial_state>"]
 
 
 def check_record(record: Mapping[str, Any]) -> str | None:
-    """The first native-op problem of a loaded family's seams (its op namespace), or None."""
-    manifest = record.get("manifest") or {}
+    """The first native-op problem of a loaded family's seams (its op namespace, its ``seam_specs`` parsed
+    at load, else its manifest's seams parsed now), or None."""
     namespace = record.get("op_namespace") or f"tree_recurrence_{record.get('family')}"
     source = record.get("manifest_path") or record.get("family") or "?"
-    for seam, spec in (manifest.get("seams") or {}).items():
-        if isinstance(spec, Mapping):
-            problem = check(source, seam, spec, namespace)
-            if problem:
-                return problem
+    specs = record.get("seam_specs")
+    if specs is None:
+        specs = parse_seams(source, (record.get("manifest") or {}).get("seams"))
+    for seam, spec in specs.items():
+        problem = check(source, seam, spec, namespace)
+        if problem:
+            return problem
     return None

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 
 def _neutral_fill(call: SeamCall, name: str, rows: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    value = float(call.spec.get("neutral", {}).get(name, 0.0))
+    value = float((call.spec.neutral or {}).get(name, 0.0))
     shape = valid.shape + (1,) * (rows.dim() - valid.dim())
     return torch.where(valid.reshape(shape), rows, value)
 
@@ -28,11 +28,11 @@ def _gather_rows(call: SeamCall, gather: torch.Tensor, valid: torch.Tensor) -> d
     clamped to valid indices, ``valid`` its mask)."""
     flat = gather.reshape(-1)
     return {name: _neutral_fill(call, name, _take(call.named[name][0], flat).reshape(*gather.shape, *call.named[name].shape[2:]),
-                                valid) for name in call.spec["sequence"]}
+                                valid) for name in call.spec.sequence}
 
 
 def _gather_flat(call: SeamCall, tokens: torch.Tensor) -> dict:
-    return {name: _take(call.named[name][0], tokens).unsqueeze(0) for name in call.spec["sequence"]}
+    return {name: _take(call.named[name][0], tokens).unsqueeze(0) for name in call.spec.sequence}
 
 
 def _take(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -48,17 +48,17 @@ def _output(result):
 
 def scan_native(call: SeamCall, op):
     spec = call.spec
-    native = spec["native"]
+    native = spec.native
     named, rest = call.named, call.rest
-    kwargs = {arg: rest.get(source, named.get(source, default)) for arg, (source, default) in native.get("kwargs", {}).items()}
-    inputs = [named[name][0] for name in spec["sequence"]]
-    state = spec.get("state_args")
+    kwargs = {arg: rest.get(source, named.get(source, default)) for arg, (source, default) in native.kwargs.items()}
+    inputs = [named[name][0] for name in spec.sequence]
+    state = spec.state_args
     initial = None
     if state is not None:
         initial = named.get(state["initial_state"])
         if initial is None:
             initial = rest.get(state["initial_state"])
-    chunk = native.get("chunk")
+    chunk = native.chunk
     if chunk is not None:
         # Chunked native ops (native-op convention): the plan's chunk tables on the inputs' device.
         out = op(*inputs, *call.plan.chunk_op_args(chunk, inputs[0].device), initial, **kwargs)
@@ -71,8 +71,8 @@ def scan_native(call: SeamCall, op):
 
 def scan_rescan(call: SeamCall, varlen: bool):
     plan = call.plan
-    device = call.named[call.spec["sequence"][0]].device
-    state = call.spec.get("state_args", {})
+    device = call.named[call.spec.sequence[0]].device
+    state = call.spec.state_args
     extra = {}
     if state:
         extra[state["output_final_state"]] = False
@@ -82,7 +82,7 @@ def scan_rescan(call: SeamCall, varlen: bool):
     if varlen:
         tokens = plan.tensor("path_tokens", device)
         cu = plan.tensor("path_offsets", device)
-        out = _output(call.call_original(_gather_flat(call, tokens), **{call.spec["varlen"]["cu_seqlens"]: cu}, **extra))
+        out = _output(call.call_original(_gather_flat(call, tokens), **{call.spec.varlen["cu_seqlens"]: cu}, **extra))
         return out[0][plan.tensor("token_source", device)].unsqueeze(0)
     gather, source = plan.padded_paths(device)
     out = _output(call.call_original(_gather_rows(call, gather.clamp(min=0), gather >= 0), **extra))
@@ -162,16 +162,16 @@ def scan_fork(call: SeamCall, varlen: bool):
     its initial states one index op over the previous level's finals, and the outputs return to token
     order in one op."""
     spec = call.spec
-    names = spec["sequence"]
+    names = spec.sequence
     named = call.named
     device = named[names[0]].device
-    state = spec["state_args"]
+    state = spec.state_args
     initial_name, final_name = state["initial_state"], state["output_final_state"]
     initial = call.rest.pop(initial_name, None)
     tables = fork_tables(call.plan, device)
     levels = tables.levels
     if varlen:
-        cu_name = spec["varlen"]["cu_seqlens"]
+        cu_name = spec.varlen["cu_seqlens"]
         gathered = [named[name] if tables.in_order else named[name].index_select(1, tables.order) for name in names]
         sizes, dim = tables.token_sizes, 1
     else:

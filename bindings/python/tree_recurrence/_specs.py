@@ -3,8 +3,11 @@
 naming the manifest file, the seam and the key (docs/plugins.md, section 3, lists the keys).
 
 ``plugins`` parses every loaded manifest's seams when it discovers the plugin and refuses the plugin
-with that error; the parsed specs are the record's ``"seam_specs"``. The driver still reads the spec
-mappings the manifest gave (``record["manifest"]["seams"]``), which these checks vouch for.
+with that error; the parsed specs are the record's ``"seam_specs"`` (``plugins.seam_specs(record)``),
+and they are what the engine reads: ``install`` / ``seams`` wrap the seams with them, the driver,
+its strategies, ``components`` and the families' adapters read a call's ``SeamSpec``, and the
+native-op load check (``_native_schema``) reads its ``NativeSpec``. The manifest's mappings stay in
+the record (``record["manifest"]["seams"]``) only as what the manifest said (``doctor``, tests).
 
 A seam of an adapter this version does not know is kept as it is (``install`` answers ``"none"`` for
 a model that needs it, naming the adapter): a manifest written for a newer version still loads.
@@ -55,7 +58,7 @@ class SeamSpec:
     returns: int = 1
     native: NativeSpec | None = None
     state_args: Mapping[str, str] | None = None
-    neutral: Mapping[str, float] = field(default_factory=dict)
+    neutral: Mapping[str, float] | None = None  # None: the manifest gives no neutral values (no fork without varlen)
     varlen: Mapping[str, str] | None = None
     declined: Any = None
     function: str | None = None
@@ -116,9 +119,9 @@ def parse_seam(source: str, seam: str, spec: Any) -> SeamSpec:
             fail("returns", f"expected a positive int (the seam's return arity), got {returns!r}")
         parsed.update(sequence=sequence, returns=returns, native=_native(fail, spec.get("native")),
                       state_args=_mapping(fail, "state_args", spec.get("state_args"), _STATE_KEYS, str, required=True),
-                      neutral=_mapping(fail, "neutral", spec.get("neutral"), None, (int, float)) or {},
+                      neutral=_mapping(fail, "neutral", spec.get("neutral"), None, (int, float)),
                       varlen=_mapping(fail, "varlen", spec.get("varlen"), ("cu_seqlens",), str, required=True))
-        bad = [n for n in parsed["neutral"] if n not in sequence]
+        bad = [n for n in parsed["neutral"] or () if n not in sequence]
         if bad:
             fail("neutral", f"names {bad}, which are not sequence args {list(sequence)}")
     elif adapter == "decline":

@@ -48,6 +48,7 @@ import torch.nn.functional as F
 from . import driver, plugins, seams
 from .plugins import register_family, unregister_family  # noqa: F401  (registered families: the registry's)
 from ._plan import TreePlan, tree_plan
+from ._specs import SeamSpec
 from .policy import Policy
 
 __all__ = ["delta_rule_scan", "mark_tree_forward", "register_family", "scan", "short_convolution", "tree_conv", "tree_scan",
@@ -171,7 +172,8 @@ def short_convolution(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 # ------------------------------------------------------------------------------------------------
 
 
-def tree_scan(kernel: Callable, *args, plan: TreePlan | None = None, spec: dict | None = None, family: str | None = None,
+def tree_scan(kernel: Callable, *args, plan: TreePlan | None = None, spec: SeamSpec | dict | None = None,
+              family: str | None = None,
               seam: str | None = None, backend: str = "auto", policy: Policy | None = None, **kwargs):
     """Runs the recurrence ``kernel(*args, **kwargs)`` over the trie of ``plan`` as the ``scan`` seam
     adapter does: each segment starts from its parent's final state, and the result equals running
@@ -187,7 +189,7 @@ def tree_scan(kernel: Callable, *args, plan: TreePlan | None = None, spec: dict 
     if spec is None:
         if family is None or seam is None:
             raise ValueError("tree_scan: pass spec=, or family= and seam= naming a loaded family's seam")
-        spec = plugins.families()[family]["manifest"]["seams"][seam]
+        spec = plugins.seam_specs(plugins.families()[family])[seam]
     if backend not in ("auto", "native", "kernel"):
         raise ValueError(f"tree_scan: unknown backend '{backend}', choose one of ['auto', 'native', 'kernel']")
     policy = policy or Policy()
@@ -221,20 +223,20 @@ def scan(family: str, seam: str, *args, plan: TreePlan | None = None, kernel: Ca
     record = plugins.families().get(family)
     if record is None:
         raise ValueError(f"scan: no loaded family '{family}' (loaded: {sorted(plugins.families())})")
-    spec = ((record.get("manifest") or {}).get("seams") or {}).get(seam)
-    if not isinstance(spec, dict) or spec.get("adapter") != "scan":
-        raise ValueError(f"scan: family '{family}' has no scan seam '{seam}' "
-                         f"(its seams: {sorted((record.get('manifest') or {}).get('seams') or {})})")
+    specs = plugins.seam_specs(record)
+    spec = specs.get(seam)
+    if spec is None or spec.adapter != "scan":
+        raise ValueError(f"scan: family '{family}' has no scan seam '{seam}' (its seams: {sorted(specs)})")
     if backend not in ("auto", "native", "kernel"):
         raise ValueError(f"scan: unknown backend '{backend}', choose one of ['auto', 'native', 'kernel']")
-    if kernel is None and spec.get("library"):
+    if kernel is None and spec.library:
         from .stand_ins import stand_in
 
         kernel = stand_in(family, seam)
     plan = _plan(plan)
-    op = (spec.get("native") or {}).get("op")
+    op = spec.native.op if spec.native is not None else None
     native = backend != "kernel" and op is not None and any(k == op and ok for k, _, ok in record["kernels"])
-    state_arg = (spec.get("state_args") or {}).get("initial_state")
+    state_arg = (spec.state_args or {}).get("initial_state")
     several_roots = state_arg is not None and kwargs.get(state_arg) is not None and plan is not None \
         and int((plan.array("parents") < 0).sum()) > 1
     if several_roots:

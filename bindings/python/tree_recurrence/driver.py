@@ -40,6 +40,7 @@ from . import _routes, plugins
 from . import _scan_strategies as strategies
 from ._bound_kernels import bound_implementation, instance_forward, takes_keyword
 from ._plan import TreePlan
+from ._specs import SeamSpec, parse_seam
 from ._tree_kwargs import host_work
 from .policy import Policy
 
@@ -52,7 +53,7 @@ _warned_reference: set = set()
 # Keywords of packed-row kernels that the driver sets itself; a caller's own are refused.
 _DRIVER_KEYWORDS = ("cu_seqlens", "seq_idx", "cu_seq_lens_q", "cu_seq_lens_k")
 # Where each adapter's sequence tensors keep their tokens: (names of the spec, time dimension).
-_ROW_AXES = {"conv": (lambda spec: spec["args"][:1], 2), "scan": (lambda spec: spec["sequence"], 1)}
+_ROW_AXES = {"conv": (lambda spec: spec.args[:1], 2), "scan": (lambda spec: spec.sequence, 1)}
 _NO_ROW_AXES = ((), 0)
 # The family of calls ``components.tree_scan`` makes over a caller's kernel with no family: no native
 # op, and the kernel is varlen only when it names the spec's ``cu_seqlens``.
@@ -72,7 +73,7 @@ class SeamCall:
 
     family: str
     seam: str
-    spec: dict
+    spec: SeamSpec
     original: Callable
     plan: TreePlan
     named: dict
@@ -82,7 +83,10 @@ class SeamCall:
 
     @classmethod
     def bind(cls, family, seam, spec, original, plan, args, kwargs) -> "SeamCall":
-        names = spec["args"]
+        """``args`` / ``kwargs`` bound to ``spec``'s names (a ``SeamSpec``; a manifest-style mapping is parsed)."""
+        if not isinstance(spec, SeamSpec):
+            spec = parse_seam(f"family '{family}'", seam, spec)
+        names = spec.args
         positional = len(args)
         if positional > len(names):
             raise TypeError(f"{seam}: got {positional} positional arguments, the {family} manifest names {len(names)}")
@@ -104,7 +108,7 @@ class SeamCall:
         same keywords), with ``inputs`` replacing arguments and ``extra`` added or replacing
         keywords. Library kernels order their parameters differently from the torch references
         (causal-conv1d puts seq_idx before activation), so keywords must stay keywords."""
-        names, named, count = self.spec["args"], self.named, self.positional
+        names, named, count = self.spec.args, self.named, self.positional
         positional = [inputs[n] if n in inputs else named.get(n) for n in names[:count]]
         keywords = dict(self.rest)
         for n in names[count:]:
@@ -136,7 +140,7 @@ class SeamCall:
 
     def finish(self, output: torch.Tensor):
         """The seam's return value in the shape the model expects: the output, other results None."""
-        arity = self.spec.get("returns", 1)
+        arity = self.spec.returns
         return output if arity == 1 else (output,) + (None,) * (arity - 1)
 
     def trim_row(self) -> None:
@@ -144,9 +148,8 @@ class SeamCall:
         runs on the plan's tokens only, so padding tokens never reach real ones (values or gradients);
         ``row`` keeps the row's length for ``pad_row``."""
         spec = self.spec
-        adapter = spec["adapter"]
-        names, dim = (spec["sequence"], 1) if adapter == "scan" else (spec["args"][:1], 2) if adapter == "conv" \
-            else _NO_ROW_AXES
+        axes = _ROW_AXES.get(spec.adapter)
+        names, dim = (axes[0](spec), axes[1]) if axes is not None else _NO_ROW_AXES
         n = self.plan.num_tokens
         named = self.named
         for name in names:
@@ -162,7 +165,7 @@ class SeamCall:
         """The seam's result back to the row's length (after ``trim_row``): zeros for the padding tokens."""
         if self.row is None:
             return result
-        dim, row = _ROW_AXES[self.spec["adapter"]][1], self.row
+        dim, row = _ROW_AXES[self.spec.adapter][1], self.row
 
         def pad(t):
             if not isinstance(t, torch.Tensor) or t.dim() <= dim:
@@ -174,7 +177,7 @@ class SeamCall:
         return (pad(result[0]),) + result[1:] if isinstance(result, tuple) else pad(result)
 
 
-def run(family: str, seam: str, spec: dict, kernel: Callable, plan: TreePlan, args: tuple, kwargs: dict,
+def run(family: str, seam: str, spec: SeamSpec, kernel: Callable, plan: TreePlan, args: tuple, kwargs: dict,
         backend: str, policy: Policy):
     """One seam call over the trie, as the seam wrappers make it: ``kernel`` is what the seam replaced
     (backend ``"stand_ins"``: the family's library stand-in in its place, when it has one); the row
@@ -185,7 +188,7 @@ def run(family: str, seam: str, spec: dict, kernel: Callable, plan: TreePlan, ar
         kernel = stand_in_seam(family, seam, kernel) or kernel
     call = SeamCall.bind(family, seam, spec, kernel, plan, args, kwargs)
     call.trim_row()
-    return call.pad_row(ADAPTERS[spec["adapter"]](call, backend, policy))
+    return call.pad_row(ADAPTERS[call.spec.adapter](call, backend, policy))
 
 
 def _warn_reference(call: SeamCall, is_library: bool) -> None:
@@ -218,7 +221,7 @@ def decide_route(call: SeamCall, backend: str, policy: Policy, device: torch.dev
     ``components.tree_scan`` over a caller's kernel without a family: decided per call). The entry
     holds the policy, the bound kernel and the spec it was decided for (a different one decides again;
     holding them keeps their ids from being reused while the plan lives)."""
-    decide = decide or _DECIDE[call.spec["adapter"]]
+    decide = decide or _DECIDE[call.spec.adapter]
     if call.family == PYTHON_FAMILY:  # a caller's kernel and spec, maybe new objects each call: not cached
         return decide(call, backend, policy, device)
     forward = instance_forward(call.original)  # kernelize may swap it: decide again then
@@ -262,7 +265,7 @@ def _decide_conv(call: SeamCall, backend: str, policy: Policy, device: torch.dev
 # kernels: under torch.compile it runs eagerly, one graph break per seam call (``host_work``).
 @host_work
 def run_conv(call: SeamCall, backend: str, policy: Policy) -> torch.Tensor:
-    x_name, w_name, b_name, act_name = call.spec["args"][:4]
+    x_name, w_name, b_name, act_name = call.spec.args[:4]
     x = call.named[x_name]
     call.check_row(x, 2, x_name)
     route = decide_route(call, backend, policy, x.device)
@@ -288,9 +291,9 @@ def run_conv(call: SeamCall, backend: str, policy: Policy) -> torch.Tensor:
 @host_work  # see run_conv
 def run_scan(call: SeamCall, backend: str, policy: Policy):
     spec = call.spec
-    first = call.named[spec["sequence"][0]]
-    call.check_row(first, 1, spec["sequence"][0])
-    state = spec.get("state_args")
+    first = call.named[spec.sequence[0]]
+    call.check_row(first, 1, spec.sequence[0])
+    state = spec.state_args
     if state and call.rest.get(state["output_final_state"]):
         raise ValueError(
             f"{call.seam}: a tree-packed row has one final state per sample, not one per row; "
@@ -309,10 +312,10 @@ def run_scan(call: SeamCall, backend: str, policy: Policy):
 
 def _decide_scan(call: SeamCall, backend: str, policy: Policy, device: torch.device) -> Route:
     spec = call.spec
-    op_name = spec["native"]["op"] if "native" in spec and call.family != PYTHON_FAMILY else None
+    op_name = spec.native.op if spec.native is not None and call.family != PYTHON_FAMILY else None
     native = op_name is not None and plugins.has_kernel(plugins.families()[call.family], op_name, device)
     implementation, params, is_library = bound_implementation(call.original)
-    cu_name = spec["varlen"]["cu_seqlens"] if "varlen" in spec else None
+    cu_name = spec.varlen["cu_seqlens"] if spec.varlen is not None else None
     if call.family == PYTHON_FAMILY:  # a caller's kernel: varlen when it names cu_seqlens
         varlen, kernel, is_library = cu_name is not None and cu_name in params, None, True
     else:
@@ -321,7 +324,7 @@ def _decide_scan(call: SeamCall, backend: str, policy: Policy, device: torch.dev
         # transformers' wrapper would filter it out: then the implementation is called directly.
         varlen = cu_name is not None and (cu_name in params or (is_library and takes_keyword(implementation, cu_name)))
         kernel = implementation if varlen and cu_name not in params else None
-    fork = spec.get("state_args") is not None and (varlen or "neutral" in spec)
+    fork = spec.state_args is not None and (varlen or spec.neutral is not None)
     if backend == "native":
         if not native:
             raise ValueError(f"{call.family}: backend 'native' has no {op_name or 'tree scan'} kernel "
@@ -355,7 +358,7 @@ def _trial_copy(call: SeamCall, kernel: Any) -> SeamCall:
 def _measured_route(call: SeamCall, device: torch.device, op_name: str, implementation: Any, is_library: bool,
                     fork: bool, varlen: bool, kernel: Any) -> tuple[str | None, str]:
     """(strategy, reason) by the family's measured routes (``_routes``), or (None, why they did not decide)."""
-    first = call.named[call.spec["sequence"][0]]
+    first = call.named[call.spec.sequence[0]]
 
     def trial(route: str) -> float:
         def run():
@@ -379,7 +382,7 @@ def run_decline(call: SeamCall, backend: str, policy: Policy):
     answers when it cannot fuse (the manifest's ``declined``, None by default), so the mixer takes
     its split path, whose seams follow the tree."""
     call.record("decline", "fused seam declined; the mixer takes its split path")
-    return call.spec.get("declined")
+    return call.spec.declined
 
 
 @host_work  # see run_conv
@@ -387,10 +390,10 @@ def run_family(call: SeamCall, backend: str, policy: Policy):
     """Seams a family runs in its own Python: the manifest's ``adapter: family`` with ``function:``,
     a function ``(call, backend, policy)`` of the module its ``python: {adapters: ...}`` names."""
     module = plugins.family_python(call.family, "adapters")
-    function = getattr(module, call.spec.get("function") or "", None) if module is not None else None
+    function = getattr(module, call.spec.function or "", None) if module is not None else None
     if function is None:
         raise ValueError(f"{call.family}: seam '{call.seam}' uses adapter 'family', but the family's Python "
-                         f"'adapters' module has no function {call.spec.get('function')!r}")
+                         f"'adapters' module has no function {call.spec.function!r}")
     return function(call, backend, policy)
 
 

@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from . import _core
-from ._specs import SpecError, parse_seam, parse_seams
+from ._specs import SeamSpec, SpecError, parse_seam, parse_seams
 
 PACKAGE_PLUGIN_DIR = Path(_core.__file__).resolve().parent / "plugins"
 _extra_folders: list[str] = []
@@ -108,6 +108,16 @@ def _confined_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
             if record.get("loaded") else None
         out.append({**record, "loaded": False, "error": reason} if reason else record)
     return out
+
+
+def seam_specs(record: dict[str, Any]) -> dict[str, SeamSpec]:
+    """A family record's seams as the ``SeamSpec`` s parsed at load (``record["seam_specs"]``; a record
+    made elsewhere, without them, has its manifest's seams parsed now and kept there)."""
+    specs = record.get("seam_specs")
+    if specs is None:
+        specs = record["seam_specs"] = parse_seams(record.get("manifest_path") or record.get("family", "<record>"),
+                                                   (record.get("manifest") or {}).get("seams"))
+    return specs
 
 
 def _seam_spec_error(record: dict[str, Any]) -> str | None:
@@ -339,7 +349,7 @@ def register_family(name: str, model_types: str | Iterable[str], mixer_classes: 
         namespace = provider.get("op_namespace") or f"tree_recurrence_{ops}"
         from . import _native_schema
 
-        for seam, spec in seam_specs.items():  # the native ops it names: registered, with the driver's schema
+        for seam, spec in parsed.items():  # the native ops it names: registered, with the driver's schema
             problem = _native_schema.check(f"register_family('{name}')", seam, spec, namespace)
             if problem:
                 raise ValueError(problem)

@@ -40,13 +40,14 @@ import sys
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 
 from . import driver
 from ._plan import TreePlan, row_length, tree_plan
 from ._plan import is_meta_tree
+from ._specs import SeamSpec, parse_seam
 from .policy import Policy
 
 _context_plan: contextvars.ContextVar[TreePlan | None] = contextvars.ContextVar("tree_recurrence_plan", default=None)
@@ -168,7 +169,7 @@ def _reaches(obj: Any, wanted: Any, depth: int = 6) -> bool:
     return False
 
 
-def _make_seam_wrapper(slot: _Slot, seam: str, spec: dict, original: Callable) -> Callable:
+def _make_seam_wrapper(slot: _Slot, seam: str, spec: SeamSpec, original: Callable) -> Callable:
     run = driver.run
 
     def seam_wrapper(*args, **kwargs):
@@ -257,9 +258,10 @@ def _take(owner: ModuleOwner, target: Any, name: str, current: Any, make: Callab
     return slot
 
 
-def patch_module(module: Any, family: str, seams: dict[str, dict], carrier_classes: list[type], policy: Policy,
-                 backend: str) -> ModuleOwner:
-    """Installs the family's wrappers into ``module`` (idempotent; updates policy and backend)."""
+def patch_module(module: Any, family: str, seams: Mapping[str, SeamSpec | Mapping], carrier_classes: list[type],
+                 policy: Policy, backend: str) -> ModuleOwner:
+    """Installs the family's wrappers into ``module`` (idempotent; updates policy and backend). ``seams``:
+    the family's ``SeamSpec`` s (``plugins.seam_specs``); a manifest-style mapping is parsed here."""
     with locked():
         name = module.__name__
         owner = owners.get(name)
@@ -268,9 +270,11 @@ def patch_module(module: Any, family: str, seams: dict[str, dict], carrier_class
                 raise ValueError(f"{name} is already patched by family '{owner.family}', not '{family}'")
             owner.policy, owner.backend = policy, backend
             return owner
+        seams = {seam: spec if isinstance(spec, SeamSpec) else parse_seam(f"family '{family}'", seam, spec)
+                 for seam, spec in seams.items()}
         for seam, spec in seams.items():
-            if hasattr(module, seam) and spec["adapter"] not in driver.ADAPTERS:
-                raise ValueError(f"family '{family}': seam '{seam}' uses adapter '{spec['adapter']}', "
+            if hasattr(module, seam) and spec.adapter not in driver.ADAPTERS:
+                raise ValueError(f"family '{family}': seam '{seam}' uses adapter '{spec.adapter}', "
                                  f"which this version does not have (known: {sorted(driver.ADAPTERS)})")
         owner = ModuleOwner(module=module, family=family, policy=policy, backend=backend)
         for seam, spec in seams.items():

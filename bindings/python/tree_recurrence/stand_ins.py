@@ -243,8 +243,8 @@ def _library(family: str, seam: str) -> dict | None:
     from . import plugins
 
     record = plugins.families().get(family)
-    spec = (record or {}).get("manifest", {}).get("seams", {}).get(seam) if record else None
-    return spec.get("library") if isinstance(spec, dict) else None
+    spec = plugins.seam_specs(record).get(seam) if record else None
+    return dict(spec.library) if spec is not None and spec.library is not None else None
 
 
 def stand_in(family: str, seam: str):
@@ -331,8 +331,8 @@ def _seam_families(module) -> dict[str, str]:
     owning = [n for n, r in families.items()
               if any(e.get("module") == module.__name__ for e in (r.get("manifest") or {}).get("models", []))]
     for name in owning + sorted(n for n in families if n not in owning):
-        for seam, spec in ((families[name].get("manifest") or {}).get("seams") or {}).items():
-            if isinstance(spec, dict) and spec.get("library") and seam not in found:
+        for seam, spec in plugins.seam_specs(families[name]).items():
+            if spec.library and seam not in found:
                 found[seam] = name
     return found
 

@@ -73,7 +73,7 @@ def split_conv1d_scan(call, backend: str, policy):
     route = driver.decide_route(call, backend, policy, zxbcdt.device, _decide)
     if route.strategy == "decline":
         call.record(route.strategy, route.reason)
-        return call.spec.get("declined")
+        return call.spec.extra.get("declined")
     call.check_row(zxbcdt, 1, "zxbcdt")
     if route.strategy == "rescan":
         out = _rescan(call, zxbcdt)
@@ -104,7 +104,7 @@ def split_conv1d_scan(call, backend: str, policy):
     xBC = driver.tree_conv(call.family, xBC.t().unsqueeze(0), weight, bias, activation, call.plan)[0].t()
     x, B, C = torch.split(xBC, [dim, ngroups * dstate, ngroups * dstate], dim=-1)
     rmsnorm_weight = rest.get("rmsnorm_weight")
-    tables = call.plan.chunk_tables(int(call.spec.get("chunk", 64)), zxbcdt.device)
+    tables = call.plan.chunk_tables(int(call.spec.extra.get("chunk", 64)), zxbcdt.device)
     y = route.op(
         x.reshape(n, nheads, headdim), dt, B.reshape(n, ngroups, dstate), C.reshape(n, ngroups, dstate),
         tables.gather, tables.scatter, *tables.state_args(), None, A=A, dt_limit=list(rest.get("dt_limit", (0.0, float("inf")))),
