@@ -78,16 +78,22 @@ def setup_case(spec, h0="none", l2norm=True, strong=False, seed=0, dtype=torch.b
     ins = make_inputs(seg_offsets[-1], roots=roots, strong=strong, l2norm=l2norm, seed=seed, **dims)
     # the inputs as the kernels see them (q, k, v, grad in bf16; g, beta fp32), in float64
     x64 = {n: (t.to(dtype) if n in ("q", "k", "v", "grad") else t.float()).double() for n, t in ins.items()}
+    return build_case(ins, x64, seg_offsets, parents, h0, l2norm, dtype)
+
+
+def build_case(ins, x64, seg_offsets, parents, h0, l2norm, in_dtype, **extra):
+    """A case from its inputs (ins; x64: as the kernels see them, in float64): the chunk tables, the device inputs and
+    the saved buffers (the float64 forward reference of x64, stored like the kernels store them)."""
     tabs_cpu = chunk_tables(seg_offsets, parents, 64, "cpu")
     tabs = chunk_tables(seg_offsets, parents, 64, "cuda")
-    init64 = _init(x64, h0)
-    fwd = fref.stages(x64["q"], x64["k"], x64["v"], x64["g"], x64["beta"], tabs_cpu, init64, 0.0, l2norm, round_to=dtype)
-    dev = {n: (t.to(dtype) if n in ("q", "k", "v", "grad") else t.float()).cuda() for n, t in ins.items()}
-    saved = dict(G=fwd["G"].float().cuda(), Ainv=fwd["Ainv"].to(dtype).cuda(), w=fwd["w"].to(dtype).cuda(),
-                 kd=fwd["kd"].to(dtype).cuda(), h=fwd["h"].to(dtype).cuda(), v_new=fwd["v_new"].to(dtype).cuda(),
-                 rq=fwd["rq"].float().cuda(), rk=fwd["rk"].float().cuda())
+    fwd = fref.stages(x64["q"], x64["k"], x64["v"], x64["g"], x64["beta"], tabs_cpu, _init(x64, h0), 0.0, l2norm,
+                      round_to=in_dtype)
+    dev = {n: (t.to(in_dtype) if n in ("q", "k", "v", "grad") else t.float()).cuda() for n, t in ins.items()}
+    saved = dict(G=fwd["G"].float().cuda(), Ainv=fwd["Ainv"].to(in_dtype).cuda(), w=fwd["w"].to(in_dtype).cuda(),
+                 kd=fwd["kd"].to(in_dtype).cuda(), h=fwd["h"].to(in_dtype).cuda(),
+                 v_new=fwd["v_new"].to(in_dtype).cuda(), rq=fwd["rq"].float().cuda(), rk=fwd["rk"].float().cuda())
     return dict(seg_offsets=seg_offsets, parents=parents, ins=ins, x64=x64, dev=dev, tabs=tabs, tabs_cpu=tabs_cpu,
-                fwd=fwd, saved=saved, h0=h0, l2norm=l2norm)
+                fwd=fwd, saved=saved, h0=h0, l2norm=l2norm, **extra)
 
 
 _CACHE = {}
@@ -311,15 +317,7 @@ def setup_extreme(name, dtype=torch.bfloat16):
     cfg = dict(EXTREME[name])
     spec = gg.SPECS[cfg.pop("spec")]
     x64, seg_offsets, parents = gg.extreme_inputs(spec, cfg.pop("mode"), dtype=dtype, **cfg)
-    tabs_cpu = chunk_tables(seg_offsets, parents, 64, "cpu")
-    tabs = chunk_tables(seg_offsets, parents, 64, "cuda")
-    fwd = fref.stages(x64["q"], x64["k"], x64["v"], x64["g"], x64["beta"], tabs_cpu, None, 0.0, True, round_to=dtype)
-    dev = {n: (t.to(dtype) if n in ("q", "k", "v", "grad") else t.float()).cuda() for n, t in x64.items()}
-    saved = dict(G=fwd["G"].float().cuda(), Ainv=fwd["Ainv"].to(dtype).cuda(), w=fwd["w"].to(dtype).cuda(),
-                 kd=fwd["kd"].to(dtype).cuda(), h=fwd["h"].to(dtype).cuda(), v_new=fwd["v_new"].to(dtype).cuda(),
-                 rq=fwd["rq"].float().cuda(), rk=fwd["rk"].float().cuda())
-    return dict(seg_offsets=seg_offsets, parents=parents, ins=x64, x64=x64, dev=dev, tabs=tabs, tabs_cpu=tabs_cpu,
-                fwd=fwd, saved=saved, h0="none", l2norm=True, dtype=dtype)
+    return build_case(x64, x64, seg_offsets, parents, "none", True, dtype, dtype=dtype)
 
 
 def kernel_rows(x, r, scale, HV, gather, dtype):

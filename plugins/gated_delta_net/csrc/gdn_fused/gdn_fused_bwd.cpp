@@ -22,7 +22,7 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include "kernels/params_bwd.h"
-#include "tree_recurrence/kernels/chunk_state_pass_tc.h"
+#include "fused_host.h"
 #endif
 
 namespace tree_recurrence::gdn::fused {
@@ -40,14 +40,8 @@ Stages run(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Te
   TR_CHECK(false, "fused GDN backward: this build has no CUDA kernels");
 }
 #else
-at::Tensor aligned(const at::Tensor& t) {
-  at::Tensor c = t.contiguous();
-  if (reinterpret_cast<uintptr_t>(c.data_ptr()) % 16 != 0) c = c.clone(at::MemoryFormat::Contiguous);
-  return c;
-}
-
 void check_launch(const char* err, const char* stage) {
-  TR_CHECK(err == nullptr || err[0] == '\0', "fused GDN backward (", stage, "): ", err);
+  fused::check_launch(err, "fused GDN backward (", stage);
 }
 
 void check_buffer(const at::Tensor& t, const char* name, at::IntArrayRef shape, at::ScalarType dtype, const at::Device& dev) {
@@ -63,22 +57,11 @@ Stages run(const at::Tensor& grad_o, const at::Tensor& q_in, const at::Tensor& k
            const at::Tensor& g_in, const at::Tensor& beta_in, const Tables& tables,
            const std::optional<at::Tensor>& initial_state, double scale, bool use_qk_l2norm, const Saved& saved,
            bool keep_stages) {
-  TR_CHECK_VALUE(q_in.is_cuda(), "fused GDN backward: inputs must be on CUDA, got ", q_in.device());
+  check_inputs(q_in, k_in, v_in, tables, "fused GDN backward");
+  static_assert(kernels::kBwdChunk == 64, "check_inputs checks chunk 64");
   const auto dt = v_in.scalar_type();
-  TR_CHECK_TYPE((dt == at::kBFloat16 || dt == at::kHalf) && q_in.scalar_type() == dt && k_in.scalar_type() == dt,
-                   "fused GDN backward: q, k, v must be bf16 or fp16 alike, got ", q_in.scalar_type(), ", ",
-                   k_in.scalar_type(), ", ", dt);
-  TR_CHECK_VALUE(q_in.dim() == 3 && k_in.sizes() == q_in.sizes() && v_in.dim() == 3 && v_in.size(0) == q_in.size(0),
-                    "fused GDN backward: q, k must be (T, HK, K) alike and v (T, HV, V), got ", q_in.sizes(), ", ",
-                    k_in.sizes(), ", ", v_in.sizes());
   const int64_t T = q_in.size(0), HK = q_in.size(1), K = q_in.size(2), HV = v_in.size(1), V = v_in.size(2);
   const int64_t NC = tables.gather.size(0), C = tables.gather.size(1), S = tables.parents.size(0);
-  TR_CHECK_VALUE(C == kernels::kBwdChunk, "fused GDN backward: chunk must be 64, got ", C);
-  TR_CHECK_VALUE(K % 8 == 0 && K >= 8 && K <= 128 && V % 8 == 0 && V >= 8 && V <= 128,
-                    "fused GDN backward: key and value dims must be multiples of 8 in [8, 128], got ", K, " and ", V);
-  TR_CHECK_VALUE(HK > 0 && HV % HK == 0 && HV <= 65535, "fused GDN backward: value heads ", HV,
-                    " must be a multiple of key heads ", HK, " (at most 65535)");
-  TR_CHECK_VALUE(NC < (int64_t{1} << 31), "fused GDN backward: ", NC, " chunks (at most 2^31 - 1)");
   TR_CHECK_VALUE(grad_o.dim() == 3 && grad_o.size(0) == T && grad_o.size(1) == HV && grad_o.size(2) == V,
                     "fused GDN backward: grad_o must be (", T, ", ", HV, ", ", V, "), got ", grad_o.sizes());
   for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"g", &g_in}, {"beta", &beta_in}})
@@ -154,25 +137,8 @@ Stages run(const at::Tensor& grad_o, const at::Tensor& q_in, const at::Tensor& k
   p.dv_total = st.dv_total.data_ptr();
 
   // the reverse tree state pass
-  const at::Tensor sco = tables.seg_chunk_offsets.contiguous(), parents = tables.parents.contiguous(),
-                   root_index = tables.root_index.contiguous(), level_segments = tables.level_segments.contiguous(),
-                   child_offsets = tables.child_offsets.contiguous(), children = tables.children.contiguous();
-  tree_recurrence::kernels::ChunkStatePassTcParams sp;
-  sp.num_chunks = NC;
-  sp.heads = HV;
-  sp.k_dim = K;
-  sp.v_dim = V;
-  sp.num_segments = S;
-  sp.num_roots = R;
-  sp.in = dt == at::kBFloat16 ? tree_recurrence::kernels::ChunkDType::BFloat16 : tree_recurrence::kernels::ChunkDType::Float16;
-  sp.seg_chunk_offsets = sco.data_ptr<int64_t>();
-  sp.parents = parents.data_ptr<int64_t>();
-  sp.root_index = root_index.data_ptr<int64_t>();
-  sp.level_segments = level_segments.data_ptr<int64_t>();
-  sp.level_offsets = tables.level_offsets.data();
-  sp.num_levels = L < 0 ? 0 : L;
-  sp.child_offsets = child_offsets.data_ptr<int64_t>();
-  sp.children = children.numel() > 0 ? children.data_ptr<int64_t>() : nullptr;
+  PassTables pass_tables;
+  auto sp = state_pass_params(tables, pass_tables, NC, HV, K, V, R, dt);
   sp.w = w.data_ptr();
   sp.kd = kd.data_ptr();
   sp.decay = decay.data_ptr<float>();
@@ -262,33 +228,25 @@ Grads backward(const at::Tensor& grad_o, const at::Tensor& q, const at::Tensor& 
   return gr;
 }
 
+namespace {
+
+// The op gdn_fused_backward_stages (gdn_fused_bwd.h): the stages' outputs from given saved buffers.
 std::vector<at::Tensor> backward_stages(const at::Tensor& grad_o, const at::Tensor& q, const at::Tensor& k,
                                         const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta,
-                                        const at::Tensor& gather, const at::Tensor& scatter,
-                                        const at::Tensor& seg_chunk_offsets, const at::Tensor& parents,
-                                        const at::Tensor& root_index, const at::Tensor& level_segments,
-                                        at::IntArrayRef level_offsets, const at::Tensor& child_offsets,
-                                        const at::Tensor& children, const std::optional<at::Tensor>& initial_state,
+                                        TREE_RECURRENCE_CHUNK_TABLE_PARAMS, const std::optional<at::Tensor>& initial_state,
                                         double scale, bool use_qk_l2norm, const at::Tensor& G, const at::Tensor& Ainv,
                                         const at::Tensor& w, const at::Tensor& kd, const at::Tensor& h,
                                         const at::Tensor& v_new, const at::Tensor& rq, const at::Tensor& rk) {
-  Tables t{gather, scatter, seg_chunk_offsets, parents, root_index, level_segments,
-           std::vector<int64_t>(level_offsets.begin(), level_offsets.end()), child_offsets, children};
-  Saved sv;
-  sv.G = G;
-  sv.Ainv = Ainv;
-  sv.w = w;
-  sv.kd = kd;
-  sv.h = h;
-  sv.v_new = v_new;
-  sv.rq = rq;
-  sv.rk = rk;
+  const Tables t = Tables::of(TREE_RECURRENCE_CHUNK_TABLE_ARGS);
+  const Saved sv{G, Ainv, w, kd, h, v_new, rq, rk};  // the backward's saved buffers (the forward-only ones undefined)
   at::NoGradGuard no_grad;
   Stages st = run(grad_o, q, k, v, g, beta, t, initial_state, scale, use_qk_l2norm, sv, /*keep_stages=*/true);
   return {st.dv_local, st.q_g,   st.do_c, st.grad_state_out, st.dv_total, st.d_root, st.dq_hv, st.dk_b, st.dG_b,
           st.dk_hv,    st.dG,    st.dv,   st.dbeta,          st.dg,       st.dq,     st.dk,
           st.d_initial_state.defined() ? st.d_initial_state : at::empty({0}, st.dq.options())};
 }
+
+}  // namespace
 
 void register_backward_stages_op() {
   op_library(torch::Library::FRAGMENT)

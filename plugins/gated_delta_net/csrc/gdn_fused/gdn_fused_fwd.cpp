@@ -15,19 +15,15 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include "kernels/params.h"
-#include "tree_recurrence/kernels/chunk_state_pass_tc.h"
+#include "fused_host.h"
 #endif
 
 namespace tree_recurrence::gdn::fused {
 
 std::vector<at::Tensor> stages(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
-                               const at::Tensor& beta, const at::Tensor& gather, const at::Tensor& scatter,
-                               const at::Tensor& seg_chunk_offsets, const at::Tensor& parents, const at::Tensor& root_index,
-                               const at::Tensor& level_segments, at::IntArrayRef level_offsets,
-                               const at::Tensor& child_offsets, const at::Tensor& children,
+                               const at::Tensor& beta, TREE_RECURRENCE_CHUNK_TABLE_PARAMS,
                                const std::optional<at::Tensor>& initial_state, double scale, bool use_qk_l2norm) {
-  Tables t{gather, scatter, seg_chunk_offsets, parents, root_index, level_segments,
-           std::vector<int64_t>(level_offsets.begin(), level_offsets.end()), child_offsets, children};
+  const Tables t = Tables::of(TREE_RECURRENCE_CHUNK_TABLE_ARGS);
   at::AutoGradMode no_grad(false);
   auto [o, sv] = forward(q, k, v, g, beta, t, initial_state, scale, use_qk_l2norm);
   return {o, sv.G, sv.Ainv, sv.w, sv.u, sv.kd, sv.decay, sv.h, sv.v_new, sv.final_state, sv.rq, sv.rk};
@@ -41,15 +37,25 @@ std::pair<at::Tensor, Saved> forward(const at::Tensor&, const at::Tensor&, const
 #else
 namespace {
 
-// Contiguous, 16-byte aligned (the kernels read 16-byte words).
-at::Tensor aligned(const at::Tensor& t) {
-  at::Tensor c = t.contiguous();
-  if (reinterpret_cast<uintptr_t>(c.data_ptr()) % 16 != 0) c = c.clone(at::MemoryFormat::Contiguous);
-  return c;
+void check_launch(const char* err, const char* stage) {
+  fused::check_launch(err, "gdn_tree_scan (fused forward, ", stage);
 }
 
-void check_launch(const char* err, const char* stage) {
-  TR_CHECK(err == nullptr || err[0] == '\0', "gdn_tree_scan (fused forward, ", stage, "): ", err);
+// The fields the prep and the out stages' parameters share.
+template <typename P>
+P tile_params(int64_t NC, int64_t T, int64_t HK, int64_t HV, int64_t K, int64_t V, bool use_qk_l2norm, kernels::InType it,
+              const at::Tensor& gather) {
+  P p;
+  p.num_chunks = NC;
+  p.tokens = T;
+  p.key_heads = static_cast<int>(HK);
+  p.value_heads = static_cast<int>(HV);
+  p.k_dim = static_cast<int>(K);
+  p.v_dim = static_cast<int>(V);
+  p.use_qk_l2norm = use_qk_l2norm;
+  p.in = it;
+  p.gather = gather.data_ptr<int64_t>();
+  return p;
 }
 
 }  // namespace
@@ -57,19 +63,11 @@ void check_launch(const char* err, const char* stage) {
 std::pair<at::Tensor, Saved> forward(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
                                      const at::Tensor& g_in, const at::Tensor& beta_in, const Tables& tables,
                                      const std::optional<at::Tensor>& initial_state, double scale, bool use_qk_l2norm) {
-  TR_CHECK_VALUE(q_in.is_cuda(), "gdn_tree_scan (fused): inputs must be on CUDA, got ", q_in.device());
+  check_inputs(q_in, k_in, v_in, tables, "gdn_tree_scan (fused)");
+  static_assert(kernels::kChunk == 64, "check_inputs checks chunk 64");
   const auto dt = v_in.scalar_type();
-  TR_CHECK_TYPE((dt == at::kBFloat16 || dt == at::kHalf) && q_in.scalar_type() == dt && k_in.scalar_type() == dt,
-                   "gdn_tree_scan (fused): q, k, v must be bfloat16 or float16 alike, got ", q_in.scalar_type(), ", ",
-                   k_in.scalar_type(), ", ", dt);
   const int64_t T = q_in.size(0), HK = q_in.size(1), K = q_in.size(2), HV = v_in.size(1), V = v_in.size(2);
   const int64_t NC = tables.gather.size(0), C = tables.gather.size(1);
-  TR_CHECK_VALUE(C == kernels::kChunk, "gdn_tree_scan (fused): chunk must be 64, got ", C);
-  TR_CHECK_VALUE(K % 8 == 0 && K >= 8 && K <= 128 && V % 8 == 0 && V >= 8 && V <= 128,
-                    "gdn_tree_scan (fused): key_dim and value_dim must be multiples of 8 in 8..128, got ", K, " and ", V);
-  TR_CHECK_VALUE(HK > 0 && HV % HK == 0 && HV <= 65535, "gdn_tree_scan (fused): value heads ", HV,
-                    " must be a multiple of key heads ", HK, " and at most 65535");
-  TR_CHECK_VALUE(NC < (int64_t{1} << 31), "gdn_tree_scan (fused): ", NC, " chunks (at most 2^31 - 1)");
   const int64_t S = tables.parents.size(0);
   const int64_t L = static_cast<int64_t>(tables.level_offsets.size()) - 1;
   TR_CHECK_VALUE(L >= 0 || S == 0, "gdn_tree_scan (fused): level_offsets must have num_levels + 1 entries");
@@ -99,16 +97,7 @@ std::pair<at::Tensor, Saved> forward(const at::Tensor& q_in, const at::Tensor& k
   if (NC == 0 || T == 0) return {o, sv};
 
   // 1. prep
-  kernels::PrepParams pp;
-  pp.num_chunks = NC;
-  pp.tokens = T;
-  pp.key_heads = static_cast<int>(HK);
-  pp.value_heads = static_cast<int>(HV);
-  pp.k_dim = static_cast<int>(K);
-  pp.v_dim = static_cast<int>(V);
-  pp.use_qk_l2norm = use_qk_l2norm;
-  pp.in = it;
-  pp.gather = gather.data_ptr<int64_t>();
+  auto pp = tile_params<kernels::PrepParams>(NC, T, HK, HV, K, V, use_qk_l2norm, it, gather);
   pp.k = k.data_ptr();
   pp.v = v.data_ptr();
   pp.g = g.data_ptr<float>();
@@ -135,25 +124,8 @@ std::pair<at::Tensor, Saved> forward(const at::Tensor& q_in, const at::Tensor& k
     per_root = s0.dim() == 4;
     h0 = s0.to(at::kFloat).contiguous();
   }
-  const at::Tensor sco = tables.seg_chunk_offsets.contiguous(), parents = tables.parents.contiguous(),
-                   root_index = tables.root_index.contiguous(), level_segments = tables.level_segments.contiguous(),
-                   child_offsets = tables.child_offsets.contiguous(), children = tables.children.contiguous();
-  tree_recurrence::kernels::ChunkStatePassTcParams sp;
-  sp.num_chunks = NC;
-  sp.heads = HV;
-  sp.k_dim = K;
-  sp.v_dim = V;
-  sp.num_segments = S;
-  sp.num_roots = R;
-  sp.in = dt == at::kBFloat16 ? tree_recurrence::kernels::ChunkDType::BFloat16 : tree_recurrence::kernels::ChunkDType::Float16;
-  sp.seg_chunk_offsets = sco.data_ptr<int64_t>();
-  sp.parents = parents.data_ptr<int64_t>();
-  sp.root_index = root_index.data_ptr<int64_t>();
-  sp.level_segments = level_segments.data_ptr<int64_t>();
-  sp.level_offsets = tables.level_offsets.data();
-  sp.num_levels = L;
-  sp.child_offsets = child_offsets.data_ptr<int64_t>();
-  sp.children = children.numel() ? children.data_ptr<int64_t>() : nullptr;
+  PassTables pass_tables;
+  auto sp = state_pass_params(tables, pass_tables, NC, HV, K, V, R, dt);
   sp.w = sv.w.data_ptr();
   sp.u = sv.u.data_ptr();
   sp.kd = sv.kd.data_ptr();
@@ -166,17 +138,8 @@ std::pair<at::Tensor, Saved> forward(const at::Tensor& q_in, const at::Tensor& k
   check_launch(tree_recurrence::kernels::chunk_state_pass_tc_forward(sp, stream), "tree state pass");
 
   // 3. outputs
-  kernels::OutParams op;
-  op.num_chunks = NC;
-  op.tokens = T;
-  op.key_heads = static_cast<int>(HK);
-  op.value_heads = static_cast<int>(HV);
-  op.k_dim = static_cast<int>(K);
-  op.v_dim = static_cast<int>(V);
+  auto op = tile_params<kernels::OutParams>(NC, T, HK, HV, K, V, use_qk_l2norm, it, gather);
   op.scale = static_cast<float>(scale > 0 ? scale : 1.0 / std::sqrt(static_cast<double>(K)));
-  op.use_qk_l2norm = use_qk_l2norm;
-  op.in = it;
-  op.gather = gather.data_ptr<int64_t>();
   op.q = q.data_ptr();
   op.k = k.data_ptr();
   op.G = sv.G.data_ptr<float>();

@@ -21,6 +21,10 @@ constexpr int kThreads = 128;
 constexpr int kWarps = kThreads / 32;
 constexpr int kPitchC = C + 8;  // pitch of a C x C in-type tile
 
+// (b) and (c): 16 warps per CTA, one 16 x 16 tile of a C x C product per warp.
+constexpr int kTileWarps = (C / 16) * (C / 16);
+constexpr int kTileThreads = kTileWarps * 32;
+
 __host__ __device__ inline int round16(int x) { return (x + 15) / 16 * 16; }
 __host__ __device__ inline int pitch_of(int padded) { return padded + 8; }
 
@@ -223,6 +227,18 @@ inline const char* launch_cta(void (*kernel)(GdnBwdParams), dim3 grid, int threa
   if (e != cudaSuccess) return cudaGetErrorString(e);
   kernel<<<grid, threads, bytes, static_cast<cudaStream_t>(stream)>>>(p);
   return launch_error();
+}
+// launch_cta of the bf16 or the fp16 instance of a kernel (by p.in) over `grid`, by default the
+// (NC, HV) grid of the per-(chunk, value head) kernels; nothing when there are no chunks.
+inline const char* launch_chunks(void (*bf16)(GdnBwdParams), void (*fp16)(GdnBwdParams), int threads, size_t bytes,
+                                 const GdnBwdParams& p, void* stream, dim3 grid) {
+  if (p.num_chunks == 0) return "";
+  return launch_cta(p.in == BwdDType::BFloat16 ? bf16 : fp16, grid, threads, bytes, p, stream);
+}
+inline const char* launch_chunks(void (*bf16)(GdnBwdParams), void (*fp16)(GdnBwdParams), int threads, size_t bytes,
+                                 const GdnBwdParams& p, void* stream) {
+  return launch_chunks(bf16, fp16, threads, bytes, p, stream,
+                       dim3(static_cast<unsigned>(p.num_chunks), static_cast<unsigned>(p.hv)));
 }
 
 }  // namespace tree_recurrence::gdn::fused::kernels::bwd

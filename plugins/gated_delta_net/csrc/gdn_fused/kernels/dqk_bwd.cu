@@ -22,9 +22,8 @@ namespace {
 // (dqk_kernel_v3, "version 3") follows its tile helpers. (Version 1, one max(K, C) x V state buffer
 // with v_new loaded twice and dS read twice, was deleted after version 3 passed its GPU runs against it
 // and the float64 twin; version 2, a persistent one-CTA-per-SM kernel, measured slower and was removed.)
-constexpr int kDqkWarps = 16;
-constexpr int kDqkThreads = kDqkWarps * 32;
-static_assert((C / 16) * (C / 16) == kDqkWarps, "dqk: one C x C tile of dP / D per warp");
+constexpr int kDqkWarps = kTileWarps;  // one C x C tile of dP / D per warp
+constexpr int kDqkThreads = kTileThreads;
 
 // dP(i, j) = exp(G_i - G_j) <dO_i, v_new_j> for j <= i on the warp's tile (dr0, dc0): kept in fp32
 // (dpf) for D and stored in-type (dP, pitch kPitchC) for the dq^, dk^ products.
@@ -340,27 +339,18 @@ __global__ void __launch_bounds__(kDqkThreads, 2) dqk_kernel_v3(GdnBwdParams p) 
   dg_rows(p.dG + ch * C, partQ, partT, partD, *lastRow, Kp, g_last, hds_all);
 }
 
-// Two C x V half buffers for the states, exp(G) per row.
-size_t dqk3_smem(const GdnBwdParams& p) {
-  const int Kp = round16(static_cast<int>(p.k_dim)), ldk = pitch_of(Kp), ldv = pitch_of(round16(static_cast<int>(p.v_dim)));
-  return 2 * smem_bytes<uint16_t>(C * ldk) + smem_bytes<uint16_t>(C * ldv) + 2 * smem_bytes<uint16_t>(kDqkHalf * ldv) +
-         smem_bytes<uint16_t>(C * kPitchC) + 3 * smem_bytes<float>(C) + 3 * smem_bytes<float>(C * 8) + smem_bytes<int>(4) +
-         smem_bytes<float>(kDqkWarps + 1) + 2 * smem_bytes<float>(C) + smem_bytes<int64_t>(C) +
-         smem_bytes<uint4>(kDqkThreads);
-}
-
-template <typename T>
-const char* launch(const GdnBwdParams& p, void* stream) {
-  if (p.num_chunks == 0) return "";
-  return launch_cta(dqk_kernel_v3<T>, dim3(static_cast<unsigned>(p.num_chunks), static_cast<unsigned>(p.hv)), kDqkThreads,
-                    dqk3_smem(p), p, stream);
-}
-
 }  // namespace
 }  // namespace bwd
 
 const char* gdn_bwd_dqk(const GdnBwdParams& p, void* stream) {
-  return p.in == BwdDType::BFloat16 ? bwd::launch<__nv_bfloat16>(p, stream) : bwd::launch<__half>(p, stream);
+  using namespace bwd;
+  // the kernel's shared memory: q^, k^, A, the two state halves (B0, B1), dP, then the per-row tables
+  const int Kp = round16(static_cast<int>(p.k_dim)), ldk = pitch_of(Kp), ldv = pitch_of(round16(static_cast<int>(p.v_dim)));
+  const size_t bytes = 2 * smem_bytes<uint16_t>(C * ldk) + smem_bytes<uint16_t>(C * ldv) +
+                       2 * smem_bytes<uint16_t>(kDqkHalf * ldv) + smem_bytes<uint16_t>(C * kPitchC) + 3 * smem_bytes<float>(C) +
+                       3 * smem_bytes<float>(C * 8) + smem_bytes<int>(4) + smem_bytes<float>(kDqkWarps + 1) +
+                       2 * smem_bytes<float>(C) + smem_bytes<int64_t>(C) + smem_bytes<uint4>(kDqkThreads);
+  return launch_chunks(dqk_kernel_v3<__nv_bfloat16>, dqk_kernel_v3<__half>, kDqkThreads, bytes, p, stream);
 }
 
 }  // namespace tree_recurrence::gdn::fused::kernels

@@ -136,18 +136,12 @@ __global__ void __launch_bounds__(kDvThreads, 4) dv_local_kernel(GdnBwdParams p)
   }
 }
 
-template <typename T>
-const char* launch(const GdnBwdParams& p, void* stream) {
-  if (p.num_chunks == 0) return "";
-  return launch_cta(dv_local_kernel<T>, dim3(static_cast<unsigned>(p.num_chunks), static_cast<unsigned>(p.hv)), kDvThreads,
-                    dv_local_smem(p), p, stream);
-}
-
 }  // namespace
 }  // namespace bwd
 
 const char* gdn_bwd_dv_local(const GdnBwdParams& p, void* stream) {
-  return p.in == BwdDType::BFloat16 ? bwd::launch<__nv_bfloat16>(p, stream) : bwd::launch<__half>(p, stream);
+  using namespace bwd;
+  return launch_chunks(dv_local_kernel<__nv_bfloat16>, dv_local_kernel<__half>, kDvThreads, dv_local_smem(p), p, stream);
 }
 
 }  // namespace tree_recurrence::gdn::fused::kernels

@@ -155,15 +155,17 @@ inline const char* launch_tiles(void (*kernel)(Params), int threads, int smem, c
 }
 
 // A stage's entry (launch_prep_fwd, launch_out_fwd): checks the dims and the grid limits of p, then
-// runs bf16 or fp16 (by p.in) on the stream; "" or why not (the caller names the stage).
+// launch_tiles of the bf16 or the fp16 instance of the kernel (by p.in), nothing when there are no
+// chunks; "" or why not (the caller names the stage).
 template <typename Params>
-inline const char* launch_checked(const Params& p, void* cuda_stream, const char* (*bf16)(const Params&, cudaStream_t),
-                                  const char* (*fp16)(const Params&, cudaStream_t)) {
+inline const char* launch_checked(void (*bf16)(Params), void (*fp16)(Params), int threads, int smem, const Params& p,
+                                  void* cuda_stream) {
   if (p.k_dim < 8 || p.k_dim > kMaxDim || p.k_dim % 8 || p.v_dim < 8 || p.v_dim > kMaxDim || p.v_dim % 8)
     return "gdn fused forward: K and V must be multiples of 8 in 8..128";
   if (p.num_chunks > 0x7fffffffLL || p.value_heads > 65535 || p.key_heads <= 0 || p.value_heads % p.key_heads)
     return "gdn fused forward: chunks must be < 2^31, value heads <= 65535 and a multiple of key heads";
-  return (p.in == InType::BFloat16 ? bf16 : fp16)(p, static_cast<cudaStream_t>(cuda_stream));
+  if (p.num_chunks == 0) return "";
+  return launch_tiles(p.in == InType::BFloat16 ? bf16 : fp16, threads, smem, p, static_cast<cudaStream_t>(cuda_stream));
 }
 
 }  // namespace tree_recurrence::gdn::fused::kernels

@@ -30,6 +30,7 @@ struct OutSmem {
   float G[kChunk];
   int64_t tok[kChunk];
 };
+static_assert(sizeof(OutSmem<__nv_bfloat16>) == sizeof(OutSmem<__half>), "out: one shared-memory size");
 
 // O += q^ (rows 16 rw.., k blocks kt0..kt1-1) times the rows of h held in hk (h's row 16 kt0 at hk's row 0),
 // output columns v0.. (vb16 blocks of 16 at most 4); k blocks in order.
@@ -174,16 +175,11 @@ __global__ void __launch_bounds__(kThreads, 3) out_fwd_kernel(const OutParams p)
   }
 }
 
-template <typename T>
-const char* launch(const OutParams& p, cudaStream_t stream) {
-  if (p.num_chunks == 0) return "";
-  return launch_tiles(out_fwd_kernel<T>, kThreads, static_cast<int>(sizeof(OutSmem<T>)), p, stream);
-}
-
 }  // namespace
 
 const char* launch_out_fwd(const OutParams& p, void* cuda_stream) {
-  return launch_checked(p, cuda_stream, launch<__nv_bfloat16>, launch<__half>);
+  return launch_checked(out_fwd_kernel<__nv_bfloat16>, out_fwd_kernel<__half>, kThreads,
+                        static_cast<int>(sizeof(OutSmem<__half>)), p, cuda_stream);
 }
 
 }  // namespace tree_recurrence::gdn::fused::kernels

@@ -45,6 +45,7 @@ struct PrepSmem {
   float dlast[kChunk];  // exp(G_63 - G_i)
   int64_t tok[kChunk];
 };
+static_assert(sizeof(PrepSmem<__nv_bfloat16>) == sizeof(PrepSmem<__half>), "prep: one shared-memory size");
 
 // Phase 5: acc = op X with op (64 x 64, pitch kLdI) lower block triangular and X (64 x 16 nblocks16, pitch
 // kLdX). The warp owns 16-column blocks warp and warp + 4 of X (all 64 rows), so the lower-triangular
@@ -182,6 +183,19 @@ __device__ __forceinline__ void load_inverse(float (&xr)[4][8], const float* M, 
   }
 }
 
+// block_inverse's level d: y[n] to the 1 x 4 strip s = tid + 128 n (when s < (4 - d) 64) of block
+// (i, j) = (j + d, s / 64) of M, row s / 4 % 16, columns 4 (s % 4)..
+__device__ __forceinline__ void store_strips(float* M, const float4 (&y)[2], int tid, int d) {
+#pragma unroll
+  for (int n = 0; n < 2; ++n) {
+    const int s = tid + n * kThreads;
+    if (s < (4 - d) * 64) {
+      const int j = s >> 6, i = j + d, r = (s >> 2) & 15, q4 = (s & 3) * 4;
+      *reinterpret_cast<float4*>(M + (i * 16 + r) * kLdA + j * 16 + q4) = y[n];
+    }
+  }
+}
+
 // Phase 4: Ainv = (I + A)^-1 by 16 x 16 blocks, fp32 on CUDA cores, all 128 threads.
 // On entry the buffer M (pitch kLdA) holds A transposed in its strict upper triangle (M[c][r] =
 // A(r, c), c < r); on exit its lower triangle with the diagonal holds X = Ainv (M[r][c] = X(r, c),
@@ -245,14 +259,7 @@ __device__ __forceinline__ void block_inverse(float* M, int tid) {
       }
     }
     // block (i, j) is read by no other strip of this level: Y goes there at once
-#pragma unroll
-    for (int n = 0; n < 2; ++n) {
-      const int s = tid + n * kThreads;
-      if (s < strips) {
-        const int j = s >> 6, i = j + d, r = (s >> 2) & 15, q4 = (s & 3) * 4;
-        *reinterpret_cast<float4*>(M + (i * 16 + r) * kLdA + j * 16 + q4) = y[n];
-      }
-    }
+    store_strips(M, y, tid, d);
     __syncthreads();
     // X_ij = -D_i Y (D_i(r, m) at M[16i + r][16i + m]: 1 on the diagonal, 0 above it, from 4a)
 #pragma unroll
@@ -275,14 +282,7 @@ __device__ __forceinline__ void block_inverse(float* M, int tid) {
       }
     }
     __syncthreads();
-#pragma unroll
-    for (int n = 0; n < 2; ++n) {
-      const int s = tid + n * kThreads;
-      if (s < strips) {
-        const int j = s >> 6, i = j + d, r = (s >> 2) & 15, q4 = (s & 3) * 4;
-        *reinterpret_cast<float4*>(M + (i * 16 + r) * kLdA + j * 16 + q4) = y[n];
-      }
-    }
+    store_strips(M, y, tid, d);
     __syncthreads();
   }
 }
@@ -389,16 +389,11 @@ __global__ void __launch_bounds__(kThreads, 4) prep_fwd_kernel(const PrepParams 
   store_rows<T>(static_cast<T*>(p.u) + tile * kChunk * V, s.v, V);
 }
 
-template <typename T>
-const char* launch(const PrepParams& p, cudaStream_t stream) {
-  if (p.num_chunks == 0) return "";
-  return launch_tiles(prep_fwd_kernel<T>, kThreads, static_cast<int>(sizeof(PrepSmem<T>)), p, stream);
-}
-
 }  // namespace
 
 const char* launch_prep_fwd(const PrepParams& p, void* cuda_stream) {
-  return launch_checked(p, cuda_stream, launch<__nv_bfloat16>, launch<__half>);
+  return launch_checked(prep_fwd_kernel<__nv_bfloat16>, prep_fwd_kernel<__half>, kThreads,
+                        static_cast<int>(sizeof(PrepSmem<__half>)), p, cuda_stream);
 }
 
 }  // namespace tree_recurrence::gdn::fused::kernels

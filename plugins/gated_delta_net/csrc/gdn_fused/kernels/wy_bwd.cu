@@ -17,9 +17,8 @@ namespace {
 // 16 warps per CTA, 2 CTAs per SM (~104 KB at K = V = 128), a head-fastest 1-D grid (NC * HV blocks).
 // (Version 1, with dA from a recomputed u = Ainv vb and w, nine barriers and an (NC, HV) grid, was
 // deleted after version 2 passed its GPU runs against it and the float64 twin.)
-constexpr int kWyWarps = 16;
-constexpr int kWyThreads = kWyWarps * 32;
-static_assert((C / 16) * (C / 16) == kWyWarps, "wy: one C x C tile of dA per warp");
+constexpr int kWyWarps = kTileWarps;  // one C x C tile of dA per warp
+constexpr int kWyThreads = kTileThreads;
 
 // Version 2 (version 1's quantities, reorganised for latency):
 //  * dA = -(dvb u^T + dkb w^T) = -dvb v_new^T: with dkb = -dvb h^T, dvb u^T + dkb w^T = dvb (u - w h)^T
@@ -341,19 +340,15 @@ size_t wy_smem_v2(const GdnBwdParams& p) {
          smem_bytes<int64_t>(C);
 }
 
-template <typename T>
-const char* launch(const GdnBwdParams& p, void* stream) {
-  if (p.num_chunks == 0) return "";
-  const int64_t blocks = p.num_chunks * p.hv;
-  if (blocks > 2147483647) return "wy: num_chunks * hv exceeds the grid";
-  return launch_cta(wy_kernel_v2<T>, dim3(static_cast<unsigned>(blocks)), kWyThreads, wy_smem_v2(p), p, stream);
-}
-
 }  // namespace
 }  // namespace bwd
 
 const char* gdn_bwd_wy(const GdnBwdParams& p, void* stream) {
-  return p.in == BwdDType::BFloat16 ? bwd::launch<__nv_bfloat16>(p, stream) : bwd::launch<__half>(p, stream);
+  const int64_t blocks = p.num_chunks * p.hv;  // the head-fastest 1-D grid
+  if (blocks > 2147483647) return "wy: num_chunks * hv exceeds the grid";
+  using namespace bwd;
+  return launch_chunks(wy_kernel_v2<__nv_bfloat16>, wy_kernel_v2<__half>, kWyThreads, wy_smem_v2(p), p, stream,
+                       dim3(static_cast<unsigned>(blocks)));
 }
 
 }  // namespace tree_recurrence::gdn::fused::kernels
