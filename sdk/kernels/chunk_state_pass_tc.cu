@@ -22,9 +22,10 @@
 //   54-96 KB of shared memory, 2-4 CTAs per SM, whose phases interleave.
 // * NST >= 2, the pipelined kernel (BV = 32 only): a ring of NST stages, each holding all of one
 //   chunk's operand tiles; at barrier A of chunk c the loads of chunk c + NST - 1 go into the stage
-//   chunk c - 1 just freed, one cp.async group per chunk (empty groups past the segment's end keep
-//   the count), and chunk c waits with cp.async.wait_group NST - 2: NST - 1 chunks in flight while
-//   one computes. For levels with at most one CTA per SM (a long flat row), where nothing else
+//   chunk c - 1 just freed (issued right after the first product's MMAs, so that they overlap), one
+//   cp.async group per chunk (empty groups past the segment's end keep the count), and chunk c
+//   waits with cp.async.wait_group NST - 2: NST - 1 chunks in flight while one computes. The
+//   global stores of a phase follow its MMAs, the decays are read two chunks ahead (DecayAhead). For levels with at most one CTA per SM (a long flat row), where nothing else
 //   hides a load's latency; the host picks it (run_levels).
 // Deterministic: fixed MMA order, no atomics. No host sync.
 #include "tree_recurrence/kernels/chunk_state_pass_tc.h"
@@ -247,6 +248,30 @@ __device__ __forceinline__ void wait_chunk() {
   else m::cp_async_wait<NST - 2>();
 }
 
+// Per-chunk decays read two chunks ahead into registers (the pipelined kernels: their chunks wait on
+// no tile load that would hide this read's latency). Chunks first, first + step, ... up to last.
+struct DecayAhead {
+  const float* decay;
+  int64_t H, head, last;
+  int step;
+  float d0, d1;
+  __device__ __forceinline__ DecayAhead(const float* decay_, int64_t H_, int64_t head_, int64_t first, int64_t last_, int step_)
+      : decay(decay_), H(H_), head(head_), last(last_), step(step_) {
+    d0 = at(first);
+    d1 = at(first + step);
+  }
+  __device__ __forceinline__ float at(int64_t c) const {
+    return (step > 0 ? c <= last : c >= last) ? decay[c * H + head] : 0.f;
+  }
+  // The decay of chunk c (visited in order), reading chunk c + 2 step.
+  __device__ __forceinline__ float take(int64_t c) {
+    const float d = d0;
+    d0 = d1;
+    d1 = at(c + 2 * step);
+    return d;
+  }
+};
+
 template <typename T, int KP, int BV, int NST>
 __global__ void __launch_bounds__(kThreads) tc_forward_kernel(ChunkStatePassTcParams p, int64_t level_begin) {
   using G = Cfg<KP, BV>;
@@ -291,17 +316,18 @@ __global__ void __launch_bounds__(kThreads) tc_forward_kernel(ChunkStatePassTcPa
     for (int i = 0; i < NST - 1; ++i) issue(c_begin + i, stages + i * G::fwd_stage, true, true);
   }
   int cur = 0;  // stage of chunk c
+  DecayAhead ahead(p.decay, t.H, t.head, c_begin, c_end - 1, 1);
   for (int64_t c = c_begin; c < c_end; ++c) {
     const int64_t ch = c * t.H + t.head;
-    const float d = p.decay[ch];
+    const float d = NST ? ahead.take(c) : p.decay[ch];
     T* const st = stages + cur * G::fwd_stage;
     state_to_smem<T, KP, BV>(S, h_s, wi, l);
     wait_chunk<NST>();
     __syncthreads();  // A: w(c), u(c) (pipelined: and kd(c)) landed; h_s complete; chunk c-1's stage free
-    const int prev = cur == 0 ? NB - 1 : cur - 1;
-    if constexpr (NST == 0) issue(c, st, false, true);
-    else issue(c + NST - 1, stages + prev * G::fwd_stage, true, true);
-    store_tile<T, KP, BV, G::LDV, false>(h_s, h + ch * t.KV + t.n0, t.V, t.kvalid, t.vvalid);
+    if constexpr (NST == 0) {
+      issue(c, st, false, true);
+      store_tile<T, KP, BV, G::LDV, false>(h_s, h + ch * t.KV + t.n0, t.V, t.kvalid, t.vvalid);
+    }
     m::FragC acc[1][G::NT];
     if (w) {
       rows_product<T, KP, BV>(acc, st, h_s, wi);
@@ -309,15 +335,20 @@ __global__ void __launch_bounds__(kThreads) tc_forward_kernel(ChunkStatePassTcPa
 #pragma unroll
       for (int nt = 0; nt < G::NT; ++nt) acc[0][nt].zero();
     }
+    if constexpr (NST != 0) {  // issued while the MMAs run: the loads have NST - 1 chunks to land
+      issue(c + NST - 1, stages + (cur == 0 ? NB - 1 : cur - 1) * G::fwd_stage, true, true);
+      store_tile<T, KP, BV, G::LDV, false>(h_s, h + ch * t.KV + t.n0, t.V, t.kvalid, t.vvalid);
+    }
     rows_epilogue<T, BV>(acc, st + 2 * G::KT, -1.f, 1.f, vn_s, wi, l);  // v_new = u - w h
     if constexpr (NST == 0) m::cp_async_wait<0>();
     __syncthreads();  // B: (single-buffered: kd(c) landed;) vn_s complete; h_s free
     if constexpr (NST == 0) {
       if (c + 1 < c_end) issue(c + 1, st, true, false);
+      store_tile<T, kC, BV, G::LDV, false>(vn_s, v_new + ch * kC * t.V + t.n0, t.V, kC, t.vvalid);
     }
-    store_tile<T, kC, BV, G::LDV, false>(vn_s, v_new + ch * kC * t.V + t.n0, t.V, kC, t.vvalid);
     state_scale<KP, BV>(S, d);
     state_update<T, KP, BV>(S, st + G::KT, vn_s, wi);
+    if constexpr (NST != 0) store_tile<T, kC, BV, G::LDV, false>(vn_s, v_new + ch * kC * t.V + t.n0, t.V, kC, t.vvalid);
     cur = cur + 1 == NB ? 0 : cur + 1;
   }
   state_store<KP, BV>(S, p.final_state + (t.s * t.H + t.head) * t.KV + t.n0, t.K, t.V, t.vvalid, wi, l);
@@ -376,22 +407,24 @@ __global__ void __launch_bounds__(kThreads) tc_backward_kernel(ChunkStatePassTcP
     for (int i = 0; i < NST - 1; ++i) issue(c_last - i, stages + i * G::bwd_stage, true, true);
   }
   int cur = 0;
+  DecayAhead ahead(p.decay, t.H, t.head, c_last, c_begin, -1);
   for (int64_t c = c_last; c >= c_begin; --c) {
     const int64_t ch = c * t.H + t.head;
-    const float d = p.decay[ch];
+    const float d = NST ? ahead.take(c) : p.decay[ch];
     T* const st = stages + cur * G::bwd_stage;
     state_to_smem<T, KP, BV>(dS, ds_s, wi, l);
     wait_chunk<NST>();
     __syncthreads();  // A: kd, q_g, grad_out, dv_local (pipelined: and w) (c) landed; ds_s complete; dv_s free
-    const int prev = cur == 0 ? NB - 1 : cur - 1;
     if constexpr (NST == 0) {
       if (w) issue(c, st, false, true);
-    } else {
-      issue(c - (NST - 1), stages + prev * G::bwd_stage, true, true);
+      store_tile<T, KP, BV, G::LDV, false>(ds_s, grad_state_out + ch * t.KV + t.n0, t.V, t.kvalid, t.vvalid);
     }
-    store_tile<T, KP, BV, G::LDV, false>(ds_s, grad_state_out + ch * t.KV + t.n0, t.V, t.kvalid, t.vvalid);
     m::FragC acc[1][G::NT];
     rows_product<T, KP, BV>(acc, st, ds_s, wi);
+    if constexpr (NST != 0) {  // issued while the MMAs run: the loads have NST - 1 chunks to land
+      issue(c - (NST - 1), stages + (cur == 0 ? NB - 1 : cur - 1) * G::bwd_stage, true, true);
+      store_tile<T, KP, BV, G::LDV, false>(ds_s, grad_state_out + ch * t.KV + t.n0, t.V, t.kvalid, t.vvalid);
+    }
     rows_epilogue<T, BV>(acc, dv_local ? st + 3 * G::KT + G::VT : nullptr, 1.f, -1.f, dv_s, wi, l);  // -(dv_local + kd dS)
     state_scale<KP, BV>(dS, d);
     if (has_q) state_update<T, KP, BV>(dS, st + G::KT, st + 3 * G::KT, wi);
@@ -399,9 +432,10 @@ __global__ void __launch_bounds__(kThreads) tc_backward_kernel(ChunkStatePassTcP
     __syncthreads();  // B: (single-buffered: w(c) landed;) dv_s complete; ds_s free
     if constexpr (NST == 0) {
       if (c > c_begin) issue(c - 1, st, true, false);
+      store_tile<T, kC, BV, G::LDV, true>(dv_s, dv_total + ch * kC * t.V + t.n0, t.V, kC, t.vvalid);
     }
-    store_tile<T, kC, BV, G::LDV, true>(dv_s, dv_total + ch * kC * t.V + t.n0, t.V, kC, t.vvalid);
     if (w) state_update<T, KP, BV>(dS, st + 2 * G::KT, dv_s, wi);
+    if constexpr (NST != 0) store_tile<T, kC, BV, G::LDV, true>(dv_s, dv_total + ch * kC * t.V + t.n0, t.V, kC, t.vvalid);
     cur = cur + 1 == NB ? 0 : cur + 1;
   }
   float* out = p.parents[t.s] >= 0 ? p.workspace + (t.s * t.H + t.head) * t.KV
