@@ -36,6 +36,8 @@
 
 #include <cstdint>
 
+#include "bwd_tiles.cuh"
+#include "fwd_tiles.cuh"
 #include "params_bwd.h"
 #include "tree_recurrence/kernels/mma.cuh"
 
@@ -85,39 +87,105 @@ struct Plan {
 
 __device__ __forceinline__ float exp_le0(float v) { return expf(fminf(v, 0.f)); }
 
-template <typename T>
-__device__ __forceinline__ float2 unpack2(uint32_t v);
-template <>
-__device__ __forceinline__ float2 unpack2<__nv_bfloat16>(uint32_t v) {
-  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v));
-}
-template <>
-__device__ __forceinline__ float2 unpack2<__half>(uint32_t v) {
-  return __half22float2(*reinterpret_cast<const __half2*>(&v));
-}
+using bwd_tiles::unpack2;
 template <typename T>
 __device__ __forceinline__ void unpack8(const uint4& v, float (&f)[8]) {
   const float2 a = unpack2<T>(v.x), b = unpack2<T>(v.y), c = unpack2<T>(v.z), d = unpack2<T>(v.w);
   f[0] = a.x; f[1] = a.y; f[2] = b.x; f[3] = b.y; f[4] = c.x; f[5] = c.y; f[6] = d.x; f[7] = d.y;
 }
-template <typename T>
-__device__ __forceinline__ uint4 pack8(const float (&f)[8]) {
-  uint4 v;
-  v.x = mm::Elem<T>::pack(f[0], f[1]);
-  v.y = mm::Elem<T>::pack(f[2], f[3]);
-  v.z = mm::Elem<T>::pack(f[4], f[5]);
-  v.w = mm::Elem<T>::pack(f[6], f[7]);
-  return v;
-}
+using tiles::pack8;  // fwd_tiles.cuh's: 8 floats -> 8 elements of T (RN), pairs in order
 // sigmoid by the fast exp / division (MUFU; relative error ~1e-7, far below the 16-bit rounding of dy / dz);
 // z -> -inf: 1 / inf = 0
 __device__ __forceinline__ float sigm(float z) { return __fdividef(1.f, 1.f + __expf(-z)); }
 __device__ __forceinline__ uint4 ld16(const void* p) { return __ldg(static_cast<const uint4*>(p)); }
 
-// lower block blk (0..9) -> (row block, column block)
-__device__ __forceinline__ void low_block(int blk, int& rb, int& cbk) {
-  rb = blk < 1 ? 0 : (blk < 3 ? 1 : (blk < 6 ? 2 : 3));
-  cbk = blk - rb * (rb + 1) / 2;
+// lower block blk (0..9) -> its first row r0 and first column c0
+__device__ __forceinline__ void low_block(int blk, int& r0, int& c0) {
+  const int rb = blk < 1 ? 0 : (blk < 3 ? 1 : (blk < 6 ? 2 : 3));
+  const int cbk = blk - rb * (rb + 1) / 2;
+  r0 = rb * 16;
+  c0 = cbk * 16;
+}
+// blk's float4 of this lane in a fragment-order array (acc[nt] of the 16x16 block)
+__device__ __forceinline__ float4* frag4(float* base, int blk, int nt, int lane) {
+  return reinterpret_cast<float4*>(base + ((blk * 2 + nt) * 32 + lane) * 4);
+}
+__device__ __forceinline__ void zero2(mm::FragC (&acc)[2]) {
+  acc[0].zero();
+  acc[1].zero();
+}
+// acc (16 x 16) += A B^T, k in [kb, ke): A this block's 16 rows (pitch lda), B its 16 columns as rows (pitch ldb),
+// both k-contiguous
+template <typename T>
+__device__ __forceinline__ void mma_abt(mm::FragC (&acc)[2], const T* A, int lda, const T* B, int ldb, int kb, int ke) {
+  #pragma unroll 1
+  for (int k0 = kb; k0 < ke; k0 += 16) {
+    const mm::FragA a = mm::load_a_row(A + k0, lda);
+    mm::FragB b0, b1;
+    mm::load_b_nk(b0, b1, B + k0, ldb);
+    mm::mma<T>(acc[0], a, b0);
+    mm::mma<T>(acc[1], a, b1);
+  }
+}
+// acc (16 x 16) += A^T B, k in [kb, ke): A's 16 columns from A (pitch lda), B's 16 columns from B (pitch ldb),
+// both row k at k * ld
+template <typename T>
+__device__ __forceinline__ void mma_atb(mm::FragC (&acc)[2], const T* A, int lda, const T* B, int ldb, int kb, int ke) {
+  #pragma unroll 1
+  for (int k0 = kb; k0 < ke; k0 += 16) {
+    const mm::FragA a = mm::load_a_col(A + k0 * lda, lda);
+    mm::FragB b0, b1;
+    mm::load_b_kn(b0, b1, B + k0 * ldb, ldb);
+    mm::mma<T>(acc[0], a, b0);
+    mm::mma<T>(acc[1], a, b1);
+  }
+}
+// f(blk, r0, c0) for this warp's lower blocks blk = warp + 8 i (origin (r0, c0)), one at a time
+template <class F>
+__device__ __forceinline__ void for_low_blocks(int warp, F f) {
+  #pragma unroll 1
+  for (int blk = warp; blk < kLowBlocks; blk += kWarps) {
+    int r0, c0;
+    low_block(blk, r0, c0);
+    f(blk, r0, c0);
+  }
+}
+// for this warp's lower blocks blk of A B^T (A, B: L rows, pitch ld, K columns; blocks blk = warp + 8 i):
+// f(blk, r0, c0, acc) with the block's origin and acc = the product there
+template <typename T, class F>
+__device__ __forceinline__ void low_block_products(int warp, const T* A, const T* B, int ld, int K, F f) {
+  for_low_blocks(warp, [&](int blk, int r0, int c0) {
+    mm::FragC acc[2];
+    zero2(acc);
+    mma_abt<T>(acc, A + r0 * ld, ld, B + c0 * ld, ld, 0, K);
+    f(blk, r0, c0, acc);
+  });
+}
+// the 16-bit pair (a, b) at row i0, (c, d) at row i0 + 8, columns j0, j0 + 1 of dst (pitch ld)
+template <typename T>
+__device__ __forceinline__ void store_pairs(T* dst, int ld, int i0, int j0, float a, float b, float c, float d) {
+  *reinterpret_cast<uint32_t*>(dst + i0 * ld + j0) = mm::Elem<T>::pack(a, b);
+  *reinterpret_cast<uint32_t*>(dst + (i0 + 8) * ld + j0) = mm::Elem<T>::pack(c, d);
+}
+// acc[u] += A (rows r0s.. of this warp's strip) Bm (column blocks half * nbh + u < ncolN), k in [kb, ke);
+// A_COL: A(r, k) at A[k * lda + r] (else A[r * lda + k]); Bm(k, n) at Bm[k * ldb + n]
+template <typename T, bool A_COL>
+__device__ __forceinline__ void acc_gemm(mm::FragC (&acc)[kMaxAcc][2], const T* A, int lda, const T* Bm, int ldb, int kb,
+                                         int ke, int r0s, int half, int nbh, int ncolN) {
+  #pragma unroll 1
+  for (int k0 = kb; k0 < ke; k0 += 16) {
+    const mm::FragA a = A_COL ? mm::load_a_col(A + k0 * lda + r0s, lda) : mm::load_a_row(A + r0s * lda + k0, lda);
+#pragma unroll
+    for (int u = 0; u < kMaxAcc; ++u) {
+      const int cb = half * nbh + u;
+      if (u < nbh && cb < ncolN) {
+        mm::FragB b0, b1;
+        mm::load_b_kn(b0, b1, Bm + k0 * ldb + cb * 16, ldb);
+        mm::mma<T>(acc[u][0], a, b0);
+        mm::mma<T>(acc[u][1], a, b1);
+      }
+    }
+  }
 }
 
 template <typename T, bool kFly, bool kZ>
@@ -177,22 +245,7 @@ __global__ void __launch_bounds__(kThreads, 2) post_bf16_kernel(BwdParams p) {
   __syncthreads();
 
   // cb = C B^T, lower blocks, fp32 in fragment order (and the stage output when asked)
-  #pragma unroll 1
-  for (int blk = warp; blk < kLowBlocks; blk += kWarps) {
-    int rb, cbk;
-    low_block(blk, rb, cbk);
-    const int r0 = rb * 16, c0 = cbk * 16;
-    mm::FragC acc[2];
-    acc[0].zero();
-    acc[1].zero();
-    #pragma unroll 1
-    for (int k0 = 0; k0 < Np; k0 += 16) {
-      const mm::FragA a = mm::load_a_row(Cs + r0 * NT + k0, NT);
-      mm::FragB b0, b1;
-      mm::load_b_nk(b0, b1, Bs + c0 * NT + k0, NT);
-      mm::mma<T>(acc[0], a, b0);
-      mm::mma<T>(acc[1], a, b1);
-    }
+  low_block_products<T>(warp, Cs, Bs, NT, Np, [&](int blk, int r0, int c0, mm::FragC(&acc)[2]) {
     float* cbo = p.cb != nullptr ? p.cb + (c * G + g) * kL * kL : nullptr;
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
@@ -202,10 +255,9 @@ __global__ void __launch_bounds__(kThreads, 2) post_bf16_kernel(BwdParams p) {
         acc[nt].x[e] = j <= r ? acc[nt].x[e] : 0.f;
         if (cbo != nullptr) cbo[r * kL + j] = acc[nt].x[e];
       }
-      *reinterpret_cast<float4*>(cbf + ((blk * 2 + nt) * 32 + lane) * 4) =
-          make_float4(acc[nt].x[0], acc[nt].x[1], acc[nt].x[2], acc[nt].x[3]);
+      *frag4(cbf, blk, nt, lane) = make_float4(acc[nt].x[0], acc[nt].x[1], acc[nt].x[2], acc[nt].x[3]);
     }
-  }
+  });
   if (p.cb != nullptr) {
     float* cbo = p.cb + (c * G + g) * kL * kL;
     for (int e = tid; e < kL * kL; e += kThreads)
@@ -222,24 +274,6 @@ __global__ void __launch_bounds__(kThreads, 2) post_bf16_kernel(BwdParams p) {
       accC[u][nt].zero();
       accB[u][nt].zero();
     }
-  // acc[u] += A (rows r0s.., A(r, k) at A[r * lda + k]) * Bm (B(k, n) at Bm[k * ldb + n]), k in [kb, ke)
-  auto acc_gemm = [&](mm::FragC (&acc)[kMaxAcc][2], const T* A, int lda, const T* Bm, int ldb, int kb, int ke) {
-    #pragma unroll 1
-    for (int k0 = kb; k0 < ke; k0 += 16) {
-      const mm::FragA a = mm::load_a_row(A + r0s * lda + k0, lda);
-#pragma unroll
-      for (int u = 0; u < kMaxAcc; ++u) {
-        const int cb = half * nbh + u;
-        if (u < nbh && cb < ncolN) {
-          mm::FragB b0, b1;
-          mm::load_b_kn(b0, b1, Bm + k0 * ldb + cb * 16, ldb);
-          mm::mma<T>(acc[u][0], a, b0);
-          mm::mma<T>(acc[u][1], a, b1);
-        }
-      }
-    }
-  };
-
   constexpr bool fly = kFly, hasz = kZ;  // dy on the fly; z present (p.post_dy_from_dout, p.z)
   const T* gdo = static_cast<const T*>(p.dout);
   const T* gz = static_cast<const T*>(p.z);
@@ -356,16 +390,8 @@ __global__ void __launch_bounds__(kThreads, 2) post_bf16_kernel(BwdParams p) {
     for (int b = warp; b < ncolPblk; b += kWarps) {
       const int r0 = (b / ncolP) * 16, ct = b % ncolP, p0 = ct * 16;
       mm::FragC acc[2];
-      acc[0].zero();
-      acc[1].zero();
-      #pragma unroll 1
-    for (int k0 = 0; k0 < Np; k0 += 16) {
-        const mm::FragA a = mm::load_a_row(Cs + r0 * NT + k0, NT);
-        mm::FragB b0, b1;
-        mm::load_b_nk(b0, b1, mat + p0 * NT + k0, NT);
-        mm::mma<T>(acc[0], a, b0);
-        mm::mma<T>(acc[1], a, b1);
-      }
+      zero2(acc);
+      mma_abt<T>(acc, Cs + r0 * NT, NT, mat + p0 * NT, NT, 0, Np);
       float s0 = 0.f, s1 = 0.f;
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt)
@@ -375,17 +401,15 @@ __global__ void __launch_bounds__(kThreads, 2) post_bf16_kernel(BwdParams p) {
           const float v = acc[nt].x[e] * mm::Elem<T>::to_float(dys[r * PT + col]);
           if (e < 2) s0 += v; else s1 += v;
         }
-      s0 += __shfl_xor_sync(0xffffffffu, s0, 1);
-      s0 += __shfl_xor_sync(0xffffffffu, s0, 2);
-      s1 += __shfl_xor_sync(0xffffffffu, s1, 1);
-      s1 += __shfl_xor_sync(0xffffffffu, s1, 2);
+      bwd_tiles::quad_sum(s0);
+      bwd_tiles::quad_sum(s1);
       if (tq == 0) {
         qpart[ct * kL + r0 + mm::c_row(lane, 0)] = s0;
         qpart[ct * kL + r0 + mm::c_row(lane, 2)] = s1;
       }
     }
     // dC head term: (e^Lam . dy) s
-    acc_gemm(accC, sc, PT, mat, NT, 0, Pp);
+    acc_gemm<T, false>(accC, sc, PT, mat, NT, 0, Pp, r0s, half, nbh, ncolN);
     __syncthreads();
 
     // dS -> mat (input type); wlast dt . x -> sc; M (lower) -> Mt
@@ -419,14 +443,10 @@ __global__ void __launch_bounds__(kThreads, 2) post_bf16_kernel(BwdParams p) {
         for (int k = 0; k < 8; ++k) f[k] *= w;
         *reinterpret_cast<uint4*>(sc + i * PT + cc * 8) = pack8<T>(f);
       }
-      #pragma unroll 1
-      for (int blk = warp; blk < kLowBlocks; blk += kWarps) {
-        int rb, cbk;
-        low_block(blk, rb, cbk);
-        const int r0 = rb * 16, c0 = cbk * 16;
+      for_low_blocks(warp, [&](int blk, int r0, int c0) {
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {
-          const float4 cv = *reinterpret_cast<const float4*>(cbf + ((blk * 2 + nt) * 32 + lane) * 4);
+          const float4 cv = *frag4(cbf, blk, nt, lane);
           const float cvs[4] = {cv.x, cv.y, cv.z, cv.w};
           float m[4];
 #pragma unroll
@@ -435,10 +455,9 @@ __global__ void __launch_bounds__(kThreads, 2) post_bf16_kernel(BwdParams p) {
             m[e] = j <= i ? cvs[e] * exp_le0(lam[i] - lam[j]) : 0.f;
           }
           const int i0 = r0 + mm::c_row(lane, 0), j0 = c0 + nt * 8 + mm::c_col(lane, 0);
-          *reinterpret_cast<uint32_t*>(Mt + i0 * kLT + j0) = mm::Elem<T>::pack(m[0], m[1]);
-          *reinterpret_cast<uint32_t*>(Mt + (i0 + 8) * kLT + j0) = mm::Elem<T>::pack(m[2], m[3]);
+          store_pairs<T>(Mt, kLT, i0, j0, m[0], m[1], m[2], m[3]);
         }
-      }
+      });
     }
     __syncthreads();
 
@@ -450,26 +469,10 @@ __global__ void __launch_bounds__(kThreads, 2) post_bf16_kernel(BwdParams p) {
       const int strip = k == 2 ? 3 : (k == 3 ? 2 : k);  // warps pair strips 0 + 3, 1 + 2 (balanced M^T work)
       const int r0 = strip * 16;
       mm::FragC aS[2], aG[2];
-      aS[0].zero();
-      aS[1].zero();
-      aG[0].zero();
-      aG[1].zero();
-      #pragma unroll 1
-    for (int k0 = 0; k0 < Np; k0 += 16) {
-        const mm::FragA a = mm::load_a_row(Bs + r0 * NT + k0, NT);
-        mm::FragB b0, b1;
-        mm::load_b_nk(b0, b1, mat + p0 * NT + k0, NT);
-        mm::mma<T>(aS[0], a, b0);
-        mm::mma<T>(aS[1], a, b1);
-      }
-      #pragma unroll 1
-      for (int k0 = r0; k0 < kL; k0 += 16) {
-        const mm::FragA a = mm::load_a_col(Mt + k0 * kLT + r0, kLT);
-        mm::FragB b0, b1;
-        mm::load_b_kn(b0, b1, dys + k0 * PT + p0, PT);
-        mm::mma<T>(aG[0], a, b0);
-        mm::mma<T>(aG[1], a, b1);
-      }
+      zero2(aS);
+      zero2(aG);
+      mma_abt<T>(aS, Bs + r0 * NT, NT, mat + p0 * NT, NT, 0, Np);
+      mma_atb<T>(aG, Mt + r0, kLT, dys + p0, PT, r0, kL);
       float d0 = 0.f, d1 = 0.f, v0 = 0.f, v1 = 0.f;
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
@@ -497,46 +500,19 @@ __global__ void __launch_bounds__(kThreads, 2) post_bf16_kernel(BwdParams p) {
             *reinterpret_cast<uint32_t*>(gdx + (static_cast<int64_t>(t) * H + h) * P + pc) = mm::Elem<T>::pack(dxv[0], dxv[1]);
         }
       }
-#pragma unroll
-      for (int m = 1; m <= 2; m <<= 1) {
-        d0 += __shfl_xor_sync(0xffffffffu, d0, m);
-        d1 += __shfl_xor_sync(0xffffffffu, d1, m);
-        v0 += __shfl_xor_sync(0xffffffffu, v0, m);
-        v1 += __shfl_xor_sync(0xffffffffu, v1, m);
-      }
-      if (tq == 0) {
-        dpart[ct * kL + r0 + mm::c_row(lane, 0)] = d0;
-        dpart[ct * kL + r0 + mm::c_row(lane, 2)] = d1;
-        vpart[ct * kL + r0 + mm::c_row(lane, 0)] = v0;
-        vpart[ct * kL + r0 + mm::c_row(lane, 2)] = v1;
-      }
+      bwd_tiles::store_dv_partials(d0, d1, v0, v1, dpart + ct * kL, vpart + ct * kL, r0 + mm::c_row(lane, 0),
+                                   r0 + mm::c_row(lane, 2), tq);
     }
     // dB head term: (wlast dt . x) dS
-    acc_gemm(accB, sc, PT, mat, NT, 0, Pp);
+    acc_gemm<T, false>(accB, sc, PT, mat, NT, 0, Pp, r0s, half, nbh, ncolN);
     __syncthreads();
 
     // dyx = dy x^T (lower blocks) -> dCB (summed over heads in sdf) and W = cb . dCB (fp32, over Mt / sc)
-    #pragma unroll 1
-    for (int blk = warp; blk < kLowBlocks; blk += kWarps) {
-      int rb, cbk;
-      low_block(blk, rb, cbk);
-      const int r0 = rb * 16, c0 = cbk * 16;
-      mm::FragC acc[2];
-      acc[0].zero();
-      acc[1].zero();
-      #pragma unroll 1
-      for (int k0 = 0; k0 < Pp; k0 += 16) {
-        const mm::FragA a = mm::load_a_row(dys + r0 * PT + k0, PT);
-        mm::FragB b0, b1;
-        mm::load_b_nk(b0, b1, xs + c0 * PT + k0, PT);
-        mm::mma<T>(acc[0], a, b0);
-        mm::mma<T>(acc[1], a, b1);
-      }
+    low_block_products<T>(warp, dys, xs, PT, Pp, [&](int blk, int r0, int c0, mm::FragC(&acc)[2]) {
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
-        float4* cp4 = reinterpret_cast<float4*>(cbf + ((blk * 2 + nt) * 32 + lane) * 4);
-        float4* sp4 = reinterpret_cast<float4*>(sdf + ((blk * 2 + nt) * 32 + lane) * 4);
-        const float4 cv = *cp4;
+        float4* sp4 = frag4(sdf, blk, nt, lane);
+        const float4 cv = *frag4(cbf, blk, nt, lane);
         float4 sv = *sp4;
         const float cvs[4] = {cv.x, cv.y, cv.z, cv.w};
         float d[4];
@@ -554,101 +530,29 @@ __global__ void __launch_bounds__(kThreads, 2) post_bf16_kernel(BwdParams p) {
         *reinterpret_cast<float2*>(Wm + i0 * kLW + j0) = make_float2(cvs[0] * d[0], cvs[1] * d[1]);
         *reinterpret_cast<float2*>(Wm + (i0 + 8) * kLW + j0) = make_float2(cvs[2] * d[2], cvs[3] * d[3]);
       }
-    }
+    });
     __syncthreads();
     // row-exclusive prefixes of W (lower part: j <= i)
-    if (tid < kL) {
-      float run = 0.f;
-      for (int j = 0; j <= tid; ++j) {
-        const float w = Wm[tid * kLW + j];
-        Wm[tid * kLW + j] = run;
-        run += w;
-      }
-    }
+    if (tid < kL) bwd_tiles::row_exclusive_prefix(Wm + tid * kLW, tid + 1);
     __syncthreads();
 
     // rows: q, v, ddt_direct, then the d(dt A) scan (post_tc's order)
-    float dpairs = 0.f, dd = 0.f;
-    if (tid < kL) {
-      const int k = tid;
-      float q = 0.f, v = 0.f;
-      for (int ct = 0; ct < ncolP; ++ct) {
-        q += qpart[ct * kL + k];
-        dd += dpart[ct * kL + k];
-        v += vpart[ct * kL + k];
-      }
-      q *= el[k];
-      v *= dts[k] * wl[k];
-      qs[k] = q;
-      vs[k] = v;
-      p.q[chl + k] = q;
-      p.v[chl + k] = v;
-      p.ddt_direct[chl + k] = dd;
-      for (int i = k; i < kL; ++i) dpairs += Wm[i * kLW + k];
-    }
-    __syncthreads();
-    if (tid < kL) {
-      const int k = tid;
-      float qsum = 0.f, vsum = 0.f;
-      for (int m = kL - 1; m >= k; --m) qsum += qs[m];
-      for (int j = 0; j < k; ++j) vsum += vs[j];
-      const float d = dpairs + qsum + vsum + el[kL - 1] * p.ddecay[ch];
-      p.d_dtA[chl + k] = d;
-      red[k] = dts[k] * d;
-      const int t = tok[k];
-      if (t >= 0) {
-        const float ddt = dd + p.A[h] * d;
-        p.ddt[static_cast<int64_t>(t) * H + h] = ddt;
-        const float v = p.dt_raw[static_cast<int64_t>(t) * H + h] + (p.dt_bias != nullptr ? p.dt_bias[h] : 0.f);
-        float deriv = 1.f, pre = v;
-        if (p.dt_softplus && v <= 20.f) {
-          pre = fmaxf(v, 0.f) + log1pf(expf(-fabsf(v)));
-          deriv = 1.f / (1.f + expf(-v));
-        }
-        const bool pass = pre >= p.dt_min && pre <= p.dt_max;
-        p.ddt_raw[static_cast<int64_t>(t) * H + h] = pass ? ddt * deriv : 0.f;
-      }
-    }
-    __syncthreads();
-    if (tid == 0) {
-      float s = 0.f;
-      for (int k = 0; k < kL; ++k) s += red[k];
-      p.dA_part[ch] = s;
-    }
+    bwd_tiles::head_rows<kLW>(p, tid, lam, qpart, dpart, vpart, ncolP, Wm, tok, ch, H, h);
     // the next head overwrites lam, dts, dys, xs, mat, the W region, the partials
     __syncthreads();
   }
 
   // sum dCB (lower) in the input type over the W region, then dC += (sum dCB) B, dB += (sum dCB)^T C
-  #pragma unroll 1
-  for (int blk = warp; blk < kLowBlocks; blk += kWarps) {
-    int rb, cbk;
-    low_block(blk, rb, cbk);
-    const int r0 = rb * 16, c0 = cbk * 16;
+  for_low_blocks(warp, [&](int blk, int r0, int c0) {
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
-      const float4 sv = *reinterpret_cast<const float4*>(sdf + ((blk * 2 + nt) * 32 + lane) * 4);
-      const int i0 = r0 + mm::c_row(lane, 0), j0 = c0 + nt * 8 + mm::c_col(lane, 0);
-      *reinterpret_cast<uint32_t*>(Mt + i0 * kLT + j0) = mm::Elem<T>::pack(sv.x, sv.y);
-      *reinterpret_cast<uint32_t*>(Mt + (i0 + 8) * kLT + j0) = mm::Elem<T>::pack(sv.z, sv.w);
+      const float4 sv = *frag4(sdf, blk, nt, lane);
+      store_pairs<T>(Mt, kLT, r0 + mm::c_row(lane, 0), c0 + nt * 8 + mm::c_col(lane, 0), sv.x, sv.y, sv.z, sv.w);
     }
-  }
+  });
   __syncthreads();
-  acc_gemm(accC, Mt, kLT, Bs, NT, 0, r0s + 16);
-  #pragma unroll 1
-  for (int k0 = r0s; k0 < kL; k0 += 16) {
-    const mm::FragA a = mm::load_a_col(Mt + k0 * kLT + r0s, kLT);
-#pragma unroll
-    for (int u = 0; u < kMaxAcc; ++u) {
-      const int cb = half * nbh + u;
-      if (u < nbh && cb < ncolN) {
-        mm::FragB b0, b1;
-        mm::load_b_kn(b0, b1, Cs + k0 * NT + cb * 16, NT);
-        mm::mma<T>(accB[u][0], a, b0);
-        mm::mma<T>(accB[u][1], a, b1);
-      }
-    }
-  }
+  acc_gemm<T, false>(accC, Mt, kLT, Bs, NT, 0, r0s + 16, r0s, half, nbh, ncolN);
+  acc_gemm<T, true>(accB, Mt, kLT, Cs, NT, r0s, kL, r0s, half, nbh, ncolN);
 #pragma unroll
   for (int u = 0; u < kMaxAcc; ++u) {
     const int cb = half * nbh + u;

@@ -19,6 +19,7 @@
 
 #include <cstdint>
 
+#include "bwd_tiles.cuh"
 #include "params_bwd.h"
 #include "tree_recurrence/kernels/mma.cuh"
 
@@ -124,6 +125,32 @@ __device__ __forceinline__ int acc_col(int n0, int nt, int e) {
   return n0 + nt * 8 + static_cast<int>((threadIdx.x & 3) << 1) + (e & 1);
 }
 
+// acc (block at (r0, n0)) += A B^T over k in [0, K): A(r, k) = A[r * ld + k], B(k, n) = B[n * ld + k]
+__device__ __forceinline__ void mma_abt(mm::FragC (&acc)[2], int r0, int n0, int K, const float* A, const float* B,
+                                        int ld, bool ax, bool bx) {
+  mma_block(acc, r0, n0, 0, K, [&](int r, int k) { return A[r * ld + k]; }, [&](int k, int n) { return B[n * ld + k]; },
+            ax, bx);
+}
+// block b of the 4 x 4 16x16 blocks of an L x L matrix: its origin (r0, n0) and acc = A B^T there (as mma_abt)
+// on and below the diagonal blocks, 0 above
+__device__ __forceinline__ void lower_abt(mm::FragC (&acc)[2], int b, int& r0, int& n0, int K, const float* A,
+                                          const float* B, int ld, bool ax, bool bx) {
+  r0 = (b / 4) * 16;
+  n0 = (b % 4) * 16;
+  zero2(acc);
+  if (n0 <= r0) mma_abt(acc, r0, n0, K, A, B, ld, ax, bx);
+}
+
+// f(nt, e, r, n) for the 8 accumulator elements of acc[0..1] of a block at (r0, n0): element e of acc[nt]
+// at row r, column n
+template <class F>
+__device__ __forceinline__ void for_acc_elems(int r0, int n0, F f) {
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) f(nt, e, acc_row(r0, e), acc_col(n0, nt, e));
+}
+
 __host__ __device__ constexpr int pad16(int64_t v) { return static_cast<int>((v + 15) / 16 * 16); }
 
 // shared-memory plan of post_tc (floats; the int64 token table first)
@@ -200,18 +227,24 @@ __global__ void __launch_bounds__(kLocalThreads) local_tc_kernel(BwdParams p) {
     zero2(acc);
     mma_block(acc, r0, n0, 0, kL, [&](int r, int k) { return dys[k * PP + r]; },
               [&](int k, int n) { return Cs[k * NP + n]; }, false, bcx);
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = acc_row(r0, e), n = acc_col(n0, nt, e);
-        if (r < P && n < N) out[static_cast<int64_t>(r) * N + n] = acc[nt].x[e];
-      }
+    for_acc_elems(r0, n0, [&](int nt, int e, int r, int n) {
+      if (r < P && n < N) out[static_cast<int64_t>(r) * N + n] = acc[nt].x[e];
+    });
   }
 }
 
 // ---- everything after the state pass, block per (chunk, group) ------------------------------------
 constexpr int kAccBlocks = (kL / 16) * (kMaxDim / 16) / kPostWarps;  // L x N 16x16 blocks per warp (4)
+
+// f(u, r0, n0) for this warp's L x N blocks b = warp + 8 u < nblkN (origin (r0, n0); ncolN column blocks)
+template <class F>
+__device__ __forceinline__ void for_acc_blocks(int warp, int nblkN, int ncolN, F f) {
+#pragma unroll
+  for (int u = 0; u < kAccBlocks; ++u) {
+    const int b = warp + kPostWarps * u;
+    if (b < nblkN) f(u, (b / ncolN) * 16, (b % ncolN) * 16);
+  }
+}
 
 __global__ void __launch_bounds__(kPostThreads, 1) post_tc_kernel(BwdParams p) {
   extern __shared__ __align__(16) float sm[];
@@ -260,12 +293,9 @@ __global__ void __launch_bounds__(kPostThreads, 1) post_tc_kernel(BwdParams p) {
 
   // cb = C B^T, lower triangle, to shared memory and to the stage output
   for (int b = warp; b < 16; b += kPostWarps) {
-    const int r0 = (b / 4) * 16, n0 = (b % 4) * 16;
+    int r0, n0;
     mm::FragC acc[2];
-    zero2(acc);
-    if (n0 <= r0)
-      mma_block(acc, r0, n0, 0, Np, [&](int r, int k) { return Cs[r * NP + k]; },
-                [&](int k, int n) { return Bs[n * NP + k]; }, bcx, bcx);
+    lower_abt(acc, b, r0, n0, Np, Cs, Bs, NP, bcx, bcx);
     float* cbo = p.cb + (c * G + g) * kL * kL;
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt)
@@ -314,12 +344,9 @@ __global__ void __launch_bounds__(kPostThreads, 1) post_tc_kernel(BwdParams p) {
 
     // dyx = dy x^T (lower blocks)
     for (int b = warp; b < 16; b += kPostWarps) {
-      const int r0 = (b / 4) * 16, n0 = (b % 4) * 16;
+      int r0, n0;
       mm::FragC acc[2];
-      zero2(acc);
-      if (n0 <= r0)
-        mma_block(acc, r0, n0, 0, Pp, [&](int r, int k) { return dys[r * PP + k]; },
-                  [&](int k, int n) { return xs[n * PP + k]; }, false, xx);
+      lower_abt(acc, b, r0, n0, Pp, dys, xs, PP, false, xx);
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
@@ -330,8 +357,7 @@ __global__ void __launch_bounds__(kPostThreads, 1) post_tc_kernel(BwdParams p) {
       const int r0 = (b / ncolP) * 16, ct = b % ncolP, n0 = ct * 16;
       mm::FragC acc[2];
       zero2(acc);
-      mma_block(acc, r0, n0, 0, Np, [&](int r, int k) { return Cs[r * NP + k]; },
-                [&](int k, int n) { return mat[n * NP + k]; }, bcx, sx);
+      mma_abt(acc, r0, n0, Np, Cs, mat, NP, bcx, sx);
       float s0 = 0.f, s1 = 0.f;
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt)
@@ -340,25 +366,18 @@ __global__ void __launch_bounds__(kPostThreads, 1) post_tc_kernel(BwdParams p) {
           const float v = acc[nt].x[e] * dys[acc_row(r0, e) * PP + acc_col(n0, nt, e)];
           if (e < 2) s0 += v; else s1 += v;
         }
-      s0 += __shfl_xor_sync(0xffffffffu, s0, 1);
-      s0 += __shfl_xor_sync(0xffffffffu, s0, 2);
-      s1 += __shfl_xor_sync(0xffffffffu, s1, 1);
-      s1 += __shfl_xor_sync(0xffffffffu, s1, 2);
+      bwd_tiles::quad_sum(s0);
+      bwd_tiles::quad_sum(s1);
       if (tq == 0) {
         qpart[ct * kL + acc_row(r0, 0)] = s0;
         qpart[ct * kL + acc_row(r0, 2)] = s1;
       }
     }
     // dC head term: (e^Lam . dy) s
-#pragma unroll
-    for (int u = 0; u < kAccBlocks; ++u) {
-      const int b = warp + kPostWarps * u;
-      if (b < nblkN) {
-        const int r0 = (b / ncolN) * 16, n0 = (b % ncolN) * 16;
-        mma_block(accC[u], r0, n0, 0, Pp, [&](int r, int k) { return el[r] * dys[r * PP + k]; },
-                  [&](int k, int n) { return mat[k * NP + n]; }, false, sx);
-      }
-    }
+    for_acc_blocks(warp, nblkN, ncolN, [&](int u, int r0, int n0) {
+      mma_block(accC[u], r0, n0, 0, Pp, [&](int r, int k) { return el[r] * dys[r * PP + k]; },
+                [&](int k, int n) { return mat[k * NP + n]; }, false, sx);
+    });
     __syncthreads();
 
     // dS into mat; dCB summed over the heads, W = cb . dCB
@@ -379,8 +398,7 @@ __global__ void __launch_bounds__(kPostThreads, 1) post_tc_kernel(BwdParams p) {
       mm::FragC aS[2], aG[2];
       zero2(aS);
       zero2(aG);
-      mma_block(aS, r0, n0, 0, Np, [&](int r, int k) { return Bs[r * NP + k]; },
-                [&](int k, int n) { return mat[n * NP + k]; }, bcx, false);
+      mma_abt(aS, r0, n0, Np, Bs, mat, NP, bcx, false);
       mma_block(aG, r0, n0, r0, kL,
                 [&](int r, int k) { return k >= r ? cbs[k * kLP + r] * exp_le0(lam[k] - lam[r]) : 0.f; },
                 [&](int k, int n) { return dys[k * PP + n]; });
@@ -404,117 +422,37 @@ __global__ void __launch_bounds__(kPostThreads, 1) post_tc_kernel(BwdParams p) {
             v1 += xv * aS[nt].x[e];
           }
         }
-#pragma unroll
-      for (int m = 1; m <= 2; m <<= 1) {
-        d0 += __shfl_xor_sync(0xffffffffu, d0, m);
-        d1 += __shfl_xor_sync(0xffffffffu, d1, m);
-        v0 += __shfl_xor_sync(0xffffffffu, v0, m);
-        v1 += __shfl_xor_sync(0xffffffffu, v1, m);
-      }
-      if (tq == 0) {
-        dpart[ct * kL + acc_row(r0, 0)] = d0;
-        dpart[ct * kL + acc_row(r0, 2)] = d1;
-        vpart[ct * kL + acc_row(r0, 0)] = v0;
-        vpart[ct * kL + acc_row(r0, 2)] = v1;
-      }
+      bwd_tiles::store_dv_partials(d0, d1, v0, v1, dpart + ct * kL, vpart + ct * kL, acc_row(r0, 0), acc_row(r0, 2), tq);
     }
     // dB head term: (wlast dt . x) dS
-#pragma unroll
-    for (int u = 0; u < kAccBlocks; ++u) {
-      const int b = warp + kPostWarps * u;
-      if (b < nblkN) {
-        const int r0 = (b / ncolN) * 16, n0 = (b % ncolN) * 16;
-        mma_block(accB[u], r0, n0, 0, Pp, [&](int r, int k) { return wl[r] * dts[r] * xs[r * PP + k]; },
-                  [&](int k, int n) { return mat[k * NP + n]; });
-      }
-    }
+    for_acc_blocks(warp, nblkN, ncolN, [&](int u, int r0, int n0) {
+      mma_block(accB[u], r0, n0, 0, Pp, [&](int r, int k) { return wl[r] * dts[r] * xs[r * PP + k]; },
+                [&](int k, int n) { return mat[k * NP + n]; });
+    });
     // row-exclusive prefixes of W in place (W is read by nobody else until the next barrier)
-    if (tid < kL) {
-      float run = 0.f;
-      for (int j = 0; j < kL; ++j) {
-        const float w = Wm[tid * kLP + j];
-        Wm[tid * kLP + j] = run;
-        run += w;
-      }
-    }
+    if (tid < kL) bwd_tiles::row_exclusive_prefix(Wm + tid * kLP, kL);
     __syncthreads();
 
-    // rows: q, v, ddt_direct, then the d(dt A) scan
-    const int64_t chl = ch * kL;
-    float dpairs = 0.f;
-    if (tid < kL) {
-      const int k = tid;
-      float q = 0.f, dd = 0.f, v = 0.f;
-      for (int ct = 0; ct < ncolP; ++ct) {
-        q += qpart[ct * kL + k];
-        dd += dpart[ct * kL + k];
-        v += vpart[ct * kL + k];
-      }
-      q *= el[k];
-      v *= dts[k] * wl[k];
-      qs[k] = q;
-      vs[k] = v;
-      p.q[chl + k] = q;
-      p.v[chl + k] = v;
-      p.ddt_direct[chl + k] = dd;
-      for (int i = k; i < kL; ++i) dpairs += Wm[i * kLP + k];
-    }
-    __syncthreads();
-    if (tid < kL) {
-      const int k = tid;
-      float qsum = 0.f, vsum = 0.f;
-      for (int m = kL - 1; m >= k; --m) qsum += qs[m];
-      for (int j = 0; j < k; ++j) vsum += vs[j];
-      const float d = dpairs + qsum + vsum + el[kL - 1] * p.ddecay[ch];
-      p.d_dtA[chl + k] = d;
-      red[k] = dts[k] * d;
-      const int64_t t = tok[k];
-      if (t >= 0) {
-        const float ddt = p.ddt_direct[chl + k] + p.A[h] * d;
-        p.ddt[t * H + h] = ddt;
-        const float v = p.dt_raw[t * H + h] + (p.dt_bias != nullptr ? p.dt_bias[h] : 0.f);
-        float deriv = 1.f, pre = v;
-        if (p.dt_softplus && v <= 20.f) {
-          pre = fmaxf(v, 0.f) + log1pf(expf(-fabsf(v)));
-          deriv = 1.f / (1.f + expf(-v));
-        }
-        const bool pass = pre >= p.dt_min && pre <= p.dt_max;
-        p.ddt_raw[t * H + h] = pass ? ddt * deriv : 0.f;
-      }
-    }
-    __syncthreads();
-    if (tid == 0) {
-      float s = 0.f;
-      for (int k = 0; k < kL; ++k) s += red[k];
-      p.dA_part[ch] = s;
-    }
+    // rows: q, v, ddt_direct, then the d(dt A) scan (ddt from the register copy of ddt_direct)
+    bwd_tiles::head_rows<kLP>(p, tid, lam, qpart, dpart, vpart, ncolP, Wm, tok, ch, H, h);
     // the next head overwrites lam, dts, dys, xs, mat, Wm, the partials
     __syncthreads();
   }
 
   // dC += (sum dCB) B, dB += (sum dCB)^T C; store
-#pragma unroll
-  for (int u = 0; u < kAccBlocks; ++u) {
-    const int b = warp + kPostWarps * u;
-    if (b < nblkN) {
-      const int r0 = (b / ncolN) * 16, n0 = (b % ncolN) * 16;
-      mma_block(accC[u], r0, n0, 0, r0 + 16, [&](int r, int k) { return sdcb[r * kLP + k]; },
-                [&](int k, int n) { return Bs[k * NP + n]; }, false, bcx);
-      mma_block(accB[u], r0, n0, r0, kL, [&](int r, int k) { return sdcb[k * kLP + r]; },
-                [&](int k, int n) { return Cs[k * NP + n]; }, false, bcx);
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int r = acc_row(r0, e), n = acc_col(n0, nt, e);
-          const int64_t t = tok[r];
-          if (t >= 0 && n < N) {
-            p.dC[(t * G + g) * N + n] = accC[u][nt].x[e];
-            p.dB[(t * G + g) * N + n] = accB[u][nt].x[e];
-          }
-        }
-    }
-  }
+  for_acc_blocks(warp, nblkN, ncolN, [&](int u, int r0, int n0) {
+    mma_block(accC[u], r0, n0, 0, r0 + 16, [&](int r, int k) { return sdcb[r * kLP + k]; },
+              [&](int k, int n) { return Bs[k * NP + n]; }, false, bcx);
+    mma_block(accB[u], r0, n0, r0, kL, [&](int r, int k) { return sdcb[k * kLP + r]; },
+              [&](int k, int n) { return Cs[k * NP + n]; }, false, bcx);
+    for_acc_elems(r0, n0, [&](int nt, int e, int r, int n) {
+      const int64_t t = tok[r];
+      if (t >= 0 && n < N) {
+        p.dC[(t * G + g) * N + n] = accC[u][nt].x[e];
+        p.dB[(t * G + g) * N + n] = accB[u][nt].x[e];
+      }
+    });
+  });
 }
 
 int max_smem_optin() {
@@ -522,6 +460,15 @@ int max_smem_optin() {
   if (cudaGetDevice(&dev) != cudaSuccess) return 0;
   if (cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess) return 0;
   return v;
+}
+
+// blocks x threads of kern with bytes of dynamic shared memory on stream (nothing when blocks is 0)
+int launch(void (*kern)(BwdParams), int64_t blocks, int threads, int64_t bytes, const BwdParams& p, void* stream) {
+  if (blocks == 0) return 0;
+  cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+  if (e != cudaSuccess) return static_cast<int>(e);
+  kern<<<static_cast<unsigned>(blocks), threads, static_cast<int>(bytes), static_cast<cudaStream_t>(stream)>>>(p);
+  return static_cast<int>(cudaGetLastError());
 }
 
 }  // namespace
@@ -534,23 +481,13 @@ bool ssd_bwd_tc_supported(const BwdParams& p) {
 }
 
 int ssd_bwd_local_tc(const BwdParams& p, void* stream) {
-  const int64_t n = p.num_chunks * p.heads;
-  if (n == 0) return 0;
-  const int bytes = static_cast<int>(LocalPlan(p.head_dim, p.state_dim).bytes());
-  cudaError_t e = cudaFuncSetAttribute(local_tc_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-  if (e != cudaSuccess) return static_cast<int>(e);
-  local_tc_kernel<<<static_cast<unsigned>(n), kLocalThreads, bytes, static_cast<cudaStream_t>(stream)>>>(p);
-  return static_cast<int>(cudaGetLastError());
+  return launch(local_tc_kernel, p.num_chunks * p.heads, kLocalThreads, LocalPlan(p.head_dim, p.state_dim).bytes(), p,
+                stream);
 }
 
 int ssd_bwd_post_tc(const BwdParams& p, void* stream) {
-  const int64_t n = p.num_chunks * p.groups;
-  if (n == 0) return 0;
-  const int bytes = static_cast<int>(PostPlan(p.head_dim, p.state_dim).bytes());
-  cudaError_t e = cudaFuncSetAttribute(post_tc_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-  if (e != cudaSuccess) return static_cast<int>(e);
-  post_tc_kernel<<<static_cast<unsigned>(n), kPostThreads, bytes, static_cast<cudaStream_t>(stream)>>>(p);
-  return static_cast<int>(cudaGetLastError());
+  return launch(post_tc_kernel, p.num_chunks * p.groups, kPostThreads, PostPlan(p.head_dim, p.state_dim).bytes(), p,
+                stream);
 }
 
 }  // namespace tree_recurrence::ssd::fused::kernels

@@ -1,0 +1,138 @@
+// Device pieces shared by the fused SSD backward's post-state-pass kernels, post_tc (ssd_tc_bwd.cu, fp32
+// operands split into bf16 hi + lo) and post_bf16 (ssd_post_bwd.cu, 16-bit operands): the quad sums and
+// stores of the ddt_direct / v partials, the row-exclusive prefixes of W and the per-head row tail (q, v,
+// ddt_direct, the d(dt A) scan, ddt, ddt_raw, the dA partial). One definition, so both kernels do the same
+// arithmetic in the same order; and the 16-bit pair unpack (unpack2) of the 16-bit backward kernels.
+// CUDA only; include from .cu files.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "params_bwd.h"
+
+namespace tree_recurrence::ssd::fused::kernels::bwd_tiles {
+
+constexpr int kChunk = 64;  // the chunk of both post kernels
+
+// two packed 16-bit elements of T (the lower one first) -> fp32
+template <typename T>
+__device__ __forceinline__ float2 unpack2(uint32_t v);
+template <>
+__device__ __forceinline__ float2 unpack2<__nv_bfloat16>(uint32_t v) {
+  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v));
+}
+template <>
+__device__ __forceinline__ float2 unpack2<__half>(uint32_t v) {
+  return __half22float2(*reinterpret_cast<const __half2*>(&v));
+}
+
+// a, b, c, d summed over the 4 lanes of a quad (xor 1, then 2; the four interleaved, in that order)
+__device__ __forceinline__ void quad_sum4(float& a, float& b, float& c, float& d) {
+#pragma unroll
+  for (int m = 1; m <= 2; m <<= 1) {
+    a += __shfl_xor_sync(0xffffffffu, a, m);
+    b += __shfl_xor_sync(0xffffffffu, b, m);
+    c += __shfl_xor_sync(0xffffffffu, c, m);
+    d += __shfl_xor_sync(0xffffffffu, d, m);
+  }
+}
+// a summed over the 4 lanes of a quad
+__device__ __forceinline__ void quad_sum(float& a) {
+  a += __shfl_xor_sync(0xffffffffu, a, 1);
+  a += __shfl_xor_sync(0xffffffffu, a, 2);
+}
+
+// the ddt_direct (d0 / d1) and v (v0 / v1) partials of accumulator rows row0 / row1 (c_row 0 / 8 of this
+// lane), quad-summed, stored by the quad's first lane (tq == 0) into dpart / vpart (this column tile's slice)
+__device__ __forceinline__ void store_dv_partials(float d0, float d1, float v0, float v1, float* dpart, float* vpart,
+                                                  int row0, int row1, int tq) {
+  quad_sum4(d0, d1, v0, v1);
+  if (tq == 0) {
+    dpart[row0] = d0;
+    dpart[row1] = d1;
+    vpart[row0] = v0;
+    vpart[row1] = v1;
+  }
+}
+
+// the row-exclusive prefixes of w[0 .. n) in place
+__device__ __forceinline__ void row_exclusive_prefix(float* w, int n) {
+  float run = 0.f;
+  for (int j = 0; j < n; ++j) {
+    const float v = w[j];
+    w[j] = run;
+    run += v;
+  }
+}
+
+// The per-head row tail, after the barrier that publishes the partials and W's prefixes (LDW: W's pitch):
+// q, v, ddt_direct per row from the column-tile partials (qpart / dpart / vpart, [col tile][row], ncolP
+// tiles), the d(dt A) scan (d_dtA), ddt, ddt_raw at the rows' tokens (tok: -1 = pad) and dA_part[ch].
+// small: lam, dts, el (e^Lam), wl (e^{Lam_last - Lam}), qs, vs, red (kChunk floats each, in that order).
+// Two block barriers inside; ends before the barrier that frees the head's shared memory (the caller's).
+template <int LDW, typename Tok>
+__device__ __forceinline__ void head_rows(const BwdParams& p, int tid, float* small, const float* qpart,
+                                          const float* dpart, const float* vpart, int ncolP, const float* Wm,
+                                          const Tok* tok, int64_t ch, int64_t H, int64_t h) {
+  constexpr int L = kChunk;
+  const float* dts = small + L;
+  const float* el = dts + L;
+  const float* wl = el + L;
+  float* qs = small + 4 * L;
+  float* vs = qs + L;
+  float* red = vs + L;
+  const int64_t chl = ch * L;
+  float dpairs = 0.f, dd = 0.f;
+  if (tid < L) {
+    const int k = tid;
+    float q = 0.f, v = 0.f;
+    for (int ct = 0; ct < ncolP; ++ct) {
+      q += qpart[ct * L + k];
+      dd += dpart[ct * L + k];
+      v += vpart[ct * L + k];
+    }
+    q *= el[k];
+    v *= dts[k] * wl[k];
+    qs[k] = q;
+    vs[k] = v;
+    p.q[chl + k] = q;
+    p.v[chl + k] = v;
+    p.ddt_direct[chl + k] = dd;
+    for (int i = k; i < L; ++i) dpairs += Wm[i * LDW + k];
+  }
+  __syncthreads();
+  if (tid < L) {
+    const int k = tid;
+    float qsum = 0.f, vsum = 0.f;
+    for (int m = L - 1; m >= k; --m) qsum += qs[m];
+    for (int j = 0; j < k; ++j) vsum += vs[j];
+    const float d = dpairs + qsum + vsum + el[L - 1] * p.ddecay[ch];
+    p.d_dtA[chl + k] = d;
+    red[k] = dts[k] * d;
+    const Tok t = tok[k];
+    if (t >= 0) {
+      const int64_t th = static_cast<int64_t>(t) * H + h;
+      const float ddt = dd + p.A[h] * d;
+      p.ddt[th] = ddt;
+      const float v = p.dt_raw[th] + (p.dt_bias != nullptr ? p.dt_bias[h] : 0.f);
+      float deriv = 1.f, pre = v;
+      if (p.dt_softplus && v <= 20.f) {
+        pre = fmaxf(v, 0.f) + log1pf(expf(-fabsf(v)));
+        deriv = 1.f / (1.f + expf(-v));
+      }
+      const bool pass = pre >= p.dt_min && pre <= p.dt_max;
+      p.ddt_raw[th] = pass ? ddt * deriv : 0.f;
+    }
+  }
+  __syncthreads();
+  if (tid == 0) {
+    float s = 0.f;
+    for (int k = 0; k < L; ++k) s += red[k];
+    p.dA_part[ch] = s;
+  }
+}
+
+}  // namespace tree_recurrence::ssd::fused::kernels::bwd_tiles
