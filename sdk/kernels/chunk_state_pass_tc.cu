@@ -551,11 +551,21 @@ cudaError_t launch_level(const ChunkStatePassTcParams& p, int64_t begin, int64_t
 template <typename T, bool kBackward>
 const char* run_levels(const ChunkStatePassTcParams& p, cudaStream_t stream) {
   constexpr int kStages = kBackward ? kBwdStages : kFwdStages;
-  int device = 0, sms = 132;
+  int device = 0, sms = 132, optin = 0;
   if (cudaGetDevice(&device) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
     sms = 132;
-  const int pipe = p.pipe >= 0 ? p.pipe : env_pipe();
+  if (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) optin = 0;
   const bool k64 = p.k_dim <= 64;
+  // The pipelined kernel only where its stages fit the device's shared memory (H100 / H200: 227 KB;
+  // an A100's 163 KB or less runs the previous kernel).
+  const size_t piped_bytes = sizeof(T) * (kBackward ? (k64 ? Cfg<64, 32>::bwd_elems(kStages) : Cfg<128, 32>::bwd_elems(kStages))
+                                                    : (k64 ? Cfg<64, 32>::fwd_elems(kStages) : Cfg<128, 32>::fwd_elems(kStages)));
+  const bool piped_fits = piped_bytes <= static_cast<size_t>(optin);
+  const int pipe = p.pipe >= 0 ? p.pipe : env_pipe();
+  if (pipe == 1 && !piped_fits)
+    return fail(std::string(kBackward ? "chunk_state_pass_tc_backward" : "chunk_state_pass_tc_forward") +
+                ": the pipelined kernel (pipe 1) needs " + std::to_string(piped_bytes) +
+                " bytes of shared memory per block, the device allows " + std::to_string(optin));
   for (int64_t step = 0; step < p.num_levels; ++step) {
     const int64_t level = kBackward ? p.num_levels - 1 - step : step;
     const int64_t begin = p.level_offsets[level], count = p.level_offsets[level + 1] - begin;
@@ -564,7 +574,7 @@ const char* run_levels(const ChunkStatePassTcParams& p, cudaStream_t stream) {
     // The pipelined kernel (BV 32) when the level's grid at BV 32 has at most one CTA per SM (one
     // long flat row: nothing else hides a load's latency, and its 100-200 KB of shared memory cost
     // no occupancy); else the previous kernel, whose 2-4 CTAs per SM interleave their phases.
-    const bool piped = pipe == 1 || (pipe < 0 && p.v_tile != 64 && count * p.heads * ((p.v_dim + 31) / 32) <= sms);
+    const bool piped = pipe == 1 || (pipe < 0 && piped_fits && p.v_tile != 64 && count * p.heads * ((p.v_dim + 31) / 32) <= sms);
     // Previous kernel's V tile: 64 when the level still gives every SM two CTAs at that width, else
     // 32 (more CTAs). K <= 64 always runs BV = 32.
     int bv = p.v_tile;
