@@ -21,6 +21,19 @@ import ssd_bench  # noqa: E402
 from timing import Shape  # noqa: E402
 
 
+def kernel_times(fn, repeats: int):
+    """``fn()`` run ``repeats`` times under torch.profiler: the kernels that took CUDA time, longest
+    first, and the kernel time of one run in ms (benchmarks/ssd_fwd_variants.py uses it too)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            fn()
+        torch.cuda.synchronize()
+    events = sorted((e for e in prof.key_averages() if e.device_time_total > 0), key=lambda e: -e.device_time_total)
+    return events, sum(e.device_time_total for e in events) / repeats / 1e3
+
+
 def cases(small: bool, family: str, layout_name: str):
     """(label, forward / backward closures) per family and layout: the GRPO trie, or its unique tokens
     as one flat row (one segment: the long serial state pass)."""
@@ -60,14 +73,7 @@ def main():
             fns["fwd_bwd"]()
             torch.cuda.synchronize()
             continue
-        from torch.profiler import ProfilerActivity, profile
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(args.repeats):
-                fns["fwd_bwd"]()
-            torch.cuda.synchronize()
-        events = [e for e in prof.key_averages() if e.device_time_total > 0]
-        events.sort(key=lambda e: -e.device_time_total)
-        total = sum(e.device_time_total for e in events) / args.repeats / 1e3
+        events, total = kernel_times(fns["fwd_bwd"], args.repeats)
         print(f"\n== {name}: forward + backward, {total:.2f} ms of kernel time per pass "
               f"(mean of {args.repeats})")
         print(f"{'ms/pass':>8} {'calls':>6} {'%':>5}  kernel")

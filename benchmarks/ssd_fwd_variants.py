@@ -18,6 +18,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ssd_bench  # noqa: E402
+from profile_kernels import kernel_times  # noqa: E402
 from timing import Shape  # noqa: E402
 
 SWITCHES = ("TREE_RECURRENCE_SSD_FWD_SCAN", "TREE_RECURRENCE_SSD_FWD_STATE_PASS")
@@ -36,8 +37,6 @@ def main():
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--small", action="store_true")
     args = ap.parse_args()
-    from torch.profiler import ProfilerActivity, profile
-
     shape = Shape(args.small)
     dims = (8, 16, 2, 16) if args.small else (128, 64, 8, 128)
     layouts = shape.layouts()
@@ -50,13 +49,7 @@ def main():
             set_env(env)
             fns["fwd"]()  # warm-up
             torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                for _ in range(args.repeats):
-                    fns["fwd"]()
-                torch.cuda.synchronize()
-            events = [e for e in prof.key_averages() if e.device_time_total > 0]
-            events.sort(key=lambda e: -e.device_time_total)
-            total = sum(e.device_time_total for e in events) / args.repeats / 1e3
+            events, total = kernel_times(fns["fwd"], args.repeats)
             print(f"\n== {name} ({info['tokens']} tokens, {info['chunks']} chunks), {variant}: {total:.3f} ms of "
                   f"kernel time per forward (mean of {args.repeats})")
             for e in events[:8]:

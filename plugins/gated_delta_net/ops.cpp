@@ -7,6 +7,7 @@
 #include "csrc/gdn_fused/gdn_fused_bwd.h"
 #include "csrc/gdn_token_oracle.h"
 #include "tree_recurrence/sdk/chunk_state_op.h"
+#include "tree_recurrence/sdk/chunk_tables.h"
 #include "tree_recurrence/sdk/test_ops.h"
 #include "tree_recurrence/sdk/tree_conv_op.h"
 
@@ -17,9 +18,8 @@ void register_ops() {
   register_chunk_state_op();
   // The seam's native op: chunked, over the plan's device chunk tables (csrc/gdn_chunked.h).
   op_library(torch::Library::FRAGMENT)
-      .def("gdn_tree_scan(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor gather, Tensor scatter, "
-           "Tensor seg_chunk_offsets, Tensor parents, Tensor root_index, Tensor level_segments, int[] level_offsets, "
-           "Tensor child_offsets, Tensor children, Tensor? initial_state, float scale, bool use_qk_l2norm) -> Tensor");
+      .def("gdn_tree_scan(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, " TREE_RECURRENCE_CHUNK_TABLE_SCHEMA
+           ", Tensor? initial_state, float scale, bool use_qk_l2norm) -> Tensor");
   auto& composite = op_library(torch::Library::IMPL, c10::DispatchKey::CompositeImplicitAutograd);
   composite.impl("gdn_tree_scan", &chunked_scan);
   if (!test_ops_enabled()) return;  // the test-only ops below: TREE_RECURRENCE_TEST_OPS=1 (sdk/test_ops.h)
@@ -29,9 +29,8 @@ void register_ops() {
            "Tensor? initial_state, float scale, bool use_qk_l2norm) -> Tensor");
   // The fused CUDA forward's stages (csrc/gdn_fused/gdn_fused.h: fused::stages).
   op_library(torch::Library::FRAGMENT)
-      .def("gdn_fused_stages(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor gather, Tensor scatter, "
-           "Tensor seg_chunk_offsets, Tensor parents, Tensor root_index, Tensor level_segments, int[] level_offsets, "
-           "Tensor child_offsets, Tensor children, Tensor? initial_state, float scale, bool use_qk_l2norm) -> Tensor[]");
+      .def("gdn_fused_stages(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, " TREE_RECURRENCE_CHUNK_TABLE_SCHEMA
+           ", Tensor? initial_state, float scale, bool use_qk_l2norm) -> Tensor[]");
   // The fused CUDA backward's stages from given saved buffers (csrc/gdn_fused/gdn_fused_bwd.h).
   fused::register_backward_stages_op();
   auto& test_composite = op_library(torch::Library::IMPL, c10::DispatchKey::CompositeImplicitAutograd);

@@ -10,6 +10,7 @@
 #include "csrc/ssd_fused/ssd_fused_bwd.h"
 #include "csrc/ssd_token_oracle.h"
 #include "tree_recurrence/sdk/chunk_state_op.h"
+#include "tree_recurrence/sdk/chunk_tables.h"
 #include "tree_recurrence/sdk/test_ops.h"
 #include "tree_recurrence/sdk/tree_conv_op.h"
 
@@ -19,9 +20,8 @@ void register_ops() {
   register_tree_conv_op();
   register_chunk_state_op();  // the inter-chunk state pass ssd_tree_scan calls (qualified_op)
   op_library(torch::Library::FRAGMENT)
-      .def("ssd_tree_scan(Tensor x, Tensor dt, Tensor B, Tensor C, Tensor gather, Tensor scatter, Tensor seg_chunk_offsets, "
-           "Tensor parents, Tensor root_index, Tensor level_segments, int[] level_offsets, Tensor child_offsets, "
-           "Tensor children, Tensor? initial_state, Tensor A, float[] dt_limit, Tensor? D=None, Tensor? dt_bias=None, "
+      .def("ssd_tree_scan(Tensor x, Tensor dt, Tensor B, Tensor C, " TREE_RECURRENCE_CHUNK_TABLE_SCHEMA
+           ", Tensor? initial_state, Tensor A, float[] dt_limit, Tensor? D=None, Tensor? dt_bias=None, "
            "bool dt_softplus=False, Tensor? z=None) -> Tensor");
   auto& composite = op_library(torch::Library::IMPL, c10::DispatchKey::CompositeImplicitAutograd);
   composite.impl("ssd_tree_scan", &chunked_scan);
@@ -32,9 +32,8 @@ void register_ops() {
            "Tensor A, float[] dt_limit, Tensor? D=None, Tensor? dt_bias=None, bool dt_softplus=False, Tensor? z=None) -> Tensor");
   // the fused CUDA forward's stages {out, dt, Lam, chunk_states, states, y} (ssd_fused.h)
   op_library(torch::Library::FRAGMENT)
-      .def("ssd_fused_stages(Tensor x, Tensor dt, Tensor B, Tensor C, Tensor gather, Tensor scatter, Tensor seg_chunk_offsets, "
-           "Tensor parents, Tensor root_index, Tensor level_segments, int[] level_offsets, Tensor child_offsets, "
-           "Tensor children, Tensor? initial_state, Tensor A, float[] dt_limit, Tensor? D=None, Tensor? dt_bias=None, "
+      .def("ssd_fused_stages(Tensor x, Tensor dt, Tensor B, Tensor C, " TREE_RECURRENCE_CHUNK_TABLE_SCHEMA
+           ", Tensor? initial_state, Tensor A, float[] dt_limit, Tensor? D=None, Tensor? dt_bias=None, "
            "bool dt_softplus=False, Tensor? z=None) -> Tensor[]");
 #ifdef TREE_RECURRENCE_WITH_CUDA
   op_library(torch::Library::IMPL, c10::DispatchKey::CUDA).impl("ssd_fused_stages", &fused::stages_op);

@@ -1,4 +1,5 @@
 #include "tree_recurrence/kernels/chunk_state_pass.h"
+#include "tree_recurrence/kernels/dtype.h"
 
 #include <algorithm>
 #include <stdexcept>
@@ -7,21 +8,11 @@
 
 namespace tree_recurrence::kernels {
 
-const char* chunk_dtype_name(ChunkDType dtype) {
-  switch (dtype) {
-    case ChunkDType::Float32: return "float32";
-    case ChunkDType::Float64: return "float64";
-    case ChunkDType::BFloat16: return "bfloat16";
-    case ChunkDType::Float16: return "float16";
-  }
-  return "unknown";
-}
+const char* chunk_dtype_name(ChunkDType dtype) { return element_type_name(dtype); }
 
 namespace {
 
-void require(bool ok, const std::string& what) {
-  if (!ok) throw std::invalid_argument("chunk_state_pass: " + what);
-}
+void require(bool ok, const std::string& what) { kernels::require(ok, "chunk_state_pass", what); }
 
 std::string at(const char* table, int64_t i) { return std::string(table) + "[" + std::to_string(i) + "]"; }
 

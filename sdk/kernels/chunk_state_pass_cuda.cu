@@ -69,6 +69,25 @@ struct Shape {
   int64_t H, C, K, V;
 };
 
+// A thread's place in a level's launch: the sizes, its lane (V column of the tile) and warp (K rows),
+// the block's segment, head and column, whether that column exists, and the state size K * V.
+struct Place {
+  Shape z;
+  int lane, warp;
+  int64_t s, head, col;
+  bool col_ok;
+  int64_t KV;
+};
+
+__device__ __forceinline__ Place place_of(const ChunkStatePassParams& p, int64_t level_begin) {
+  const Shape z{p.heads, p.chunk, p.k_dim, p.v_dim};
+  const int lane = threadIdx.x % kTile, warp = threadIdx.x / kTile;
+  const int64_t s = p.level_segments[level_begin + blockIdx.x];
+  const int64_t head = blockIdx.y;
+  const int64_t col = int64_t(blockIdx.z) * kTile + lane;
+  return {z, lane, warp, s, head, col, col < z.V, z.K * z.V};
+}
+
 // A chunk's (C x K) operand on its way to shared memory, zero-padded to kMaxC x KMAX.
 // When the chunk is full-size (C == kMaxC, K == KMAX: the 64 x 64 and 64 x 128 cases), load()
 // issues every global read of the thread at once, into registers at constant offsets, so their
@@ -162,13 +181,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(ChunkStatePassParams 
   A* state_s = reinterpret_cast<A*>(smem_raw);   // KMAX x kTile
   A* buf = state_s + KMAX * kTile;               // staged w (transposed) or kd (row-major)
   A* vn_s = buf + buffer_elems<KMAX>();          // kMaxC x kTile
-  const Shape z{p.heads, p.chunk, p.k_dim, p.v_dim};
-  const int lane = threadIdx.x % kTile, warp = threadIdx.x / kTile;
-  const int64_t s = p.level_segments[level_begin + blockIdx.x];
-  const int64_t head = blockIdx.y;
-  const int64_t col = int64_t(blockIdx.z) * kTile + lane;
-  const bool col_ok = col < z.V;
-  const int64_t KV = z.K * z.V;
+  const auto [z, lane, warp, s, head, col, col_ok, KV] = place_of(p, level_begin);
 
   // Starting state: parent's final state, the root's initial state, or zeros.
   const A* start = nullptr;
@@ -260,13 +273,7 @@ __global__ void __launch_bounds__(kThreads) backward_kernel(ChunkStatePassParams
   A* state_s = reinterpret_cast<A*>(smem_raw);   // dS, KMAX x kTile
   A* buf = state_s + KMAX * kTile;               // staged kd (transposed) or w (row-major)
   A* dv_s = buf + buffer_elems<KMAX>();          // kMaxC x kTile
-  const Shape z{p.heads, p.chunk, p.k_dim, p.v_dim};
-  const int lane = threadIdx.x % kTile, warp = threadIdx.x / kTile;
-  const int64_t s = p.level_segments[level_begin + blockIdx.x];
-  const int64_t head = blockIdx.y;
-  const int64_t col = int64_t(blockIdx.z) * kTile + lane;
-  const bool col_ok = col < z.V;
-  const int64_t KV = z.K * z.V;
+  const auto [z, lane, warp, s, head, col, col_ok, KV] = place_of(p, level_begin);
   const A* state_grad_in = static_cast<const A*>(p.workspace);
 
   // dS of the segment's last chunk: the children's first-chunk state gradients, in CSR order.

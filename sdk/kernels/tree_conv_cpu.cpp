@@ -8,21 +8,11 @@
 
 namespace tree_recurrence::kernels {
 
-const char* dtype_name(DType dtype) {
-  switch (dtype) {
-    case DType::Float32: return "float32";
-    case DType::Float64: return "float64";
-    case DType::BFloat16: return "bfloat16";
-    case DType::Float16: return "float16";
-  }
-  return "unknown";
-}
+const char* dtype_name(DType dtype) { return element_type_name(dtype); }
 
 namespace {
 
-void require(bool ok, const std::string& what) {
-  if (!ok) throw std::invalid_argument("tree_conv: " + what);
-}
+void require(bool ok, const std::string& what) { kernels::require(ok, "tree_conv", what); }
 
 void check_ancestor_range(const int64_t* ancestors, int64_t n, int64_t width) {
   const int64_t count = n * (width - 1);

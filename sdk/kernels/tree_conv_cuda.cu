@@ -76,6 +76,8 @@ __device__ __forceinline__ float dot_taps(float bias, const float (&w)[W], const
   return acc;
 }
 
+__device__ __forceinline__ float silu(float v) { return v / (1.f + expf(-v)); }
+
 __device__ __forceinline__ float silu_grad(float v) {
   const float s = 1.f / (1.f + expf(-v));
   return s * (1.f + v * (1.f - s));
@@ -103,7 +105,7 @@ __global__ void __launch_bounds__(kChannelsPerBlock* kTokenLanes)
     float taps[W];
     load_taps<T, W>(p, t, c, taps);
     float v = dot_taps<W>(bias, w, taps);
-    if (p.silu) v = v / (1.f + expf(-v));
+    if (p.silu) v = silu(v);
     y[t * p.channels + c] = from_float<T>(v);
   }
 }
@@ -267,12 +269,11 @@ __device__ __forceinline__ void load_weights_vec(const TreeConvParams& p, int64_
   }
 }
 
-// Taps of token t for channels c0..c0+V-1, oldest first; missing ancestors read as zero.
+// Taps 0..W-2 of token t for channels c0..c0+V-1 (its ancestors' rows, oldest first); a missing
+// ancestor reads as zero.
 template <typename T, int W, int V>
-__device__ __forceinline__ void load_taps_vec(const TreeConvParams& p, int64_t t, int64_t c0,
-                                              float (&taps)[W][V]) {
-  const T* x = static_cast<const T*>(p.x);
-  load_vec<T, V>(x + t * p.channels + c0, taps[W - 1]);
+__device__ __forceinline__ void load_ancestor_taps_vec(const TreeConvParams& p, const T* x, int64_t t, int64_t c0,
+                                                       float (&taps)[W][V]) {
 #pragma unroll
   for (int k = 0; k < W - 1; ++k) {
     const int64_t src = __ldg(p.ancestors + t * (W - 1) + (W - 2 - k));
@@ -283,6 +284,27 @@ __device__ __forceinline__ void load_taps_vec(const TreeConvParams& p, int64_t t
       for (int i = 0; i < V; ++i) taps[k][i] = 0.f;
     }
   }
+}
+
+// A vector already loaded (`raw`, V elements of T) as floats.
+template <typename T, int V, typename Raw>
+__device__ __forceinline__ void unpack_vec(const Raw& raw, float (&out)[V]) {
+  union {
+    Raw raw;
+    T e[V];
+  } u;
+  u.raw = raw;
+#pragma unroll
+  for (int i = 0; i < V; ++i) out[i] = to_float(u.e[i]);
+}
+
+// Taps of token t for channels c0..c0+V-1, oldest first; missing ancestors read as zero.
+template <typename T, int W, int V>
+__device__ __forceinline__ void load_taps_vec(const TreeConvParams& p, int64_t t, int64_t c0,
+                                              float (&taps)[W][V]) {
+  const T* x = static_cast<const T*>(p.x);
+  load_vec<T, V>(x + t * p.channels + c0, taps[W - 1]);
+  load_ancestor_taps_vec<T, W, V>(p, x, t, c0, taps);
 }
 
 template <int W, int V>
@@ -321,29 +343,12 @@ __global__ void __launch_bounds__(kVecThreads* kVecTokenLanes) forward_vec_kerne
       const int64_t t = first + int64_t(j) * kVecTokenLanes;
       if (t >= p.num_tokens) break;
       float taps[W][V], out[V];
-      {
-        union {
-          uint4 raw;
-          T e[V];
-        } u;
-        u.raw = own[j];
-#pragma unroll
-        for (int i = 0; i < V; ++i) taps[W - 1][i] = to_float(u.e[i]);
-      }
-#pragma unroll
-      for (int k = 0; k < W - 1; ++k) {
-        const int64_t src = __ldg(p.ancestors + t * (W - 1) + (W - 2 - k));
-        if (src >= 0) {
-          load_vec<T, V>(x + src * p.channels + c0, taps[k]);
-        } else {
-#pragma unroll
-          for (int i = 0; i < V; ++i) taps[k][i] = 0.f;
-        }
-      }
+      unpack_vec<T, V>(own[j], taps[W - 1]);
+      load_ancestor_taps_vec<T, W, V>(p, x, t, c0, taps);
 #pragma unroll
       for (int i = 0; i < V; ++i) {
         const float v = dot_vec<W, V>(bias, w, taps, i);
-        out[i] = p.silu ? v / (1.f + expf(-v)) : v;
+        out[i] = p.silu ? silu(v) : v;
       }
       store_vec<T, V>(y + t * p.channels + c0, out);
     }
@@ -361,9 +366,7 @@ __device__ __forceinline__ void grad_pre_vec(const TreeConvParams& p, int64_t t,
   load_taps_vec<T, W, V>(p, t, c0, taps);
 #pragma unroll
   for (int i = 0; i < V; ++i) {
-    const float v = dot_vec<W, V>(bias, w, taps, i);
-    const float s = 1.f / (1.f + expf(-v));
-    g[i] *= s * (1.f + v * (1.f - s));
+    g[i] *= silu_grad(dot_vec<W, V>(bias, w, taps, i));
   }
 }
 
@@ -417,35 +420,13 @@ __global__ void __launch_bounds__(kVecThreads* kVecTokenLanes, 2)
         const int64_t u = base + j * kVecTokenLanes + threadIdx.y;
         if (u >= p.num_tokens) break;
         float taps[W][V], g[V];
-        union {
-          Raw raw;
-          T e[V];
-        } ux, ug;
-        ux.raw = own_x[j];
-        ug.raw = own_g[j];
-#pragma unroll
-        for (int i = 0; i < V; ++i) {
-          taps[W - 1][i] = to_float(ux.e[i]);
-          g[i] = to_float(ug.e[i]);
-        }
-#pragma unroll
-        for (int k = 0; k < W - 1; ++k) {
-          const int64_t src = __ldg(p.ancestors + u * (W - 1) + (W - 2 - k));
-          if (src >= 0) {
-            load_vec<T, V>(x + src * p.channels + c0, taps[k]);
-          } else {
-#pragma unroll
-            for (int i = 0; i < V; ++i) taps[k][i] = 0.f;
-          }
-        }
+        unpack_vec<T, V>(own_x[j], taps[W - 1]);
+        unpack_vec<T, V>(own_g[j], g);
+        load_ancestor_taps_vec<T, W, V>(p, x, u, c0, taps);
         const int slot = j * kVecTokenLanes + threadIdx.y;
 #pragma unroll
         for (int i = 0; i < V; ++i) {
-          if (p.silu) {
-            const float v = dot_vec<W, V>(bias, w, taps, i);
-            const float sg = 1.f / (1.f + expf(-v));
-            g[i] *= sg * (1.f + v * (1.f - sg));
-          }
+          if (p.silu) g[i] *= silu_grad(dot_vec<W, V>(bias, w, taps, i));
           my_g[slot * kVecThreads * V + i] = g[i];
         }
         if (u < end) {

@@ -2,14 +2,13 @@
 #include "tree_recurrence/sdk/check.h"
 
 #include <ATen/ATen.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 
 #include <cmath>
 #include <limits>
 #include <vector>
 
+#include "tree_recurrence/sdk/chunk_state_op.h"
 #include "tree_recurrence/sdk/delta_rule.h"
-#include "tree_recurrence/sdk/op_library.h"
 
 #ifdef TREE_RECURRENCE_WITH_CUDA
 #include "gdn_fused/gdn_fused.h"
@@ -39,11 +38,6 @@ void check(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const 
     TR_CHECK_VALUE(t->device() == q.device(), "gdn_tree_scan: ", name, " is on ", t->device(), " but q is on ", q.device(),
                       " (the plan's tables: TreePlan.chunk_tables(chunk, device))");
 }
-
-using StatePass = std::tuple<at::Tensor, at::Tensor>(const std::optional<at::Tensor>&, const at::Tensor&, const at::Tensor&,
-                                                     const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&,
-                                                     const at::Tensor&, const at::Tensor&, const at::Tensor&, at::IntArrayRef,
-                                                     const at::Tensor&, const at::Tensor&);
 
 }  // namespace
 
@@ -117,22 +111,10 @@ at::Tensor composite_scan(const at::Tensor& q_in, const at::Tensor& k_in, const 
   const at::Tensor decay = at::exp(G.narrow(-1, C - 1, 1).squeeze(-1)).contiguous();  // (NC, HV)
 
   // The state pass over the trie: h (NC, HV, K, V), the state entering each chunk; v_new = u - w h.
-  std::optional<at::Tensor> h0;
-  if (initial_state) {
-    at::Tensor s = *initial_state;
-    if (s.dim() == 4 && s.size(0) == 1) s = s[0];
-    TR_CHECK_VALUE((s.dim() == 3 || s.dim() == 4) && s.size(-3) == HV && s.size(-2) == K && s.size(-1) == V,
-                      "gdn_tree_scan: initial_state must be (value_heads=", HV, ", key_dim=", K, ", value_dim=", V,
-                      ") or (roots, ", HV, ", ", K, ", ", V, "), got ", initial_state->sizes());
-    TR_CHECK_VALUE(s.device() == q_in.device(), "gdn_tree_scan: initial_state is on ", s.device(), " but q is on ",
-                      q_in.device());
-    h0 = s.to(f);
-  }
-  static const auto state_pass = c10::Dispatcher::singleton()
-                                     .findSchemaOrThrow(qualified_op("chunk_state_pass").c_str(), "")
-                                     .typed<StatePass>();
-  auto [h, v_new] = state_pass.call(w, u, kd.contiguous(), decay, h0, seg_chunk_offsets, parents, root_index, level_segments,
-                                    level_offsets, child_offsets, children);
+  const auto h0 = chunked_initial_state("gdn_tree_scan", initial_state, {HV, K, V}, {"value_heads", "key_dim", "value_dim"},
+                                        "q", q_in.device(), f);
+  auto [h, v_new] = chunk_state_pass(w, u, kd.contiguous(), decay, h0, seg_chunk_offsets, parents, root_index, level_segments,
+                                     level_offsets, child_offsets, children);
 
   // Outputs: the entering state seen through exp(G) q, plus the chunk's own corrected values.
   const at::Tensor qg = (qc.unsqueeze(2) * at::exp(G).reshape({NC, HK, groups, C, 1})).reshape({NC, HV, C, K});

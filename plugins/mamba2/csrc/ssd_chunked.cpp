@@ -2,12 +2,11 @@
 #include "tree_recurrence/sdk/check.h"
 
 #include <ATen/ATen.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 
 #include <limits>
 
 #include "ssd_fused/ssd_fused.h"
-#include "tree_recurrence/sdk/op_library.h"
+#include "tree_recurrence/sdk/chunk_state_op.h"
 
 namespace tree_recurrence::ssd {
 namespace {
@@ -100,24 +99,10 @@ at::Tensor composite_scan(const at::Tensor& x_in, const at::Tensor& dt_in, const
   const at::Tensor decay = at::exp(G_last.squeeze(-1)).contiguous();       // (NC, H)
 
   // The state pass over the trie: h (NC, H, N, P) fp32 entering each chunk.
-  std::optional<at::Tensor> h0;
-  if (initial_state) {
-    at::Tensor s = *initial_state;
-    if (s.dim() == 4 && s.size(0) == 1) s = s[0];
-    TR_CHECK_VALUE((s.dim() == 3 || s.dim() == 4) && s.size(-3) == H && s.size(-2) == P && s.size(-1) == N,
-                      "ssd_tree_scan: initial_state must be (heads=", H, ", head_dim=", P, ", state=", N,
-                      ") or (roots, heads, head_dim, state), got ", initial_state->sizes());
-    TR_CHECK_VALUE(s.device() == x_in.device(), "ssd_tree_scan: initial_state is on ", s.device(), ", x on ", x_in.device());
-    h0 = s.to(f).transpose(-1, -2).contiguous();  // (..., H, N, P): the state pass's (K, V) layout
-  }
-  static const auto state_pass =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow(qualified_op("chunk_state_pass").c_str(), "")
-          .typed<std::tuple<at::Tensor, at::Tensor>(
-              const std::optional<at::Tensor>&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-              const std::optional<at::Tensor>&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-              at::IntArrayRef, const at::Tensor&, const at::Tensor&)>();
-  const at::Tensor h = std::get<0>(state_pass.call(std::nullopt, u, kd.contiguous(), decay, h0, seg_chunk_offsets, parents,
+  std::optional<at::Tensor> h0 =
+      chunked_initial_state("ssd_tree_scan", initial_state, {H, P, N}, {"heads", "head_dim", "state"}, "x", x_in.device(), f);
+  if (h0) h0 = h0->transpose(-1, -2).contiguous();  // (..., H, N, P): the state pass's (K, V) layout
+  const at::Tensor h = std::get<0>(chunk_state_pass(std::nullopt, u, kd.contiguous(), decay, h0, seg_chunk_offsets, parents,
                                                     root_index, level_segments, level_offsets, child_offsets, children))
                            .to(f);
 

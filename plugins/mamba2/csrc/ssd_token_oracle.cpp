@@ -15,13 +15,7 @@ void check(const at::Tensor& x, const at::Tensor& dt, const at::Tensor& B, const
            const at::Tensor& parents, const at::Tensor& A, const std::optional<at::Tensor>& D,
            const std::optional<at::Tensor>& dt_bias, at::ArrayRef<double> dt_limit) {
   check_scan_args("ssd_token_scan", x, dt, B, C, A, D, dt_bias, dt_limit);
-  const int64_t T = x.size(0);
-  TR_CHECK_VALUE(seg_offsets.is_cpu() && parents.is_cpu() && seg_offsets.scalar_type() == at::kLong &&
-                        parents.scalar_type() == at::kLong,
-                    "ssd_token_scan: seg_offsets and parents must be int64 CPU tensors (the plan's host arrays)");
-  TR_CHECK_VALUE(seg_offsets.numel() == parents.numel() + 1, "ssd_token_scan: seg_offsets must have one more entry than parents");
-  TR_CHECK_VALUE(seg_offsets.numel() >= 2 && seg_offsets.data_ptr<int64_t>()[seg_offsets.numel() - 1] == T,
-                    "ssd_token_scan: seg_offsets must end at the number of tokens ", T);
+  check_token_tables("ssd_token_scan", seg_offsets, parents, x.size(0));
 }
 
 }  // namespace

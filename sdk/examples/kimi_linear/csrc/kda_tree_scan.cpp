@@ -3,9 +3,6 @@
 
 #include <ATen/ATen.h>
 
-#include <cmath>
-#include <vector>
-
 #include "tree_recurrence/sdk/delta_rule.h"
 #include "tree_recurrence/sdk/segment_walk.h"
 
@@ -28,15 +25,7 @@ void check(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const 
   for (const at::Tensor* t : {&k, &v, &g, &beta})
     TR_CHECK_VALUE(t->device() == q.device(), "kda_tree_scan: all tensors must be on ", q.device(), ", got one on ",
                       t->device());
-  TR_CHECK_VALUE(seg_offsets.is_cpu() && parents.is_cpu() && seg_offsets.scalar_type() == at::kLong &&
-                        parents.scalar_type() == at::kLong,
-                    "kda_tree_scan: seg_offsets and parents must be int64 CPU tensors (the plan's host arrays)");
-  TR_CHECK_VALUE(seg_offsets.dim() == 1 && parents.dim() == 1 && seg_offsets.numel() == parents.numel() + 1,
-                    "kda_tree_scan: seg_offsets must have one more entry than parents");
-  TR_CHECK_VALUE(seg_offsets.numel() >= 2 && seg_offsets.data_ptr<int64_t>()[0] == 0 &&
-                        seg_offsets.data_ptr<int64_t>()[seg_offsets.numel() - 1] == q.size(0),
-                    "kda_tree_scan: seg_offsets must run from 0 to the number of tokens ", q.size(0));
-  // segment order and parents are checked by walk_segments
+  tree_recurrence::check_token_tables("kda_tree_scan", seg_offsets, parents, q.size(0));
 }
 
 }  // namespace
@@ -50,24 +39,10 @@ at::Tensor tree_scan(const at::Tensor& q_in, const at::Tensor& k_in, const at::T
   const at::ScalarType compute = v_in.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   const auto qk = tree_recurrence::token_scan_qk(q_in, k_in, v_in.size(1), compute, scale, use_qk_l2norm,
                                                  &tree_recurrence::l2norm_div);
-  const at::Tensor q = qk.first, k = qk.second;
-  const at::Tensor v = v_in.to(compute);
-  const at::Tensor decay = g_in.to(compute).exp().unsqueeze(-1);   // (N, HV, K, 1): per key channel
-  const at::Tensor beta = beta_in.to(compute).unsqueeze(-1);       // (N, HV, 1)
-  const int64_t HV = v.size(1), K = q.size(2), V = v.size(2);
-  std::vector<at::Tensor> outputs(q.size(0));
-  tree_recurrence::walk_segments("kda_tree_scan", seg_offsets, parents, initial_state, {HV, K, V}, v.options(),
-                                 [&](at::Tensor state, int64_t t) {
-                                   const at::Tensor kt = k[t].unsqueeze(-1);               // (HV, K, 1)
-                                   state = state * decay[t];                                // decay each key channel's row of S
-                                   const at::Tensor remembered = (state * kt).sum(1);       // (HV, V) = S^T k
-                                   const at::Tensor delta = (v[t] - remembered) * beta[t];  // (HV, V)
-                                   state = state + kt * delta.unsqueeze(1);
-                                   outputs[t] = (state * q[t].unsqueeze(-1)).sum(1);        // (HV, V) = S^T q
-                                   return state;
-                                 });
-  if (outputs.empty()) return at::empty({0, HV, V}, v_in.options());
-  return at::stack(outputs).to(v_in.scalar_type());
+  // one decay per key channel: decay (T, HV, K, 1)
+  return tree_recurrence::delta_rule_token_walk("kda_tree_scan", qk.first, qk.second, v_in.to(compute),
+                                                g_in.to(compute).exp().unsqueeze(-1), beta_in.to(compute).unsqueeze(-1),
+                                                seg_offsets, parents, initial_state, v_in.scalar_type());
 }
 
 }  // namespace kimi_linear

@@ -11,6 +11,8 @@
 
 #include <cstdint>
 
+#include "tree_recurrence/kernels/dtype.h"
+
 namespace tree_recurrence::kernels {
 
 constexpr int64_t kTreeConvMaxWidth = 8;
@@ -49,8 +51,7 @@ struct TreeConvParams {
   float* workspace = nullptr;
 };
 
-enum class DType { Float32, Float64, BFloat16, Float16 };
-
+// DType: kernels/dtype.h.
 const char* dtype_name(DType dtype);
 
 // Throws std::invalid_argument on bad sizes or missing pointers. `backward` also checks the

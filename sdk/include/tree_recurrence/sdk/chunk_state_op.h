@@ -49,6 +49,7 @@
 #endif
 
 #include "tree_recurrence/kernels/chunk_state_pass.h"
+#include "tree_recurrence/sdk/element_type.h"
 #include "tree_recurrence/sdk/op_library.h"
 
 namespace tree_recurrence {
@@ -150,13 +151,9 @@ inline Sizes check_args(const char* what, const OptTensor& w, const at::Tensor& 
   return {NC, H, C, K, V, S, R, per_root};
 }
 
+// The callers have checked the dtypes (floating ones): anything else would be float16, as before.
 inline kernels::ChunkDType kernel_dtype(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat: return kernels::ChunkDType::Float32;
-    case at::kDouble: return kernels::ChunkDType::Float64;
-    case at::kBFloat16: return kernels::ChunkDType::BFloat16;
-    default: return kernels::ChunkDType::Float16;
-  }
+  return sdk::kernel_dtype<kernels::ChunkDType>(t).value_or(kernels::ChunkDType::Float16);
 }
 
 inline kernels::ChunkStatePassParams params(const Sizes& z, const Tables& t, at::ScalarType in, at::ScalarType acc) {
@@ -451,6 +448,22 @@ inline void register_chunk_state_op() {
                                                                 &op, &backward_op);
               return {out[0], out[1]};
             });
+}
+
+// A chunked op's initial state as chunk_state_pass takes it: `initial_state` of (H, A, B) = `dims`, shared
+// by every root, or (roots, H, A, B), one per root (a leading batch of 1 dropped); on `device`, widened to
+// `type`; none without one. `names` name the dims and `input` the tensor on `device` in the messages.
+inline std::optional<at::Tensor> chunked_initial_state(const char* op, const std::optional<at::Tensor>& initial_state,
+                                                       const int64_t (&dims)[3], const char* const (&names)[3],
+                                                       const char* input, const c10::Device& device, at::ScalarType type) {
+  if (!initial_state) return std::nullopt;
+  at::Tensor s = *initial_state;
+  if (s.dim() == 4 && s.size(0) == 1) s = s[0];
+  TR_CHECK_VALUE((s.dim() == 3 || s.dim() == 4) && s.size(-3) == dims[0] && s.size(-2) == dims[1] && s.size(-1) == dims[2],
+                 op, ": initial_state must be (", names[0], "=", dims[0], ", ", names[1], "=", dims[1], ", ", names[2], "=",
+                 dims[2], ") or (roots, ", dims[0], ", ", dims[1], ", ", dims[2], "), got ", initial_state->sizes());
+  TR_CHECK_VALUE(s.device() == device, op, ": initial_state is on ", s.device(), " but ", input, " is on ", device);
+  return s.to(type);
 }
 
 // The op of the calling family's namespace, with autograd (see the top of this file).

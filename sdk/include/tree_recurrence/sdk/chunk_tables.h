@@ -21,6 +21,11 @@
       at::IntArrayRef level_offsets, const at::Tensor &child_offsets, const at::Tensor &children
 #define TREE_RECURRENCE_CHUNK_TABLE_ARGS \
   gather, scatter, seg_chunk_offsets, parents, root_index, level_segments, level_offsets, child_offsets, children
+// The same parameters in an op schema string ("x(Tensor a, " TREE_RECURRENCE_CHUNK_TABLE_SCHEMA ", ...)"): the
+// names the engine's load check expects of a chunked native op (tree_recurrence/_native_schema.py).
+#define TREE_RECURRENCE_CHUNK_TABLE_SCHEMA                                                              \
+  "Tensor gather, Tensor scatter, Tensor seg_chunk_offsets, Tensor parents, Tensor root_index, Tensor " \
+  "level_segments, int[] level_offsets, Tensor child_offsets, Tensor children"
 
 namespace tree_recurrence {
 

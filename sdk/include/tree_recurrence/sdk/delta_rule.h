@@ -6,7 +6,11 @@
 
 #include <cmath>
 #include <cstdint>
+#include <optional>
 #include <utility>
+#include <vector>
+
+#include "tree_recurrence/sdk/segment_walk.h"
 
 namespace tree_recurrence {
 
@@ -35,6 +39,34 @@ inline std::pair<at::Tensor, at::Tensor> token_scan_qk(const at::Tensor& q_in, c
   }
   q = q * (scale > 0 ? scale : 1.0 / std::sqrt(static_cast<double>(q.size(2))));
   return {q, k};
+}
+
+// The gated delta rule token by token over the trie (walk_segments), state S (HV, K, V) per segment:
+//   S = S * decay[t];  S = S + k_t (beta_t (v_t - S^T k_t))^T;  o_t = S^T q_t.
+// q, k (T, HV, K) from token_scan_qk, v (T, HV, V), decay (T, HV, 1, 1) for one gate per head or
+// (T, HV, K, 1) for one per key channel, beta (T, HV, 1): all in the compute dtype. Returns o (T, HV, V)
+// in `out_dtype` (an empty row: (0, HV, V)).
+inline at::Tensor delta_rule_token_walk(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                        const at::Tensor& decay, const at::Tensor& beta, const at::Tensor& seg_offsets,
+                                        const at::Tensor& parents, const std::optional<at::Tensor>& initial_state,
+                                        at::ScalarType out_dtype) {
+  const int64_t HV = v.size(1), K = q.size(2), V = v.size(2);
+  std::vector<at::Tensor> outputs(q.size(0));
+  // Per-token slices from one unbind each: its backward stacks every token's gradient at once
+  // (indexing q[t] in the loop would allocate a full-size gradient per token).
+  const std::vector<at::Tensor> qs = q.unbind(0), ks = k.unbind(0), vs = v.unbind(0), decays = decay.unbind(0),
+                                betas = beta.unbind(0);
+  walk_segments(op, seg_offsets, parents, initial_state, {HV, K, V}, v.options(), [&](at::Tensor state, int64_t t) {
+    const at::Tensor kt = ks[t].unsqueeze(-1);                   // (HV, K, 1)
+    state = state * decays[t];                                   // every row of S, or each key channel's
+    const at::Tensor remembered = (state * kt).sum(1);           // (HV, V) = S^T k
+    const at::Tensor delta = (vs[t] - remembered) * betas[t];    // (HV, V)
+    state = state + kt * delta.unsqueeze(1);
+    outputs[t] = (state * qs[t].unsqueeze(-1)).sum(1);           // (HV, V) = S^T q
+    return state;
+  });
+  if (outputs.empty()) return at::empty({0, HV, V}, v.options().dtype(out_dtype));
+  return at::stack(outputs).to(out_dtype);
 }
 
 }  // namespace tree_recurrence

@@ -19,6 +19,19 @@
 
 namespace tree_recurrence {
 
+// The token tables of a token-by-token scan over `tokens` tokens: seg_offsets (S+1, from 0 to `tokens`)
+// and parents (S), the plan's host int64 arrays (segment order and parents: walk_segments checks them).
+inline void check_token_tables(const char* op, const at::Tensor& seg_offsets, const at::Tensor& parents, int64_t tokens) {
+  TR_CHECK_VALUE(seg_offsets.is_cpu() && parents.is_cpu() && seg_offsets.scalar_type() == at::kLong &&
+                     parents.scalar_type() == at::kLong,
+                 op, ": seg_offsets and parents must be int64 CPU tensors (the plan's host arrays)");
+  TR_CHECK_VALUE(seg_offsets.dim() == 1 && parents.dim() == 1 && seg_offsets.numel() == parents.numel() + 1, op,
+                 ": seg_offsets must have one more entry than parents");
+  TR_CHECK_VALUE(seg_offsets.numel() >= 2 && seg_offsets.data_ptr<int64_t>()[0] == 0 &&
+                     seg_offsets.data_ptr<int64_t>()[seg_offsets.numel() - 1] == tokens,
+                 op, ": seg_offsets must end at the number of tokens ", tokens, " (starting from 0)");
+}
+
 template <class Step>
 void walk_segments(const char* op, const at::Tensor& seg_offsets, const at::Tensor& parents,
                    const std::optional<at::Tensor>& initial_state, at::IntArrayRef state_shape,

@@ -24,19 +24,16 @@
 #endif
 
 #include "tree_recurrence/kernels/tree_conv.h"
+#include "tree_recurrence/sdk/element_type.h"
 #include "tree_recurrence/sdk/op_library.h"
 
 namespace tree_recurrence {
 namespace conv_op {
 
 inline kernels::DType kernel_dtype(const at::Tensor& t) {
-  switch (t.scalar_type()) {
-    case at::kFloat: return kernels::DType::Float32;
-    case at::kDouble: return kernels::DType::Float64;
-    case at::kBFloat16: return kernels::DType::BFloat16;
-    case at::kHalf: return kernels::DType::Float16;
-    default: TR_CHECK_TYPE(false, "tree_conv: x has dtype ", t.scalar_type(), ", expected float32, float64, bfloat16 or float16");
-  }
+  const auto dtype = sdk::kernel_dtype<kernels::DType>(t.scalar_type());
+  TR_CHECK_TYPE(dtype.has_value(), "tree_conv: x has dtype ", t.scalar_type(), ", expected float32, float64, bfloat16 or float16");
+  return *dtype;
 }
 
 inline void check_inputs(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
