@@ -81,7 +81,8 @@ struct ChunkStatePassTcParams : ChunkTreeTables {  // tables (device; level_offs
   // 2-3 chunks in flight, BV 32) on levels whose BV-32 grid has at most one CTA per SM, where its
   // 104-203 KB of shared memory fit the device (H100 / H200; not an A100), else the previous
   // single-buffered one; 0 / 1 force the previous / the pipelined kernel (tests, tuning; 1 needs
-  // v_tile 0 or 32 and the shared memory, else an error). The pipelined kernel equals the previous one at BV 32 bit for bit.
+  // v_tile 0 or 32 and the shared memory, else an error). The pipelined kernel equals the
+  // previous one at BV 32 bit for bit.
   int pipe = -1;
 };
 
