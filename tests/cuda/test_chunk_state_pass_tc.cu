@@ -8,7 +8,8 @@
 // tiles 32 and 64 and with the pipelined kernel (BV 32), and compares every output against a host
 // float64 twin that rounds where the kernel rounds (h and v_new, dS and dv_total to the input type:
 // the MMA operands), printing the relative RMS per quantity; fails above 1e-2; also checks that two
-// runs are bitwise equal and that the pipelined kernel equals the previous BV 32 one bit for bit.
+// runs are bitwise equal and that the pipelined kernel, and the default choice per level ("auto"),
+// equal the previous BV 32 kernel bit for bit.
 // Exits non-zero on failure.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -312,7 +313,8 @@ static int run_case(const Case& cs, std::mt19937& rng) {
     const char* name;
     int v_tile, pipe;
   };
-  const Mode modes[] = {{"prev BV 32", 32, 0}, {"prev BV 64", 64, 0}, {"pipelined", 32, 1}};
+  // "auto" (the default rule, or TREE_RECURRENCE_STATE_PASS_PIPE) may mix both kernels across levels.
+  const Mode modes[] = {{"prev BV 32", 32, 0}, {"prev BV 64", 64, 0}, {"pipelined", 32, 1}, {"auto", 0, -1}};
   std::vector<Outputs> first;
   for (const Mode& mode : modes) {
     for (int rep = 0; rep < 2; ++rep) {
@@ -357,11 +359,13 @@ static int run_case(const Case& cs, std::mt19937& rng) {
       }
     }
   }
-  // modes[2] (pipelined) against modes[0] (previous, BV 32): the same arithmetic, bit for bit.
-  const bool piped_same = first[2] == first[0];
-  std::printf("%-36s %s pipelined vs previous BV 32: %s; previous BV 64 vs BV 32: %s\n", cs.name.c_str(), ty.name,
-              piped_same ? "bitwise equal" : "DIFFER: FAIL", first[1] == first[0] ? "bitwise equal" : "differ (not required)");
-  bad += !piped_same;
+  // modes[2] (pipelined) and modes[3] (auto: pipelined or previous BV 32 per level on these
+  // tries, which never reach the BV 64 threshold) against modes[0] (previous, BV 32): bit for bit.
+  const bool piped_same = first[2] == first[0], auto_same = first[3] == first[0];
+  std::printf("%-36s %s pipelined vs previous BV 32: %s; auto: %s; previous BV 64 vs BV 32: %s\n", cs.name.c_str(), ty.name,
+              piped_same ? "bitwise equal" : "DIFFER: FAIL", auto_same ? "bitwise equal" : "DIFFER: FAIL",
+              first[1] == first[0] ? "bitwise equal" : "differ (not required)");
+  bad += !piped_same + !auto_same;
   free_tables(base);
   for (void* ptr : {(void*)d_w, (void*)d_u,
                     (void*)d_kd, (void*)d_q, (void*)d_go, (void*)d_dvl, (void*)d_decay, (void*)d_init})
@@ -561,6 +565,14 @@ int main(int argc, char** argv) {
     }
     c.trie.add_tokens(-1, 63);
     c.trie.add_tokens(-1, 64);
+    cases.push_back(c);
+  }
+  {  // levels on both kernels under "auto": level 0 (2 heads x 4 V tiles = 8 CTAs) pipelined, level 1
+     // (40 children: 320 CTAs at BV 32, more than an H200's 132 SMs; 160 at BV 64, under 2 per SM)
+     // the previous kernel at BV 32; the final states and gradients cross between them
+    Case c{"mixed levels (auto), K=V=128", {}, 2, 128, 128, &kBF16, 1};
+    const int64_t root = c.trie.add_tokens(-1, 6 * C - 5);
+    for (int i = 0; i < 40; ++i) c.trie.add_tokens(root, 1 + 3 * i);  // 1..118 tokens
     cases.push_back(c);
   }
   {  // null operands in the pipelined kernel too, V = 40 (a partial 32-tile), K = 32 (KP 64)
