@@ -111,13 +111,13 @@ Stages run(const at::Tensor& grad_o, const at::Tensor& q_in, const at::Tensor& k
   p.in = dt == at::kBFloat16 ? kernels::BwdDType::BFloat16 : kernels::BwdDType::Float16;
   p.gather = gather.data_ptr<int64_t>();
   p.scatter = scatter.data_ptr<int64_t>();
-  p.q = q.data_ptr();
+  p.q = q.data_ptr();  // each of q, k next to its norm factor
+  p.rq = rq.data_ptr<float>();
   p.k = k.data_ptr();
+  p.rk = rk.data_ptr<float>();
   p.v = v.data_ptr();
   p.grad_o = go.data_ptr();
   p.beta = beta.data_ptr<float>();
-  p.rq = rq.data_ptr<float>();
-  p.rk = rk.data_ptr<float>();
   p.G = G.data_ptr<float>();
   p.Ainv = Ainv.data_ptr();
   p.w = w.data_ptr();
