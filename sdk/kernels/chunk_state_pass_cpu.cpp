@@ -31,16 +31,25 @@ void load_root_state(const ChunkStatePassParams& p, int64_t s, int64_t head, T* 
   std::copy(init + row * kv, init + (row + 1) * kv, state);
 }
 
+// The params' buffers typed (on the CPU inputs and states share one type T), in the order the
+// kernels below bind them.
+template <typename T>
+struct Buffers {
+  const T *w, *u, *kd, *decay, *grad_h, *grad_v_new;
+  T *h, *v_new, *grad_u, *grad_state, *grad_initial_roots, *workspace;
+  explicit Buffers(const ChunkStatePassParams& p)
+      : w(static_cast<const T*>(p.w)), u(static_cast<const T*>(p.u)), kd(static_cast<const T*>(p.kd)),
+        decay(static_cast<const T*>(p.decay)), grad_h(static_cast<const T*>(p.grad_h)),
+        grad_v_new(static_cast<const T*>(p.grad_v_new)), h(static_cast<T*>(p.h)), v_new(static_cast<T*>(p.v_new)),
+        grad_u(static_cast<T*>(p.grad_u)), grad_state(static_cast<T*>(p.grad_state)),
+        grad_initial_roots(static_cast<T*>(p.grad_initial_roots)), workspace(static_cast<T*>(p.workspace)) {}
+};
+
 template <typename T>
 void forward_impl(const ChunkStatePassParams& p) {
   const int64_t H = p.heads, C = p.chunk, K = p.k_dim, V = p.v_dim, KV = K * V;
-  const T* w = static_cast<const T*>(p.w);
-  const T* u = static_cast<const T*>(p.u);
-  const T* kd = static_cast<const T*>(p.kd);
-  const T* decay = static_cast<const T*>(p.decay);
-  T* h = static_cast<T*>(p.h);
-  T* v_new = static_cast<T*>(p.v_new);
-  T* final_state = static_cast<T*>(p.workspace);
+  // the workspace: the final states of segments with children
+  const auto [w, u, kd, decay, grad_h_, grad_v_new_, h, v_new, grad_u_, grad_state_, grad_init_, final_state] = Buffers<T>(p);
   std::vector<T> state(static_cast<size_t>(KV));
   for (int64_t level = 0; level < p.num_levels; ++level) {
     for (int64_t i = p.level_offsets[level]; i < p.level_offsets[level + 1]; ++i) {
@@ -87,15 +96,8 @@ void forward_impl(const ChunkStatePassParams& p) {
 template <typename T>
 void backward_impl(const ChunkStatePassParams& p) {
   const int64_t H = p.heads, C = p.chunk, K = p.k_dim, V = p.v_dim, KV = K * V;
-  const T* w = static_cast<const T*>(p.w);
-  const T* kd = static_cast<const T*>(p.kd);
-  const T* decay = static_cast<const T*>(p.decay);
-  const T* grad_h = static_cast<const T*>(p.grad_h);
-  const T* grad_v_new = static_cast<const T*>(p.grad_v_new);
-  T* grad_u = static_cast<T*>(p.grad_u);
-  T* grad_state = static_cast<T*>(p.grad_state);
-  T* grad_init = static_cast<T*>(p.grad_initial_roots);
-  T* state_grad_in = static_cast<T*>(p.workspace);  // gradient entering each non-root segment
+  // the workspace: the gradient entering each non-root segment
+  const auto [w, u_, kd, decay, grad_h, grad_v_new, h_, v_new_, grad_u, grad_state, grad_init, state_grad_in] = Buffers<T>(p);
   std::vector<T> dS(static_cast<size_t>(KV)), next(static_cast<size_t>(KV));
   for (int64_t level = p.num_levels - 1; level >= 0; --level) {
     for (int64_t i = p.level_offsets[level]; i < p.level_offsets[level + 1]; ++i) {

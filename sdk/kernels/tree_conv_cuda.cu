@@ -542,14 +542,16 @@ void check_launch(const char* op) {
     throw std::runtime_error(std::string(op) + ": CUDA launch failed: " + cudaGetErrorString(err));
 }
 
-template <typename T, int W>
-void launch_weight_grad(const TreeConvParams& p, cudaStream_t stream) {
+// A weight-gradient pass over token chunks (host side): `launch(grid, tokens_per_chunk, partial)` runs its
+// kernel over `grid_x` channel blocks and one block row per chunk; with more than one chunk (a workspace
+// given) the chunks' partial sums are then reduced in a fixed order.
+template <int W, typename Launch>
+void over_token_chunks(const TreeConvParams& p, unsigned grid_x, cudaStream_t stream, Launch&& launch) {
   const int64_t chunks = p.workspace ? weight_grad_chunks(p.num_tokens, p.channels) : 1;
   const int64_t tokens_per_chunk = ceil_div(p.num_tokens, chunks);
   const int64_t used = ceil_div(p.num_tokens, tokens_per_chunk);
   float* partial = used > 1 ? p.workspace : nullptr;
-  const dim3 grid(unsigned(ceil_div(p.channels, kChannelsPerBlock)), unsigned(used));
-  weight_grad_kernel<T, W><<<grid, kBlock, 0, stream>>>(p, tokens_per_chunk, partial);
+  launch(dim3(grid_x, unsigned(used)), tokens_per_chunk, partial);
   if (!partial) return;
   const int64_t per_chunk = p.channels * (W + 1);
   reduce_chunks_kernel<<<unsigned(ceil_div(per_chunk, 256)), 256, 0, stream>>>(
@@ -557,17 +559,19 @@ void launch_weight_grad(const TreeConvParams& p, cudaStream_t stream) {
 }
 
 template <typename T, int W>
+void launch_weight_grad(const TreeConvParams& p, cudaStream_t stream) {
+  over_token_chunks<W>(p, unsigned(ceil_div(p.channels, kChannelsPerBlock)), stream,
+                       [&](dim3 grid, int64_t tokens_per_chunk, float* partial) {
+                         weight_grad_kernel<T, W><<<grid, kBlock, 0, stream>>>(p, tokens_per_chunk, partial);
+                       });
+}
+
+template <typename T, int W>
 void launch_backward_vec(const TreeConvParams& p, cudaStream_t stream) {
-  const int64_t chunks = p.workspace ? weight_grad_chunks(p.num_tokens, p.channels) : 1;
-  const int64_t tokens_per_chunk = ceil_div(p.num_tokens, chunks);
-  const int64_t used = ceil_div(p.num_tokens, tokens_per_chunk);
-  float* partial = used > 1 ? p.workspace : nullptr;
-  const dim3 grid(vec_grid_x(p.channels, BwdVecOf<T>::V).x, unsigned(used));
-  backward_vec_kernel<T, W><<<grid, kVecBlock, 0, stream>>>(p, tokens_per_chunk, partial);
-  if (!partial) return;
-  const int64_t per_chunk = p.channels * (W + 1);
-  reduce_chunks_kernel<<<unsigned(ceil_div(per_chunk, 256)), 256, 0, stream>>>(
-      partial, used, p.channels, W, p.grad_weight, p.grad_bias);
+  over_token_chunks<W>(p, vec_grid_x(p.channels, BwdVecOf<T>::V).x, stream,
+                       [&](dim3 grid, int64_t tokens_per_chunk, float* partial) {
+                         backward_vec_kernel<T, W><<<grid, kVecBlock, 0, stream>>>(p, tokens_per_chunk, partial);
+                       });
 }
 
 template <typename T, typename Fn>
