@@ -14,6 +14,8 @@
 #   "abi" runs benchmarks/gpu/diag_abi.sh (where a thrown number-formatting error crashes);
 #   BENCH_FAMILIES (default "gdn ssd") and BENCH_ARGS (extra arguments, e.g. "--peers off --cases tree,flat")
 #   pick the benchmarks' rows.
+#   "memprobe" runs benchmarks/saved_memory_probe.py per model (BENCH_MODELS) at the GRPO shape; MB_CKPT
+#     (default off) is the modelbench part's --checkpointing (e.g. "off,on").
 #   "diag" runs benchmarks/gpu/diag_throw.py (errors on the CUDA paths raise, not crash); "modelbench" the
 #   whole-model `python -m tree_recurrence bench --prompts 2048` for BENCH_MODELS (qwen3_5 nemotron_h).
 #   "models" also runs the Mamba2-family GPU model tests (test_mamba2_models.py -k test_gpu_: fp32 and
@@ -144,9 +146,17 @@ if has modelbench; then  # the whole-model bench (issues 19, 20): tree vs chains
     l=$(left); [ "$l" -lt 60 ] && { stamp "model bench $m skipped"; continue; }
     stamp "model bench $m"
     timeout $(( l < ${MB_S:-180} ? l : ${MB_S:-180} )) python3 -m tree_recurrence bench --model "$m" --prompts 2048 \
-      --checkpointing off --warmup 1 --repeat 2 --no-plot --out "$LOGS/modelbench_$m" >"$LOGS/modelbench_$m.txt" 2>&1
+      --checkpointing ${MB_CKPT:-off} --warmup 1 --repeat 2 --no-plot --out "$LOGS/modelbench_$m" >"$LOGS/modelbench_$m.txt" 2>&1
     echo "  exit $?"; tail -14 "$LOGS/modelbench_$m.txt" | cut -c1-200
     [ -f "$LOGS/modelbench_$m/bench.json" ] && cp "$LOGS/modelbench_$m/bench.json" "$OUT/modelbench_$m.json"
+  done
+fi
+if has memprobe; then  # what the whole model keeps for backward per token (benchmarks/saved_memory_probe.py)
+  for m in ${BENCH_MODELS:-qwen3_5 nemotron_h}; do
+    l=$(left); [ "$l" -lt 40 ] && { stamp "memprobe $m skipped"; continue; }
+    stamp "memprobe $m"
+    timeout $(( l < 90 ? l : 90 )) python3 benchmarks/saved_memory_probe.py --model "$m" --groups 8 --rollouts 8 >"$LOGS/memprobe_$m.txt" 2>&1
+    echo "  exit $?"; head -14 "$LOGS/memprobe_$m.txt" | cut -c1-160; tail -1 "$LOGS/memprobe_$m.txt" | cut -c1-160
   done
 fi
 has models && pytest_part gpu_models ${MODELS_S:-100} tests/python/test_gpu.py
