@@ -56,3 +56,33 @@ def test_the_activation_check_is_written_once():
             if path.parts[len(ROOT.parts)] in ("bindings", "plugins") and path.name != "stand_ins.py"
             for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1) if pattern.search(line)]
     assert not hits, f"activation checks outside driver.check_activation: {hits}"
+
+
+# Where a manifest's seam mappings are read: parsed into SeamSpecs at load (plugins, _specs) and, for a
+# record built elsewhere, by the native-op load check (_native_schema). Everything else reads SeamSpecs.
+SEAM_PARSERS = {ENGINE / "tree_recurrence" / name for name in ("plugins.py", "_specs.py", "_native_schema.py")}
+MANIFEST_SEAMS = re.compile(r"""\]\s*\[\s*["']seams["']\s*\]|\.get\(\s*["']seams["']""")  # a manifest's ["seams"]
+SPEC_AS_DICT = re.compile(r"""\bspec\s*\[\s*["']|\bspec\.get\(""")
+
+
+def _engine_and_family_python():
+    roots = [ENGINE, ROOT / "plugins", ROOT / "sdk" / "examples"]
+    return [path for root in roots for path in sorted(root.rglob("*.py"))
+            if "build" not in path.parts and (root == ENGINE or "python" in path.parts)]
+
+
+def test_the_engine_reads_typed_seam_specs():
+    """Issue 18 item 1: the driver, its strategies, components, install / seams and the families' adapters
+    read a seam's ``SeamSpec`` / ``NativeSpec`` (``plugins.seam_specs``), not the manifest's mappings."""
+    hits = [f"{path.relative_to(ROOT)}:{number}: {line.strip()}" for path in _engine_and_family_python()
+            if path not in SEAM_PARSERS
+            for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+            if MANIFEST_SEAMS.search(line) or SPEC_AS_DICT.search(line)]
+    assert not hits, "seam specs read as manifest mappings (read plugins.seam_specs / call.spec fields):\n" + "\n".join(hits)
+
+
+def test_the_spec_grep_finds_what_it_looks_for():
+    assert MANIFEST_SEAMS.search('record["manifest"]["seams"][seam]') and MANIFEST_SEAMS.search("m.get('seams')")
+    assert not MANIFEST_SEAMS.search("report['seams']")
+    assert SPEC_AS_DICT.search('call.spec["sequence"]') and SPEC_AS_DICT.search('spec.get("native")')
+    assert not SPEC_AS_DICT.search("call.spec.sequence") and not SPEC_AS_DICT.search("spec.native.op")

@@ -55,7 +55,7 @@ def doctor_report(gpu: str | None = None) -> dict:
             "family": r["family"], "version": r["version"], "library_version": r.get("library_version", ""),
             "library": r["library_path"], "fingerprint": r["fingerprint"],
             "kernels": [{"name": k, "device": d, "available": ok} for k, d, ok in r["kernels"]],
-            "seams": sorted(r["manifest"]["seams"]), "models": models,
+            "seams": sorted(plugins.seam_specs(r)), "models": models,
             "routes": _routes.report(r, gpu or seen) if _has_native_scan(r) else [],
         })
     return report
