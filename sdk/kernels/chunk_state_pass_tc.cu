@@ -1,35 +1,36 @@
 // Tensor-core tree state pass (math, tables and schedule: chunk_state_pass_tc.h).
 //
-// One launch per trie level and direction; a CTA of 4 warps owns (segment of the level, head, V tile
-// of BV = 32 or 64 columns) and walks the segment's chunks. The fp32 state tile [KP, BV] (KP = K
-// padded to 64 or 128) lives in registers as mma.sync accumulator fragments: warp wi owns state rows
-// [wi*KP/4, (wi+1)*KP/4). Per chunk the state is rounded into shared memory (the MMA operand), the
-// C x BV product (v_new forward, dv_total backward) is split by rows of C (16 per warp), and the
-// state update K x BV (k over C) by the warps' own state rows.
+// One launch per trie level and direction; a CTA of NW = 4 or 8 warps owns (segment of the level,
+// head, V tile of BV = 32 or 64 columns) and walks the segment's chunks. The fp32 state tile
+// [KP, BV] (KP = K padded to 64 or 128) lives in registers as mma.sync accumulator fragments. Warp
+// wi has the row group rq = wi % 4 and the column group cq = wi / 4 (NW / 4 groups of WN = BV * 4 /
+// NW columns): it owns state rows [rq*KP/4, (rq+1)*KP/4) x columns [cq*WN, (cq+1)*WN), and of the
+// chunk's C x BV products (v_new forward, dv_total backward; k over K) rows [16 rq, 16 rq + 16) x
+// the same columns; the state update K x BV (k over C) by the warp's own state block. Per chunk
+// the state is rounded into shared memory (the MMA operand).
 //
 // Forward, chunk c (phases separated by the CTA barriers A and B):
-//   h_s = bf16(S)                                  | A: w(c), u(c) [, kd(c)] landed; h_s complete
-//   h[c] <- h_s; v = u - w h_s -> vn_s             | B: vn_s complete
+//   h_s = bf16(S)                                  | A: w(c), u(c) landed; h_s complete
+//   h[c] <- h_s; v = u - w h_s -> vn_s             | B: kd(c) landed; vn_s complete
 //   v_new[c] <- vn_s; S = decay S + kd^T vn_s
 // Backward, chunk c (reverse):
-//   dS_s = bf16(dS)                                | A: kd, q_g, grad_out, dv_local [, w] (c) landed
+//   dS_s = bf16(dS)                                | A: kd, q_g, grad_out, dv_local (c) landed
 //   grad_state_out[c] <- dS_s; dv = dv_local + kd dS_s -> dv_s (stored negated);
-//   dS = decay dS + q_g^T grad_out                 | B: dv_s complete
+//   dS = decay dS + q_g^T grad_out                 | B: w(c) landed; dv_s complete
 //   dv_total[c] <- -dv_s; dS += w^T (-dv)
-// Two load schedules (template NST), the same arithmetic in the same order (bitwise equal):
-// * NST = 0, the previous kernel: every operand tile single-buffered and filled one phase ahead
-//   (forward: kd(c) issued at A, w(c+1), u(c+1) at B; backward: w(c) at A, the rest of c-1 at B).
-//   54-96 KB of shared memory, 2-4 CTAs per SM, whose phases interleave.
-// * NST >= 2, the pipelined kernel (BV = 32 only): a ring of NST stages, each holding all of one
-//   chunk's operand tiles; at barrier A of chunk c the loads of chunk c + NST - 1 go into the stage
-//   chunk c - 1 just freed (issued right after the first product's MMAs, so that they overlap), one
-//   cp.async group per chunk (empty groups past the segment's end keep the count), and chunk c
-//   waits with cp.async.wait_group NST - 2: NST - 1 chunks in flight while one computes. The
-//   global stores of a phase follow its MMAs; the decays are read two chunks ahead (DecayAhead).
-//   For levels with at most one CTA per SM (a long flat row), where nothing else hides a load's
-//   latency; the host picks it (run_levels). Forward 4 stages, backward 3: 175,104 / 202,752 B of
-//   shared memory at K = 128, 104,448 / 123,904 B at K <= 64 (one CTA per SM; the previous
-//   kernel: 55,296 / 77,824 B at BV 32, 71,680 / 98,304 B at BV 64).
+// Every operand tile is single-buffered and filled one phase ahead (forward: kd(c) issued at A,
+// w(c+1), u(c+1) at B; backward: w(c) at A, the rest of c-1 at B).
+// Two instances of the one kernel (template NW), the same arithmetic in the same order: every
+// output element's MMA k-loop runs over the same k steps in the same order whichever warp computes
+// it, so they are bitwise equal at BV 32:
+// * NW = 4, the previous kernel (BV 32 or 64): a warp's products are 16 x BV (k over K) and its
+//   state block KP/4 x BV. 55,296 / 77,824 B of shared memory at BV 32, 71,680 / 98,304 B at BV 64
+//   (forward / backward, K = 128), 2-4 CTAs per SM, whose phases interleave.
+// * NW = 8, the wide kernel (BV 32 only): a warp's products 16 x 16, its state block KP/4 x 16, so
+//   each warp issues half the MMAs, shared-memory loads and epilogue work per chunk, and the
+//   chunk's critical path (dependent MMAs, barriers, shared-memory round trips) is shorter. Same
+//   shared memory as NW = 4 at BV 32. For levels with at most one CTA per SM (a long flat row),
+//   where no other CTA's phases fill the gaps; the host picks it (run_levels).
 // Deterministic: fixed MMA order, no atomics. No host sync.
 #include "tree_recurrence/kernels/chunk_state_pass_tc.h"
 
@@ -49,31 +50,29 @@ namespace {
 
 namespace m = tree_recurrence::kernels::mma;
 
-constexpr int kC = 64;         // chunk rows
-constexpr int kWarps = 4;
-constexpr int kThreads = 32 * kWarps;
-constexpr int kFwdStages = 4;  // pipelined forward: 3 chunks in flight
-constexpr int kBwdStages = 3;  // pipelined backward: 2 chunks in flight (4 stages exceed 227 KB at K = 128)
+constexpr int kC = 64;  // chunk rows
 
-template <int KP, int BV>
+template <int KP, int BV, int NW>
 struct Cfg {
+  static constexpr int THREADS = 32 * NW;
+  static constexpr int CQ = NW / 4;      // column groups
+  static constexpr int WN = BV / CQ;     // columns per warp
   static constexpr int LDK = KP + 8;     // pitch of C x K tiles (w, kd, q_g)
   static constexpr int LDV = BV + 8;     // pitch of tiles BV wide (u, h, v_new, dS, dv, grad_out)
   static constexpr int MTS = KP / 64;    // 16-row tiles of state per warp
-  static constexpr int RW = KP / kWarps; // state rows per warp
-  static constexpr int NT = BV / 8;      // 8-column tiles
+  static constexpr int RW = KP / 4;      // state rows per warp
+  static constexpr int NT = WN / 8;      // 8-column tiles per warp
   static constexpr int KTK = KP / 16;    // k steps over K
   static constexpr int KTC = kC / 16;    // k steps over C
   static constexpr size_t KT = size_t(kC) * LDK;  // a C x K tile
   static constexpr size_t VT = size_t(kC) * LDV;  // a C x BV tile
   static constexpr size_t ST = size_t(KP) * LDV;  // the rounded state tile
-  static constexpr size_t fwd_stage = 2 * KT + VT;      // w, kd, u
-  static constexpr size_t bwd_stage = 3 * KT + 2 * VT;  // kd, q_g, w, grad_out, dv_local
-  // Elements of shared memory with NST stages (0: the single-buffered kernel, one stage).
-  static constexpr size_t fwd_elems(int nst) { return size_t(nst ? nst : 1) * fwd_stage + ST + VT; }
-  static constexpr size_t bwd_elems(int nst) { return size_t(nst ? nst : 1) * bwd_stage + ST + VT; }
+  static constexpr size_t fwd_elems = 2 * KT + VT + ST + VT;      // w, kd, u; h_s, vn_s
+  static constexpr size_t bwd_elems = 3 * KT + 2 * VT + ST + VT;  // kd, q_g, w, grad_out, dv_local; ds_s, dv_s
   static_assert(KP == 64 || KP == 128, "KP is 64 or 128");
   static_assert(BV == 32 || BV == 64, "BV is 32 or 64");
+  static_assert(NW == 4 || (NW == 8 && BV == 32), "4 warps, or 8 at BV 32");
+  static_assert(NT % 2 == 0, "warp_gemm takes 16-column pairs");
 };
 
 template <typename T>
@@ -88,24 +87,24 @@ __device__ __forceinline__ float2 unpack2<__half>(uint32_t v) {
 }
 
 // Calls f(r, col) for this thread's 16-byte pieces (8 elements, columns col..col+7 of row r) of a
-// ROWS x COLS tile, the pieces split evenly over the CTA.
-template <int ROWS, int COLS, typename F>
+// ROWS x COLS tile, the pieces split evenly over the CTA's THREADS threads.
+template <int ROWS, int COLS, int THREADS, typename F>
 __device__ __forceinline__ void for_pieces(F&& f) {
   constexpr int PR = COLS / 8;
   constexpr int PIECES = ROWS * PR;
-  static_assert(PIECES % kThreads == 0, "tile pieces split evenly over the CTA");
+  static_assert(PIECES % THREADS == 0, "tile pieces split evenly over the CTA");
 #pragma unroll
-  for (int i = 0; i < PIECES / kThreads; ++i) {
-    const int idx = i * kThreads + static_cast<int>(threadIdx.x);
+  for (int i = 0; i < PIECES / THREADS; ++i) {
+    const int idx = i * THREADS + static_cast<int>(threadIdx.x);
     f(idx / PR, (idx % PR) * 8);
   }
 }
 
 // cp.async a ROWS x COLS tile (global row pitch gstride elements; columns >= valid_cols zero-filled)
 // into shared memory of pitch LD. COLS and valid_cols are multiples of 8 (16-byte pieces).
-template <typename T, int ROWS, int COLS, int LD>
+template <typename T, int ROWS, int COLS, int LD, int THREADS>
 __device__ __forceinline__ void load_tile(T* smem, const T* __restrict__ g, int64_t gstride, int valid_cols) {
-  for_pieces<ROWS, COLS>([&](int r, int col) {
+  for_pieces<ROWS, COLS, THREADS>([&](int r, int col) {
     const bool ok = col < valid_cols;
     const T* src = ok ? g + r * gstride + col : g;
     m::cp_async_16(smem + r * LD + col, src, ok ? 16 : 0);
@@ -114,9 +113,9 @@ __device__ __forceinline__ void load_tile(T* smem, const T* __restrict__ g, int6
 
 // Stores rows < valid_rows, columns < valid_cols of a ROWS x COLS shared tile (pitch LD) to global
 // memory (row pitch gstride) in 16-byte pieces; kNegate flips the sign bit of every element.
-template <typename T, int ROWS, int COLS, int LD, bool kNegate>
+template <typename T, int ROWS, int COLS, int LD, int THREADS, bool kNegate>
 __device__ __forceinline__ void store_tile(const T* smem, T* __restrict__ g, int64_t gstride, int valid_rows, int valid_cols) {
-  for_pieces<ROWS, COLS>([&](int r, int col) {
+  for_pieces<ROWS, COLS, THREADS>([&](int r, int col) {
     if (r < valid_rows && col < valid_cols) {
       uint4 v = *reinterpret_cast<const uint4*>(smem + r * LD + col);
       if (kNegate) {
@@ -130,35 +129,36 @@ __device__ __forceinline__ void store_tile(const T* smem, T* __restrict__ g, int
   });
 }
 
-template <int KP, int BV>
-using StateFrags = m::FragC[Cfg<KP, BV>::MTS][Cfg<KP, BV>::NT];
+template <int KP, int BV, int NW>
+using StateFrags = m::FragC[Cfg<KP, BV, NW>::MTS][Cfg<KP, BV, NW>::NT];
 
-// Calls f(frag, e, row, col) for each pair (e, e + 1) of the warp's state fragments (rows wi*RW..,
-// tile columns col, col + 1).
-template <int KP, int BV, typename Frags, typename F>
-__device__ __forceinline__ void for_state_pairs(Frags& S, int wi, int l, F&& f) {
-  using G = Cfg<KP, BV>;
+// Calls f(frag, e, row, col) for each pair (e, e + 1) of the warp's state fragments (rows rq*RW..,
+// columns cq*WN.., tile columns col, col + 1).
+template <int KP, int BV, int NW, typename Frags, typename F>
+__device__ __forceinline__ void for_state_pairs(Frags& S, int rq, int cq, int l, F&& f) {
+  using G = Cfg<KP, BV, NW>;
 #pragma unroll
   for (int mt = 0; mt < G::MTS; ++mt)
 #pragma unroll
     for (int nt = 0; nt < G::NT; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; e += 2) f(S[mt][nt], e, wi * G::RW + mt * 16 + m::c_row(l, e), nt * 8 + m::c_col(l, e));
+      for (int e = 0; e < 4; e += 2)
+        f(S[mt][nt], e, rq * G::RW + mt * 16 + m::c_row(l, e), cq * G::WN + nt * 8 + m::c_col(l, e));
 }
 
 // The warp's state fragments rounded into shared memory.
-template <typename T, int KP, int BV>
-__device__ __forceinline__ void state_to_smem(const StateFrags<KP, BV>& S, T* dst, int wi, int l) {
-  for_state_pairs<KP, BV>(S, wi, l, [&](const m::FragC& f, int e, int row, int col) {
-    *reinterpret_cast<uint32_t*>(dst + row * Cfg<KP, BV>::LDV + col) = m::Elem<T>::pack(f.x[e], f.x[e + 1]);
+template <typename T, int KP, int BV, int NW>
+__device__ __forceinline__ void state_to_smem(const StateFrags<KP, BV, NW>& S, T* dst, int rq, int cq, int l) {
+  for_state_pairs<KP, BV, NW>(S, rq, cq, l, [&](const m::FragC& f, int e, int row, int col) {
+    *reinterpret_cast<uint32_t*>(dst + row * Cfg<KP, BV, NW>::LDV + col) = m::Elem<T>::pack(f.x[e], f.x[e + 1]);
   });
 }
 
 // fp32 global state (K x V, row pitch V, tile origin at column n0 already applied) <-> fragments.
-template <int KP, int BV>
-__device__ __forceinline__ void state_load(StateFrags<KP, BV>& S, const float* src, int64_t K, int64_t V, int vvalid, int wi,
-                                           int l, bool accumulate) {
-  for_state_pairs<KP, BV>(S, wi, l, [&](m::FragC& f, int e, int row, int col) {
+template <int KP, int BV, int NW>
+__device__ __forceinline__ void state_load(StateFrags<KP, BV, NW>& S, const float* src, int64_t K, int64_t V, int vvalid, int rq,
+                                           int cq, int l, bool accumulate) {
+  for_state_pairs<KP, BV, NW>(S, rq, cq, l, [&](m::FragC& f, int e, int row, int col) {
     float2 v = make_float2(0.f, 0.f);
     if (src && row < K && col < vvalid) v = *reinterpret_cast<const float2*>(src + row * V + col);
     if (accumulate) {
@@ -171,67 +171,71 @@ __device__ __forceinline__ void state_load(StateFrags<KP, BV>& S, const float* s
   });
 }
 
-template <int KP, int BV>
-__device__ __forceinline__ void state_store(const StateFrags<KP, BV>& S, float* dst, int64_t K, int64_t V, int vvalid, int wi,
-                                            int l) {
-  for_state_pairs<KP, BV>(S, wi, l, [&](const m::FragC& f, int e, int row, int col) {
+template <int KP, int BV, int NW>
+__device__ __forceinline__ void state_store(const StateFrags<KP, BV, NW>& S, float* dst, int64_t K, int64_t V, int vvalid, int rq,
+                                            int cq, int l) {
+  for_state_pairs<KP, BV, NW>(S, rq, cq, l, [&](const m::FragC& f, int e, int row, int col) {
     if (row < K && col < vvalid) *reinterpret_cast<float2*>(dst + row * V + col) = make_float2(f.x[e], f.x[e + 1]);
   });
 }
 
-template <int KP, int BV>
-__device__ __forceinline__ void state_scale(StateFrags<KP, BV>& S, float d) {
+template <int KP, int BV, int NW>
+__device__ __forceinline__ void state_scale(StateFrags<KP, BV, NW>& S, float d) {
 #pragma unroll
-  for (int mt = 0; mt < Cfg<KP, BV>::MTS; ++mt)
+  for (int mt = 0; mt < Cfg<KP, BV, NW>::MTS; ++mt)
 #pragma unroll
-    for (int nt = 0; nt < Cfg<KP, BV>::NT; ++nt)
+    for (int nt = 0; nt < Cfg<KP, BV, NW>::NT; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) S[mt][nt].x[e] *= d;
 }
 
-// out (rows 16*wi.., BV columns, in shared memory) = round(sign_out * (acc + base)), base from a
-// shared tile of the same shape (or 0 when null), acc with sign_acc.
-template <typename T, int BV>
-__device__ __forceinline__ void rows_epilogue(const m::FragC (&acc)[1][BV / 8], const T* base, float sign_acc, float sign_out,
-                                              T* out, int wi, int l) {
-  constexpr int LDV = BV + 8;
+// out (rows 16*rq.., the warp's columns cq*WN.., in shared memory) = round(sign_out * (acc + base)),
+// base from a shared tile of the same shape (or 0 when null), acc with sign_acc.
+template <typename T, int KP, int BV, int NW>
+__device__ __forceinline__ void rows_epilogue(const m::FragC (&acc)[1][Cfg<KP, BV, NW>::NT], const T* base, float sign_acc,
+                                              float sign_out, T* out, int rq, int cq, int l) {
+  using G = Cfg<KP, BV, NW>;
 #pragma unroll
-  for (int nt = 0; nt < BV / 8; ++nt)
+  for (int nt = 0; nt < G::NT; ++nt)
 #pragma unroll
     for (int e = 0; e < 4; e += 2) {
-      const int row = 16 * wi + m::c_row(l, e), col = nt * 8 + m::c_col(l, e);
+      const int row = 16 * rq + m::c_row(l, e), col = cq * G::WN + nt * 8 + m::c_col(l, e);
       float2 b = make_float2(0.f, 0.f);
-      if (base) b = unpack2<T>(*reinterpret_cast<const uint32_t*>(base + row * LDV + col));
+      if (base) b = unpack2<T>(*reinterpret_cast<const uint32_t*>(base + row * G::LDV + col));
       const float v0 = sign_out * (b.x + sign_acc * acc[0][nt].x[e]);
       const float v1 = sign_out * (b.y + sign_acc * acc[0][nt].x[e + 1]);
-      *reinterpret_cast<uint32_t*>(out + row * LDV + col) = m::Elem<T>::pack(v0, v1);
+      *reinterpret_cast<uint32_t*>(out + row * G::LDV + col) = m::Elem<T>::pack(v0, v1);
     }
 }
 
-// A warp's C x BV rows product (rows 16*wi.., k over K): A (rows, pitch LDK) times the state tile.
-template <typename T, int KP, int BV>
-__device__ __forceinline__ void rows_product(m::FragC (&acc)[1][BV / 8], const T* a_s, const T* state_s, int wi) {
-  using G = Cfg<KP, BV>;
+// A warp's block of the C x BV rows product (rows 16*rq.., columns cq*WN.., k over K): A (rows,
+// pitch LDK) times the state tile.
+template <typename T, int KP, int BV, int NW>
+__device__ __forceinline__ void rows_product(m::FragC (&acc)[1][Cfg<KP, BV, NW>::NT], const T* a_s, const T* state_s, int rq,
+                                             int cq) {
+  using G = Cfg<KP, BV, NW>;
 #pragma unroll
   for (int nt = 0; nt < G::NT; ++nt) acc[0][nt].zero();
-  m::warp_gemm<T, 1, G::NT, G::KTK, true, true>(acc, a_s + 16 * wi * G::LDK, G::LDK, state_s, G::LDV);
+  m::warp_gemm<T, 1, G::NT, G::KTK, true, true>(acc, a_s + 16 * rq * G::LDK, G::LDK, state_s + cq * G::WN, G::LDV);
 }
 
-// S += A^T B over the chunk's rows: A a C x K tile (pitch LDK; the warp's state rows), B C x BV.
-template <typename T, int KP, int BV>
-__device__ __forceinline__ void state_update(StateFrags<KP, BV>& S, const T* a_s, const T* b_s, int wi) {
-  using G = Cfg<KP, BV>;
-  m::warp_gemm<T, G::MTS, G::NT, G::KTC, false, true>(S, a_s + wi * G::RW, G::LDK, b_s, G::LDV);
+// S += A^T B over the chunk's rows: A a C x K tile (pitch LDK; the warp's state rows), B C x BV
+// (the warp's columns).
+template <typename T, int KP, int BV, int NW>
+__device__ __forceinline__ void state_update(StateFrags<KP, BV, NW>& S, const T* a_s, const T* b_s, int rq, int cq) {
+  using G = Cfg<KP, BV, NW>;
+  m::warp_gemm<T, G::MTS, G::NT, G::KTC, false, true>(S, a_s + rq * G::RW, G::LDK, b_s + cq * G::WN, G::LDV);
 }
 
 // What a CTA works on.
-template <int BV>
+template <int BV, int NW>
 struct Cta {
-  int wi, l;
+  int rq, cq, l;
   int64_t H, K, V, KV, s, head;
   int n0, vvalid, kvalid;
   __device__ __forceinline__ Cta(const ChunkStatePassTcParams& p, int64_t level_begin)
-      : wi(static_cast<int>(threadIdx.x >> 5)),
+      : rq(static_cast<int>(NW == 4 ? threadIdx.x >> 5 : (threadIdx.x >> 5) & 3)),
+        cq(static_cast<int>(NW == 4 ? 0 : threadIdx.x >> 7)),
         l(static_cast<int>(threadIdx.x & 31)),
         H(p.heads),
         K(p.k_dim),
@@ -244,132 +248,87 @@ struct Cta {
         kvalid(static_cast<int>(p.k_dim)) {}
 };
 
-// cp.async.wait_group before barrier A: NST - 2 chunks may stay in flight (0 for the old kernel).
-template <int NST>
-__device__ __forceinline__ void wait_chunk() {
-  if constexpr (NST == 0) m::cp_async_wait<0>();
-  else m::cp_async_wait<NST - 2>();
-}
-
-// Per-chunk decays read two chunks ahead into registers (the pipelined kernels: their chunks wait on
-// no tile load that would hide this read's latency). Chunks first, first + step, ... up to last.
-struct DecayAhead {
-  const float* decay;
-  int64_t H, head, last;
-  int step;
-  float d0, d1;
-  __device__ __forceinline__ DecayAhead(const float* decay_, int64_t H_, int64_t head_, int64_t first, int64_t last_, int step_)
-      : decay(decay_), H(H_), head(head_), last(last_), step(step_) {
-    d0 = at(first);
-    d1 = at(first + step);
-  }
-  __device__ __forceinline__ float at(int64_t c) const {
-    return (step > 0 ? c <= last : c >= last) ? decay[c * H + head] : 0.f;
-  }
-  // The decay of chunk c (visited in order), reading chunk c + 2 step.
-  __device__ __forceinline__ float take(int64_t c) {
-    const float d = d0;
-    d0 = d1;
-    d1 = at(c + 2 * step);
-    return d;
-  }
-};
-
-template <typename T, int KP, int BV, int NST>
-__global__ void __launch_bounds__(kThreads) tc_forward_kernel(ChunkStatePassTcParams p, int64_t level_begin) {
-  using G = Cfg<KP, BV>;
-  static_assert(NST == 0 || (NST >= 2 && BV == 32), "pipelined kernel: BV 32, at least 2 stages");
-  constexpr int NB = NST ? NST : 1;  // stages
+template <typename T, int KP, int BV, int NW>
+__global__ void __launch_bounds__(32 * NW) tc_forward_kernel(ChunkStatePassTcParams p, int64_t level_begin) {
+  using G = Cfg<KP, BV, NW>;
+  constexpr int TH = G::THREADS;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  T* const stages = reinterpret_cast<T*>(smem_raw);  // NB x {w: C x LDK, kd: C x LDK, u: C x LDV}
-  T* const h_s = stages + NB * G::fwd_stage;          // KP x LDV
-  T* const vn_s = h_s + G::ST;                        // C x LDV
+  T* const w_s = reinterpret_cast<T*>(smem_raw);  // C x LDK
+  T* const kd_s = w_s + G::KT;                     // C x LDK
+  T* const u_s = kd_s + G::KT;                     // C x LDV
+  T* const h_s = u_s + G::VT;                      // KP x LDV
+  T* const vn_s = h_s + G::ST;                     // C x LDV
 
-  const Cta<BV> t(p, level_begin);
-  const int wi = t.wi, l = t.l;
+  const Cta<BV, NW> t(p, level_begin);
+  const int rq = t.rq, cq = t.cq, l = t.l;
   const T* w = static_cast<const T*>(p.w);
   const T* u = static_cast<const T*>(p.u);
   const T* kd = static_cast<const T*>(p.kd);
   T* h = static_cast<T*>(p.h);
   T* v_new = static_cast<T*>(p.v_new);
 
-  StateFrags<KP, BV> S;
+  StateFrags<KP, BV, NW> S;
   {
     const float* start = nullptr;
     const int64_t parent = p.parents[t.s];
     if (parent >= 0) start = p.final_state + (parent * t.H + t.head) * t.KV;
     else if (p.initial_state) start = p.initial_state + ((p.initial_per_root ? p.root_index[t.s] * t.H : 0) + t.head) * t.KV;
-    state_load<KP, BV>(S, start ? start + t.n0 : nullptr, t.K, t.V, t.vvalid, wi, l, false);
+    state_load<KP, BV, NW>(S, start ? start + t.n0 : nullptr, t.K, t.V, t.vvalid, rq, cq, l, false);
   }
   const int64_t c_begin = p.seg_chunk_offsets[t.s], c_end = p.seg_chunk_offsets[t.s + 1];
-  // Issues chunk c's w, u (wu) and kd (kdd) into stage st as one cp.async group (empty past c_end).
-  auto issue = [&](int64_t c, T* st, bool wu, bool kdd) {
-    if (c < c_end) {
-      const int64_t ch = c * t.H + t.head;
-      if (wu && w) load_tile<T, kC, KP, G::LDK>(st, w + ch * kC * t.K, t.K, t.kvalid);
-      if (kdd) load_tile<T, kC, KP, G::LDK>(st + G::KT, kd + ch * kC * t.K, t.K, t.kvalid);
-      if (wu) load_tile<T, kC, BV, G::LDV>(st + 2 * G::KT, u + ch * kC * t.V + t.n0, t.V, t.vvalid);
+  // Issues chunk c's w, u (wu) or kd as one cp.async group.
+  auto issue = [&](int64_t c, bool wu) {
+    const int64_t ch = c * t.H + t.head;
+    if (wu) {
+      if (w) load_tile<T, kC, KP, G::LDK, TH>(w_s, w + ch * kC * t.K, t.K, t.kvalid);
+      load_tile<T, kC, BV, G::LDV, TH>(u_s, u + ch * kC * t.V + t.n0, t.V, t.vvalid);
+    } else {
+      load_tile<T, kC, KP, G::LDK, TH>(kd_s, kd + ch * kC * t.K, t.K, t.kvalid);
     }
     m::cp_async_commit();
   };
-  if constexpr (NST == 0) {
-    issue(c_begin, stages, true, false);
-  } else {
-#pragma unroll
-    for (int i = 0; i < NST - 1; ++i) issue(c_begin + i, stages + i * G::fwd_stage, true, true);
-  }
-  int cur = 0;  // stage of chunk c
-  DecayAhead ahead(p.decay, t.H, t.head, c_begin, c_end - 1, 1);
+  issue(c_begin, true);
   for (int64_t c = c_begin; c < c_end; ++c) {
     const int64_t ch = c * t.H + t.head;
-    const float d = NST ? ahead.take(c) : p.decay[ch];
-    T* const st = stages + cur * G::fwd_stage;
-    state_to_smem<T, KP, BV>(S, h_s, wi, l);
-    wait_chunk<NST>();
-    __syncthreads();  // A: w(c), u(c) (pipelined: and kd(c)) landed; h_s complete; chunk c-1's stage free
-    if constexpr (NST == 0) {
-      issue(c, st, false, true);
-      store_tile<T, KP, BV, G::LDV, false>(h_s, h + ch * t.KV + t.n0, t.V, t.kvalid, t.vvalid);
-    }
+    const float d = p.decay[ch];
+    state_to_smem<T, KP, BV, NW>(S, h_s, rq, cq, l);
+    m::cp_async_wait<0>();
+    __syncthreads();  // A: w(c), u(c) landed; h_s complete; vn_s and kd_s free
+    issue(c, false);
+    store_tile<T, KP, BV, G::LDV, TH, false>(h_s, h + ch * t.KV + t.n0, t.V, t.kvalid, t.vvalid);
     m::FragC acc[1][G::NT];
     if (w) {
-      rows_product<T, KP, BV>(acc, st, h_s, wi);
+      rows_product<T, KP, BV, NW>(acc, w_s, h_s, rq, cq);
     } else {
 #pragma unroll
       for (int nt = 0; nt < G::NT; ++nt) acc[0][nt].zero();
     }
-    if constexpr (NST != 0) {  // issued while the MMAs run: the loads have NST - 1 chunks to land
-      issue(c + NST - 1, stages + (cur == 0 ? NB - 1 : cur - 1) * G::fwd_stage, true, true);
-      store_tile<T, KP, BV, G::LDV, false>(h_s, h + ch * t.KV + t.n0, t.V, t.kvalid, t.vvalid);
-    }
-    rows_epilogue<T, BV>(acc, st + 2 * G::KT, -1.f, 1.f, vn_s, wi, l);  // v_new = u - w h
-    if constexpr (NST == 0) m::cp_async_wait<0>();
-    __syncthreads();  // B: (single-buffered: kd(c) landed;) vn_s complete; h_s free
-    if constexpr (NST == 0) {
-      if (c + 1 < c_end) issue(c + 1, st, true, false);
-      store_tile<T, kC, BV, G::LDV, false>(vn_s, v_new + ch * kC * t.V + t.n0, t.V, kC, t.vvalid);
-    }
-    state_scale<KP, BV>(S, d);
-    state_update<T, KP, BV>(S, st + G::KT, vn_s, wi);
-    if constexpr (NST != 0) store_tile<T, kC, BV, G::LDV, false>(vn_s, v_new + ch * kC * t.V + t.n0, t.V, kC, t.vvalid);
-    cur = cur + 1 == NB ? 0 : cur + 1;
+    rows_epilogue<T, KP, BV, NW>(acc, u_s, -1.f, 1.f, vn_s, rq, cq, l);  // v_new = u - w h
+    m::cp_async_wait<0>();
+    __syncthreads();  // B: kd(c) landed; vn_s complete; h_s, w_s, u_s free
+    if (c + 1 < c_end) issue(c + 1, true);
+    store_tile<T, kC, BV, G::LDV, TH, false>(vn_s, v_new + ch * kC * t.V + t.n0, t.V, kC, t.vvalid);
+    state_scale<KP, BV, NW>(S, d);
+    state_update<T, KP, BV, NW>(S, kd_s, vn_s, rq, cq);
   }
-  state_store<KP, BV>(S, p.final_state + (t.s * t.H + t.head) * t.KV + t.n0, t.K, t.V, t.vvalid, wi, l);
+  state_store<KP, BV, NW>(S, p.final_state + (t.s * t.H + t.head) * t.KV + t.n0, t.K, t.V, t.vvalid, rq, cq, l);
 }
 
-template <typename T, int KP, int BV, int NST>
-__global__ void __launch_bounds__(kThreads) tc_backward_kernel(ChunkStatePassTcParams p, int64_t level_begin) {
-  using G = Cfg<KP, BV>;
-  static_assert(NST == 0 || (NST >= 2 && BV == 32), "pipelined kernel: BV 32, at least 2 stages");
-  constexpr int NB = NST ? NST : 1;
+template <typename T, int KP, int BV, int NW>
+__global__ void __launch_bounds__(32 * NW) tc_backward_kernel(ChunkStatePassTcParams p, int64_t level_begin) {
+  using G = Cfg<KP, BV, NW>;
+  constexpr int TH = G::THREADS;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  // NB x {kd, q_g, w: C x LDK each; grad_out, dv_local: C x LDV each}
-  T* const stages = reinterpret_cast<T*>(smem_raw);
-  T* const ds_s = stages + NB * G::bwd_stage;  // KP x LDV
-  T* const dv_s = ds_s + G::ST;                // C x LDV, holds -dv_total
+  T* const kd_s = reinterpret_cast<T*>(smem_raw);  // C x LDK
+  T* const q_s = kd_s + G::KT;                      // C x LDK
+  T* const w_s = q_s + G::KT;                       // C x LDK
+  T* const go_s = w_s + G::KT;                      // C x LDV
+  T* const dvl_s = go_s + G::VT;                    // C x LDV
+  T* const ds_s = dvl_s + G::VT;                    // KP x LDV
+  T* const dv_s = ds_s + G::ST;                     // C x LDV, holds -dv_total
 
-  const Cta<BV> t(p, level_begin);
-  const int wi = t.wi, l = t.l;
+  const Cta<BV, NW> t(p, level_begin);
+  const int rq = t.rq, cq = t.cq, l = t.l;
   const T* w = static_cast<const T*>(p.w);
   const T* kd = static_cast<const T*>(p.kd);
   const T* q_g = static_cast<const T*>(p.q_g);
@@ -379,73 +338,52 @@ __global__ void __launch_bounds__(kThreads) tc_backward_kernel(ChunkStatePassTcP
   T* grad_state_out = static_cast<T*>(p.grad_state_out);
   T* dv_total = static_cast<T*>(p.dv_total);
 
-  StateFrags<KP, BV> dS;
-  state_load<KP, BV>(dS, nullptr, t.K, t.V, t.vvalid, wi, l, false);  // zeros
+  StateFrags<KP, BV, NW> dS;
+  state_load<KP, BV, NW>(dS, nullptr, t.K, t.V, t.vvalid, rq, cq, l, false);  // zeros
   for (int64_t e = p.child_offsets[t.s]; e < p.child_offsets[t.s + 1]; ++e)
-    state_load<KP, BV>(dS, p.workspace + (p.children[e] * t.H + t.head) * t.KV + t.n0, t.K, t.V, t.vvalid, wi, l, true);
+    state_load<KP, BV, NW>(dS, p.workspace + (p.children[e] * t.H + t.head) * t.KV + t.n0, t.K, t.V, t.vvalid, rq, cq, l, true);
 
   const int64_t c_begin = p.seg_chunk_offsets[t.s], c_last = p.seg_chunk_offsets[t.s + 1] - 1;
-  // Issues chunk c's kd, q_g, grad_out, dv_local (p1) and w (pw) into stage st as one cp.async
-  // group (empty before c_begin).
-  auto issue = [&](int64_t c, T* st, bool p1, bool pw) {
-    if (c >= c_begin) {
-      const int64_t ch = c * t.H + t.head;
-      const int64_t ok = ch * kC * t.K, ov = ch * kC * t.V + t.n0;
-      if (p1) {
-        load_tile<T, kC, KP, G::LDK>(st, kd + ok, t.K, t.kvalid);
-        if (has_q) {
-          load_tile<T, kC, KP, G::LDK>(st + G::KT, q_g + ok, t.K, t.kvalid);
-          load_tile<T, kC, BV, G::LDV>(st + 3 * G::KT, grad_out + ov, t.V, t.vvalid);
-        }
-        if (dv_local) load_tile<T, kC, BV, G::LDV>(st + 3 * G::KT + G::VT, dv_local + ov, t.V, t.vvalid);
+  // Issues chunk c's kd, q_g, grad_out, dv_local (rest) or w as one cp.async group.
+  auto issue = [&](int64_t c, bool rest) {
+    const int64_t ch = c * t.H + t.head;
+    const int64_t ok = ch * kC * t.K, ov = ch * kC * t.V + t.n0;
+    if (rest) {
+      load_tile<T, kC, KP, G::LDK, TH>(kd_s, kd + ok, t.K, t.kvalid);
+      if (has_q) {
+        load_tile<T, kC, KP, G::LDK, TH>(q_s, q_g + ok, t.K, t.kvalid);
+        load_tile<T, kC, BV, G::LDV, TH>(go_s, grad_out + ov, t.V, t.vvalid);
       }
-      if (pw && w) load_tile<T, kC, KP, G::LDK>(st + 2 * G::KT, w + ok, t.K, t.kvalid);
+      if (dv_local) load_tile<T, kC, BV, G::LDV, TH>(dvl_s, dv_local + ov, t.V, t.vvalid);
+    } else {
+      load_tile<T, kC, KP, G::LDK, TH>(w_s, w + ok, t.K, t.kvalid);
     }
     m::cp_async_commit();
   };
-  if constexpr (NST == 0) {
-    issue(c_last, stages, true, false);
-  } else {
-#pragma unroll
-    for (int i = 0; i < NST - 1; ++i) issue(c_last - i, stages + i * G::bwd_stage, true, true);
-  }
-  int cur = 0;
-  DecayAhead ahead(p.decay, t.H, t.head, c_last, c_begin, -1);
+  issue(c_last, true);
   for (int64_t c = c_last; c >= c_begin; --c) {
     const int64_t ch = c * t.H + t.head;
-    const float d = NST ? ahead.take(c) : p.decay[ch];
-    T* const st = stages + cur * G::bwd_stage;
-    state_to_smem<T, KP, BV>(dS, ds_s, wi, l);
-    wait_chunk<NST>();
-    __syncthreads();  // A: kd, q_g, grad_out, dv_local (pipelined: and w) (c) landed; ds_s complete; dv_s free
-    if constexpr (NST == 0) {
-      if (w) issue(c, st, false, true);
-      store_tile<T, KP, BV, G::LDV, false>(ds_s, grad_state_out + ch * t.KV + t.n0, t.V, t.kvalid, t.vvalid);
-    }
+    const float d = p.decay[ch];
+    state_to_smem<T, KP, BV, NW>(dS, ds_s, rq, cq, l);
+    m::cp_async_wait<0>();
+    __syncthreads();  // A: kd, q_g, grad_out, dv_local (c) landed; ds_s complete; dv_s and w_s free
+    if (w) issue(c, false);
+    store_tile<T, KP, BV, G::LDV, TH, false>(ds_s, grad_state_out + ch * t.KV + t.n0, t.V, t.kvalid, t.vvalid);
     m::FragC acc[1][G::NT];
-    rows_product<T, KP, BV>(acc, st, ds_s, wi);
-    if constexpr (NST != 0) {  // issued while the MMAs run: the loads have NST - 1 chunks to land
-      issue(c - (NST - 1), stages + (cur == 0 ? NB - 1 : cur - 1) * G::bwd_stage, true, true);
-      store_tile<T, KP, BV, G::LDV, false>(ds_s, grad_state_out + ch * t.KV + t.n0, t.V, t.kvalid, t.vvalid);
-    }
-    rows_epilogue<T, BV>(acc, dv_local ? st + 3 * G::KT + G::VT : nullptr, 1.f, -1.f, dv_s, wi, l);  // -(dv_local + kd dS)
-    state_scale<KP, BV>(dS, d);
-    if (has_q) state_update<T, KP, BV>(dS, st + G::KT, st + 3 * G::KT, wi);
-    if constexpr (NST == 0) m::cp_async_wait<0>();
-    __syncthreads();  // B: (single-buffered: w(c) landed;) dv_s complete; ds_s free
-    if constexpr (NST == 0) {
-      if (c > c_begin) issue(c - 1, st, true, false);
-      store_tile<T, kC, BV, G::LDV, true>(dv_s, dv_total + ch * kC * t.V + t.n0, t.V, kC, t.vvalid);
-    }
-    if (w) state_update<T, KP, BV>(dS, st + 2 * G::KT, dv_s, wi);
-    if constexpr (NST != 0) store_tile<T, kC, BV, G::LDV, true>(dv_s, dv_total + ch * kC * t.V + t.n0, t.V, kC, t.vvalid);
-    cur = cur + 1 == NB ? 0 : cur + 1;
+    rows_product<T, KP, BV, NW>(acc, kd_s, ds_s, rq, cq);
+    rows_epilogue<T, KP, BV, NW>(acc, dv_local ? dvl_s : nullptr, 1.f, -1.f, dv_s, rq, cq, l);  // -(dv_local + kd dS)
+    state_scale<KP, BV, NW>(dS, d);
+    if (has_q) state_update<T, KP, BV, NW>(dS, q_s, go_s, rq, cq);
+    m::cp_async_wait<0>();
+    __syncthreads();  // B: w(c) landed; dv_s complete; ds_s, kd_s, q_s, go_s, dvl_s free
+    if (c > c_begin) issue(c - 1, true);
+    store_tile<T, kC, BV, G::LDV, TH, true>(dv_s, dv_total + ch * kC * t.V + t.n0, t.V, kC, t.vvalid);
+    if (w) state_update<T, KP, BV, NW>(dS, w_s, dv_s, rq, cq);
   }
   float* out = p.parents[t.s] >= 0 ? p.workspace + (t.s * t.H + t.head) * t.KV
                                    : p.grad_initial + (p.root_index[t.s] * t.H + t.head) * t.KV;
-  state_store<KP, BV>(dS, out + t.n0, t.K, t.V, t.vvalid, wi, l);
+  state_store<KP, BV, NW>(dS, out + t.n0, t.K, t.V, t.vvalid, rq, cq, l);
 }
-
 // --- host side ---------------------------------------------------------------------------------
 
 thread_local std::string g_error;
@@ -489,8 +427,8 @@ std::string check_params(const ChunkStatePassTcParams& p, bool backward) {
   if (p.heads > 65535) return op + "at most 65535 heads, got " + std::to_string(p.heads);
   if (p.v_tile != 0 && p.v_tile != 32 && p.v_tile != 64)
     return op + "v_tile must be 0 (automatic), 32 or 64, got " + std::to_string(p.v_tile);
-  if (p.pipe < -1 || p.pipe > 1) return op + "pipe must be -1 (automatic), 0 or 1, got " + std::to_string(p.pipe);
-  if (p.pipe == 1 && p.v_tile == 64) return op + "the pipelined kernel (pipe 1) runs V tiles of 32 only, not v_tile 64";
+  if (p.wide < -1 || p.wide > 1) return op + "wide must be -1 (automatic), 0 or 1, got " + std::to_string(p.wide);
+  if (p.wide == 1 && p.v_tile == 64) return op + "the wide kernel (wide 1) runs V tiles of 32 only, not v_tile 64";
   if (!p.level_offsets || p.num_levels < 0) return op + "level_offsets (host) are required";
   if (p.level_offsets[0] != 0 || p.level_offsets[p.num_levels] != p.num_segments)
     return op + "level_offsets must run from 0 to the number of segments " + std::to_string(p.num_segments);
@@ -523,11 +461,14 @@ std::string check_params(const ChunkStatePassTcParams& p, bool backward) {
   return "";
 }
 
-// TREE_RECURRENCE_STATE_PASS_PIPE, read once: "0" the previous (single-buffered) kernel on every
-// level, "1" the pipelined one on every level, anything else or unset (-1) the rule in run_levels.
-int env_pipe() {
+// The wide kernel is reachable (the rule, wide 1).
+constexpr bool kWideBuilt = false;
+
+// TREE_RECURRENCE_STATE_PASS_WIDE, read once: "0" the previous (4-warp) kernel on every level, "1"
+// the wide (8-warp, BV 32) one on every level, anything else or unset (-1) the rule in run_levels.
+int env_wide() {
   static const int mode = [] {
-    const char* e = std::getenv("TREE_RECURRENCE_STATE_PASS_PIPE");
+    const char* e = std::getenv("TREE_RECURRENCE_STATE_PASS_WIDE");
     if (e && std::strcmp(e, "0") == 0) return 0;
     if (e && std::strcmp(e, "1") == 0) return 1;
     return -1;
@@ -535,59 +476,50 @@ int env_pipe() {
   return mode;
 }
 
-template <typename T, int KP, int BV, int NST, bool kBackward>
+template <typename T, int KP, int BV, int NW, bool kBackward>
 cudaError_t launch_level(const ChunkStatePassTcParams& p, int64_t begin, int64_t count, cudaStream_t stream) {
-  using G = Cfg<KP, BV>;
+  using G = Cfg<KP, BV, NW>;
   auto kernel = [] {  // only the direction's kernel is instantiated
-    if constexpr (kBackward) return tc_backward_kernel<T, KP, BV, NST>;
-    else return tc_forward_kernel<T, KP, BV, NST>;
+    if constexpr (kBackward) return tc_backward_kernel<T, KP, BV, NW>;
+    else return tc_forward_kernel<T, KP, BV, NW>;
   }();
-  const size_t bytes = sizeof(T) * (kBackward ? G::bwd_elems(NST) : G::fwd_elems(NST));
+  const size_t bytes = sizeof(T) * (kBackward ? G::bwd_elems : G::fwd_elems);
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
   if (err != cudaSuccess) return err;
   const dim3 grid(static_cast<unsigned>(count), static_cast<unsigned>(p.heads),
                   static_cast<unsigned>((p.v_dim + BV - 1) / BV));
-  kernel<<<grid, kThreads, bytes, stream>>>(p, begin);
+  kernel<<<grid, G::THREADS, bytes, stream>>>(p, begin);
   return cudaGetLastError();
 }
 
 template <typename T, bool kBackward>
 const char* run_levels(const ChunkStatePassTcParams& p, cudaStream_t stream) {
-  constexpr int kStages = kBackward ? kBwdStages : kFwdStages;
-  int device = 0, sms = 132, optin = 0;
+  int device = 0, sms = 132;
   if (cudaGetDevice(&device) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
     sms = 132;
-  if (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) optin = 0;
   const bool k64 = p.k_dim <= 64;
-  // The pipelined kernel only where its stages fit the device's shared memory (H100 / H200: 227 KB;
-  // an A100's 163 KB or less runs the previous kernel).
-  const size_t piped_bytes = sizeof(T) * (kBackward ? (k64 ? Cfg<64, 32>::bwd_elems(kStages) : Cfg<128, 32>::bwd_elems(kStages))
-                                                    : (k64 ? Cfg<64, 32>::fwd_elems(kStages) : Cfg<128, 32>::fwd_elems(kStages)));
-  const bool piped_fits = piped_bytes <= static_cast<size_t>(optin);
-  const int pipe = p.pipe >= 0 ? p.pipe : env_pipe();
-  if (pipe == 1 && !piped_fits)
-    return fail(std::string(kBackward ? "chunk_state_pass_tc_backward" : "chunk_state_pass_tc_forward") +
-                ": the pipelined kernel (pipe 1) needs " + std::to_string(piped_bytes) +
-                " bytes of shared memory per block, the device allows " + std::to_string(optin));
+  const int wide_mode = p.wide >= 0 ? p.wide : env_wide();
   for (int64_t step = 0; step < p.num_levels; ++step) {
     const int64_t level = kBackward ? p.num_levels - 1 - step : step;
     const int64_t begin = p.level_offsets[level], count = p.level_offsets[level + 1] - begin;
     if (count == 0) continue;
     if (count > 0x7fffffffLL) return fail("chunk_state_pass_tc: more than 2^31-1 segments in one level");
-    // The pipelined kernel (BV 32) when the level's grid at BV 32 has at most one CTA per SM (one
-    // long flat row: nothing else hides a load's latency, and its 100-200 KB of shared memory cost
-    // no occupancy); else the previous kernel, whose 2-4 CTAs per SM interleave their phases.
-    const bool piped = pipe == 1 || (pipe < 0 && piped_fits && p.v_tile != 64 && count * p.heads * ((p.v_dim + 31) / 32) <= sms);
+    // The wide kernel (8 warps, BV 32) when the level's grid at BV 32 has at most one CTA per SM
+    // (one long flat row: no other CTA on the SM fills the gaps of a chunk's critical path, and
+    // 8 warps halve each warp's share of it); else the previous kernel, whose 2-4 CTAs per SM
+    // interleave their phases.
+    const bool wide = kWideBuilt && (wide_mode == 1 || (wide_mode < 0 && p.v_tile != 64 &&
+                                                        count * p.heads * ((p.v_dim + 31) / 32) <= sms));
     // Previous kernel's V tile: 64 when the level still gives every SM two CTAs at that width, else
     // 32 (more CTAs). K <= 64 always runs BV = 32.
     int bv = p.v_tile;
     if (bv == 0) bv = (p.v_dim > 32 && count * p.heads * ((p.v_dim + 63) / 64) >= 2LL * sms) ? 64 : 32;
     cudaError_t err;
-    if (piped) err = k64 ? launch_level<T, 64, 32, kStages, kBackward>(p, begin, count, stream)
-                         : launch_level<T, 128, 32, kStages, kBackward>(p, begin, count, stream);
-    else if (k64) err = launch_level<T, 64, 32, 0, kBackward>(p, begin, count, stream);  // (KP 64, BV 64 spilled)
-    else err = bv == 64 ? launch_level<T, 128, 64, 0, kBackward>(p, begin, count, stream)
-                        : launch_level<T, 128, 32, 0, kBackward>(p, begin, count, stream);
+    if (wide) err = k64 ? launch_level<T, 64, 32, 8, kBackward>(p, begin, count, stream)
+                        : launch_level<T, 128, 32, 8, kBackward>(p, begin, count, stream);
+    else if (k64) err = launch_level<T, 64, 32, 4, kBackward>(p, begin, count, stream);  // (KP 64, BV 64 spilled)
+    else err = bv == 64 ? launch_level<T, 128, 64, 4, kBackward>(p, begin, count, stream)
+                        : launch_level<T, 128, 32, 4, kBackward>(p, begin, count, stream);
     if (err != cudaSuccess)
       return fail(std::string(kBackward ? "chunk_state_pass_tc_backward" : "chunk_state_pass_tc_forward") +
                   ": launch of level " + std::to_string(level) + " failed: " + cudaGetErrorString(err));

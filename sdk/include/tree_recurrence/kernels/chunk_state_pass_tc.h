@@ -24,9 +24,8 @@
 // Schedule: one launch per trie level and direction (forward: levels in increasing order,
 // backward: deepest first), one CTA per (segment of the level, head, V tile); host loop over the
 // host level_offsets, no host sync. Deterministic: no atomics. Per level one of two kernels with
-// the same arithmetic (bitwise equal at BV 32): the pipelined one (the next chunks' operand tiles in flight
-// while one computes) where the level has at most one CTA per SM, else the single-buffered one
-// (see `pipe` below).
+// the same arithmetic (bitwise equal at BV 32): the wide one (8 warps, BV 32) where the level has
+// at most one CTA per SM, else the previous 4-warp one (see `wide` below).
 //
 // Arrays are contiguous, row-major, on the current CUDA device; the tables are the plan's
 // (TreePlan.chunk_tables(64, device)), int64.
@@ -76,14 +75,13 @@ struct ChunkStatePassTcParams : ChunkTreeTables {  // tables (device; level_offs
   // V columns per CTA: 0 picks per level (64 when the level gives every SM two CTAs at that width,
   // else 32); 32 or 64 force it (tests, tuning).
   int v_tile = 0;
-  // Kernel: -1 follows TREE_RECURRENCE_STATE_PASS_PIPE (read once: "0" the previous kernel, "1" the
-  // pipelined one on every level), unset the rule: the pipelined kernel (operand tiles of the next
-  // 2-3 chunks in flight, BV 32) on levels whose BV-32 grid has at most one CTA per SM, where its
-  // 104-203 KB of shared memory fit the device (H100 / H200; not an A100), else the previous
-  // single-buffered one; 0 / 1 force the previous / the pipelined kernel (tests, tuning; 1 needs
-  // v_tile 0 or 32 and the shared memory, else an error). The pipelined kernel equals the
-  // previous one at BV 32 bit for bit.
-  int pipe = -1;
+  // Kernel: -1 follows TREE_RECURRENCE_STATE_PASS_WIDE (read once: "0" the previous kernel, "1" the
+  // wide one on every level), unset the rule: the wide kernel (8 warps splitting each chunk's
+  // products and state update by columns too, BV 32) on levels whose BV-32 grid has at most one CTA
+  // per SM, else the previous 4-warp one; 0 / 1 force the previous / the wide kernel (tests,
+  // tuning; 1 needs v_tile 0 or 32, else an error). The wide kernel equals the previous one at
+  // BV 32 bit for bit.
+  int wide = -1;
 };
 
 // Both return an empty string on success, else what is wrong (bad parameters, or the launch error;
