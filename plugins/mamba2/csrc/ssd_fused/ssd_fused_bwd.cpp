@@ -107,6 +107,31 @@ void check_launch(int err, const char* what) {
   TR_CHECK(err == 0, "fused SSD backward: the ", what, " kernel failed to launch: ", k::ssd_bwd_error_string(err));
 }
 
+// a reverse pass over the trie: one launch per level, deepest first (level_offsets is the host list: no sync);
+// S segments
+using LevelLaunch = int (*)(const k::BwdParams&, int64_t begin, int64_t count, void* stream);
+void launch_levels(LevelLaunch launch, const k::BwdParams& p, const Tables& t, int64_t S, void* stream,
+                   const char* what) {
+  for (int64_t lv = static_cast<int64_t>(t.level_offsets.size()) - 2; lv >= 0; --lv) {
+    const int64_t begin = t.level_offsets[lv], count = t.level_offsets[lv + 1] - begin;
+    TR_CHECK_VALUE(count >= 0 && begin >= 0 && begin + count <= S, "fused SSD backward: level_offsets ", lv, " is out of range");
+    check_launch(launch(p, begin, count, stream), what);
+  }
+}
+
+// the fp32 CUDA-core kernels (round 1): the local stage (C B^T, dy x^T, the local state gradient) and the
+// post-state-pass stages (rows, dB / dC, d(dt A))
+void launch_local_fp32(const k::BwdParams& p, void* stream) {
+  check_launch(k::ssd_bwd_cb(p, stream), "C B^T");
+  check_launch(k::ssd_bwd_dyx(p, stream), "dy x^T");
+  check_launch(k::ssd_bwd_local(p, stream), "local state gradient");
+}
+void launch_post_fp32(const k::BwdParams& p, void* stream) {
+  check_launch(k::ssd_bwd_rows(p, stream), "rows (dx, ddt)");
+  check_launch(k::ssd_bwd_dbdc(p, stream), "dB / dC");
+  check_launch(k::ssd_bwd_dtA(p, stream), "d(dt A)");
+}
+
 Stages run(const at::Tensor& grad_out, const Args& a, const Tables& t, const Saved& saved, bool keep_stages) {
 #ifndef TREE_RECURRENCE_WITH_CUDA
   (void)grad_out; (void)a; (void)t; (void)saved; (void)keep_stages;
@@ -333,27 +358,17 @@ Stages run(const at::Tensor& grad_out, const Args& a, const Tables& t, const Sav
       check_launch(k::ssd_bwd_local_bf16(q, stream), "bf16 / fp16 local state gradient (stage output)");
       st.local = tmp.to(at::kFloat);
     }
-    for (int64_t lv = static_cast<int64_t>(t.level_offsets.size()) - 2; lv >= 0; --lv) {
-      const int64_t begin = t.level_offsets[lv], count = t.level_offsets[lv + 1] - begin;
-      TR_CHECK_VALUE(count >= 0 && begin >= 0 && begin + count <= S, "fused SSD backward: level_offsets ", lv, " is out of range");
-      check_launch(k::ssd_bwd_fused_pass(p, begin, count, stream), "fused reverse local + state pass");
-    }
+    launch_levels(k::ssd_bwd_fused_pass, p, t, S, stream, "fused reverse local + state pass");
   } else if (local_new) {
     check_launch(k::ssd_bwd_local_bf16(p, stream), "bf16 / fp16 local state gradient (dy on the fly)");
   } else if (tc) {
     check_launch(k::ssd_bwd_local_tc(p, stream), "tensor-core local state gradient");
   } else {
-    check_launch(k::ssd_bwd_cb(p, stream), "C B^T");
-    check_launch(k::ssd_bwd_dyx(p, stream), "dy x^T");
-    check_launch(k::ssd_bwd_local(p, stream), "local state gradient");
+    launch_local_fp32(p, stream);
   }
   if (!fused_pass) {
     if (keep_stages) st.local = ds16.defined() ? ds16.to(at::kFloat) : st.ds_leave.clone();  // widened: exact
-    for (int64_t lv = static_cast<int64_t>(t.level_offsets.size()) - 2; lv >= 0; --lv) {
-      const int64_t begin = t.level_offsets[lv], count = t.level_offsets[lv + 1] - begin;
-      TR_CHECK_VALUE(count >= 0 && begin >= 0 && begin + count <= S, "fused SSD backward: level_offsets ", lv, " is out of range");
-      check_launch(k::ssd_bwd_state_pass(p, begin, count, stream), "reverse state pass");
-    }
+    launch_levels(k::ssd_bwd_state_pass, p, t, S, stream, "reverse state pass");
   }
   if (p.ddecay_part != nullptr)
     check_launch(k::ssd_bwd_ddecay_finish(p, stream), "ddecay (sum of the state pass's partials)");
@@ -367,9 +382,7 @@ Stages run(const at::Tensor& grad_out, const Args& a, const Tables& t, const Sav
   } else if (tc) {
     check_launch(k::ssd_bwd_post_tc(p, stream), "tensor-core chunk gradients (cb, dx, ddt, dB, dC, d(dt A))");
   } else {
-    check_launch(k::ssd_bwd_rows(p, stream), "rows (dx, ddt)");
-    check_launch(k::ssd_bwd_dbdc(p, stream), "dB / dC");
-    check_launch(k::ssd_bwd_dtA(p, stream), "d(dt A)");
+    launch_post_fp32(p, stream);
   }
 
   if (keep_stages && ds16.defined()) st.ds_leave = ds16.to(at::kFloat);  // the stage op's fp32 ds_leave, exact

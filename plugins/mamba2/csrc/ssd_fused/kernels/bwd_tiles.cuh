@@ -2,7 +2,8 @@
 // operands split into bf16 hi + lo) and post_bf16 (ssd_post_bwd.cu, 16-bit operands): the quad sums and
 // stores of the ddt_direct / v partials, the row-exclusive prefixes of W and the per-head row tail (q, v,
 // ddt_direct, the d(dt A) scan, ddt, ddt_raw, the dA partial). One definition, so both kernels do the same
-// arithmetic in the same order; and the 16-bit pair unpack (unpack2) of the 16-bit backward kernels.
+// arithmetic in the same order; the 16-bit pair unpack (unpack2) of the 16-bit backward kernels; the typed load
+// (ld) and e^min(v, 0) (exp_le0) of the fp32 kernels (ssd_bwd.cu) and the tensor-core ones (ssd_tc_bwd.cu).
 // CUDA only; include from .cu files.
 #pragma once
 
@@ -12,6 +13,7 @@
 #include <cstdint>
 
 #include "params_bwd.h"
+#include "tree_recurrence/kernels/mma.cuh"
 
 namespace tree_recurrence::ssd::fused::kernels::bwd_tiles {
 
@@ -27,6 +29,28 @@ __device__ __forceinline__ float2 unpack2<__nv_bfloat16>(uint32_t v) {
 template <>
 __device__ __forceinline__ float2 unpack2<__half>(uint32_t v) {
   return __half22float2(*reinterpret_cast<const __half2*>(&v));
+}
+
+// v rounded up to a multiple of m (host and device: the kernels' shared-memory plans)
+__host__ __device__ constexpr int ceil_to(int64_t v, int m) { return static_cast<int>((v + m - 1) / m * m); }
+
+// the 16-bit types of the tensor-core backward kernels
+inline bool half_type(BwdType t) { return t == BwdType::BFloat16 || t == BwdType::Float16; }
+
+// 2 elements of a dy row scaled by sc (= e^Lam_i), from packed pairs of dout (g) and z: sc g z sigmoid(z) (the
+// gate kernel's formula; sc g without z), rounded once to T and packed. The dy rows of local_bf16
+// (ssd_local_bwd.cu) and of the fused reverse pass (ssd_state_pass_bwd.cu): one definition, so both round the
+// same values. (Per pair: a helper over the whole 16-byte piece moves the callers' LDSM / HMMA schedule.)
+template <typename T, bool HAS_Z>
+__device__ __forceinline__ uint32_t scaled_dy2(uint32_t g, uint32_t z, float sc) {
+  float2 d = unpack2<T>(g);
+  if constexpr (HAS_Z) {
+    const float2 zf = unpack2<T>(z);
+    const float s0 = 1.f / (1.f + expf(-zf.x)), s1 = 1.f / (1.f + expf(-zf.y));
+    d.x = d.x * zf.x * s0;
+    d.y = d.y * zf.y * s1;
+  }
+  return tree_recurrence::kernels::mma::Elem<T>::pack(sc * d.x, sc * d.y);
 }
 
 // a, b, c, d summed over the 4 lanes of a quad (xor 1, then 2; the four interleaved, in that order)
@@ -57,6 +81,17 @@ __device__ __forceinline__ void store_dv_partials(float d0, float d1, float v0, 
     vpart[row1] = v1;
   }
 }
+
+// element i of a buffer of type t (fp32 / bf16 / fp16), widened to fp32
+__device__ __forceinline__ float ld(const void* p, BwdType t, int64_t i) {
+  switch (t) {
+    case BwdType::BFloat16: return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
+    case BwdType::Float16: return __half2float(static_cast<const __half*>(p)[i]);
+    default: return static_cast<const float*>(p)[i];
+  }
+}
+// e^min(v, 0): the decay factors (v = Lam_i - Lam_j <= 0 inside a chunk; clamped against rounding)
+__device__ __forceinline__ float exp_le0(float v) { return expf(fminf(v, 0.f)); }
 
 // the row-exclusive prefixes of w[0 .. n) in place
 __device__ __forceinline__ void row_exclusive_prefix(float* w, int n) {

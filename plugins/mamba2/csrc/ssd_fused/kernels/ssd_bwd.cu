@@ -10,20 +10,15 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "bwd_tiles.cuh"
 #include "params_bwd.h"
 #include "tree_recurrence/kernels/mma.cuh"
 
 namespace tree_recurrence::ssd::fused::kernels {
 namespace {
 
-__device__ __forceinline__ float ld(const void* p, BwdType t, int64_t i) {
-  switch (t) {
-    case BwdType::BFloat16: return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
-    case BwdType::Float16: return __half2float(static_cast<const __half*>(p)[i]);
-    default: return static_cast<const float*>(p)[i];
-  }
-}
-__device__ __forceinline__ float exp_le0(float v) { return expf(fminf(v, 0.f)); }
+using bwd_tiles::exp_le0;
+using bwd_tiles::ld;
 
 inline unsigned blocks_for(int64_t n, int threads) { return static_cast<unsigned>((n + threads - 1) / threads); }
 
@@ -45,36 +40,36 @@ __global__ void gate_kernel(BwdParams p) {
   p.dz[i] = g * ld(p.y, p.y_type, i) * sg * (1.f + z * (1.f - sg));
 }
 
-// ---- C B^T per chunk and group (lower triangle) ------------------------------------------------
-__global__ void cb_kernel(BwdParams p) {
-  const int64_t L = p.chunk, G = p.groups, N = p.state_dim;
-  const int64_t n_all = p.num_chunks * G * L * L;
+// ---- per chunk, lower-triangle pair dot products ------------------------------------------------
+// out[c, y, i, j] = sum_k a(row_i + k) b(row_j + k) for j <= i (0 above the diagonal or at a pad token), one
+// thread per element of (NC, Y, L, L); row_i / row_j = ((token of i / j) Y + y) D: the rows of width D of the
+// per-token (Y, D) tensors behind the accessors a, b (y: the group or the head)
+template <typename A, typename B>
+__device__ __forceinline__ void lower_pair_dots(const BwdParams& p, int64_t Y, int64_t D, float* out, A a, B b) {
+  const int64_t L = p.chunk;
+  const int64_t n_all = p.num_chunks * Y * L * L;
   const int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (e >= n_all) return;
-  const int64_t j = e % L, i = (e / L) % L, g = (e / (L * L)) % G, c = e / (L * L * G);
+  const int64_t j = e % L, i = (e / L) % L, y = (e / (L * L)) % Y, c = e / (L * L * Y);
   float acc = 0.f;
   const int64_t ti = p.gather[c * L + i], tj = p.gather[c * L + j];
   if (j <= i && ti >= 0 && tj >= 0) {
-    const int64_t ci = (ti * G + g) * N, bj = (tj * G + g) * N;
-    for (int64_t k = 0; k < N; ++k) acc += ld(p.C, p.bc_type, ci + k) * ld(p.B, p.bc_type, bj + k);
+    const int64_t ri = (ti * Y + y) * D, rj = (tj * Y + y) * D;
+    for (int64_t k = 0; k < D; ++k) acc += a(ri + k) * b(rj + k);
   }
-  p.cb[e] = acc;
+  out[e] = acc;
 }
 
-// ---- <dy_i, x_j> per chunk and head (lower triangle) -------------------------------------------
+// C B^T per chunk and group
+__global__ void cb_kernel(BwdParams p) {
+  lower_pair_dots(p, p.groups, p.state_dim, p.cb, [&](int64_t k) { return ld(p.C, p.bc_type, k); },
+                  [&](int64_t k) { return ld(p.B, p.bc_type, k); });
+}
+
+// <dy_i, x_j> per chunk and head
 __global__ void dyx_kernel(BwdParams p) {
-  const int64_t L = p.chunk, H = p.heads, P = p.head_dim;
-  const int64_t n_all = p.num_chunks * H * L * L;
-  const int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (e >= n_all) return;
-  const int64_t j = e % L, i = (e / L) % L, h = (e / (L * L)) % H, c = e / (L * L * H);
-  float acc = 0.f;
-  const int64_t ti = p.gather[c * L + i], tj = p.gather[c * L + j];
-  if (j <= i && ti >= 0 && tj >= 0) {
-    const int64_t yi = (ti * H + h) * P, xj = (tj * H + h) * P;
-    for (int64_t k = 0; k < P; ++k) acc += p.dy[yi + k] * ld(p.x, p.x_type, xj + k);
-  }
-  p.dyx[e] = acc;
+  lower_pair_dots(p, p.heads, p.head_dim, p.dyx, [&](int64_t k) { return p.dy[k]; },
+                  [&](int64_t k) { return ld(p.x, p.x_type, k); });
 }
 
 // ---- local entering-state gradient: sum_i exp(Lam_i) dy_i^T C_i (P x N) -------------------------

@@ -24,6 +24,7 @@
 
 #include <cstdint>
 
+#include "bwd_tiles.cuh"
 #include "params_bwd.h"
 #include "tree_recurrence/kernels/mma.cuh"
 
@@ -37,14 +38,12 @@ constexpr int kWarps = 4, kThreads = kWarps * 32;
 constexpr int kMaxDim = 128;
 constexpr int kBatch = 4;  // dout / z pieces loaded ahead per thread
 
-__host__ __device__ constexpr int ceil_to(int64_t v, int m) { return static_cast<int>((v + m - 1) / m * m); }
-
 struct Plan {
   int Pp, Np, DP, CP;                 // padded P (32), padded N (64), pitches (elements)
   int64_t off_dy, off_C, bytes;       // byte offsets (after 64 int64 tokens + 64 floats)
   __host__ __device__ explicit Plan(int64_t P, int64_t N) {
-    Pp = ceil_to(P, 32);
-    Np = ceil_to(N, 64);
+    Pp = bwd_tiles::ceil_to(P, 32);
+    Np = bwd_tiles::ceil_to(N, 64);
     DP = Pp + 8;
     CP = Np + 8;
     int64_t o = kL * 8 + kL * 4;      // tokens, e^Lam
@@ -53,17 +52,6 @@ struct Plan {
     bytes = o;
   }
 };
-
-template <typename T>
-__device__ __forceinline__ float2 unpack2(uint32_t v);
-template <>
-__device__ __forceinline__ float2 unpack2<__nv_bfloat16>(uint32_t v) {
-  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v));
-}
-template <>
-__device__ __forceinline__ float2 unpack2<__half>(uint32_t v) {
-  return __half22float2(*reinterpret_cast<const __half2*>(&v));
-}
 
 template <typename T, bool HAS_Z, bool OUT16>
 __global__ void __launch_bounds__(kThreads, 4) local_bf16_kernel(BwdParams p) {
@@ -127,16 +115,7 @@ __global__ void __launch_bounds__(kThreads, 4) local_bf16_kernel(BwdParams p) {
       const uint32_t zw[4] = {zv[u].x, zv[u].y, zv[u].z, zv[u].w};
       uint32_t ow[4];
 #pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        float2 d = unpack2<T>(gw[k]);
-        if constexpr (HAS_Z) {
-          const float2 zf = unpack2<T>(zw[k]);
-          const float s0 = 1.f / (1.f + expf(-zf.x)), s1 = 1.f / (1.f + expf(-zf.y));
-          d.x = d.x * zf.x * s0;  // the gate kernel's dy = g z sigmoid(z), then the e^Lam scale
-          d.y = d.y * zf.y * s1;
-        }
-        ow[k] = mm::Elem<T>::pack(s * d.x, s * d.y);
-      }
+      for (int k = 0; k < 4; ++k) ow[k] = bwd_tiles::scaled_dy2<T, HAS_Z>(gw[k], zw[k], s);
       *reinterpret_cast<uint4*>(dys + i * pl.DP + p0) = make_uint4(ow[0], ow[1], ow[2], ow[3]);
     }
   }
@@ -201,7 +180,7 @@ __global__ void __launch_bounds__(kThreads, 4) local_bf16_kernel(BwdParams p) {
 }
 
 bool aligned16(const void* q) { return reinterpret_cast<uintptr_t>(q) % 16 == 0; }
-bool half_type(BwdType t) { return t == BwdType::BFloat16 || t == BwdType::Float16; }
+using bwd_tiles::half_type;
 
 template <typename T, bool HAS_Z, bool OUT16>
 int launch2(const BwdParams& p, cudaStream_t st, int bytes) {

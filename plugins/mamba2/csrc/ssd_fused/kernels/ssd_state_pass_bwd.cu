@@ -35,6 +35,7 @@
 
 #include <cstdint>
 
+#include "bwd_tiles.cuh"
 #include "params_bwd.h"
 #include "tree_recurrence/kernels/mma.cuh"
 
@@ -44,11 +45,9 @@ namespace {
 namespace mm = tree_recurrence::kernels::mma;
 
 constexpr int kL = 64;
-constexpr int kWarps = 8, kThreads = kWarps * 32;
 constexpr int kMaxDim = 128;
+constexpr int kWarps = 8, kThreads = kWarps * 32;
 constexpr int kRing = 3;  // gather / e^Lam slots: chunk c (in use), c - 1 (loads in flight), c - 2 (arriving)
-
-__host__ __device__ constexpr int ceil_to(int64_t v, int m) { return static_cast<int>((v + m - 1) / m * m); }
 
 struct PassPlan {
   int Pp, mtiles, nct, NB, Nc, zt, CW;  // padded P, 32-row blocks, 32-col blocks per CTA, CTA columns, N padded
@@ -56,11 +55,11 @@ struct PassPlan {
   int DP, CP;                           // dy and C pitches (elements)
   int64_t off_raw, raw_stage, off_dy, off_C, c_stage, bytes;  // bytes
   __host__ __device__ PassPlan(int64_t P, int64_t N, bool has_z) {
-    Pp = ceil_to(P, 32);
+    Pp = bwd_tiles::ceil_to(P, 32);
     mtiles = Pp / 32;
     nct = mtiles == 1 ? 8 : mtiles == 2 ? 4 : 2;
     NB = 32 * nct;
-    Nc = ceil_to(N, 32);
+    Nc = bwd_tiles::ceil_to(N, 32);
     zt = (Nc + NB - 1) / NB;
     CW = NB < Nc ? NB : Nc;
     DP = Pp + 8;
@@ -78,15 +77,36 @@ struct PassPlan {
   }
 };
 
-template <typename T>
-__device__ __forceinline__ float2 unpack2(uint32_t v);
-template <>
-__device__ __forceinline__ float2 unpack2<__nv_bfloat16>(uint32_t v) {
-  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v));
+// The lane's pieces of a warp's 32 x 32 tile (2 x 4 m16n8 accumulator fragments [mt][nt], rows
+// r = r0 + 16 mt + gr + 8 hh), in a fixed order (mt, then nt / np, then hh; unrolled):
+// for_frags: f(mt, nt) per fragment;
+template <typename F>
+__device__ __forceinline__ void for_frags(F f) {
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) f(mt, nt);
 }
-template <>
-__device__ __forceinline__ float2 unpack2<__half>(uint32_t v) {
-  return __half22float2(*reinterpret_cast<const __half2*>(&v));
+// for_pairs: f(mt, nt, hh, r, n) per accumulator pair x[2 hh], x[2 hh + 1] of fragment [mt][nt], columns n, n + 1
+// (n = n0 + 8 nt + 2 tq);
+template <typename F>
+__device__ __forceinline__ void for_pairs(int r0, int n0, int gr, int tq, F f) {
+  for_frags([&](int mt, int nt) {
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) f(mt, nt, hh, r0 + mt * 16 + gr + 8 * hh, n0 + nt * 8 + 2 * tq);
+  });
+}
+// for_quads: f(mt, np, hh, r, n, in) per 4-column piece of the 16-bit store layout (local_bf16's): an even lane
+// columns n .. n + 3 of block 2 np (n = n0 + 16 np + 2 tq), an odd lane of block 2 np + 1 (n = n0 + 16 np + 8 +
+// 2 (tq - 1)), same row; in: the piece lies inside P x N (N % 8 == 0: a block is all in or out)
+template <typename F>
+__device__ __forceinline__ void for_quads(int r0, int n0, int gr, int tq, bool odd, int64_t P, int64_t N, F f) {
+#pragma unroll
+  for (int q = 0; q < 8; ++q) {  // (mt, np, hh) = (q / 4, q / 2 % 2, q % 2)
+    const int mt = q >> 2, np = (q >> 1) & 1, hh = q & 1;
+    const int r = r0 + mt * 16 + gr + 8 * hh, na = n0 + np * 16, nb = na + 8;
+    f(mt, np, hh, r, odd ? nb + 2 * (tq - 1) : na + 2 * tq, (odd ? nb : na) < N && r < P);
+  }
 }
 
 __device__ __forceinline__ float warp_sum(float v) {  // xor butterfly: fixed order
@@ -127,6 +147,8 @@ __global__ void __launch_bounds__(kThreads, 2) fused_pass_kernel(BwdParams p, in
   const T* zz = static_cast<const T*>(p.z);
   const T* Cg = static_cast<const T*>(p.C);
   const T* states = static_cast<const T*>(p.states);
+  const auto pairs = [&](auto f) { for_pairs(r0, n0, gr, tq, f); };
+  const auto quads = [&](auto f) { for_quads(r0, n0, gr, tq, odd, P, N, f); };
 
   // ring slot and double-buffer stage of chunk cc (counted from the segment's last chunk)
   const auto slot = [&](int64_t cc) { return static_cast<int>((c1 - 1 - cc) % kRing); };
@@ -184,34 +206,20 @@ __global__ void __launch_bounds__(kThreads, 2) fused_pass_kernel(BwdParams p, in
     }
   }
   mm::FragC carry[2][4];
-#pragma unroll
-  for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < 4; ++nt) carry[mt][nt].zero();
+  for_frags([&](int mt, int nt) { carry[mt][nt].zero(); });
   if (active) {
     const int64_t q0 = p.child_offsets[s], q1 = p.child_offsets[s + 1];
     for (int64_t q = q0; q < q1; ++q) {
       const float* w = p.ws + (p.children[q] * H + h) * PN;
       float2 v[2][4][2];
-#pragma unroll
-      for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-          for (int hh = 0; hh < 2; ++hh) {
-            const int r = r0 + mt * 16 + gr + 8 * hh, n = n0 + nt * 8 + 2 * tq;
-            v[mt][nt][hh] = r < P && n < N ? *reinterpret_cast<const float2*>(w + static_cast<int64_t>(r) * N + n)
-                                           : make_float2(0.f, 0.f);
-          }
-#pragma unroll
-      for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-          for (int hh = 0; hh < 2; ++hh) {
-            carry[mt][nt].x[2 * hh] += v[mt][nt][hh].x;
-            carry[mt][nt].x[2 * hh + 1] += v[mt][nt][hh].y;
-          }
+      pairs([&](int mt, int nt, int hh, int r, int n) {
+        v[mt][nt][hh] = r < P && n < N ? *reinterpret_cast<const float2*>(w + static_cast<int64_t>(r) * N + n)
+                                       : make_float2(0.f, 0.f);
+      });
+      pairs([&](int mt, int nt, int hh, int, int) {
+        carry[mt][nt].x[2 * hh] += v[mt][nt][hh].x;
+        carry[mt][nt].x[2 * hh + 1] += v[mt][nt][hh].y;
+      });
     }
   }
   __syncthreads();
@@ -250,16 +258,7 @@ __global__ void __launch_bounds__(kThreads, 2) fused_pass_kernel(BwdParams p, in
         const uint32_t zw[4] = {zv.x, zv.y, zv.z, zv.w};
         uint32_t ow[4];
 #pragma unroll
-        for (int u = 0; u < 4; ++u) {
-          float2 d = unpack2<T>(gw[u]);
-          if constexpr (HAS_Z) {
-            const float2 zf = unpack2<T>(zw[u]);
-            const float s0 = 1.f / (1.f + expf(-zf.x)), s1 = 1.f / (1.f + expf(-zf.y));
-            d.x = d.x * zf.x * s0;
-            d.y = d.y * zf.y * s1;
-          }
-          ow[u] = mm::Elem<T>::pack(sc * d.x, sc * d.y);
-        }
+        for (int u = 0; u < 4; ++u) ow[u] = bwd_tiles::scaled_dy2<T, HAS_Z>(gw[u], zw[u], sc);
         *reinterpret_cast<uint4*>(dys + i * pl.DP + p0) = make_uint4(ow[0], ow[1], ow[2], ow[3]);
       }
     }
@@ -271,29 +270,21 @@ __global__ void __launch_bounds__(kThreads, 2) fused_pass_kernel(BwdParams p, in
 
     if (active) {
       mm::FragC acc[2][4];
-#pragma unroll
-      for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt) acc[mt][nt].zero();
+      for_frags([&](int mt, int nt) { acc[mt][nt].zero(); });
       // A(r = p, k = i) = dys[i][p] (stored transposed), B(k = i, n) = C[i][n]
       mm::warp_gemm<T, 2, 4, kL / 16, false, true>(acc, dys + r0, pl.DP, Cs + st * c_elems + ni * 32, pl.CP);
 
       // ddecay partial <s[c], ds_leave[c]> from the fp32 carry; states shuffled into the accumulator layout
       float part = 0.f;
-#pragma unroll
-      for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-        for (int np = 0; np < 2; ++np)
-#pragma unroll
-          for (int hh = 0; hh < 2; ++hh) {
-            const uint2 w = sv[mt][np][hh];
-            const uint32_t got = __shfl_xor_sync(0xffffffffu, odd ? w.x : w.y, 1);
-            const float2 fa = unpack2<T>(odd ? got : w.x), fb = unpack2<T>(odd ? w.y : got);
-            part = fmaf(fa.x, carry[mt][2 * np].x[2 * hh], part);
-            part = fmaf(fa.y, carry[mt][2 * np].x[2 * hh + 1], part);
-            part = fmaf(fb.x, carry[mt][2 * np + 1].x[2 * hh], part);
-            part = fmaf(fb.y, carry[mt][2 * np + 1].x[2 * hh + 1], part);
-          }
+      quads([&](int mt, int np, int hh, int, int, bool) {
+        const uint2 w = sv[mt][np][hh];
+        const uint32_t got = __shfl_xor_sync(0xffffffffu, odd ? w.x : w.y, 1);
+        const float2 fa = bwd_tiles::unpack2<T>(odd ? got : w.x), fb = bwd_tiles::unpack2<T>(odd ? w.y : got);
+        part = fmaf(fa.x, carry[mt][2 * np].x[2 * hh], part);
+        part = fmaf(fa.y, carry[mt][2 * np].x[2 * hh + 1], part);
+        part = fmaf(fb.x, carry[mt][2 * np + 1].x[2 * hh], part);
+        part = fmaf(fb.y, carry[mt][2 * np + 1].x[2 * hh + 1], part);
+      });
       part = warp_sum(part);
       if (lane == 0) p.ddecay_part[(c * H + h) * parts + pslot] = part;
 
@@ -321,32 +312,24 @@ __global__ void __launch_bounds__(kThreads, 2) fused_pass_kernel(BwdParams p, in
           }
       } else {
         float* out = p.ds + (c * H + h) * PN;
-#pragma unroll
-        for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-          for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-            for (int hh = 0; hh < 2; ++hh) {
-              const int r = r0 + mt * 16 + gr + 8 * hh, n = n0 + nt * 8 + 2 * tq;
-              if (r < P && n < N)
-                *reinterpret_cast<float2*>(out + static_cast<int64_t>(r) * N + n) =
-                    make_float2(carry[mt][nt].x[2 * hh], carry[mt][nt].x[2 * hh + 1]);
-            }
+        pairs([&](int mt, int nt, int hh, int r, int n) {
+          if (r < P && n < N)
+            *reinterpret_cast<float2*>(out + static_cast<int64_t>(r) * N + n) =
+                make_float2(carry[mt][nt].x[2 * hh], carry[mt][nt].x[2 * hh + 1]);
+        });
       }
       if (c - 1 >= c0) load_states(c - 1);
 
       // carry = e^(Lam_last) carry + local (the state pass's fmaf on local_bf16's stored value)
       const float d = el[ts * kL + kL - 1];
+      for_frags([&](int mt, int nt) {
 #pragma unroll
-      for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            float loc = acc[mt][nt].x[e];
-            if constexpr (OUT16) loc = mm::Elem<T>::to_float(mm::Elem<T>::from_float(loc));
-            carry[mt][nt].x[e] = fmaf(d, carry[mt][nt].x[e], loc);
-          }
+        for (int e = 0; e < 4; ++e) {
+          float loc = acc[mt][nt].x[e];
+          if constexpr (OUT16) loc = mm::Elem<T>::to_float(mm::Elem<T>::from_float(loc));
+          carry[mt][nt].x[e] = fmaf(d, carry[mt][nt].x[e], loc);
+        }
+      });
     } else if (lane == 0) {
       p.ddecay_part[(c * H + h) * parts + pslot] = 0.f;  // idle warp (padding tile): a zero partial
     }
@@ -356,24 +339,18 @@ __global__ void __launch_bounds__(kThreads, 2) fused_pass_kernel(BwdParams p, in
   float* wso = p.ws + (s * H + h) * PN;
   const int64_t r_idx = p.root_index[s];
   float* dro = r_idx >= 0 && p.droots != nullptr ? p.droots + (r_idx * H + h) * PN : nullptr;
-#pragma unroll
-  for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        const int r = r0 + mt * 16 + gr + 8 * hh, n = n0 + nt * 8 + 2 * tq;
-        if (r < P && n < N) {
-          const float2 v = make_float2(carry[mt][nt].x[2 * hh], carry[mt][nt].x[2 * hh + 1]);
-          const int64_t o = static_cast<int64_t>(r) * N + n;
-          *reinterpret_cast<float2*>(wso + o) = v;
-          if (dro != nullptr) *reinterpret_cast<float2*>(dro + o) = v;
-        }
-      }
+  pairs([&](int mt, int nt, int hh, int r, int n) {
+    if (r < P && n < N) {
+      const float2 v = make_float2(carry[mt][nt].x[2 * hh], carry[mt][nt].x[2 * hh + 1]);
+      const int64_t o = static_cast<int64_t>(r) * N + n;
+      *reinterpret_cast<float2*>(wso + o) = v;
+      if (dro != nullptr) *reinterpret_cast<float2*>(dro + o) = v;
+    }
+  });
 }
 
 bool aligned(const void* q, uintptr_t a) { return reinterpret_cast<uintptr_t>(q) % a == 0; }
-bool half_type(BwdType t) { return t == BwdType::BFloat16 || t == BwdType::Float16; }
+using bwd_tiles::half_type;
 
 template <typename T, bool HAS_Z, bool OUT16>
 int launch3(const BwdParams& p, int64_t begin, unsigned blocks, cudaStream_t st) {

@@ -35,14 +35,8 @@ constexpr int kLocalWarps = 4, kLocalThreads = kLocalWarps * 32;
 constexpr int kMaxDim = 128;           // P and N (padded to 16) at most
 constexpr int kMaxColTiles = kMaxDim / 16;
 
-__device__ __forceinline__ float ldt(const void* p, BwdType t, int64_t i) {
-  switch (t) {
-    case BwdType::BFloat16: return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
-    case BwdType::Float16: return __half2float(static_cast<const __half*>(p)[i]);
-    default: return static_cast<const float*>(p)[i];
-  }
-}
-__device__ __forceinline__ float exp_le0(float v) { return expf(fminf(v, 0.f)); }
+using bwd_tiles::exp_le0;
+using bwd_tiles::ld;
 __device__ __forceinline__ void stt(void* p, BwdType t, int64_t i, float v) {
   switch (t) {
     case BwdType::BFloat16: static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(v); break;
@@ -215,7 +209,7 @@ __global__ void __launch_bounds__(kLocalThreads) local_tc_kernel(BwdParams p) {
     for (int pp = lane; pp < pl.Pp; pp += 32)
       dys[i * pl.PP + pp] = (t >= 0 && pp < P) ? e * p.dy[(t * H + h) * P + pp] : 0.f;
     for (int n = lane; n < pl.Np; n += 32)
-      Cs[i * pl.NP + n] = (t >= 0 && n < N) ? ldt(p.C, p.bc_type, (t * G + g) * N + n) : 0.f;
+      Cs[i * pl.NP + n] = (t >= 0 && n < N) ? ld(p.C, p.bc_type, (t * G + g) * N + n) : 0.f;
   }
   __syncthreads();
   const int ncol = pl.Np / 16, nblk = (pl.Pp / 16) * ncol;
@@ -284,8 +278,8 @@ __global__ void __launch_bounds__(kPostThreads, 1) post_tc_kernel(BwdParams p) {
     const int64_t t = tok[i];
     for (int n = lane; n < Np; n += 32) {
       const bool ok = t >= 0 && n < N;
-      Bs[i * NP + n] = ok ? ldt(p.B, p.bc_type, (t * G + g) * N + n) : 0.f;
-      Cs[i * NP + n] = ok ? ldt(p.C, p.bc_type, (t * G + g) * N + n) : 0.f;
+      Bs[i * NP + n] = ok ? ld(p.B, p.bc_type, (t * G + g) * N + n) : 0.f;
+      Cs[i * NP + n] = ok ? ld(p.C, p.bc_type, (t * G + g) * N + n) : 0.f;
     }
   }
   for (int e = tid; e < kL * kLP; e += kPostThreads) sdcb[e] = 0.f;
@@ -333,13 +327,13 @@ __global__ void __launch_bounds__(kPostThreads, 1) post_tc_kernel(BwdParams p) {
       for (int pp = lane; pp < Pp; pp += 32) {
         const bool ok = t >= 0 && pp < P;
         dys[i * PP + pp] = ok ? p.dy[(t * H + h) * P + pp] : 0.f;
-        xs[i * PP + pp] = ok ? ldt(p.x, p.x_type, (t * H + h) * P + pp) : 0.f;
+        xs[i * PP + pp] = ok ? ld(p.x, p.x_type, (t * H + h) * P + pp) : 0.f;
       }
     }
     const int64_t sbase = ch * P * N;
     for (int pp = warp; pp < Pp; pp += kPostWarps)
       for (int n = lane; n < Np; n += 32)
-        mat[pp * NP + n] = (pp < P && n < N) ? ldt(p.states, p.states_type, sbase + pp * N + n) : 0.f;
+        mat[pp * NP + n] = (pp < P && n < N) ? ld(p.states, p.states_type, sbase + pp * N + n) : 0.f;
     __syncthreads();
 
     // dyx = dy x^T (lower blocks)
