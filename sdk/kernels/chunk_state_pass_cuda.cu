@@ -79,6 +79,26 @@ struct Place {
   int64_t KV;
 };
 
+// The params' buffers typed: T the inputs' element type, A the accumulation type (chunk_state_pass.h).
+template <typename T, typename A>
+struct Buffers {
+  const T *w, *u, *kd;
+  const A* decay;
+  A* h;
+  T* v_new;
+  const A* grad_h;
+  const T* grad_v_new;
+  A *grad_u, *grad_state, *decay_partial;
+};
+
+template <typename T, typename A>
+__device__ __forceinline__ Buffers<T, A> buffers_of(const ChunkStatePassParams& p) {
+  return {static_cast<const T*>(p.w),      static_cast<const T*>(p.u),          static_cast<const T*>(p.kd),
+          static_cast<const A*>(p.decay),  static_cast<A*>(p.h),                static_cast<T*>(p.v_new),
+          static_cast<const A*>(p.grad_h), static_cast<const T*>(p.grad_v_new), static_cast<A*>(p.grad_u),
+          static_cast<A*>(p.grad_state),   static_cast<A*>(p.grad_decay_partial)};
+}
+
 __device__ __forceinline__ Place place_of(const ChunkStatePassParams& p, int64_t level_begin) {
   const Shape z{p.heads, p.chunk, p.k_dim, p.v_dim};
   const int lane = threadIdx.x % kTile, warp = threadIdx.x / kTile;
@@ -196,12 +216,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(ChunkStatePassParams 
     state[i] = (start && col_ok && k < z.K) ? start[int64_t(k) * z.V + col] : A(0);
     state_s[k * kTile + lane] = state[i];
   }
-  const T* w = static_cast<const T*>(p.w);
-  const T* u = static_cast<const T*>(p.u);
-  const T* kd = static_cast<const T*>(p.kd);
-  const A* decay = static_cast<const A*>(p.decay);
-  A* h = static_cast<A*>(p.h);
-  T* v_new = static_cast<T*>(p.v_new);
+  const auto [w, u, kd, decay, h, v_new, grad_h_, grad_v_new_, grad_u_, grad_state_, decay_partial_] = buffers_of<T, A>(p);
   const int64_t c_begin = p.seg_chunk_offsets[s], c_end = p.seg_chunk_offsets[s + 1];
   // Software pipeline: w(c) is loaded during step B of chunk c-1, kd(c) during step A of chunk c.
   Stager<T, A, KMAX, kEarly> stager;
@@ -292,15 +307,7 @@ __global__ void __launch_bounds__(kThreads) backward_kernel(ChunkStatePassParams
   }
 #pragma unroll
   for (int i = 0; i < RK; ++i) state_s[(warp * RK + i) * kTile + lane] = state[i];
-  const T* w = static_cast<const T*>(p.w);
-  const T* kd = static_cast<const T*>(p.kd);
-  const A* decay = static_cast<const A*>(p.decay);
-  const A* grad_h = static_cast<const A*>(p.grad_h);
-  const T* grad_v_new = static_cast<const T*>(p.grad_v_new);
-  A* grad_u = static_cast<A*>(p.grad_u);
-  A* grad_state = static_cast<A*>(p.grad_state);
-  const A* h = static_cast<const A*>(p.h);
-  A* decay_partial = static_cast<A*>(p.grad_decay_partial);
+  const auto [w, u_, kd, decay, h, v_new_, grad_h, grad_v_new, grad_u, grad_state, decay_partial] = buffers_of<T, A>(p);
   __shared__ A red_s[kWarps];
   const int64_t c_begin = p.seg_chunk_offsets[s], c_last = p.seg_chunk_offsets[s + 1] - 1;
   // Software pipeline: kd(c) is loaded during step B of chunk c+1, w(c) during step A of chunk c.
