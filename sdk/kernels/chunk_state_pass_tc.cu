@@ -18,19 +18,25 @@
 //   grad_state_out[c] <- dS_s; dv = dv_local + kd dS_s -> dv_s (stored negated);
 //   dS = decay dS + q_g^T grad_out                 | B: w(c) landed; dv_s complete
 //   dv_total[c] <- -dv_s; dS += w^T (-dv)
-// Every operand tile is single-buffered and filled one phase ahead (forward: kd(c) issued at A,
-// w(c+1), u(c+1) at B; backward: w(c) at A, the rest of c-1 at B).
+// (NW = 8: all of chunk c's tiles have landed at A.)
 // Two instances of the one kernel (template NW), the same arithmetic in the same order: every
 // output element's MMA k-loop runs over the same k steps in the same order whichever warp computes
 // it, so they are bitwise equal at BV 32:
 // * NW = 4, the previous kernel (BV 32 or 64): a warp's products are 16 x BV (k over K) and its
-//   state block KP/4 x BV. 55,296 / 77,824 B of shared memory at BV 32, 71,680 / 98,304 B at BV 64
-//   (forward / backward, K = 128), 2-4 CTAs per SM, whose phases interleave.
-// * NW = 8, the wide kernel (BV 32 only): a warp's products 16 x 16, its state block KP/4 x 16, so
-//   each warp issues half the MMAs, shared-memory loads and epilogue work per chunk, and the
-//   chunk's critical path (dependent MMAs, barriers, shared-memory round trips) is shorter. Same
-//   shared memory as NW = 4 at BV 32. For levels with at most one CTA per SM (a long flat row),
-//   where no other CTA's phases fill the gaps; the host picks it (run_levels).
+//   state block KP/4 x BV. Every operand tile single-buffered and filled one phase ahead (forward:
+//   kd(c) issued at A, w(c+1), u(c+1) at B; backward: w(c) at A, the rest of c-1 at B).
+//   55,296 / 77,824 B of shared memory at BV 32, 71,680 / 98,304 B at BV 64 (forward / backward,
+//   K = 128), 2-4 CTAs per SM, whose phases interleave.
+// * NW = 8, the wide kernel (BV 32 only): a warp's products are 16 x 16, its state block KP/4 x 16,
+//   so each warp issues half the MMAs, ldmatrix loads, epilogue and copy work per chunk, and two
+//   warps per SM sub-partition hide each other's latencies on the chunk's critical path (dependent
+//   MMAs, barriers, shared-memory round trips). Two stages of operand tiles, each all of one
+//   chunk's: chunk c + 1's loads are issued at barrier A of chunk c (right after the first
+//   product's MMAs) into the stage chunk c - 1 freed, waited for at A of c + 1, so a whole chunk
+//   hides them and barrier B waits on no load; the decays are read a chunk ahead (DecayAhead).
+//   95,232 / 140,288 B of shared memory at K = 128, 57,344 / 86,016 B at K <= 64. For levels with
+//   at most one CTA per SM (a long flat row), where no other CTA's phases fill the gaps; the host
+//   picks it (run_levels).
 // Deterministic: fixed MMA order, no atomics. No host sync.
 #include "tree_recurrence/kernels/chunk_state_pass_tc.h"
 
@@ -67,8 +73,11 @@ struct Cfg {
   static constexpr size_t KT = size_t(kC) * LDK;  // a C x K tile
   static constexpr size_t VT = size_t(kC) * LDV;  // a C x BV tile
   static constexpr size_t ST = size_t(KP) * LDV;  // the rounded state tile
-  static constexpr size_t fwd_elems = 2 * KT + VT + ST + VT;      // w, kd, u; h_s, vn_s
-  static constexpr size_t bwd_elems = 3 * KT + 2 * VT + ST + VT;  // kd, q_g, w, grad_out, dv_local; ds_s, dv_s
+  static constexpr int NB = NW == 8 ? 2 : 1;            // operand stages (the wide kernel: 2)
+  static constexpr size_t fwd_stage = 2 * KT + VT;      // w, kd, u
+  static constexpr size_t bwd_stage = 3 * KT + 2 * VT;  // kd, q_g, w, grad_out, dv_local
+  static constexpr size_t fwd_elems = NB * fwd_stage + ST + VT;  // stages; h_s, vn_s
+  static constexpr size_t bwd_elems = NB * bwd_stage + ST + VT;  // stages; ds_s, dv_s
   static_assert(KP == 64 || KP == 128, "KP is 64 or 128");
   static_assert(BV == 32 || BV == 64, "BV is 32 or 64");
   static_assert(NW == 4 || (NW == 8 && BV == 32), "4 warps, or 8 at BV 32");
@@ -248,16 +257,33 @@ struct Cta {
         kvalid(static_cast<int>(p.k_dim)) {}
 };
 
+// The decay of each chunk, read one chunk ahead (first, first + step, ... up to last).
+struct DecayAhead {
+  const float* decay;
+  int64_t H, head, last;
+  int step;
+  float next;
+  __device__ __forceinline__ DecayAhead(const float* decay_, int64_t H_, int64_t head_, int64_t first, int64_t last_, int step_)
+      : decay(decay_), H(H_), head(head_), last(last_), step(step_), next(at(first)) {}
+  __device__ __forceinline__ float at(int64_t c) const {
+    return (step > 0 ? c <= last : c >= last) ? decay[c * H + head] : 0.f;
+  }
+  // The decay of chunk c (visited in order), reading chunk c + step's.
+  __device__ __forceinline__ float take(int64_t c) {
+    const float d = next;
+    next = at(c + step);
+    return d;
+  }
+};
+
 template <typename T, int KP, int BV, int NW>
 __global__ void __launch_bounds__(32 * NW) tc_forward_kernel(ChunkStatePassTcParams p, int64_t level_begin) {
   using G = Cfg<KP, BV, NW>;
-  constexpr int TH = G::THREADS;
+  constexpr int TH = G::THREADS, NB = G::NB;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  T* const w_s = reinterpret_cast<T*>(smem_raw);  // C x LDK
-  T* const kd_s = w_s + G::KT;                     // C x LDK
-  T* const u_s = kd_s + G::KT;                     // C x LDV
-  T* const h_s = u_s + G::VT;                      // KP x LDV
-  T* const vn_s = h_s + G::ST;                     // C x LDV
+  T* const stages = reinterpret_cast<T*>(smem_raw);  // NB x {w: C x LDK, kd: C x LDK, u: C x LDV}
+  T* const h_s = stages + NB * G::fwd_stage;          // KP x LDV
+  T* const vn_s = h_s + G::ST;                        // C x LDV
 
   const Cta<BV, NW> t(p, level_begin);
   const int rq = t.rq, cq = t.cq, l = t.l;
@@ -276,40 +302,54 @@ __global__ void __launch_bounds__(32 * NW) tc_forward_kernel(ChunkStatePassTcPar
     state_load<KP, BV, NW>(S, start ? start + t.n0 : nullptr, t.K, t.V, t.vvalid, rq, cq, l, false);
   }
   const int64_t c_begin = p.seg_chunk_offsets[t.s], c_end = p.seg_chunk_offsets[t.s + 1];
-  // Issues chunk c's w, u (wu) or kd as one cp.async group.
-  auto issue = [&](int64_t c, bool wu) {
-    const int64_t ch = c * t.H + t.head;
-    if (wu) {
-      if (w) load_tile<T, kC, KP, G::LDK, TH>(w_s, w + ch * kC * t.K, t.K, t.kvalid);
-      load_tile<T, kC, BV, G::LDV, TH>(u_s, u + ch * kC * t.V + t.n0, t.V, t.vvalid);
-    } else {
-      load_tile<T, kC, KP, G::LDK, TH>(kd_s, kd + ch * kC * t.K, t.K, t.kvalid);
+  // Issues chunk c's w, u (wu) and kd (kdd) into stage st as one cp.async group.
+  auto issue = [&](int64_t c, T* st, bool wu, bool kdd) {
+    if (c < c_end) {
+      const int64_t ch = c * t.H + t.head;
+      if (wu && w) load_tile<T, kC, KP, G::LDK, TH>(st, w + ch * kC * t.K, t.K, t.kvalid);
+      if (kdd) load_tile<T, kC, KP, G::LDK, TH>(st + G::KT, kd + ch * kC * t.K, t.K, t.kvalid);
+      if (wu) load_tile<T, kC, BV, G::LDV, TH>(st + 2 * G::KT, u + ch * kC * t.V + t.n0, t.V, t.vvalid);
     }
     m::cp_async_commit();
   };
-  issue(c_begin, true);
+  // NB 1 (the previous kernel): w, u first, kd at A. NB 2: all of chunk c + 1 at A of chunk c.
+  issue(c_begin, stages, true, NB == 2);
+  int cur = 0;  // stage of chunk c
+  DecayAhead ahead(p.decay, t.H, t.head, c_begin, c_end - 1, 1);
   for (int64_t c = c_begin; c < c_end; ++c) {
     const int64_t ch = c * t.H + t.head;
-    const float d = p.decay[ch];
+    const float d = NB == 2 ? ahead.take(c) : p.decay[ch];
+    T* const st = stages + cur * G::fwd_stage;
     state_to_smem<T, KP, BV, NW>(S, h_s, rq, cq, l);
     m::cp_async_wait<0>();
-    __syncthreads();  // A: w(c), u(c) landed; h_s complete; vn_s and kd_s free
-    issue(c, false);
-    store_tile<T, KP, BV, G::LDV, TH, false>(h_s, h + ch * t.KV + t.n0, t.V, t.kvalid, t.vvalid);
+    // A: w(c), u(c) (NB 2: and kd(c)) landed; h_s complete; vn_s (NB 1: kd; NB 2: the other stage) free
+    __syncthreads();
+    if constexpr (NB == 1) {
+      issue(c, st, false, true);
+      store_tile<T, KP, BV, G::LDV, TH, false>(h_s, h + ch * t.KV + t.n0, t.V, t.kvalid, t.vvalid);
+    }
     m::FragC acc[1][G::NT];
     if (w) {
-      rows_product<T, KP, BV, NW>(acc, w_s, h_s, rq, cq);
+      rows_product<T, KP, BV, NW>(acc, st, h_s, rq, cq);
     } else {
 #pragma unroll
       for (int nt = 0; nt < G::NT; ++nt) acc[0][nt].zero();
     }
-    rows_epilogue<T, KP, BV, NW>(acc, u_s, -1.f, 1.f, vn_s, rq, cq, l);  // v_new = u - w h
-    m::cp_async_wait<0>();
-    __syncthreads();  // B: kd(c) landed; vn_s complete; h_s, w_s, u_s free
-    if (c + 1 < c_end) issue(c + 1, true);
-    store_tile<T, kC, BV, G::LDV, TH, false>(vn_s, v_new + ch * kC * t.V + t.n0, t.V, kC, t.vvalid);
+    if constexpr (NB == 2) {  // issued while the MMAs run; a whole chunk to land
+      if (c + 1 < c_end) issue(c + 1, stages + (cur ^ 1) * G::fwd_stage, true, true);
+      store_tile<T, KP, BV, G::LDV, TH, false>(h_s, h + ch * t.KV + t.n0, t.V, t.kvalid, t.vvalid);
+    }
+    rows_epilogue<T, KP, BV, NW>(acc, st + 2 * G::KT, -1.f, 1.f, vn_s, rq, cq, l);  // v_new = u - w h
+    if constexpr (NB == 1) m::cp_async_wait<0>();
+    __syncthreads();  // B: (NB 1: kd(c) landed;) vn_s complete; h_s (NB 1: w, u) free
+    if constexpr (NB == 1) {
+      if (c + 1 < c_end) issue(c + 1, st, true, false);
+      store_tile<T, kC, BV, G::LDV, TH, false>(vn_s, v_new + ch * kC * t.V + t.n0, t.V, kC, t.vvalid);
+    }
     state_scale<KP, BV, NW>(S, d);
-    state_update<T, KP, BV, NW>(S, kd_s, vn_s, rq, cq);
+    state_update<T, KP, BV, NW>(S, st + G::KT, vn_s, rq, cq);
+    if constexpr (NB == 2) store_tile<T, kC, BV, G::LDV, TH, false>(vn_s, v_new + ch * kC * t.V + t.n0, t.V, kC, t.vvalid);
+    cur ^= NB - 1;
   }
   state_store<KP, BV, NW>(S, p.final_state + (t.s * t.H + t.head) * t.KV + t.n0, t.K, t.V, t.vvalid, rq, cq, l);
 }
@@ -317,15 +357,12 @@ __global__ void __launch_bounds__(32 * NW) tc_forward_kernel(ChunkStatePassTcPar
 template <typename T, int KP, int BV, int NW>
 __global__ void __launch_bounds__(32 * NW) tc_backward_kernel(ChunkStatePassTcParams p, int64_t level_begin) {
   using G = Cfg<KP, BV, NW>;
-  constexpr int TH = G::THREADS;
+  constexpr int TH = G::THREADS, NB = G::NB;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  T* const kd_s = reinterpret_cast<T*>(smem_raw);  // C x LDK
-  T* const q_s = kd_s + G::KT;                      // C x LDK
-  T* const w_s = q_s + G::KT;                       // C x LDK
-  T* const go_s = w_s + G::KT;                      // C x LDV
-  T* const dvl_s = go_s + G::VT;                    // C x LDV
-  T* const ds_s = dvl_s + G::VT;                    // KP x LDV
-  T* const dv_s = ds_s + G::ST;                     // C x LDV, holds -dv_total
+  // NB x {kd, q_g, w: C x LDK each; grad_out, dv_local: C x LDV each}
+  T* const stages = reinterpret_cast<T*>(smem_raw);
+  T* const ds_s = stages + NB * G::bwd_stage;  // KP x LDV
+  T* const dv_s = ds_s + G::ST;                // C x LDV, holds -dv_total
 
   const Cta<BV, NW> t(p, level_begin);
   const int rq = t.rq, cq = t.cq, l = t.l;
@@ -344,46 +381,64 @@ __global__ void __launch_bounds__(32 * NW) tc_backward_kernel(ChunkStatePassTcPa
     state_load<KP, BV, NW>(dS, p.workspace + (p.children[e] * t.H + t.head) * t.KV + t.n0, t.K, t.V, t.vvalid, rq, cq, l, true);
 
   const int64_t c_begin = p.seg_chunk_offsets[t.s], c_last = p.seg_chunk_offsets[t.s + 1] - 1;
-  // Issues chunk c's kd, q_g, grad_out, dv_local (rest) or w as one cp.async group.
-  auto issue = [&](int64_t c, bool rest) {
-    const int64_t ch = c * t.H + t.head;
-    const int64_t ok = ch * kC * t.K, ov = ch * kC * t.V + t.n0;
-    if (rest) {
-      load_tile<T, kC, KP, G::LDK, TH>(kd_s, kd + ok, t.K, t.kvalid);
-      if (has_q) {
-        load_tile<T, kC, KP, G::LDK, TH>(q_s, q_g + ok, t.K, t.kvalid);
-        load_tile<T, kC, BV, G::LDV, TH>(go_s, grad_out + ov, t.V, t.vvalid);
+  // Issues chunk c's kd, q_g, grad_out, dv_local (p1) and w (pw) into stage st as one cp.async group.
+  auto issue = [&](int64_t c, T* st, bool p1, bool pw) {
+    if (c >= c_begin) {
+      const int64_t ch = c * t.H + t.head;
+      const int64_t ok = ch * kC * t.K, ov = ch * kC * t.V + t.n0;
+      if (p1) {
+        load_tile<T, kC, KP, G::LDK, TH>(st, kd + ok, t.K, t.kvalid);
+        if (has_q) {
+          load_tile<T, kC, KP, G::LDK, TH>(st + G::KT, q_g + ok, t.K, t.kvalid);
+          load_tile<T, kC, BV, G::LDV, TH>(st + 3 * G::KT, grad_out + ov, t.V, t.vvalid);
+        }
+        if (dv_local) load_tile<T, kC, BV, G::LDV, TH>(st + 3 * G::KT + G::VT, dv_local + ov, t.V, t.vvalid);
       }
-      if (dv_local) load_tile<T, kC, BV, G::LDV, TH>(dvl_s, dv_local + ov, t.V, t.vvalid);
-    } else {
-      load_tile<T, kC, KP, G::LDK, TH>(w_s, w + ok, t.K, t.kvalid);
+      if (pw && w) load_tile<T, kC, KP, G::LDK, TH>(st + 2 * G::KT, w + ok, t.K, t.kvalid);
     }
     m::cp_async_commit();
   };
-  issue(c_last, true);
+  // NB 1 (the previous kernel): w at A, the rest of chunk c - 1 at B. NB 2: all of c - 1 at A of c.
+  issue(c_last, stages, true, NB == 2);
+  int cur = 0;
+  DecayAhead ahead(p.decay, t.H, t.head, c_last, c_begin, -1);
   for (int64_t c = c_last; c >= c_begin; --c) {
     const int64_t ch = c * t.H + t.head;
-    const float d = p.decay[ch];
+    const float d = NB == 2 ? ahead.take(c) : p.decay[ch];
+    T* const st = stages + cur * G::bwd_stage;
     state_to_smem<T, KP, BV, NW>(dS, ds_s, rq, cq, l);
     m::cp_async_wait<0>();
-    __syncthreads();  // A: kd, q_g, grad_out, dv_local (c) landed; ds_s complete; dv_s and w_s free
-    if (w) issue(c, false);
-    store_tile<T, KP, BV, G::LDV, TH, false>(ds_s, grad_state_out + ch * t.KV + t.n0, t.V, t.kvalid, t.vvalid);
+    // A: kd, q_g, grad_out, dv_local (NB 2: and w) (c) landed; ds_s complete; dv_s (NB 1: w; NB 2:
+    // the other stage) free
+    __syncthreads();
+    if constexpr (NB == 1) {
+      if (w) issue(c, st, false, true);
+      store_tile<T, KP, BV, G::LDV, TH, false>(ds_s, grad_state_out + ch * t.KV + t.n0, t.V, t.kvalid, t.vvalid);
+    }
     m::FragC acc[1][G::NT];
-    rows_product<T, KP, BV, NW>(acc, kd_s, ds_s, rq, cq);
-    rows_epilogue<T, KP, BV, NW>(acc, dv_local ? dvl_s : nullptr, 1.f, -1.f, dv_s, rq, cq, l);  // -(dv_local + kd dS)
+    rows_product<T, KP, BV, NW>(acc, st, ds_s, rq, cq);
+    if constexpr (NB == 2) {  // issued while the MMAs run; a whole chunk to land
+      if (c > c_begin) issue(c - 1, stages + (cur ^ 1) * G::bwd_stage, true, true);
+      store_tile<T, KP, BV, G::LDV, TH, false>(ds_s, grad_state_out + ch * t.KV + t.n0, t.V, t.kvalid, t.vvalid);
+    }
+    rows_epilogue<T, KP, BV, NW>(acc, dv_local ? st + 3 * G::KT + G::VT : nullptr, 1.f, -1.f, dv_s, rq, cq, l);  // -(dv_local + kd dS)
     state_scale<KP, BV, NW>(dS, d);
-    if (has_q) state_update<T, KP, BV, NW>(dS, q_s, go_s, rq, cq);
-    m::cp_async_wait<0>();
-    __syncthreads();  // B: w(c) landed; dv_s complete; ds_s, kd_s, q_s, go_s, dvl_s free
-    if (c > c_begin) issue(c - 1, true);
-    store_tile<T, kC, BV, G::LDV, TH, true>(dv_s, dv_total + ch * kC * t.V + t.n0, t.V, kC, t.vvalid);
-    if (w) state_update<T, KP, BV, NW>(dS, w_s, dv_s, rq, cq);
+    if (has_q) state_update<T, KP, BV, NW>(dS, st + G::KT, st + 3 * G::KT, rq, cq);
+    if constexpr (NB == 1) m::cp_async_wait<0>();
+    __syncthreads();  // B: (NB 1: w(c) landed;) dv_s complete; ds_s (NB 1: kd, q_g, grad_out, dv_local) free
+    if constexpr (NB == 1) {
+      if (c > c_begin) issue(c - 1, st, true, false);
+      store_tile<T, kC, BV, G::LDV, TH, true>(dv_s, dv_total + ch * kC * t.V + t.n0, t.V, kC, t.vvalid);
+    }
+    if (w) state_update<T, KP, BV, NW>(dS, st + 2 * G::KT, dv_s, rq, cq);
+    if constexpr (NB == 2) store_tile<T, kC, BV, G::LDV, TH, true>(dv_s, dv_total + ch * kC * t.V + t.n0, t.V, kC, t.vvalid);
+    cur ^= NB - 1;
   }
   float* out = p.parents[t.s] >= 0 ? p.workspace + (t.s * t.H + t.head) * t.KV
                                    : p.grad_initial + (p.root_index[t.s] * t.H + t.head) * t.KV;
   state_store<KP, BV, NW>(dS, out + t.n0, t.K, t.V, t.vvalid, rq, cq, l);
 }
+
 // --- host side ---------------------------------------------------------------------------------
 
 thread_local std::string g_error;
@@ -461,9 +516,6 @@ std::string check_params(const ChunkStatePassTcParams& p, bool backward) {
   return "";
 }
 
-// The wide kernel is reachable (the rule, wide 1).
-constexpr bool kWideBuilt = false;
-
 // TREE_RECURRENCE_STATE_PASS_WIDE, read once: "0" the previous (4-warp) kernel on every level, "1"
 // the wide (8-warp, BV 32) one on every level, anything else or unset (-1) the rule in run_levels.
 int env_wide() {
@@ -494,11 +546,21 @@ cudaError_t launch_level(const ChunkStatePassTcParams& p, int64_t begin, int64_t
 
 template <typename T, bool kBackward>
 const char* run_levels(const ChunkStatePassTcParams& p, cudaStream_t stream) {
-  int device = 0, sms = 132;
+  int device = 0, sms = 132, optin = 0;
   if (cudaGetDevice(&device) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
     sms = 132;
+  if (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) optin = 0;
   const bool k64 = p.k_dim <= 64;
+  // The wide kernel's two stages only where they fit the device's opt-in shared memory (57-140 KB;
+  // H100 / H200 / A100 yes).
+  const size_t wide_bytes = sizeof(T) * (kBackward ? (k64 ? Cfg<64, 32, 8>::bwd_elems : Cfg<128, 32, 8>::bwd_elems)
+                                                   : (k64 ? Cfg<64, 32, 8>::fwd_elems : Cfg<128, 32, 8>::fwd_elems));
+  const bool wide_fits = wide_bytes <= static_cast<size_t>(optin);
   const int wide_mode = p.wide >= 0 ? p.wide : env_wide();
+  if (wide_mode == 1 && !wide_fits)
+    return fail(std::string(kBackward ? "chunk_state_pass_tc_backward" : "chunk_state_pass_tc_forward") +
+                ": the wide kernel (wide 1) needs " + std::to_string(wide_bytes) +
+                " bytes of shared memory per block, the device allows " + std::to_string(optin));
   for (int64_t step = 0; step < p.num_levels; ++step) {
     const int64_t level = kBackward ? p.num_levels - 1 - step : step;
     const int64_t begin = p.level_offsets[level], count = p.level_offsets[level + 1] - begin;
@@ -508,8 +570,7 @@ const char* run_levels(const ChunkStatePassTcParams& p, cudaStream_t stream) {
     // (one long flat row: no other CTA on the SM fills the gaps of a chunk's critical path, and
     // 8 warps halve each warp's share of it); else the previous kernel, whose 2-4 CTAs per SM
     // interleave their phases.
-    const bool wide = kWideBuilt && (wide_mode == 1 || (wide_mode < 0 && p.v_tile != 64 &&
-                                                        count * p.heads * ((p.v_dim + 31) / 32) <= sms));
+    const bool wide = wide_mode == 1 || (wide_mode < 0 && wide_fits && p.v_tile != 64 && count * p.heads * ((p.v_dim + 31) / 32) <= sms);
     // Previous kernel's V tile: 64 when the level still gives every SM two CTAs at that width, else
     // 32 (more CTAs). K <= 64 always runs BV = 32.
     int bv = p.v_tile;

@@ -77,10 +77,11 @@ struct ChunkStatePassTcParams : ChunkTreeTables {  // tables (device; level_offs
   int v_tile = 0;
   // Kernel: -1 follows TREE_RECURRENCE_STATE_PASS_WIDE (read once: "0" the previous kernel, "1" the
   // wide one on every level), unset the rule: the wide kernel (8 warps splitting each chunk's
-  // products and state update by columns too, BV 32) on levels whose BV-32 grid has at most one CTA
-  // per SM, else the previous 4-warp one; 0 / 1 force the previous / the wide kernel (tests,
-  // tuning; 1 needs v_tile 0 or 32, else an error). The wide kernel equals the previous one at
-  // BV 32 bit for bit.
+  // products and state update by columns too, BV 32, two stages of operand tiles: 57-140 KB of
+  // shared memory) on levels whose BV-32 grid has at most one CTA per SM, where its shared memory
+  // fits the device, else the previous 4-warp one; 0 / 1 force the previous / the wide kernel
+  // (tests, tuning; 1 needs v_tile 0 or 32 and the shared memory, else an error). The wide kernel
+  // equals the previous one at BV 32 bit for bit.
   int wide = -1;
 };
 
