@@ -1,7 +1,8 @@
 // Warp-level tensor-core helpers shared by the fused chunk kernels (Gated DeltaNet, Mamba2 SSD):
 // mma.sync m16n8k16 with bf16 / fp16 operands and fp32 accumulation (sm_80 and later, so also
-// Hopper), ldmatrix loads from shared memory in either layout, cp.async copies, and the register
-// layouts written down once. CUDA only, no ATen; include from .cu files.
+// Hopper), ldmatrix loads from shared memory in either layout, cp.async copies, 8-element packs
+// (16-byte words <-> 8 floats), and the register layouts written down once. CUDA only, no ATen;
+// include from .cu files.
 //
 // Fragment layouts (lane = threadIdx.x % 32, g = lane / 4, t = lane % 4):
 //   A 16x16 (rows r, cols k), 4 registers of 2 halves each:
@@ -26,6 +27,7 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <type_traits>
 
 namespace tree_recurrence::kernels::mma {
 
@@ -46,45 +48,59 @@ __device__ __forceinline__ int c_row(int lane, int e) { return (lane >> 2) + ((e
 __device__ __forceinline__ int c_col(int lane, int e) { return ((lane & 3) << 1) + (e & 1); }
 
 // --- element types -------------------------------------------------------------------------
+// The 32 bits of a pair type (__nv_bfloat162, __half2).
+template <typename T2>
+__device__ __forceinline__ uint32_t bits32(const T2& v) {
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
 template <typename T>
 struct Elem;
 template <>
 struct Elem<__nv_bfloat16> {
   __device__ __forceinline__ static __nv_bfloat16 from_float(float f) { return __float2bfloat16_rn(f); }
   __device__ __forceinline__ static float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-  __device__ __forceinline__ static uint32_t pack(float lo, float hi) {
-    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<uint32_t*>(&v);
-  }
+  __device__ __forceinline__ static uint32_t pack(float lo, float hi) { return bits32(__floats2bfloat162_rn(lo, hi)); }
 };
 template <>
 struct Elem<__half> {
   __device__ __forceinline__ static __half from_float(float f) { return __float2half_rn(f); }
   __device__ __forceinline__ static float to_float(__half v) { return __half2float(v); }
-  __device__ __forceinline__ static uint32_t pack(float lo, float hi) {
-    __half2 v = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<uint32_t*>(&v);
-  }
+  __device__ __forceinline__ static uint32_t pack(float lo, float hi) { return bits32(__floats2half2_rn(lo, hi)); }
 };
+
+// 8 consecutive elements of type T (one 16-byte word) <-> 8 floats (pack8: pairs rounded by Elem<T>::pack).
+template <typename T>
+__device__ __forceinline__ void unpack8(const uint4& raw, float (&f)[8]) {
+  const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) f[i] = Elem<T>::to_float(e[i]);
+}
+template <typename T>
+__device__ __forceinline__ uint4 pack8(const float (&f)[8]) {
+  uint4 r;
+  r.x = Elem<T>::pack(f[0], f[1]);
+  r.y = Elem<T>::pack(f[2], f[3]);
+  r.z = Elem<T>::pack(f[4], f[5]);
+  r.w = Elem<T>::pack(f[6], f[7]);
+  return r;
+}
 
 // --- the MMA -------------------------------------------------------------------------------
 // c += a * b (16x16 times 16x8, fp32 accumulate).
+// T: __nv_bfloat16 or __half (the one asm statement of each, chosen at compile time).
 template <typename T>
-__device__ __forceinline__ void mma(FragC& c, const FragA& a, const FragB& b);
-
-template <>
-__device__ __forceinline__ void mma<__nv_bfloat16>(FragC& c, const FragA& a, const FragB& b) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(c.x[0]), "+f"(c.x[1]), "+f"(c.x[2]), "+f"(c.x[3])
-      : "r"(a.x[0]), "r"(a.x[1]), "r"(a.x[2]), "r"(a.x[3]), "r"(b.x[0]), "r"(b.x[1]));
-}
-template <>
-__device__ __forceinline__ void mma<__half>(FragC& c, const FragA& a, const FragB& b) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(c.x[0]), "+f"(c.x[1]), "+f"(c.x[2]), "+f"(c.x[3])
-      : "r"(a.x[0]), "r"(a.x[1]), "r"(a.x[2]), "r"(a.x[3]), "r"(b.x[0]), "r"(b.x[1]));
+__device__ __forceinline__ void mma(FragC& c, const FragA& a, const FragB& b) {
+  static_assert(std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, __half>, "mma: bf16 or fp16 operands");
+  if constexpr (std::is_same_v<T, __nv_bfloat16>)
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c.x[0]), "+f"(c.x[1]), "+f"(c.x[2]), "+f"(c.x[3])
+        : "r"(a.x[0]), "r"(a.x[1]), "r"(a.x[2]), "r"(a.x[3]), "r"(b.x[0]), "r"(b.x[1]));
+  else
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c.x[0]), "+f"(c.x[1]), "+f"(c.x[2]), "+f"(c.x[3])
+        : "r"(a.x[0]), "r"(a.x[1]), "r"(a.x[2]), "r"(a.x[3]), "r"(b.x[0]), "r"(b.x[1]));
 }
 
 // --- ldmatrix loads from shared memory -------------------------------------------------------

@@ -167,6 +167,17 @@ __device__ __forceinline__ void zero(FragC (&acc)[1][2]) {
   acc[0][0].zero();
   acc[0][1].zero();
 }
+// A warp's share of a grid of 16 x 16 tiles (cols16 tile columns, ntiles tiles): tiles
+// t = warp + n * WARPS for n < PER (unrolled), f(n, r0, c0) on each t < ntiles at (r0, c0).
+template <int PER, int WARPS, typename F>
+__device__ __forceinline__ void for_warp_tiles(int warp, int ntiles, int cols16, F&& f) {
+#pragma unroll
+  for (int n = 0; n < PER; ++n) {
+    const int t = warp + n * WARPS;
+    if (t < ntiles) f(n, (t / cols16) * 16, (t % cols16) * 16);
+  }
+}
+
 // Coordinates of element (nt, e) of a tile at (r0, c0) held by this lane.
 __device__ __forceinline__ int el_row(int r0, int e) { return r0 + mma::c_row(mma::lane_id(), e); }
 __device__ __forceinline__ int el_col(int c0, int nt, int e) { return c0 + nt * 8 + mma::c_col(mma::lane_id(), e); }

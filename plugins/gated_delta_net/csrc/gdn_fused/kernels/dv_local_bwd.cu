@@ -105,29 +105,20 @@ __global__ void __launch_bounds__(kDvThreads, 4) dv_local_kernel(GdnBwdParams p)
   const int ntiles = (C / 16) * (Vp / 16);
   FragC acc[kDvPer][1][2];
 #pragma unroll
-  for (int n = 0; n < kDvPer; ++n) {
-    const int t = warp + n * kDvWarps;
-    zero(acc[n]);
-    if (t < ntiles) {
-      const int r0 = (t / (Vp / 16)) * 16, c0 = (t % (Vp / 16)) * 16;
-      tile_mma<T, true, true>(acc[n], Pt, kPitchC, dO, ldv, r0, c0, C / 16);
-    }
-  }
+  for (int n = 0; n < kDvPer; ++n) zero(acc[n]);
+  for_warp_tiles<kDvPer, kDvWarps>(warp, ntiles, Vp / 16, [&](int n, int r0, int c0) {
+    tile_mma<T, true, true>(acc[n], Pt, kPitchC, dO, ldv, r0, c0, C / 16);
+  });
   __syncthreads();  // every read of dO done
+  for_warp_tiles<kDvPer, kDvWarps>(warp, ntiles, Vp / 16, [&](int n, int r0, int c0) {
 #pragma unroll
-  for (int n = 0; n < kDvPer; ++n) {
-    const int t = warp + n * kDvWarps;
-    if (t < ntiles) {
-      const int r0 = (t / (Vp / 16)) * 16, c0 = (t % (Vp / 16)) * 16;
+    for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; e += 2) {
-          const int j = el_row(r0, e), col = el_col(c0, nt, e);
-          *reinterpret_cast<uint32_t*>(dO + j * ldv + col) = mma::Elem<T>::pack(acc[n][0][nt].x[e], acc[n][0][nt].x[e + 1]);
-        }
-    }
-  }
+      for (int e = 0; e < 4; e += 2) {
+        const int j = el_row(r0, e), col = el_col(c0, nt, e);
+        *reinterpret_cast<uint32_t*>(dO + j * ldv + col) = mma::Elem<T>::pack(acc[n][0][nt].x[e], acc[n][0][nt].x[e + 1]);
+      }
+  });
   __syncthreads();
   T* out = static_cast<T*>(p.dv_local) + ch * C * V;
   for (int idx = threadIdx.x; idx < C * (V / 8); idx += blockDim.x) {

@@ -1,5 +1,5 @@
 // Device helpers shared by prep_fwd.cu and out_fwd.cu (CUDA only, no ATen): the tile grid, the
-// gathered and the contiguous row copies (cp.async), the in-place l2norm of the rows, 8-element packs.
+// gathered and the contiguous row copies (cp.async), the in-place l2norm of the rows (8-element packs: mma.cuh's).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -15,22 +15,8 @@ namespace tree_recurrence::gdn::fused::kernels {
 
 namespace mm = tree_recurrence::kernels::mma;
 
-// 8 consecutive elements of type T (one 16-byte word) <-> 8 floats.
-template <typename T>
-__device__ __forceinline__ void unpack8(const uint4& raw, float (&f)[8]) {
-  const T* e = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-  for (int i = 0; i < 8; ++i) f[i] = mm::Elem<T>::to_float(e[i]);
-}
-template <typename T>
-__device__ __forceinline__ uint4 pack8(const float (&f)[8]) {
-  uint4 r;
-  r.x = mm::Elem<T>::pack(f[0], f[1]);
-  r.y = mm::Elem<T>::pack(f[2], f[3]);
-  r.z = mm::Elem<T>::pack(f[4], f[5]);
-  r.w = mm::Elem<T>::pack(f[6], f[7]);
-  return r;
-}
+using mm::pack8;  // mma.cuh's: 8 consecutive elements of T (one 16-byte word) <-> 8 floats
+using mm::unpack8;
 
 // The (chunk, value head) tiles' grid, value head fastest (blockIdx.x = hv; chunk = tile_chunk()):
 // the blocks resident at once cover every head of a few consecutive chunks, so they read the
@@ -42,6 +28,24 @@ inline dim3 tile_grid(int64_t num_chunks, int heads) {
   return dim3(static_cast<unsigned>(heads), static_cast<unsigned>(y), static_cast<unsigned>((num_chunks + 65534) / 65535));
 }
 __device__ __forceinline__ int64_t tile_chunk() { return static_cast<int64_t>(blockIdx.z) * 65535 + blockIdx.y; }
+
+// The dynamic shared memory of prep_fwd_kernel and out_fwd_kernel (each views it as its layout).
+extern __shared__ __align__(16) unsigned char smem_raw[];
+
+// A block's tile numbers, index arithmetic only (the kernels keep their own shared-memory views and
+// their early return `if (tile_chunk() >= p.num_chunks) return;` before this): chunk c = tile_chunk(),
+// value head hv = blockIdx.x, its key head hk = hv / groups (groups = HV / HK), HV, HK, K, V from the
+// parameter block (PrepParams, OutParams).
+struct TileIds {
+  int64_t c;
+  int hv, HV, HK, groups, hk, K, V;
+};
+template <typename Params>
+__device__ __forceinline__ TileIds tile_ids(const Params& p) {
+  const int hv = blockIdx.x;
+  const int HV = p.value_heads, HK = p.key_heads, groups = HV / HK;
+  return {tile_chunk(), hv, HV, HK, groups, hv / groups, p.k_dim, p.v_dim};
+}
 
 // The chunk's gathered rows, as NT threads copy them: thread tid copies columns 8 (tid % 16).. of
 // rows tid / 16 + n NT / 16 (n < kPer). load() reads those rows' token ids from the plan's gather

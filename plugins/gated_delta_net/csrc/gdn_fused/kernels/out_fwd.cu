@@ -53,13 +53,9 @@ __device__ __forceinline__ void q_times_h(mm::FragC (&O)[8], const T* q, const T
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads, 3) out_fwd_kernel(const OutParams p) {
-  extern __shared__ __align__(16) unsigned char smem_raw[];
   OutSmem<T>& s = *reinterpret_cast<OutSmem<T>*>(smem_raw);
-  const int64_t c = tile_chunk();
-  if (c >= p.num_chunks) return;
-  const int hv = blockIdx.x;
-  const int HV = p.value_heads, HK = p.key_heads, groups = HV / HK, hk = hv / groups;
-  const int K = p.k_dim, V = p.v_dim;
+  if (tile_chunk() >= p.num_chunks) return;
+  const auto [c, hv, HV, HK, groups, hk, K, V] = tile_ids(p);
   const int kb16 = (K + 15) >> 4;
   const int kb_lo = min(kb16, 4);  // k blocks of h in s.h; kb_lo..kb16-1 later in s.k
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;

@@ -289,16 +289,12 @@ __device__ __forceinline__ void block_inverse(float* M, int tid) {
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads, 4) prep_fwd_kernel(const PrepParams p) {
-  extern __shared__ __align__(16) unsigned char smem_raw[];
   PrepSmem<T>& s = *reinterpret_cast<PrepSmem<T>*>(smem_raw);
-  const int64_t c = tile_chunk();
-  if (c >= p.num_chunks) return;
-  const int hv = blockIdx.x;
-  const int HV = p.value_heads, HK = p.key_heads, groups = HV / HK, hk = hv / groups;
-  const int K = p.k_dim, V = p.v_dim;
+  if (tile_chunk() >= p.num_chunks) return;
+  const auto [c, hv, HV, HK, groups, hk, K, V] = tile_ids(p);
+  const int64_t tile = c * HV + hv;  // (chunk, value head)
   const int kb16 = (K + 15) >> 4, vb16 = (V + 15) >> 4;
   const int tid = threadIdx.x, warp = tid >> 5;
-  const int64_t tile = c * HV + hv;  // (chunk, value head)
 
   // 1. rows: the copies start at once (each thread reads its rows' tokens from gather itself); the
   // norms in place once they landed

@@ -236,39 +236,34 @@ __global__ void __launch_bounds__(kWyThreads, 2) wy_kernel_v2(GdnBwdParams p) {
   constexpr int kWyTiles = (C / 16) * (kBwdMaxDim / 16) / kWyWarps;  // tiles per warp at most
   const int ntiles = (C / 16) * (Kp / 16);
   float2 pre[kWyTiles][2][2];
+  for_warp_tiles<kWyTiles, kWyWarps>(warp, ntiles, Kp / 16, [&](int q, int r0, int c0) {
 #pragma unroll
-  for (int q = 0; q < kWyTiles; ++q) {
-    const int t = warp + q * kWyWarps;
-    if (t < ntiles) {
-      const int r0 = (t / (Kp / 16)) * 16, c0 = (t % (Kp / 16)) * 16;
+    for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
+      for (int hf = 0; hf < 2; ++hf) {
+        const int j = r0 + g + 8 * hf, col = c0 + nt * 8 + 2 * tq;
+        pre[q][nt][hf] = col < K ? *reinterpret_cast<const float2*>(dk_io + j * K + col) : make_float2(0.f, 0.f);
+      }
+    FragC acc[1][2];
+    zero(acc);
+    tile_mma<T, true, false>(acc, dvb, ldv, h, ldv, r0, c0, Vp / 16);  // -dkb
+    float s[2] = {0.f, 0.f};
 #pragma unroll
-        for (int hf = 0; hf < 2; ++hf) {
-          const int j = r0 + g + 8 * hf, col = c0 + nt * 8 + 2 * tq;
-          pre[q][nt][hf] = col < K ? *reinterpret_cast<const float2*>(dk_io + j * K + col) : make_float2(0.f, 0.f);
-        }
-      FragC acc[1][2];
-      zero(acc);
-      tile_mma<T, true, false>(acc, dvb, ldv, h, ldv, r0, c0, Vp / 16);  // -dkb
-      float s[2] = {0.f, 0.f};
+    for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-        for (int hf = 0; hf < 2; ++hf) {
-          const int j = r0 + g + 8 * hf, col = c0 + nt * 8 + 2 * tq;
-          const uint32_t kp = *reinterpret_cast<const uint32_t*>(kh + j * ldk + col);
-          const T* ke = reinterpret_cast<const T*>(&kp);
-          const float x0 = -acc[0][nt].x[2 * hf], x1 = -acc[0][nt].x[2 * hf + 1];
-          s[hf] += x0 * mma::Elem<T>::to_float(ke[0]);
-          s[hf] += x1 * mma::Elem<T>::to_float(ke[1]);
-          const float be = beta[j] * expf(G[j]);
-          pre[q][nt][hf].x += be * x0;
-          pre[q][nt][hf].y += be * x1;
-        }
-      tile_rowdot_store(s[0], s[1], partKB, r0, c0);
-    }
-  }
+      for (int hf = 0; hf < 2; ++hf) {
+        const int j = r0 + g + 8 * hf, col = c0 + nt * 8 + 2 * tq;
+        const uint32_t kp = *reinterpret_cast<const uint32_t*>(kh + j * ldk + col);
+        const T* ke = reinterpret_cast<const T*>(&kp);
+        const float x0 = -acc[0][nt].x[2 * hf], x1 = -acc[0][nt].x[2 * hf + 1];
+        s[hf] += x0 * mma::Elem<T>::to_float(ke[0]);
+        s[hf] += x1 * mma::Elem<T>::to_float(ke[1]);
+        const float be = beta[j] * expf(G[j]);
+        pre[q][nt][hf].x += be * x0;
+        pre[q][nt][hf].y += be * x1;
+      }
+    tile_rowdot_store(s[0], s[1], partKB, r0, c0);
+  });
   __syncthreads();  // (3) dKK
 
   // Phase 3b: dk^ = pre + dKK k^ + dKK^T k^ (dKK strictly lower: k-blocks <= rb, >= rb), written once.

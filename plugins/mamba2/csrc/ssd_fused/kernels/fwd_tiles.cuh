@@ -1,7 +1,7 @@
 // Device pieces shared by the fused SSD forward's kernels: for the chunk scans (ssd_chunk_scan_fwd.cu:
 // v2, ssd_chunk_scan_group_fwd.cu: v3) the cp.async tile loaders (rows at the tokens' positions, dense
-// rows), the masked / decayed score, the row scale by exp(Lam), 8-wide pack / unpack and the 16-byte
-// epilogue (D x, y saved pre-gate, the z gate, out); for the chunk-state kernels
+// rows), the masked / decayed score, the row scale by exp(Lam), 8-wide pack / unpack (mma.cuh's) and the
+// 16-byte epilogue (D x, y saved pre-gate, the z gate, out); for the chunk-state kernels
 // (ssd_chunk_state_fwd.cu, ssd_chunk_state_pass_fwd.cu) dt's preparation, the block cumsum of dt A,
 // the weights w and the (P x 64-column) accumulator walk. One definition, so the kernels' arithmetic
 // is the same expression in each (their outputs are expected bitwise equal). CUDA only; include from
@@ -105,21 +105,8 @@ __device__ __forceinline__ void stage_acc(float* stage, int ld, int row0, const 
     }
 }
 
-template <typename T>
-__device__ __forceinline__ void unpack8(const uint4& v, float (&f)[8]) {
-  const T* e = reinterpret_cast<const T*>(&v);
-#pragma unroll
-  for (int k = 0; k < 8; ++k) f[k] = mma::Elem<T>::to_float(e[k]);
-}
-template <typename T>
-__device__ __forceinline__ uint4 pack8(const float (&f)[8]) {
-  uint4 v;
-  v.x = mma::Elem<T>::pack(f[0], f[1]);
-  v.y = mma::Elem<T>::pack(f[2], f[3]);
-  v.z = mma::Elem<T>::pack(f[4], f[5]);
-  v.w = mma::Elem<T>::pack(f[6], f[7]);
-  return v;
-}
+using mma::pack8;  // mma.cuh's: 8 consecutive elements of T (one 16-byte word) <-> 8 floats
+using mma::unpack8;
 
 // 8 output columns of one row: f (fp32, from a staged accumulator row) + D x, y = that (saved when
 // y is given and z is), out = y silu(z) (z given) else y; 16-byte stores at element idx of y / out.
