@@ -448,15 +448,6 @@ const char* fail(const std::string& what) {
   return g_error.c_str();
 }
 
-const char* dtype_name(ChunkDType t) {
-  switch (t) {
-    case ChunkDType::Float32: return "float32";
-    case ChunkDType::Float64: return "float64";
-    case ChunkDType::BFloat16: return "bfloat16";
-    case ChunkDType::Float16: return "float16";
-  }
-  return "unknown";
-}
 
 struct Ptr {
   const void* ptr;
@@ -473,7 +464,7 @@ const char* misaligned(std::initializer_list<Ptr> ptrs) {
 std::string check_params(const ChunkStatePassTcParams& p, bool backward) {
   const std::string op = backward ? "chunk_state_pass_tc_backward: " : "chunk_state_pass_tc_forward: ";
   if (p.in != ChunkDType::BFloat16 && p.in != ChunkDType::Float16)
-    return op + "inputs must be bfloat16 or float16, got " + dtype_name(p.in);
+    return op + "inputs must be bfloat16 or float16, got " + element_type_name(p.in);
   if (p.num_chunks < 0 || p.heads < 0 || p.num_segments < 0 || p.num_roots < 0) return op + "negative sizes";
   if (p.k_dim < 1 || p.k_dim > kChunkStateTcMaxK || p.k_dim % 8 != 0)
     return op + "K = " + std::to_string(p.k_dim) + " must be a multiple of 8 in 8..128";

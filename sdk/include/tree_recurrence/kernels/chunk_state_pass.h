@@ -29,11 +29,14 @@
 
 #include <cstdint>
 
+#include "tree_recurrence/kernels/dtype.h"  // DType
+
 namespace tree_recurrence::kernels {
 
 // Element types: `in` is the type of w/u/kd/v_new/grad_v_new/grad_u; `acc` (Float32 or Float64)
-// is the type of decay, h, states, initial states, workspaces and grad_h/grad_state.
-enum class ChunkDType { Float32, Float64, BFloat16, Float16 };
+// is the type of decay, h, states, initial states, workspaces and grad_h/grad_state. The SDK's one
+// element-type enum (dtype.h), under the name the state pass's callers use.
+using ChunkDType = DType;
 
 constexpr int64_t kChunkStateMaxChunk = 64;  // C
 constexpr int64_t kChunkStateCudaMaxK = 256;  // K on CUDA (any K on CPU)

@@ -8,11 +8,10 @@
 
 namespace tree_recurrence::kernels {
 
-// tree_conv's element type; chunk_state_pass's ChunkDType (chunk_state_pass.h) has the same
-// enumerators, so element_type_name and sdk::kernel_dtype serve both.
+// The element type of every SDK kernel's buffers (tree_conv; chunk_state_pass names it ChunkDType).
 enum class DType { Float32, Float64, BFloat16, Float16 };
 
-// "float32", "float64", "bfloat16", "float16" (or "unknown") for DType or ChunkDType.
+// "float32", "float64", "bfloat16", "float16" (or "unknown").
 template <class E>
 constexpr const char* element_type_name(E dtype) {
   switch (dtype) {
