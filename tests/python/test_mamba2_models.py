@@ -391,6 +391,8 @@ def test_native_op_z_gate_and_errors():
         _op()(x[0, :, :3], dt[0, :, :3], B[0], C[0], off, par, None, A=A[:3], dt_limit=[0.0, 1.0])
     with pytest.raises(ValueError, match="seg_offsets must end"):
         _op()(x[0], dt[0], B[0], C[0], torch.tensor([0, 6]), par, None, A=A, dt_limit=[0.0, 1.0])
+    with pytest.raises(ValueError, match="contiguous int64 CPU"):  # a strided view: its raw elements are not [0, 7]
+        _op()(x[0], dt[0], B[0], C[0], torch.tensor([0, 3, 7, 9])[::2], par, None, A=A, dt_limit=[0.0, 1.0])
     with pytest.raises(ValueError, match="initial_state"):
         _op()(x[0], dt[0], B[0], C[0], off, par, torch.zeros(2, 4, 6, 5), A=A, dt_limit=[0.0, 1.0])
 

@@ -23,8 +23,8 @@ namespace tree_recurrence {
 // and parents (S), the plan's host int64 arrays (segment order and parents: walk_segments checks them).
 inline void check_token_tables(const char* op, const at::Tensor& seg_offsets, const at::Tensor& parents, int64_t tokens) {
   TR_CHECK_VALUE(seg_offsets.is_cpu() && parents.is_cpu() && seg_offsets.scalar_type() == at::kLong &&
-                     parents.scalar_type() == at::kLong,
-                 op, ": seg_offsets and parents must be int64 CPU tensors (the plan's host arrays)");
+                     parents.scalar_type() == at::kLong && seg_offsets.is_contiguous() && parents.is_contiguous(),
+                 op, ": seg_offsets and parents must be contiguous int64 CPU tensors (the plan's host arrays)");
   TR_CHECK_VALUE(seg_offsets.dim() == 1 && parents.dim() == 1 && seg_offsets.numel() == parents.numel() + 1, op,
                  ": seg_offsets must have one more entry than parents");
   TR_CHECK_VALUE(seg_offsets.numel() >= 2 && seg_offsets.data_ptr<int64_t>()[0] == 0 &&
@@ -37,8 +37,9 @@ void walk_segments(const char* op, const at::Tensor& seg_offsets, const at::Tens
                    const std::optional<at::Tensor>& initial_state, at::IntArrayRef state_shape,
                    const at::TensorOptions& options, Step&& step) {
   TR_CHECK_VALUE(seg_offsets.is_cpu() && parents.is_cpu() && seg_offsets.scalar_type() == at::kLong &&
-                        parents.scalar_type() == at::kLong && seg_offsets.numel() == parents.numel() + 1,
-                    op, ": seg_offsets (S+1) and parents (S) must be int64 CPU tensors (the plan's host arrays)");
+                        parents.scalar_type() == at::kLong && seg_offsets.numel() == parents.numel() + 1 &&
+                        seg_offsets.is_contiguous() && parents.is_contiguous(),
+                    op, ": seg_offsets (S+1) and parents (S) must be contiguous int64 CPU tensors (the plan's host arrays)");
   const int64_t S = parents.numel();
   const int64_t* offsets = seg_offsets.data_ptr<int64_t>();
   const int64_t* parent = parents.data_ptr<int64_t>();
