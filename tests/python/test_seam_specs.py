@@ -99,3 +99,22 @@ def test_register_family_checks_its_seams_like_a_manifest():
         assert record["seam_specs"]["rule"] == parse_seam("register_family('pyspec')", "rule", GDN_SCAN)
     finally:
         tr.unregister_family("pyspec")
+
+
+def test_a_mapping_spec_is_parsed_once_while_unchanged():
+    """components.tree_scan / SeamCall.bind given a manifest-style mapping: the same mapping gives the same
+    SeamSpec on every call (the driver's route cache is keyed on it), a changed mapping a new one."""
+    import copy
+
+    from tree_recurrence._specs import seam_spec_of
+
+    spec = copy.deepcopy(GDN_SCAN)
+    first = seam_spec_of("test", "scan", spec)
+    assert seam_spec_of("test", "scan", spec) is first
+    assert seam_spec_of("test", "scan", first) is first
+    assert first == parse_seam("test", "scan", GDN_SCAN)
+    spec["native"]["chunk"] = 32  # changed in place: parsed again
+    second = seam_spec_of("test", "scan", spec)
+    assert second is not first and second.native.chunk == 32
+    with pytest.raises(SpecError, match="key 'returns'"):
+        seam_spec_of("test", "scan", {**GDN_SCAN, "returns": "two"})

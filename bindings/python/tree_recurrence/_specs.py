@@ -16,6 +16,8 @@ family function's own (``extra``)."""
 
 from __future__ import annotations
 
+import copy
+
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -72,6 +74,23 @@ def parse_seams(source: str, seams: Any) -> dict[str, SeamSpec]:
     if not isinstance(seams, Mapping):
         raise SpecError(f"{source}: 'seams' must be a mapping of seam name -> spec, got {type(seams).__name__}")
     return {name: parse_seam(source, name, spec) for name, spec in seams.items()}
+
+
+_mapping_specs: dict[int, tuple[Any, Any, SeamSpec]] = {}  # id(mapping) -> (mapping, a deep copy, its spec)
+
+
+def seam_spec_of(source: str, seam: str, spec: Any) -> SeamSpec:
+    """``spec`` as a SeamSpec: a manifest-style mapping is parsed once per mapping object while it is
+    unchanged (the mapping is kept alive here, so its id stays its own), so repeated calls given the
+    same mapping get the same SeamSpec (the driver's route cache is keyed on it)."""
+    if isinstance(spec, SeamSpec):
+        return spec
+    hit = _mapping_specs.get(id(spec))
+    if hit is not None and hit[0] is spec and hit[1] == spec:
+        return hit[2]
+    parsed = parse_seam(source, seam, spec)
+    _mapping_specs[id(spec)] = (spec, copy.deepcopy(spec), parsed)
+    return parsed
 
 
 def parse_seam(source: str, seam: str, spec: Any) -> SeamSpec:

@@ -40,7 +40,7 @@ from . import _routes, plugins
 from . import _scan_strategies as strategies
 from ._bound_kernels import bound_implementation, instance_forward, takes_keyword
 from ._plan import TreePlan
-from ._specs import SeamSpec, parse_seam
+from ._specs import SeamSpec, seam_spec_of
 from ._tree_kwargs import host_work
 from .policy import Policy
 
@@ -84,8 +84,7 @@ class SeamCall:
     @classmethod
     def bind(cls, family, seam, spec, original, plan, args, kwargs) -> "SeamCall":
         """``args`` / ``kwargs`` bound to ``spec``'s names (a ``SeamSpec``; a manifest-style mapping is parsed)."""
-        if not isinstance(spec, SeamSpec):
-            spec = parse_seam(f"family '{family}'", seam, spec)
+        spec = seam_spec_of(f"family '{family}'", seam, spec)
         names = spec.args
         positional = len(args)
         if positional > len(names):
