@@ -28,6 +28,7 @@ The engine names no family: everything model-specific comes from the table.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import statistics
@@ -66,7 +67,8 @@ def grpo_rows(groups: int, rollouts: int, prompt: int, completion: int, vocab: i
     loss "all": every token's weight is the number of samples through it. loss "completions": only
     completion tokens count (weight 1), and the row carries ``logits_to_keep`` (their indices), so
     the model computes no logits for prompt tokens (at GRPO with a 150k-word vocabulary the chains'
-    prompt logits alone take ~100 GB)."""
+    prompt logits alone take ~100 GB). The kept positions are the completion tokens themselves (a
+    trainer keeps the positions one before, which predict them: the same count, the same cost)."""
     if loss not in LOSSES:
         raise ValueError(f"bench: loss must be one of {LOSSES}, got {loss!r}")
     g = torch.Generator().manual_seed(seed)
@@ -277,8 +279,12 @@ def run(args: argparse.Namespace) -> int:
                 "reason": support.reason, "families": dict(support.families),
                 "parameters": sum(p.numel() for p in model.parameters()), "kernels": {}, "kernel_reasons": {}})
             try:
+                loss = args.loss
+                if loss == "completions" and "logits_to_keep" not in inspect.signature(model.forward).parameters:
+                    loss = "all"  # a model without logits_to_keep computes every token's logits anyway
+                info["loss"] = loss
                 rows = grpo_rows(groups, rollouts, prompt, completion, model.config.get_text_config().vocab_size, prompt, device,
-                                 args.loss)
+                                 loss)
                 unique = rows["tree"][0]["input_ids"].shape[1]
                 for ckpt in checkpointing:
                     if ckpt:
