@@ -242,13 +242,13 @@ def env(decisions):
 def gdn_follows_chains(monkeypatch):
     """The loaded gated_delta_net family as if its manifest entries said ``follows: chains``."""
     import copy
+    import dataclasses
 
     from tree_recurrence import plugins
 
     real = plugins.families
-    record = dict(real()["gated_delta_net"])
-    record["manifest"] = copy.deepcopy(record["manifest"])
-    for entry in record["manifest"]["models"]:
+    record = dataclasses.replace(real()["gated_delta_net"], manifest=copy.deepcopy(real()["gated_delta_net"].manifest))
+    for entry in record.models:
         entry["follows"] = "chains"
     monkeypatch.setattr(plugins, "families", lambda: {**real(), "gated_delta_net": record})
     return record

@@ -58,9 +58,10 @@ def test_the_activation_check_is_written_once():
     assert not hits, f"activation checks outside driver.check_activation: {hits}"
 
 
-# Where a manifest's seam mappings are read: parsed into SeamSpecs at load (plugins, _specs) and, for a
+# Where a manifest's seam mappings are read: parsed into SeamSpecs at load (plugins, _registered, _specs) and, for a
 # record built elsewhere, by the native-op load check (_native_schema). Everything else reads SeamSpecs.
-SEAM_PARSERS = {ENGINE / "tree_recurrence" / name for name in ("plugins.py", "_specs.py", "_native_schema.py")}
+SEAM_PARSERS = {ENGINE / "tree_recurrence" / name for name in ("plugins.py", "_registered.py", "_specs.py",
+                                                                  "_native_schema.py")}
 MANIFEST_SEAMS = re.compile(r"""\]\s*\[\s*["']seams["']\s*\]|\.get\(\s*["']seams["']""")  # a manifest's ["seams"]
 SPEC_AS_DICT = re.compile(r"""\bspec\s*\[\s*["']|\bspec\.get\(""")
 

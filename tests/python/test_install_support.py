@@ -353,7 +353,7 @@ class ChainLM(torch.nn.Module):
 def chain_family():
     record = tr.register_family("test_chain_decay", model_types=["chain_lm"], mixer_classes=[ChainDecay],
                                 layer_types=["linear_attention"])
-    for entry in record["manifest"]["models"]:
+    for entry in record.models:
         entry["follows"] = "chains"
     yield record
     tr.unregister_family("test_chain_decay")
@@ -394,7 +394,7 @@ def test_python_family_following_chains(installed, chain_family):
 
 
 def test_unknown_follows_value_is_none(installed, chain_family):
-    for entry in chain_family["manifest"]["models"]:
+    for entry in chain_family.models:
         entry["follows"] = "sideways"
     support = installed(ChainLM())
     assert support.mode == "none" and "follows 'sideways'" in support.reason and "['tree', 'chains']" in support.reason

@@ -39,7 +39,7 @@ SCANS = {
 
 def _captured_native_call(family, seam, args, kwargs, plan, monkeypatch):
     """(op, args, kwargs) of the native op as the driver calls it."""
-    op_name = plugins.families()[family]["manifest"]["seams"][seam]["native"]["op"]
+    op_name = plugins.families()[family].seams[seam].native.op
     real = getattr(plugins.ops(family), op_name)
     captured = {}
 
@@ -79,8 +79,8 @@ def test_kernel_list_is_what_the_family_registered(family):
     if family not in plugins.families():
         pytest.skip(f"family {family} is not loaded")
     record = plugins.families()[family]
-    namespace = record.get("op_namespace") or f"tree_recurrence_{family}"
-    listed = {(name, device) for name, device, ok in record["kernels"] if ok}
+    namespace = record.op_namespace
+    listed = {(name, device) for name, device, ok in record.kernels if ok}
     assert ("tree_conv", "cpu") in listed
     for name, device in listed:
         if device != "cpu":

@@ -24,10 +24,14 @@ NS = "tree_recurrence_gated_delta_net"
 
 
 def gdn_record_with(change) -> dict:
-    """A copy of the loaded GDN plugin's record whose scan seam's spec ``change(spec)`` edited."""
-    record = copy.deepcopy({k: v for k, v in plugins.families()[GDN].items() if k != "seam_specs"})
-    change(record["manifest"]["seams"][SEAM])
-    return record
+    """The loaded GDN plugin's registry record (as ``_core.plugin_records`` gives it), its scan seam's spec
+    ``change(spec)`` edited."""
+    family = plugins.families()[GDN]
+    manifest = copy.deepcopy(dict(family.manifest))
+    change(manifest["seams"][SEAM])
+    return {"family": family.name, "version": family.version, "manifest_path": family.manifest_path,
+            "library_path": family.library_path, "loaded": True, "error": "", "fingerprint": family.fingerprint,
+            "manifest": manifest, "kernels": [list(k) for k in family.kernels]}
 
 
 def test_the_shipped_families_pass():
@@ -65,7 +69,8 @@ def _add_kwarg(name):
 ])
 def test_a_manifest_whose_native_op_does_not_fit_is_refused_at_load(change, problem):
     record = gdn_record_with(change)
-    (out,) = plugins._confined_records([record])
+    ((out, family),) = plugins._confined([record])
+    assert family is None
     assert not out["loaded"]
     path = record["manifest_path"]
     assert out["error"].startswith(f"native op schema: {path}: seam '{SEAM}': native op '{NS}::"), out["error"]
@@ -95,9 +100,9 @@ def test_hostile_plugin_folder_with_a_mismatched_native_op(tmp_path):
     record = plugins.families()[GDN]
     folder = tmp_path / "plugins"
     folder.mkdir()
-    library = Path(record["library_path"])
+    library = Path(record.library_path)
     shutil.copy(library, folder / library.name)
-    text = Path(record["manifest_path"]).read_text()
+    text = Path(record.manifest_path).read_text()
     assert "      op: gdn_tree_scan\n" in text
     (folder / "gated_delta_net.yaml").write_text(text.replace("      op: gdn_tree_scan\n", "      op: gdn_token_scan\n"))
     empty = tmp_path / "empty"

@@ -163,7 +163,7 @@ def gdn_inputs():
 def fake_gpu(monkeypatch):
     """``set(name, routes)``: the CPU seen as GPU ``name``, the GDN manifest's routes replaced."""
     record = plugins.families()[GDN]
-    manifest = record["manifest"]
+    manifest = record.manifest
     monkeypatch.setattr(_routes, "device_name", lambda device: FAKE_GPU)
     monkeypatch.delenv(_routes.TRIAL_ENV, raising=False)
     monkeypatch.setattr(_routes, "trials", {})

@@ -193,13 +193,13 @@ def test_sdk_cli_points_at_the_installed_sdk():
 def test_plugin_loads_with_the_package_fingerprint(kimi_family, kimi_plugin_dir):
     from tree_recurrence import plugins
 
-    assert Path(kimi_family["library_path"]).parent == kimi_plugin_dir
+    assert Path(kimi_family.library_path).parent == kimi_plugin_dir
     gdn = plugins.families()["gated_delta_net"]
-    assert kimi_family["fingerprint"] == gdn["fingerprint"], "the SDK must stamp the package's own fingerprint"
-    kernels = {(k, d): ok for k, d, ok in kimi_family["kernels"]}
+    assert kimi_family.fingerprint == gdn.fingerprint, "the SDK must stamp the package's own fingerprint"
+    kernels = {(k, d): ok for k, d, ok in kimi_family.kernels}
     assert kernels[("kda_tree_scan", "cpu")] and kernels[("tree_conv", "cpu")]
-    assert kernels[("tree_conv", "cuda")] == dict(((k, d), ok) for k, d, ok in gdn["kernels"])[("tree_conv", "cuda")]
-    manifest = kimi_family["manifest"]
+    assert kernels[("tree_conv", "cuda")] == dict(((k, d), ok) for k, d, ok in gdn.kernels)[("tree_conv", "cuda")]
+    manifest = kimi_family.manifest
     assert [m["mixers"] for m in manifest["models"] if m["model_type"] == "kimi_linear"] == [["KimiLinearDeltaAttention"]]
     assert set(manifest["seams"]) == set(KIMI_SEAMS)
     assert hasattr(torch.ops.tree_recurrence_kimi_linear, "kda_tree_scan")

@@ -10,7 +10,7 @@ import pytest
 
 import tree_recurrence as tr
 from tree_recurrence import plugins
-from tree_recurrence._specs import NativeSpec, SeamSpec, SpecError, parse_seam
+from tree_recurrence._specs import Family, NativeSpec, SeamSpec, SpecError, parse_seam
 
 GDN_SCAN = {"adapter": "scan", "args": ["q", "k", "v", "g", "beta"], "sequence": ["q", "k", "v", "g", "beta"],
             "returns": 2, "native": {"op": "gdn_tree_scan", "chunk": 64, "kwargs": {"scale": ["scale", 0.0]}},
@@ -20,12 +20,15 @@ GDN_SCAN = {"adapter": "scan", "args": ["q", "k", "v", "g", "beta"], "sequence":
 
 def test_every_loaded_manifest_parses_once():
     for name, record in plugins.families().items():
-        if record.get("python"):
+        if record.python:
             continue
-        specs = record["seam_specs"]
-        assert set(specs) == set(record["manifest"]["seams"]), name
+        assert isinstance(record, Family) and record.name == name
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            record.seams = {}  # type: ignore[misc]
+        specs = record.seams
+        assert set(specs) == set(record.manifest["seams"]), name
         for seam, spec in specs.items():
-            assert isinstance(spec, SeamSpec) and spec.name == seam and spec.adapter == record["manifest"]["seams"][seam]["adapter"]
+            assert isinstance(spec, SeamSpec) and spec.name == seam and spec.adapter == record.manifest["seams"][seam]["adapter"]
             with pytest.raises(dataclasses.FrozenInstanceError):
                 spec.adapter = "other"  # type: ignore[misc]
 
@@ -96,7 +99,7 @@ def test_register_family_checks_its_seams_like_a_manifest():
     record = tr.register_family("pyspec", "pyspec_model", ["PySpecMixer"], "linear_attention",
                                 seams={"rule": GDN_SCAN}, modules=["pyspec.modeling"])
     try:
-        assert record["seam_specs"]["rule"] == parse_seam("register_family('pyspec')", "rule", GDN_SCAN)
+        assert isinstance(record, Family) and record.python and record.seams["rule"] == parse_seam("register_family('pyspec')", "rule", GDN_SCAN)
     finally:
         tr.unregister_family("pyspec")
 
@@ -118,3 +121,62 @@ def test_a_mapping_spec_is_parsed_once_while_unchanged():
     assert second is not first and second.native.chunk == 32
     with pytest.raises(SpecError, match="key 'returns'"):
         seam_spec_of("test", "scan", {**GDN_SCAN, "returns": "two"})
+
+
+# ------------------------------------------------------------------------------------------------
+# families as frozen Family records (issue 18, item 1)
+# ------------------------------------------------------------------------------------------------
+
+def test_families_are_built_once_at_load():
+    first, again = plugins.families(), plugins.families()
+    assert first and all(isinstance(f, Family) and again[name] is f for name, f in first.items())
+    for name, family in first.items():
+        assert family.name == name and family.op_namespace and family.seams is plugins.seam_specs(family)
+        assert family.models is family.manifest.get("models", family.models)
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            family.kernels = ()  # type: ignore[misc]
+        assert family["family"] == name and family["manifest"] is family.manifest  # the record's keys, for scripts
+
+
+def _refused_record(monkeypatch, record: dict) -> dict:
+    monkeypatch.setattr(plugins._core, "discover_plugins", lambda folders: [])
+    monkeypatch.setattr(plugins._core, "plugin_records", lambda: [record])
+    monkeypatch.setattr(plugins, "runtime_mismatch", lambda: None)
+    monkeypatch.setattr(plugins, "_scan", None)
+    monkeypatch.setattr(plugins, "python_families", {})
+    (refused,) = plugins.refused()
+    assert record["family"] not in plugins.families()
+    return refused
+
+
+def test_a_family_record_with_a_bad_key_is_refused_naming_file_and_key(tmp_path, monkeypatch):
+    manifest = tmp_path / "badmodels.yaml"
+    record = {"family": "badmodels", "version": "1.0.0", "manifest_path": str(manifest), "library_path": "",
+              "loaded": True, "error": "", "fingerprint": "", "kernels": [],
+              "manifest": {"models": [{"model_type": "m", "mixers": ["M"], "layer_types": ["x"]}], "seams": {}}}
+    refused = _refused_record(monkeypatch, record)
+    assert refused["error"] == f"invalid family record: {manifest}: key 'models[0].module': missing", refused["error"]
+    record = {**record, "manifest": {"seams": {}}, "kernels": [("tree_conv",)]}
+    refused = _refused_record(monkeypatch, record)
+    assert refused["error"].startswith(f"invalid family record: {manifest}: key 'kernels': expected (kernel, device, "
+                                       "available) triples"), refused["error"]
+
+
+def test_the_engine_reads_family_fields():
+    """Outside plugins / _specs (which build a Family from the registry's dicts), families are read by field,
+    not as a record's keys (``record["manifest"]``, ``families()[name].get(...)``)."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    engine = root / "bindings" / "python" / "tree_recurrence"
+    builders = {engine / "plugins.py", engine / "_specs.py", engine / "bench.py"}
+    as_dict = re.compile(r"""(\brecord|\bfamilies\(\)\[[^\]]+\]|\bfamilies\[[^\]]+\]|\bfound\[[^\]]+\])"""
+                         r"""\s*(\[\s*["']|\.get\()""")
+    files = [*engine.rglob("*.py"), *root.glob("plugins/*/python/**/*.py")]
+    hits = [f"{path.relative_to(root)}:{number}: {line.strip()}" for path in files
+            if path not in builders and "build" not in path.parts
+            for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1) if as_dict.search(line)]
+    assert not hits, "family records read as dicts (read the Family's fields):\n" + "\n".join(hits)
+    assert as_dict.search('record["manifest"]') and as_dict.search("families()[f].get('x')")
+    assert not as_dict.search("record.manifest.get('routes')")

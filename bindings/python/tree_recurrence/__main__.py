@@ -48,21 +48,21 @@ def doctor_report(gpu: str | None = None) -> dict:
         if not r["loaded"]:
             report["refused"].append({"family": r["family"], "manifest": r["manifest_path"], "reason": r["error"]})
             continue
+        f = plugins.loaded_family(r)
         models = [{"model_type": m["model_type"], "module": m["module"], "mixers": m["mixers"],
-                   "layer_types": m["layer_types"], "installed": _module_present(m["module"])}
-                  for m in r["manifest"]["models"]]
+                   "layer_types": m["layer_types"], "installed": _module_present(m["module"])} for m in f.models]
         report["plugins"].append({
-            "family": r["family"], "version": r["version"], "library_version": r.get("library_version", ""),
-            "library": r["library_path"], "fingerprint": r["fingerprint"],
-            "kernels": [{"name": k, "device": d, "available": ok} for k, d, ok in r["kernels"]],
-            "seams": sorted(plugins.seam_specs(r)), "models": models,
-            "routes": _routes.report(r, gpu or seen) if _has_native_scan(r) else [],
+            "family": f.name, "version": f.version, "library_version": f.library_version,
+            "library": f.library_path, "fingerprint": f.fingerprint,
+            "kernels": [{"name": k, "device": d, "available": ok} for k, d, ok in f.kernels],
+            "seams": sorted(f.seams), "models": models,
+            "routes": _routes.report(f, gpu or seen) if _has_native_scan(f) else [],
         })
     return report
 
 
-def _has_native_scan(record: dict) -> bool:
-    return any(spec.native is not None for spec in plugins.seam_specs(record).values())
+def _has_native_scan(family: plugins.Family) -> bool:
+    return any(spec.native is not None for spec in family.seams.values())
 
 
 def print_doctor(report: dict) -> None:

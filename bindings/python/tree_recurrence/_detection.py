@@ -109,7 +109,7 @@ def claim(model: torch.nn.Module, families: dict, config: Any, model_type: str) 
     # model type and of the mixers found in it. Pooling every family's values would let another
     # family's "linear_attention" vouch for a model whose own family is missing.
     mixers = {type(m).__name__ for _, m in claimed.values()}
-    implemented = {lt for f in families.values() for m in f["manifest"]["models"]
+    implemented = {lt for f in families.values() for m in f.models
                    if m["model_type"] == model_type or mixers & set(m["mixers"]) for lt in m["layer_types"]}
     recurrent = {lt for lt in layer_types(config) if lt not in ATTENTION_LAYER_TYPES}
     unknown = sorted(recurrent - implemented)
@@ -117,7 +117,7 @@ def claim(model: torch.nn.Module, families: dict, config: Any, model_type: str) 
         leftovers.insert(0, f"layer_types {unknown} of {model_type or type(model).__name__} are implemented by no family "
                             f"plugin found (found: {sorted(families) or 'none'})")
     for name, record in families.items():
-        for entry in record["manifest"]["models"]:
+        for entry in record.models:
             if entry["model_type"] == model_type and recurrent & set(entry["layer_types"]) and not mixers & set(entry["mixers"]):
                 leftovers.append(f"layer_types {sorted(recurrent & set(entry['layer_types']))} of {model_type} are "
                                  f"family '{name}' mixers {entry['mixers']}, but the model has none of them")

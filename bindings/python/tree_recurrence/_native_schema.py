@@ -17,11 +17,9 @@ problem, naming the manifest file, the seam and the op, or None.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
-
 import torch
 
-from ._specs import SeamSpec, parse_seams
+from ._specs import Family, SeamSpec
 
 CHUNKED_TABLES = ("gather", "scatter", "seg_chunk_offsets", "parents", "root_index", "level_segments",
                   "level_offsets", "child_offsets", "children")
@@ -94,16 +92,11 @@ def expected_names(spec: SeamSpec) -> list[str]:
     return names + ["<initial_state>"]
 
 
-def check_record(record: Mapping[str, Any]) -> str | None:
-    """The first native-op problem of a loaded family's seams (its op namespace, its ``seam_specs`` parsed
-    at load, else its manifest's seams parsed now), or None."""
-    namespace = record.get("op_namespace") or f"tree_recurrence_{record.get('family')}"
-    source = record.get("manifest_path") or record.get("family") or "?"
-    specs = record.get("seam_specs")
-    if specs is None:
-        specs = parse_seams(source, (record.get("manifest") or {}).get("seams"))
-    for seam, spec in specs.items():
-        problem = check(source, seam, spec, namespace)
+def check_record(record: Family) -> str | None:
+    """The first native-op problem of a loaded family's seams (its op namespace, its seams parsed at load), or None."""
+    source = record.manifest_path or record.name
+    for seam, spec in record.seams.items():
+        problem = check(source, seam, spec, record.op_namespace)
         if problem:
             return problem
     return None

@@ -154,18 +154,17 @@ def parse(source: str, value: Any) -> Table | None:
 _PARSED: dict[int, tuple[Any, Table | None]] = {}  # id(routes mapping) -> (that mapping, its parsed table)
 
 
-def family_table(record: Mapping | None) -> Table | None:
+def family_table(record: Any) -> Table | None:
     """The routes table of a loaded family's record (its manifest's ``routes:``), parsed (load checked it).
     Parsed once per routes mapping (kept with the mapping itself, so a replaced table is parsed anew):
     route decisions run once per plan, i.e. every forward."""
-    manifest = (record or {}).get("manifest") or {}
-    routes = manifest.get("routes")
+    routes = (record.manifest if record is not None else {}).get("routes")
     if routes is None:
         return None
     hit = _PARSED.get(id(routes))
     if hit is not None and hit[0] is routes:
         return hit[1]
-    table = parse(str((record or {}).get("manifest_path") or "?"), routes)
+    table = parse(str(record.manifest_path or "?"), routes)
     _PARSED[id(routes)] = (routes, table)
     return table
 
@@ -291,7 +290,7 @@ def peer_available(table: Table | None, gpu: str | None, implementation: Any, is
     return True, ""
 
 
-def decide(family: str, record: Mapping | None, plan, device: torch.device, dtype: torch.dtype,
+def decide(family: str, record: Any, plan, device: torch.device, dtype: torch.dtype,
            implementation: Any, is_library: bool, peers: Mapping[str, bool],
            trial: Callable[[str], float] | None = None, seam: str = "") -> tuple[str | None, str]:
     """(strategy, reason) for a call whose native kernel is available and whose policy and backend are
@@ -366,10 +365,10 @@ def time_route(run: Callable[[], torch.Tensor], device: torch.device) -> float:
     return (time.perf_counter() - start) * 1000.0
 
 
-def report(record: Mapping, device_gpu: str | None, dtype: str = "bfloat16") -> list[dict]:
+def report(record: Any, device_gpu: str | None, dtype: str = "bfloat16") -> list[dict]:
     """For doctor: per measured shape class, the route ``auto`` takes on ``device_gpu`` (forward + backward
     and forward) with a peer library bound whose backward works, and why; or why the table does not decide."""
-    family = record.get("family", "?")
+    family = record.name
     try:
         table = family_table(record)
     except RoutesError as error:

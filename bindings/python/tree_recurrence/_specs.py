@@ -3,11 +3,15 @@
 naming the manifest file, the seam and the key (docs/plugins.md, section 3, lists the keys).
 
 ``plugins`` parses every loaded manifest's seams when it discovers the plugin and refuses the plugin
-with that error; the parsed specs are the record's ``"seam_specs"`` (``plugins.seam_specs(record)``),
+with that error; the parsed specs are the family's ``Family.seams`` (``plugins.seam_specs(family)``),
 and they are what the engine reads: ``install`` / ``seams`` wrap the seams with them, the driver,
 its strategies, ``components`` and the families' adapters read a call's ``SeamSpec``, and the
 native-op load check (``_native_schema``) reads its ``NativeSpec``. The manifest's mappings stay in
-the record (``record["manifest"]["seams"]``) only as what the manifest said (``doctor``, tests).
+the family (``Family.manifest["seams"]``) only as what the manifest said (``doctor``, tests).
+
+A loaded family is a frozen ``Family`` (``plugins.families()``): built once when its manifest is
+loaded (or by ``register_family``), its seams parsed, its record's keys checked (an error names the
+manifest file and the key); the engine reads its fields.
 
 A seam of an adapter this version does not know is kept as it is (``install`` answers ``"none"`` for
 a model that needs it, naming the adapter): a manifest written for a newer version still loads.
@@ -20,7 +24,7 @@ import copy
 
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 KNOWN_ADAPTERS = ("conv", "scan", "decline", "family")
 _COMMON = ("adapter", "args", "library")
@@ -196,3 +200,89 @@ def _native(fail, value: Any) -> NativeSpec | None:
         if not isinstance(entry, (list, tuple)) or len(entry) != 2 or not isinstance(entry[0], str):
             fail("native", f"kwargs '{name}' must be [source, default], got {entry!r}")
     return NativeSpec(op, chunk, {name: (entry[0], entry[1]) for name, entry in kwargs.items()})
+
+
+@dataclass(frozen=True, eq=False)
+class Family:
+    """A loaded family: a plugin's registry record (``plugins.discover``) or a ``register_family`` one, checked."""
+
+    name: str
+    version: str
+    manifest_path: str  # "<registered from Python>" for register_family
+    library_path: str
+    fingerprint: str
+    manifest: Mapping[str, Any]  # what the manifest says, raw (models, routes, python, integrations)
+    seams: Mapping[str, SeamSpec]  # parsed at load
+    kernels: tuple[tuple[str, str, bool], ...]  # (kernel, device type, available)
+    op_namespace: str  # torch.ops.<op_namespace>
+    python: bool = False  # registered from Python
+    detect: Callable[[dict], tuple[bool, str, str]] | None = None  # register_family's detector (else the C++ one)
+    library_version: str = ""
+
+    @property
+    def models(self) -> list[dict]:
+        """The manifest's model entries (model_type, module, mixers, layer_types, ...)."""
+        return self.manifest.get("models") or []
+
+    @property
+    def python_modules(self) -> Mapping[str, str]:
+        """The manifest's ``python:`` (role -> module of the family's Python folder)."""
+        python = self.manifest.get("python") or {}
+        return python if isinstance(python, Mapping) else {}
+
+    def has_kernel(self, name: str, device_type: str | None = None) -> bool:
+        return any(k == name and ok and (device_type is None or d == device_type) for k, d, ok in self.kernels)
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any], seams: Mapping[str, SeamSpec] | None = None) -> "Family":
+        """A registry record (``_core.plugin_records``) as a Family: its seams parsed unless given, every key
+        checked, or SpecError naming the manifest file and the key."""
+        source = str(record.get("manifest_path") or record.get("family") or "<record>")
+
+        def text(key: str, default: str | None = None) -> str:
+            value = record.get(key, default)
+            if not isinstance(value, str) or (key == "family" and not value):
+                raise SpecError(f"{source}: key '{key}': expected a string, got {value!r}")
+            return value
+
+        name = text("family")
+        manifest = record.get("manifest")
+        if not isinstance(manifest, Mapping):
+            raise SpecError(f"{source}: the manifest must be a mapping, got {type(manifest).__name__}")
+        models = manifest.get("models") or []
+        if not isinstance(models, list) or not all(isinstance(m, Mapping) for m in models):
+            raise SpecError(f"{source}: key 'models': expected a list of model entries, got {models!r}"[:2000])
+        for i, entry in enumerate(models):
+            for key in ("model_type", "module", "mixers", "layer_types"):
+                if key not in entry:
+                    raise SpecError(f"{source}: key 'models[{i}].{key}': missing")
+        kernels = record.get("kernels") or []
+        try:
+            kernels = tuple((str(k), str(d), bool(ok)) for k, d, ok in kernels)
+        except (TypeError, ValueError):
+            raise SpecError(f"{source}: key 'kernels': expected (kernel, device, available) triples, got {kernels!r}"[:2000])
+        if seams is None:
+            seams = parse_seams(source, manifest.get("seams"))
+        return cls(name=name, version=text("version", ""), manifest_path=text("manifest_path", ""),
+                   library_path=text("library_path", ""), fingerprint=text("fingerprint", ""), manifest=manifest,
+                   seams=seams, kernels=kernels, op_namespace=record.get("op_namespace") or f"tree_recurrence_{name}",
+                   python=bool(record.get("python")), detect=record.get("detect"),
+                   library_version=str(record.get("library_version", "") or ""))
+
+    # The record's keys, read as before (scripts outside the package that index records); the engine reads fields.
+    _LEGACY = {"family": "name", "seam_specs": "seams"}
+
+    def get(self, key: str, default: Any = None) -> Any:
+        if key == "loaded":
+            return True
+        if key == "error":
+            return ""
+        return getattr(self, self._LEGACY.get(key, key), default) if not key.startswith("_") else default
+
+    def __getitem__(self, key: str) -> Any:
+        missing = object()
+        value = self.get(key, missing)
+        if value is missing:
+            raise KeyError(key)
+        return value
+

@@ -100,7 +100,7 @@ def _family_with_kernel(kernel: str, device: torch.device | None, preferred: str
     found = plugins.families()
     names = ([preferred] if preferred in found else []) + sorted(n for n in found if n != preferred)
     for name in names:
-        for k, d, ok in found[name]["kernels"]:
+        for k, d, ok in found[name].kernels:
             if k == kernel and ok and (device is None or d == device.type):
                 return name
     return None
@@ -142,7 +142,7 @@ def tree_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     weight = weight.reshape(weight.shape[0], weight.shape[-1])
     if family is None:
         family = _family_with_kernel("tree_conv", x.device)
-    elif not any(k == "tree_conv" and d == x.device.type and ok for k, d, ok in plugins.families()[family]["kernels"]):
+    elif not plugins.families()[family].has_kernel("tree_conv", x.device.type):
         raise ValueError(f"tree_conv: family '{family}' has no tree_conv kernel for {x.device.type} in this build")
     if family is not None:
         return driver.tree_conv(family, x, weight, bias, activation, plan)
@@ -235,7 +235,7 @@ def scan(family: str, seam: str, *args, plan: TreePlan | None = None, kernel: Ca
         kernel = stand_in(family, seam)
     plan = _plan(plan)
     op = spec.native.op if spec.native is not None else None
-    native = backend != "kernel" and op is not None and any(k == op and ok for k, _, ok in record["kernels"])
+    native = backend != "kernel" and op is not None and record.has_kernel(op)
     state_arg = (spec.state_args or {}).get("initial_state")
     several_roots = state_arg is not None and kwargs.get(state_arg) is not None and plan is not None \
         and int((plan.array("parents") < 0).sum()) > 1

@@ -196,7 +196,7 @@ def _resolve(claimed: dict, families: dict, backends: dict[str, str]) -> dict | 
     entries = {}
     for path, (family, mixer) in claimed.items():
         module_name, name = type(mixer).__module__, type(mixer).__name__
-        entry = next((m for m in families[family]["manifest"]["models"] if m["module"] == module_name), None)
+        entry = next((m for m in families[family].models if m["module"] == module_name), None)
         if entry is None:
             return f"{path} ({name}) lives in {module_name}, which the '{family}' manifest does not list"
         module = importlib.import_module(module_name)
@@ -207,7 +207,7 @@ def _resolve(claimed: dict, families: dict, backends: dict[str, str]) -> dict | 
         bypass = instance_forward_bypass(mixer)
         if bypass:
             return f"{path} ({name}): {bypass}"
-        if families[family].get("python") and not plugins.seam_specs(families[family]) and \
+        if families[family].python and not families[family].seams and \
                 not hasattr(getattr(type(mixer), "forward", None), "__tree_recurrence_forward__"):
             return (f"{path} ({name}): family '{family}' (registered from Python, no seams) claims mixers whose "
                     f"forward follows trees, but {name}.forward is not marked with mark_tree_forward")

@@ -15,20 +15,20 @@ manifest of a folder); nothing of it is used.
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import torch
 
 from . import _core
-from ._specs import SeamSpec, SpecError, parse_seam, parse_seams
+from ._specs import Family, SeamSpec, SpecError, parse_seams
 
 PACKAGE_PLUGIN_DIR = Path(_core.__file__).resolve().parent / "plugins"
 _extra_folders: list[str] = []
-# Families registered from Python (register_family, at the end of this module): name -> a record shaped like a plugin's, plus
-# "detect" (a callable: module description dict -> (claimed, role, reason)) and "op_namespace".
-python_families: dict[str, dict[str, Any]] = {}
+# Families registered from Python (register_family, at the end of this module): name -> its Family (python=True,
+# with ``detect``: module description dict -> (claimed, role, reason)); those a loaded plugin of that name shadows.
+python_families: dict[str, Family] = {}
+_shadowed: set[str] = set()
 
 
 def plugin_folders() -> list[str]:
@@ -43,7 +43,7 @@ def add_plugin_path(folder: str | os.PathLike) -> list[dict[str, Any]]:
     folder = os.fspath(folder)
     if folder not in _extra_folders:
         _extra_folders.append(folder)
-    added = _confined_records(_core.discover_plugins([folder]))
+    added = [record for record, _ in _confined(_core.discover_plugins([folder]))]
     _scan = None
     return added
 
@@ -64,9 +64,9 @@ def runtime_mismatch() -> str | None:
     return None
 
 
-# Records of the last scan and the folders it covered: every seam call asks for the families, so
-# scanning folders and converting manifests must not happen per call.
-_scan: tuple[tuple[str, ...], list[dict[str, Any]]] | None = None
+# The last scan: the folders it covered, its records and the loaded ones' Family by name. Every seam call
+# asks for the families, so scanning folders and building families must not happen per call.
+_scan: tuple[tuple[str, ...], list[dict[str, Any]], dict[str, Family]] | None = None
 
 DISABLE_ENV = "TREE_RECURRENCE_DISABLE_FAMILIES"
 
@@ -85,53 +85,70 @@ def discover(rescan: bool = False) -> list[dict[str, Any]]:
     """All plugin records, loaded or refused. Folders are scanned on first use, when the folder list
     changes (TREE_RECURRENCE_PLUGIN_PATH, add_plugin_path) and with ``rescan=True`` (new manifests
     in known folders; ``doctor`` does this)."""
-    global _scan
     mismatch = runtime_mismatch()
     if mismatch:
         return [{"family": "*", "version": "", "manifest_path": "", "library_path": "", "loaded": False,
                  "error": mismatch, "fingerprint": "", "manifest": None, "kernels": []}]
+    scan = _scanned(rescan)
+    disabled = disabled_families()
+    if disabled:
+        return [_disabled_record(r) if r["family"] in disabled and r["loaded"] else r for r in scan[1]]
+    return scan[1]
+
+
+def _scanned(rescan: bool = False) -> tuple[tuple[str, ...], list[dict[str, Any]], dict[str, Family]]:
+    global _scan
     folders = tuple(plugin_folders())
     if rescan or _scan is None or _scan[0] != folders:
         _core.discover_plugins(list(folders))
-        _scan = (folders, _confined_records(_core.plugin_records()))
-    disabled = disabled_families()
-    if disabled:
-        return [_disabled_record(r) if r["family"] in disabled and r["loaded"] else r for r in _scan[1]]
-    return _scan[1]
+        pairs = _confined(_core.plugin_records())
+        _scan = (folders, [record for record, _ in pairs], {f.name: f for _, f in pairs if f is not None})
+    return _scan
 
 
-def _confined_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The records with each loaded plugin whose Python escapes its folder turned into a refusal."""
+def _confined(records: list[dict[str, Any]]) -> list[tuple[dict[str, Any], Family | None]]:
+    """Each record with its Family, built once here (seams parsed, keys checked), or the record turned into
+    a refusal naming why: an invalid seam spec or record, Python escaping its folder, a failed load check."""
     out = []
     for record in records:
-        reason = (python_escape(record) or _seam_spec_error(record) or _load_check_error(record)) \
-            if record.get("loaded") else None
-        out.append({**record, "loaded": False, "error": reason} if reason else record)
+        family, reason = None, None
+        if record.get("loaded"):
+            family, reason = _built(record)
+            reason = reason or python_escape(family) or _load_check_error(family)
+        out.append(({**record, "loaded": False, "error": reason}, None) if reason else (record, family))
     return out
 
 
-def seam_specs(record: dict[str, Any]) -> dict[str, SeamSpec]:
-    """A family record's seams as the ``SeamSpec`` s parsed at load (``record["seam_specs"]``; a record
-    made elsewhere, without them, has its manifest's seams parsed now and kept there)."""
-    specs = record.get("seam_specs")
-    if specs is None:
-        specs = record["seam_specs"] = parse_seams(record.get("manifest_path") or record.get("family", "<record>"),
-                                                   (record.get("manifest") or {}).get("seams"))
-    return specs
-
-
-def _seam_spec_error(record: dict[str, Any]) -> str | None:
-    """Parses a loaded plugin's seam specs once (``_specs``: every key checked) into
-    ``record["seam_specs"]``; returns the error naming manifest, seam and key, or None."""
+def _built(record: dict[str, Any]) -> tuple[Family | None, str | None]:
+    source = record.get("manifest_path") or record.get("family")
     try:
-        record["seam_specs"] = parse_seams(record.get("manifest_path") or record["family"],
-                                           (record.get("manifest") or {}).get("seams"))
+        seams = parse_seams(source, (record.get("manifest") or {}).get("seams"))
     except SpecError as error:
-        return f"invalid seam spec: {error}"
-    return None
+        return None, f"invalid seam spec: {error}"
+    try:
+        return Family.from_record(record, seams), None
+    except SpecError as error:
+        return None, f"invalid family record: {error}"
 
 
-def _load_check_error(record: dict[str, Any]) -> str | None:
+def _family(record: Family | dict[str, Any]) -> Family:
+    """``record`` as a Family (a registry record is built, its problems raised as SpecError)."""
+    return record if isinstance(record, Family) else Family.from_record(record)
+
+
+def loaded_family(record: dict[str, Any]) -> Family:
+    """The Family built at load for a loaded record of ``discover`` (``doctor``)."""
+    found = _scanned()[2].get(record["family"])
+    return found if found is not None and found.manifest_path == record.get("manifest_path") else _family(record)
+
+
+def seam_specs(record: Family | dict[str, Any]) -> dict[str, SeamSpec]:
+    """A family's seams as the ``SeamSpec`` s parsed at load (``Family.seams``; a mapping made elsewhere has
+    its manifest's seams parsed now)."""
+    return _family(record).seams
+
+
+def _load_check_error(record: Family) -> str | None:
     """A loaded plugin's native ops against the schema the driver calls them by (``_native_schema``), and
     its measured routes table (``_routes``): the error naming the manifest, seam / key and op, or None."""
     from . import _native_schema, _routes
@@ -146,23 +163,27 @@ def _load_check_error(record: dict[str, Any]) -> str | None:
     return None
 
 
-def families() -> dict[str, dict[str, Any]]:
-    """Loaded families by name, then those registered from Python (``python_families``). Plugins found later
-    in the search order never replace one, and a Python-registered family never replaces a plugin."""
-    found = {r["family"]: r for r in discover() if r["loaded"]}
+def families() -> dict[str, Family]:
+    """Loaded families by name (their ``Family``, built at load), then those registered from Python
+    (``python_families``). Plugins found later in the search order never replace one, and a
+    Python-registered family never replaces a plugin."""
     disabled = disabled_families()
+    found = {} if runtime_mismatch() else {n: f for n, f in _scanned()[2].items() if n not in disabled}
     for name, record in python_families.items():
-        record["shadowed"] = name in found
-        if name not in disabled:
-            found.setdefault(name, record)
+        if name in found:
+            _shadowed.add(name)
+        else:
+            _shadowed.discard(name)
+            if name not in disabled:
+                found[name] = record
     return found
 
 
 def detect(family: str, description: dict) -> tuple[bool, str, str]:
     """(claimed, role, reason) of a loaded family's detector for one module description."""
     record = python_families.get(family)
-    if record is not None and not record.get("shadowed"):
-        return record["detect"](description)
+    if record is not None and family not in _shadowed:
+        return record.detect(description)
     return _core.detect(family, description)
 
 
@@ -175,7 +196,7 @@ def ops(family: str):
     record = families().get(family)
     if record is None:
         raise KeyError(f"no loaded family plugin named '{family}'")
-    return getattr(torch.ops, record.get("op_namespace") or f"tree_recurrence_{family}")
+    return getattr(torch.ops, record.op_namespace)
 
 
 # --------------------------------------------------------------------------------------------
@@ -189,21 +210,22 @@ def _inside(path: Path, root: Path) -> bool:
     return path == root or root in path.parents
 
 
-def python_escape(record: dict[str, Any]) -> str | None:
+def python_escape(record: Family | dict[str, Any]) -> str | None:
     """Why a plugin's Python would be imported from outside the folder that holds its manifest, or None.
 
     Like its library (core/src/registry.cpp), a plugin's Python folder ``<family>/`` and each module its
     manifest's ``python:`` names must resolve, after symlinks, inside the manifest's folder: a symlinked
     folder or module, or a ``python:`` entry with ``..``, a path or an absolute name, is refused."""
-    if not record.get("manifest_path") or record.get("python"):
+    record = _family(record)
+    if not record.manifest_path or record.python:
         return None
-    family = record.get("family", "?")
-    modules = ((record.get("manifest") or {}).get("python") or {})
+    family = record.name
+    modules = record.manifest.get("python") or {}
     if not isinstance(modules, dict):
         return f"plugin '{family}': its manifest's python: must map roles to module names"
     try:
-        root = Path(record["manifest_path"]).parent.resolve(strict=True)
-        folder = Path(record["manifest_path"]).parent / family
+        root = Path(record.manifest_path).parent.resolve(strict=True)
+        folder = Path(record.manifest_path).parent / family
         if not folder.exists() and not folder.is_symlink():
             return None  # no Python installed: family_python_module says so when one is needed
         resolved = folder.resolve(strict=True)
@@ -226,15 +248,16 @@ def python_escape(record: dict[str, Any]) -> str | None:
     return None
 
 
-def family_python_folder(record: dict[str, Any]) -> Path | None:
+def family_python_folder(record: Family | dict[str, Any]) -> Path | None:
     """Where a loaded plugin's Python lies: the folder ``<family>/`` next to its manifest (refused with
     PermissionError when it, or a module the manifest names, resolves outside the manifest's folder)."""
-    if not record.get("manifest_path") or record.get("python"):
+    record = _family(record)
+    if not record.manifest_path or record.python:
         return None
     reason = python_escape(record)
     if reason:
         raise PermissionError(reason)
-    folder = Path(record["manifest_path"]).parent / record["family"]
+    folder = Path(record.manifest_path).parent / record.name
     return folder if folder.is_dir() else None
 
 
@@ -253,7 +276,7 @@ def family_python_module(family: str, module: str):
         folder = family_python_folder(record)
         if folder is None:
             raise FileNotFoundError(f"family '{family}': its manifest names Python modules, but there is no folder "
-                                    f"{Path(record['manifest_path']).parent / family} (install the plugin with its "
+                                    f"{Path(record.manifest_path).parent / family} (install the plugin with its "
                                     "PYTHON folder: tree_recurrence_add_family(... PYTHON python)")
         name = f"tree_recurrence_family_{family}"
         spec = importlib.util.spec_from_loader(name, loader=None, is_package=True)
@@ -268,115 +291,12 @@ def family_python(family: str, role: str):
     """The module a loaded family's manifest names for ``role`` (``python: {stand_ins: ..., components:
     ...}``), or None when it names none."""
     record = families().get(family)
-    module = ((record or {}).get("manifest") or {}).get("python", {}).get(role) if record else None
+    module = record.python_modules.get(role) if record is not None else None
     return family_python_module(family, module) if module else None
 
 
-def has_kernel(record: dict[str, Any], name: str, device: torch.device) -> bool:
-    return any(k == name and d == device.type and ok for k, d, ok in record["kernels"])
+def has_kernel(record: Family, name: str, device: torch.device) -> bool:
+    return record.has_kernel(name, device.type)
 
 
-# ------------------------------------------------------------------------------------------------
-# families registered from Python
-# ------------------------------------------------------------------------------------------------
-
-
-def _names(value: str | Iterable[str], what: str) -> list[str]:
-    items = [value] if isinstance(value, str) else list(value)
-    if not items or not all(isinstance(i, str) and i for i in items):
-        raise ValueError(f"register_family: {what} must be a non-empty string or list of strings, got {value!r}")
-    return items
-
-
-def register_family(name: str, model_types: str | Iterable[str], mixer_classes: Iterable[type | str],
-                    layer_types: str | Iterable[str], seams: dict[str, dict] | None = None, *,
-                    modules: Iterable[str] | None = None, plan_carriers: Iterable[str] = (),
-                    detect: Callable[[dict], tuple[bool, str, str]] | None = None, ops: str | None = None,
-                    version: str = "0.1.0") -> dict:
-    """Registers a family from Python; ``install`` then treats it like a manifest family.
-
-    ``model_types``: the config ``model_type`` values it covers (informational, as in a manifest).
-    ``mixer_classes``: the mixer classes (or class names, with ``modules``) that follow the tree;
-    ``install`` claims modules of these classes (``detect(description) -> (claimed, role, reason)``
-    replaces that test; ``(False, "recurrent", why)`` recognises a module as recurrent without covering
-    it, and install answers "none" with ``why``) and patches nothing inside them. ``layer_types``: the ``layer_types`` values
-    those mixers implement. ``seams``: module-level functions of the mixers' modeling modules to
-    replace, spec by spec as in a manifest (docs/plugins.md; default none: a model that follows trees
-    in its own code needs no seam). ``plan_carriers``: class names in those modules whose forward
-    sets the plan context. ``ops``: a loaded family whose torch ops (``tree_conv``, native scans)
-    the seams' adapters use. Returns the family's record (as ``families()`` lists it).
-    A loaded plugin's name, or one already registered, is refused: unregister_family first."""
-    if not isinstance(name, str) or not re.fullmatch(r"[a-z0-9_]+", name):
-        raise ValueError(f"register_family: name {name!r} must be lower-case letters, digits and '_'")
-    if name in python_families:
-        raise ValueError(f"register_family: family '{name}' is already registered from Python; unregister_family first")
-    if name in families():
-        raise ValueError(f"register_family: a family plugin named '{name}' is loaded "
-                         f"({families()[name]['library_path']}); choose another name")
-    from .driver import ADAPTERS as adapters  # the driver imports this module
-
-    model_types = _names(model_types, "model_types")
-    layer_types = _names(layer_types, "layer_types")
-    mixers, mixer_modules = [], []
-    for cls in mixer_classes:
-        if isinstance(cls, type):
-            mixers.append(cls.__name__)
-            mixer_modules.append(cls.__module__)
-        elif isinstance(cls, str) and cls:
-            mixers.append(cls)
-        else:
-            raise ValueError(f"register_family: mixer_classes must hold classes or class names, got {cls!r}")
-    if not mixers:
-        raise ValueError("register_family: mixer_classes is empty")
-    module_names = list(dict.fromkeys([*(modules or []), *mixer_modules]))
-    if not module_names:
-        raise ValueError("register_family: mixer classes given by name need modules= (the modules defining them)")
-    seam_specs, parsed = {}, {}
-    for seam, spec in (seams or {}).items():
-        if not isinstance(spec, dict) or spec.get("adapter") not in adapters:
-            raise ValueError(f"register_family: seam '{seam}' needs an 'adapter' among {sorted(adapters)}, got {spec!r}")
-        missing = [key for key in ("args",) + (("sequence",) if spec["adapter"] == "scan" else ()) if key not in spec]
-        if missing:
-            raise ValueError(f"register_family: seam '{seam}' ({spec['adapter']}) lacks {missing}")
-        parsed[seam] = parse_seam(f"register_family('{name}')", seam, spec)  # every key checked as a manifest's
-        seam_specs[seam] = dict(spec)
-    kernels, namespace = [], f"tree_recurrence_{name}"
-    if ops is not None:
-        provider = families().get(ops)
-        if provider is None:
-            raise ValueError(f"register_family: ops='{ops}' names no loaded family (loaded: {sorted(families())})")
-        kernels = list(provider["kernels"])
-        namespace = provider.get("op_namespace") or f"tree_recurrence_{ops}"
-        from . import _native_schema
-
-        for seam, spec in parsed.items():  # the native ops it names: registered, with the driver's schema
-            problem = _native_schema.check(f"register_family('{name}')", seam, spec, namespace)
-            if problem:
-                raise ValueError(problem)
-    if detect is None:
-        claimed = set(mixers)
-
-        def detect(description: dict) -> tuple[bool, str, str]:
-            if description["class_name"] in claimed:
-                return True, "mixer", f"{name} mixer {description['class_name']} (registered from Python)"
-            return False, "", ""
-
-    entries = [{"model_type": mt, "module": module, "mixers": mixers, "layer_types": layer_types,
-                "plan_carriers": list(plan_carriers)} for module in module_names for mt in model_types]
-    record = {
-        "family": name, "version": version, "manifest_path": "<registered from Python>", "library_path": "",
-        "loaded": True, "error": "", "fingerprint": "python", "python": True,
-        "manifest": {"schema": 1, "family": name, "version": version, "library": "", "models": entries,
-                     "seams": seam_specs},
-        "kernels": kernels, "detect": detect, "op_namespace": namespace, "seam_specs": parsed,
-    }
-    python_families[name] = record
-    return record
-
-
-def unregister_family(name: str) -> None:
-    """Removes a family registered from Python (models already installed keep their hooks until
-    ``uninstall``)."""
-    if name not in python_families:
-        raise KeyError(f"unregister_family: no family '{name}' registered from Python")
-    del python_families[name]
+from ._registered import register_family, unregister_family  # noqa: E402,F401 (families registered from Python)

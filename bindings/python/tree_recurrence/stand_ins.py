@@ -262,7 +262,7 @@ def _resolve(family: str, dotted: str):
     if not module_name or not name:
         raise ValueError(f"family '{family}': library stand-in '{dotted}' must be <module>.<function>")
     record = plugins.families()[family]
-    if module_name in (record.get("manifest") or {}).get("python", {}).values():
+    if module_name in record.python_modules.values():
         module = plugins.family_python_module(family, module_name)
     else:
         module = importlib.import_module(module_name)
@@ -329,7 +329,7 @@ def _seam_families(module) -> dict[str, str]:
     found: dict[str, str] = {}
     families = plugins.families()
     owning = [n for n, r in families.items()
-              if any(e.get("module") == module.__name__ for e in (r.get("manifest") or {}).get("models", []))]
+              if any(e.get("module") == module.__name__ for e in r.models)]
     for name in owning + sorted(n for n in families if n not in owning):
         for seam, spec in plugins.seam_specs(families[name]).items():
             if spec.library and seam not in found:

@@ -19,8 +19,8 @@ import torch
 def _trl_entry(family: str) -> dict | None:
     from .. import plugins
 
-    record = plugins.families().get(family) or {}
-    entry = ((record.get("manifest") or {}).get("integrations") or {}).get("trl")
+    record = plugins.families().get(family)
+    entry = ((record.manifest.get("integrations") or {}) if record is not None else {}).get("trl")
     return entry if isinstance(entry, dict) and entry.get("kernel") else None
 
 
