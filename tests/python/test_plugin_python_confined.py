@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from plugin_records import discover_only
 from tree_recurrence import plugins
 
 
@@ -29,19 +30,6 @@ def outside_module(root: Path) -> Path:
     outside.mkdir(exist_ok=True)
     (outside / "evil.py").write_text(f"open({str(root / 'imported')!r}, 'w').close()\n")
     return outside
-
-
-def discover_only(monkeypatch, record: dict) -> dict:
-    """plugins.discover over ``record`` alone (no other plugin, no runtime check): its result."""
-    monkeypatch.setattr(plugins._core, "discover_plugins", lambda folders: [])
-    monkeypatch.setattr(plugins._core, "plugin_records", lambda: [record])
-    monkeypatch.setattr(plugins, "runtime_mismatch", lambda: None)
-    monkeypatch.setattr(plugins, "_scan", None)
-    monkeypatch.setattr(plugins, "python_families", {})
-    monkeypatch.setattr(plugins, "_python_packages", {})
-    monkeypatch.delenv(plugins.DISABLE_ENV, raising=False)
-    (result,) = plugins.discover(rescan=True)
-    return result
 
 
 def refused_through_discover(monkeypatch, record: dict) -> dict:

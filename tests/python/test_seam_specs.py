@@ -8,6 +8,8 @@ import dataclasses
 
 import pytest
 
+from plugin_records import discover_only
+
 import tree_recurrence as tr
 from tree_recurrence import plugins
 from tree_recurrence._specs import Family, NativeSpec, SeamSpec, SpecError, parse_seam
@@ -139,13 +141,8 @@ def test_families_are_built_once_at_load():
 
 
 def _refused_record(monkeypatch, record: dict) -> dict:
-    monkeypatch.setattr(plugins._core, "discover_plugins", lambda folders: [])
-    monkeypatch.setattr(plugins._core, "plugin_records", lambda: [record])
-    monkeypatch.setattr(plugins, "runtime_mismatch", lambda: None)
-    monkeypatch.setattr(plugins, "_scan", None)
-    monkeypatch.setattr(plugins, "python_families", {})
-    (refused,) = plugins.refused()
-    assert record["family"] not in plugins.families()
+    refused = discover_only(monkeypatch, record)
+    assert not refused["loaded"] and record["family"] not in plugins.families()
     return refused
 
 
