@@ -74,12 +74,12 @@ def _engine_and_family_python():
 
 def test_the_engine_reads_typed_seam_specs():
     """Issue 18 item 1: the driver, its strategies, components, install / seams and the families' adapters
-    read a seam's ``SeamSpec`` / ``NativeSpec`` (``plugins.seam_specs``), not the manifest's mappings."""
+    read a seam's ``SeamSpec`` / ``NativeSpec`` (``Family.seams``), not the manifest's mappings."""
     hits = [f"{path.relative_to(ROOT)}:{number}: {line.strip()}" for path in _engine_and_family_python()
             if path not in SEAM_PARSERS
             for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
             if MANIFEST_SEAMS.search(line) or SPEC_AS_DICT.search(line)]
-    assert not hits, "seam specs read as manifest mappings (read plugins.seam_specs / call.spec fields):\n" + "\n".join(hits)
+    assert not hits, "seam specs read as manifest mappings (read Family.seams / call.spec fields):\n" + "\n".join(hits)
 
 
 def test_the_spec_grep_finds_what_it_looks_for():

@@ -3,7 +3,7 @@
 naming the manifest file, the seam and the key (docs/plugins.md, section 3, lists the keys).
 
 ``plugins`` parses every loaded manifest's seams when it discovers the plugin and refuses the plugin
-with that error; the parsed specs are the family's ``Family.seams`` (``plugins.seam_specs(family)``),
+with that error; the parsed specs are the family's ``Family.seams``,
 and they are what the engine reads: ``install`` / ``seams`` wrap the seams with them, the driver,
 its strategies, ``components`` and the families' adapters read a call's ``SeamSpec``, and the
 native-op load check (``_native_schema``) reads its ``NativeSpec``. The manifest's mappings stay in
@@ -21,7 +21,6 @@ family function's own (``extra``)."""
 from __future__ import annotations
 
 import copy
-
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping

@@ -189,7 +189,7 @@ def tree_scan(kernel: Callable, *args, plan: TreePlan | None = None, spec: SeamS
     if spec is None:
         if family is None or seam is None:
             raise ValueError("tree_scan: pass spec=, or family= and seam= naming a loaded family's seam")
-        spec = plugins.seam_specs(plugins.families()[family])[seam]
+        spec = plugins.families()[family].seams[seam]
     if backend not in ("auto", "native", "kernel"):
         raise ValueError(f"tree_scan: unknown backend '{backend}', choose one of ['auto', 'native', 'kernel']")
     policy = policy or Policy()
@@ -223,7 +223,7 @@ def scan(family: str, seam: str, *args, plan: TreePlan | None = None, kernel: Ca
     record = plugins.families().get(family)
     if record is None:
         raise ValueError(f"scan: no loaded family '{family}' (loaded: {sorted(plugins.families())})")
-    specs = plugins.seam_specs(record)
+    specs = record.seams
     spec = specs.get(seam)
     if spec is None or spec.adapter != "scan":
         raise ValueError(f"scan: family '{family}' has no scan seam '{seam}' (its seams: {sorted(specs)})")

@@ -187,7 +187,7 @@ def _install(model: torch.nn.Module, policy: Policy | None, backends: dict[str, 
 def _resolve(claimed: dict, families: dict, backends: dict[str, str]) -> dict | str:
     """Every claimed mixer's (manifest entry, follows), path by path, or why install refuses the model."""
     for family in sorted({f for f, _ in claimed.values()}):
-        missing = {seam: spec.adapter for seam, spec in plugins.seam_specs(families[family]).items()
+        missing = {seam: spec.adapter for seam, spec in families[family].seams.items()
                    if spec.adapter not in driver.ADAPTERS}
         if missing:
             layers = [p for p, (f, _) in claimed.items() if f == family]
@@ -200,7 +200,7 @@ def _resolve(claimed: dict, families: dict, backends: dict[str, str]) -> dict | 
         if entry is None:
             return f"{path} ({name}) lives in {module_name}, which the '{family}' manifest does not list"
         module = importlib.import_module(module_name)
-        needed = [seam for seam, spec in plugins.seam_specs(families[family]).items()
+        needed = [seam for seam, spec in families[family].seams.items()
                   if spec.adapter != "decline" and not hasattr(module, seam)]
         if needed:
             return f"{path} ({name}): its modeling module {module_name} lacks the seam(s) {needed} family '{family}' needs"
@@ -244,7 +244,7 @@ def _hook(model: torch.nn.Module, claimed: dict, entries: dict, families: dict, 
             modeling = importlib.import_module(module_name)
             carriers = [getattr(modeling, c) for c in entry.get("plan_carriers", []) if hasattr(modeling, c)]
             new = module_name not in seams.owners
-            seams.add_model(seams.patch_module(modeling, family, plugins.seam_specs(families[family]), carriers, policy,
+            seams.add_model(seams.patch_module(modeling, family, families[family].seams, carriers, policy,
                                                backend), model)
             if new:
                 tell_libraries(module_name, family, True)

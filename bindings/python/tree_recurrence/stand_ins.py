@@ -243,7 +243,7 @@ def _library(family: str, seam: str) -> dict | None:
     from . import plugins
 
     record = plugins.families().get(family)
-    spec = plugins.seam_specs(record).get(seam) if record else None
+    spec = record.seams.get(seam) if record else None
     return dict(spec.library) if spec is not None and spec.library is not None else None
 
 
@@ -331,7 +331,7 @@ def _seam_families(module) -> dict[str, str]:
     owning = [n for n, r in families.items()
               if any(e.get("module") == module.__name__ for e in r.models)]
     for name in owning + sorted(n for n in families if n not in owning):
-        for seam, spec in plugins.seam_specs(families[name]).items():
+        for seam, spec in families[name].seams.items():
             if spec.library and seam not in found:
                 found[seam] = name
     return found
