@@ -24,6 +24,8 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <optional>
 #include <vector>
 
@@ -64,6 +66,15 @@ struct Grads {
   at::Tensor dD, ddt_bias, dz;              // like D, dt_bias, z (undefined when absent)
   at::Tensor d_initial_state;               // like initial_state, float32 (undefined when absent)
 };
+
+// The auto rule of both fused sequential passes (the forward's chunk-state pass, the backward's reverse local +
+// state pass), on host counts only: fused when the plan's segments average at most 64 chunks. A pass walks each
+// (segment, head) chunk by chunk, so one long row (one segment of 768 chunks at GRPO) leaves it a CTA per head
+// walking every chunk in turn, where the unfused kernels work on all chunks at once (measured on the H200:
+// docs/kernels.md, the SSD switch rows).
+inline bool fused_passes_suit(int64_t num_chunks, int64_t num_segments) {
+  return num_chunks <= 64 * std::max<int64_t>(num_segments, 1);
+}
 
 // Backward kernels (ssd_fused_bwd.cpp) from the saved buffers and grad_out (T, H, P).
 Grads backward(const at::Tensor& grad_out, const Args& a, const Tables& t, const Saved& saved);

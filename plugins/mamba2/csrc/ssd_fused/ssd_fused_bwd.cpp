@@ -11,7 +11,7 @@
 // workspace); the same stage outputs. Otherwise the fp32 CUDA-core kernels above.
 // The bf16 / fp16 path (local_bf16 + folded ddecay + post_bf16) keeps ds (ds_local, then ds_leave in place) in x's
 // 16-bit type (issue 20 H5; TREE_RECURRENCE_SSD_DS_FP32=1: fp32); the state pass carries in fp32.
-// On that path, for tries (fused_pass_auto; TREE_RECURRENCE_SSD_BWD_FUSED_PASS forces either way), the fused
+// On that path, for tries (fused_passes_suit; TREE_RECURRENCE_SSD_BWD_FUSED_PASS forces either way), the fused
 // reverse local + state pass (kernels/ssd_state_pass_bwd.cu, one launch per level) replaces local_bf16 + the
 // state pass: ds_local is formed inside the reverse pass and never stored; only ds_leave is written.
 // Saved states are used as the forward stored them (in-type, rounded), as mamba-ssm's backward
@@ -86,7 +86,7 @@ bool ds_fp32_selected() {
 
 // TREE_RECURRENCE_SSD_BWD_FUSED_PASS (read once per process): the fused reverse local + state pass
 // (kernels/ssd_state_pass_bwd.cu: ds_local formed inside the reverse pass, never stored) instead of
-// local_bf16 + state_pass_kernel. Unset: auto (fused_pass_auto); "1": fused wherever it is supported; "0": never.
+// local_bf16 + state_pass_kernel. Unset: auto (fused_passes_suit); "1": fused wherever it is supported; "0": never.
 int fused_pass_mode() {
   static const int v = [] {
     const char* e = std::getenv("TREE_RECURRENCE_SSD_BWD_FUSED_PASS");
@@ -95,14 +95,12 @@ int fused_pass_mode() {
   }();
   return v;
 }
-// The auto rule (host values only: no sync), the forward's rule for its fused chunk-state pass: fused when the
-// segments average at most 64 chunks (NC <= 64 S). The fused pass walks each (segment, head) sequentially with
-// one CTA of 8 warps per (segment, head, N tile); on a trie (GRPO: 72 segments, 8 / 32 chunks each) that is 1,024
+// The auto rule is the forward's (fused_passes_suit, ssd_fused.h: the segments average at most 64 chunks). The
+// fused pass walks each (segment, head) sequentially with one CTA of 8 warps per (segment, head, N tile); on a trie (GRPO: 72 segments, 8 / 32 chunks each) that is 1,024
 // to 8,192 CTAs per level over short chains, while one long row (one segment of 768 chunks) gives only H CTAs
 // (128 < 132 SMs x 2 slots) walking 768 dependent steps, against local_bf16's NC x H fully parallel CTAs plus the
 // elementwise pass's 8 x H CTAs: there the two-kernel path keeps its parallelism (H200, 2026-12-02 evening: the flat
 // row took 20.59 ms f+b with the fused pass forced against 20.36 with the two kernels; the trie 17.33 against 18.81).
-bool fused_pass_auto(int64_t NC, int64_t S) { return NC <= 64 * std::max<int64_t>(S, 1); }
 
 void check_launch(int err, const char* what) {
   TR_CHECK(err == 0, "fused SSD backward: the ", what, " kernel failed to launch: ", k::ssd_bwd_error_string(err));
@@ -337,7 +335,7 @@ Stages run(const at::Tensor& grad_out, const Args& a, const Tables& t, const Sav
   // issue 20: the fused reverse local + state pass replaces local_bf16 + the state pass (same ds_leave / ws /
   // d_roots bits, ddecay partials of its own layout); decided once the ds / ws / droots pointers are set
   const int fmode = fused_pass_mode();
-  const bool fused_pass = local_new && fmode != 0 && (fmode == 1 || fused_pass_auto(NC, S)) &&
+  const bool fused_pass = local_new && fmode != 0 && (fmode == 1 || fused_passes_suit(NC, S)) &&
                           k::ssd_bwd_fused_pass_supported(p);
   // folded ddecay: per-warp partials written by the state pass (parts depends on the pointers above)
   at::Tensor ddecay_part;

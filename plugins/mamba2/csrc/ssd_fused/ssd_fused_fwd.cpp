@@ -66,7 +66,7 @@ bool fused_pass_enabled(int64_t num_chunks, int64_t num_segments) {
   const char* v = std::getenv("TREE_RECURRENCE_SSD_FWD_FUSED_PASS");
   if (v && std::string(v) == "0") return false;
   if (v && std::string(v) == "1") return true;
-  return num_chunks <= 64 * std::max<int64_t>(num_segments, 1);
+  return fused_passes_suit(num_chunks, num_segments);
 }
 
 // TREE_RECURRENCE_SSD_FWD_SCAN: "v2" the per-head v2 kernel everywhere; anything else (unset) v3
