@@ -10,6 +10,7 @@
 #include "gdn_fused.h"
 #include "tree_recurrence/kernels/chunk_state_pass_tc.h"
 #include "tree_recurrence/sdk/check.h"
+#include "tree_recurrence/sdk/element_type.h"
 
 namespace tree_recurrence::gdn::fused {
 
@@ -66,7 +67,7 @@ inline tree_recurrence::kernels::ChunkStatePassTcParams state_pass_params(const 
   sp.v_dim = V;
   sp.num_segments = keep.parents.size(0);
   sp.num_roots = R;
-  sp.in = dt == at::kBFloat16 ? tree_recurrence::kernels::ChunkDType::BFloat16 : tree_recurrence::kernels::ChunkDType::Float16;
+  sp.in = *tree_recurrence::sdk::kernel_dtype<tree_recurrence::kernels::ChunkDType>(dt);  // bf16 / fp16 (check_inputs)
   sp.seg_chunk_offsets = keep.seg_chunk_offsets.data_ptr<int64_t>();
   sp.parents = keep.parents.data_ptr<int64_t>();
   sp.root_index = keep.root_index.data_ptr<int64_t>();
