@@ -173,6 +173,26 @@ if has ncu; then
     echo "  ncu exit $?"
   done
 fi
+if has ncu_detail; then  # every ncu section (--set full: stall reasons, memory workload, source counters) of a few kernels
+  # NCU_DETAIL_K: a regex of demangled kernel names; NCU_DETAIL_FAMS (default "gdn ssd"); NCU_DETAIL_LAYOUT (flat)
+  for fam in ${NCU_DETAIL_FAMS:-gdn ssd}; do
+    l=$(left); [ "$l" -lt 60 ] && { stamp "ncu_detail $fam skipped"; continue; }
+    stamp "ncu_detail $fam"
+    timeout $(( l < ${NCU_S:-150} ? l : ${NCU_S:-150} )) ncu --clock-control none --set full --import-source no \
+      --kernel-name-base demangled -k "regex:${NCU_DETAIL_K:-prep_fwd|out_fwd|post_bf16|dqk_kernel}" -c ${NCU_COUNT:-4} \
+      -o "$LOGS/ncu_detail_$fam" \
+      python3 benchmarks/profile_kernels.py --once --family $fam --layout ${NCU_DETAIL_LAYOUT:-flat} >"$LOGS/ncu_detail_run_$fam.txt" 2>&1
+    echo "  ncu exit $?"
+    if [ -f "$LOGS/ncu_detail_$fam.ncu-rep" ]; then
+      ncu -i "$LOGS/ncu_detail_$fam.ncu-rep" --page details --print-details all >"$LOGS/ncu_detail_$fam.txt" 2>&1
+      ncu -i "$LOGS/ncu_detail_$fam.ncu-rep" --page source --print-source sass --csv >"$LOGS/ncu_sass_$fam.csv" 2>&1
+      wc -c "$LOGS/ncu_detail_$fam.txt" "$LOGS/ncu_sass_$fam.csv"
+      grep -E "^  [a-z].*\(|Duration|Warp Cycles Per Issued|Stall|stalled|Theoretical Occ|Registers Per|Shared Memory Config|Bank" \
+        "$LOGS/ncu_detail_$fam.txt" | cut -c1-200 | head -60
+      rm -f "$LOGS/ncu_detail_$fam.ncu-rep"  # (logs.tgz must stay under 16 MiB)
+    fi
+  done
+fi
 if has sanitize_py; then
   if command -v compute-sanitizer >/dev/null; then
     sanitize_pytest san_gdn_memcheck memcheck "$SAN_S" "${SAN_GDN_MEM[@]}"
