@@ -17,9 +17,12 @@ without CUDA.
   (TREE_RECURRENCE_SSD_FWD_FUSED_PASS=0);
 * the three-kernel path's state pass 4 chunks ahead (default) bitwise against one at a time
   (TREE_RECURRENCE_SSD_FWD_STATE_PASS=v1);
-* the v3 chunk scan (default at chunk 64, P <= 64: C B^T once per (chunk, group), heads double-buffered)
-  against float64 per stage and bitwise against v2 (TREE_RECURRENCE_SSD_FWD_SCAN=v2, the per-head kernel
-  that every other shape takes), on small tries and on ~77k-token ones (the head slices of its grid).
+* the v3 chunk scan (chunk 64, P <= 64: C B^T once per (chunk, group), heads double-buffered;
+  TREE_RECURRENCE_SSD_FWD_SCAN=v3) and v4 (the default where it fits: v3's blocks with 8 warps, key tiles
+  above the diagonal skipped, the epilogue on the fragments) against float64 per stage and bitwise against
+  v2 (TREE_RECURRENCE_SSD_FWD_SCAN=v2, the per-head kernel that every other shape takes) and each other, on
+  small tries (odd P / N, 1-token segments, fp16) and on ~77k-token ones (the head slices of the grid); the
+  tests written for v3 that compare "default" with v2 now run v4 as the default.
 
 Run on the GPU:  .venv/bin/python -m pytest tests/python/test_ssd_fused_gpu.py -q -x -s
 """
@@ -519,3 +522,82 @@ def test_state_pass_ahead_bitwise_equals_v1(name, monkeypatch):
     _, _, one = check_stages(off, par, chunk=64, H=4, P=64, G=2, N=128, label=f"{name} state pass v1")
     for k in ("states", "out", "y"):
         assert torch.equal(ahead[k], one[k]), (k, rel_rms(ahead[k], one[k]))
+
+
+SCAN_V4_DIMS = [(16, 64, 2, 128), (8, 64, 1, 128), (2, 8, 2, 8), (8, 24, 4, 40), (6, 32, 3, 64), (4, 56, 2, 72),
+                (4, 64, 4, 256)]
+SCAN_V4_IDS = ["H16P64G2N128", "G1", "P8N8", "P24N40", "H6P32G3", "P56N72", "P64N256"]
+
+
+def scan_variant(monkeypatch, variant):
+    """TREE_RECURRENCE_SSD_FWD_SCAN for one run: "default" (v4 where supported) unsets it."""
+    if variant == "default":
+        monkeypatch.delenv("TREE_RECURRENCE_SSD_FWD_SCAN", raising=False)
+    else:
+        monkeypatch.setenv("TREE_RECURRENCE_SSD_FWD_SCAN", variant)
+
+
+@pytest.mark.parametrize("name", ["around_chunks", "one_token", "wide"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dims", SCAN_V4_DIMS, ids=SCAN_V4_IDS)
+def test_scan_v4_vs_v3_and_v2(dims, dtype, name, monkeypatch):
+    """The v4 chunk scan (default at chunk 64, P <= 64: 8 warps, key tiles above the diagonal skipped, the
+    epilogue on the fragments), v3 (TREE_RECURRENCE_SSD_FWD_SCAN=v3) and v2 (=v2): each against the float64
+    stage reference, then out / y of v4 bitwise equal to v3's and v2's (the same per-element arithmetic); odd P /
+    N (P 8, 24, 56; N 8, 40, 72), 1-token segments, z in-type / fp32 / none, D (H, P) / none, per-root h0.
+    P64N256 does not fit v3 / v4 (shared memory): all three runs take v2 there."""
+    H, P, G, N = dims
+    off, par = CRAFTED[name]
+    roots = sum(p < 0 for p in par)
+    for use, z_fp32 in ((("D", "dt_bias", "z", "h0"), False), (("dt_bias", "z"), True), (("D", "h0"), False), ((), False)):
+        ins = make(off[-1], dtype=dtype, roots=roots, H=H, P=P, G=G, N=N, D_per_channel=True, seed=7)
+        if z_fp32:
+            ins["z"] = ins["z"].float()
+        tabs = chunk_tables(off, par, 64, "cuda")
+        want = reference(ins, tabs, use)
+        runs = {}
+        for variant in ("default", "v3", "v2"):
+            scan_variant(monkeypatch, variant)
+            got = dict(zip(STAGES, call(_ops().ssd_fused_stages, ins, tabs, use)))
+            errors = {k: rel_rms(got[k], want[k]) for k in ("out", "y") if got[k].numel()}
+            print(f"\n[scan {variant} {name} {dims} {dtype} use={use} z_fp32={z_fp32}] vs float64: "
+                  + " ".join(f"{k}={v:.2e}" for k, v in errors.items()))
+            assert all(torch.isfinite(got[k].float()).all() for k in ("out", "y")), variant
+            bad = {k: v for k, v in errors.items() if not v <= STAGE_TOL[dtype][k]}
+            assert not bad, (variant, bad)
+            runs[variant] = got
+        for other in ("v3", "v2"):
+            diff = {k: rel_rms(runs["default"][k], runs[other][k]) for k in ("out", "y") if runs[other][k].numel()}
+            assert runs["default"]["y"].shape == runs[other]["y"].shape
+            assert torch.equal(runs["default"]["out"], runs[other]["out"]), (other, use, diff)
+            assert torch.equal(runs["default"]["y"], runs[other]["y"]), (other, use, diff)
+
+
+@pytest.mark.parametrize("dims", [(4, 64, 2, 128), (8, 64, 1, 128), (16, 32, 2, 64)], ids=["H4G2", "H8G1", "H16G2P32"])
+def test_scan_v4_head_slices_bitwise_equals_v3(dims, monkeypatch):
+    """~77k tokens (>= 1,024 chunks, v4's grid with 1 / 2 / 1 head slices per (chunk, group), up to 8 heads per
+    block through the double buffer): out and y of v4 bitwise equal to v3's, two v4 runs bitwise equal, the op
+    (ssd_tree_scan) with v4 equal to the stages op's out and within the bf16 bar of the float64 token oracle."""
+    H, P, G, N = dims
+    off, par = random_trie(11, 48, 3200)
+    roots = sum(p < 0 for p in par)
+    ins = make(off[-1], roots=roots, H=H, P=P, G=G, N=N, D_per_channel=True, seed=5)
+    tabs = chunk_tables(off, par, 64, "cuda")
+    assert tabs["gather"].shape[0] >= 1024, tabs["gather"].shape
+    scan_variant(monkeypatch, "default")
+    a = call(_ops().ssd_fused_stages, ins, tabs)
+    a2 = call(_ops().ssd_fused_stages, ins, tabs)
+    op = call(_ops().ssd_tree_scan, ins, tabs)
+    scan_variant(monkeypatch, "v3")
+    b = call(_ops().ssd_fused_stages, ins, tabs)
+    for k in ("out", "y"):
+        i = STAGES.index(k)
+        assert torch.isfinite(a[i].float()).all(), k
+        assert torch.equal(a[i], a2[i]), f"two v4 runs differ ({k})"
+        assert torch.equal(a[i], b[i]), (k, rel_rms(a[i], b[i]))
+    assert torch.equal(op, a[0])
+    if dims == (4, 64, 2, 128):
+        e = rel_rms(op, oracle(ins, off, par))
+        print(f"\n[v4 head slices {dims}] vs token oracle {e:.2e}")
+        assert e <= TOL[torch.bfloat16]
+    print(f"\n[v4 head slices {dims}] NC={tabs['gather'].shape[0]} bitwise equal to v3")

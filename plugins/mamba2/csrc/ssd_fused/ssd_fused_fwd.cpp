@@ -7,11 +7,13 @@
 //            TREE_RECURRENCE_SSD_FWD_FUSED_PASS=1 forces the fused pass. The three-kernel path's state
 //            pass loads 4 chunks ahead; TREE_RECURRENCE_SSD_FWD_STATE_PASS=v1 one at a time (the
 //            previous kernel, until the GPU confirms; same arithmetic).
-//   chunk scan: v3 (ssd_chunk_scan_group_fwd.cu: per (chunk, group, head slice), C B^T once, the
-//            heads' state / x / z double-buffered) where ssd_chunk_scan_v3_supported holds (chunk 64,
-//            P <= 64), else v2 (ssd_chunk_scan_fwd.cu: per (chunk, tile, head), head-fastest grid,
-//            every shape); TREE_RECURRENCE_SSD_FWD_SCAN=v2 forces v2 (the fallback until the GPU
-//            confirms v3; same arithmetic, expected bitwise equal).
+//   chunk scan: v4 (ssd_chunk_scan_v4_fwd.cu: v3's blocks with 8 warps, the epilogue on the
+//            fragments) where ssd_chunk_scan_v4_supported holds, else v3 (ssd_chunk_scan_group_fwd.cu:
+//            per (chunk, group, head slice), C B^T once, the heads' state / x / z double-buffered) where
+//            ssd_chunk_scan_v3_supported holds (chunk 64, P <= 64), else v2 (ssd_chunk_scan_fwd.cu: per
+//            (chunk, tile, head), head-fastest grid, every shape); TREE_RECURRENCE_SSD_FWD_SCAN=v3
+//            forces v3 where supported (the fallback until the GPU confirms v4), =v2 forces v2 (same
+//            arithmetic in all three, expected bitwise equal).
 // forward_stages (tests) also runs the chunk-state kernel, for the transient chunk_states stage; with
 // the fused pass, dt / Lam / states then come from the fused kernel (which rewrites the same dt / Lam).
 #include "ssd_fused.h"
@@ -69,12 +71,16 @@ bool fused_pass_enabled(int64_t num_chunks, int64_t num_segments) {
   return fused_passes_suit(num_chunks, num_segments);
 }
 
-// TREE_RECURRENCE_SSD_FWD_SCAN: "v2" the per-head v2 kernel everywhere; anything else (unset) v3
-// where it is supported, else v2. Read per forward, as TREE_RECURRENCE_SSD_FWD_FUSED_PASS is (the GPU
-// tests switch it in-process; one getenv per forward).
-bool scan_forced_v2() {
+// TREE_RECURRENCE_SSD_FWD_SCAN: "v2" the per-head v2 kernel everywhere; "v3" v3 where it is
+// supported, else v2; anything else (unset) v4 where it is supported, else v3, else v2. Read per
+// forward, as TREE_RECURRENCE_SSD_FWD_FUSED_PASS is (the GPU tests switch it in-process; one getenv
+// per forward).
+enum class Scan { Default, V3, V2 };
+Scan scan_forced() {
   const char* v = std::getenv("TREE_RECURRENCE_SSD_FWD_SCAN");
-  return v && std::string(v) == "v2";
+  if (v && std::string(v) == "v2") return Scan::V2;
+  if (v && std::string(v) == "v3") return Scan::V3;
+  return Scan::Default;
 }
 
 // TREE_RECURRENCE_SSD_FWD_STATE_PASS: "v1" the state pass one chunk at a time; else 4 chunks ahead.
@@ -172,7 +178,10 @@ Stages run(const Args& a, const Tables& t, bool with_chunk_states, bool save_y) 
     check_launch(kernels::ssd_chunk_state_pass_fwd(p, stream), "fused chunk state + state pass");
   else
     check_launch(kernels::ssd_state_pass_fwd(p, stream), "state pass");
-  if (!scan_forced_v2() && kernels::ssd_chunk_scan_v3_supported(p))
+  const Scan scan = scan_forced();
+  if (scan == Scan::Default && kernels::ssd_chunk_scan_v4_supported(p))
+    check_launch(kernels::ssd_chunk_scan_fwd_v4(p, stream), "chunk scan (v4)");
+  else if (scan != Scan::V2 && kernels::ssd_chunk_scan_v3_supported(p))
     check_launch(kernels::ssd_chunk_scan_fwd_v3(p, stream), "chunk scan (v3)");
   else
     check_launch(kernels::ssd_chunk_scan_fwd_v2(p, stream), "chunk scan (v2)");

@@ -79,12 +79,18 @@ int ssd_chunk_state_pass_fwd(const FwdParams& p, void* stream);
 // supported shape (<= ~155 KB of shared memory) with 16-byte aligned x / z / y / out.
 bool ssd_chunk_scan_v2_supported(const FwdParams& p);
 int ssd_chunk_scan_fwd_v2(const FwdParams& p, void* stream);
-// v3 (the default where supported; ssd_chunk_scan_group_fwd.cu): chunk 64, per (chunk, group, head
-// slice): C B^T once, the heads' state / x / z double-buffered by cp.async, per-warp 16-byte
+// v3 (where v4 is not supported, or TREE_RECURRENCE_SSD_FWD_SCAN=v3; ssd_chunk_scan_group_fwd.cu):
+// chunk 64, per (chunk, group, head slice): C B^T once, the heads' state / x / z double-buffered by cp.async, per-warp 16-byte
 // epilogue; same arithmetic as v2 (expected bitwise equal). Supported: chunk 64, P <= 64, H a
 // multiple of G, shared memory <= 112 KB (2 CTAs per SM), 16-byte aligned x / z / y / out.
 bool ssd_chunk_scan_v3_supported(const FwdParams& p);
 int ssd_chunk_scan_fwd_v3(const FwdParams& p, void* stream);
+// v4 (the default where supported; ssd_chunk_scan_v4_fwd.cu): v3's blocks with 256 threads (rows x
+// column halves), key tiles above the diagonal skipped, the epilogue on the accumulator fragments;
+// same arithmetic per element (expected bitwise equal to v3). Supported: as v3, its shared memory
+// (v3's less the fp32 stage plus per-warp output tiles) <= 112 KB.
+bool ssd_chunk_scan_v4_supported(const FwdParams& p);
+int ssd_chunk_scan_fwd_v4(const FwdParams& p, void* stream);
 
 const char* ssd_fwd_error_string(int error);
 

@@ -1,0 +1,333 @@
+// Fused SSD forward, stage d, v4 (the default at chunk 64 where it fits; params.h, ssd_fused.h): v3's
+// chunk scan (ssd_chunk_scan_group_fwd.cu: one block per (chunk, group, head slice), C B^T once, the
+// heads' state / x / z double-buffered by cp.async) with twice the warps and the epilogue on the
+// accumulator fragments:
+//   y_i = exp(Lam_i) C_i s[c]^T + sum_{j <= i} <C_i, B_j> exp(Lam_i - Lam_j) dt_j x_j + D x_i
+//   out_i = y_i * silu(z_i) (z given; y saved pre-gate), else y_i; written at the tokens' rows.
+// What changed against v3 (ncu on the H200, GRPO shape: 192 registers and 4 warps per block left 2
+// warps per scheduler, issue 36%; the epilogue loop -- a runtime division, 8 scalar 16-bit shared
+// loads of x and of z with 37% excess wavefronts, 8 scalar D loads per 8 columns -- took ~45% of the
+// stall samples):
+//  * 256 threads: warp w owns rows [16 (w % 4), +16) and half the P columns ((w / 4) * PT / 2 ..);
+//    C B^T (once per block) is computed by both warps of a row block (each needs its 16 x 64 scores
+//    in registers), C s^T and the scores-times-x MMAs are split by columns; 2 blocks per SM (<= 128
+//    registers, <= 112 KB of shared memory): 4 warps per scheduler instead of 2;
+//  * key tiles above the diagonal (kt > w % 4: every score masked to 0) are skipped: no exps, no MMAs
+//    (v3 added their exact zeros); below the diagonal the mask is not evaluated;
+//  * epilogue per accumulator element in registers: x and z pairs read as 32-bit words (conflict-free
+//    at pitch PT + 8), D pairs from global (read at the head's start), y / out pairs rounded, written
+//    to a warp-private shared tile by stmatrix and stored as 16-byte rows (16 full sectors per
+//    instruction); no fp32 staging, no integer division.
+// Per element the same operations in the same order as v3 (fwd_tiles.cuh's expressions: the
+// accumulation over k of each accumulator tile, the row scale, the masked score rounded to the
+// in-type, D x, y, silu(z)), so results are expected bitwise equal to v3 / v2 (the skipped tiles only
+// added +0: a -0 accumulator would read +0 there, equal under ==).
+// Grid: NC * G * splits blocks as v3 (the slice fastest). Only chunk 64 and P <= 64.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <type_traits>
+
+#include "fwd_tiles.cuh"
+#include "params.h"
+#include "tree_recurrence/kernels/mma.cuh"
+
+namespace tree_recurrence::ssd::fused::kernels {
+namespace {
+namespace mma = tree_recurrence::kernels::mma;
+using tiles::round64;
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kL = 64;  // the chunk (rows i and keys j)
+// at most this much dynamic shared memory (2 CTAs per SM: 228 KB per SM, 1 KB reserved per CTA)
+constexpr size_t kV4MaxSmem = 112 * 1024;
+// fewer blocks than this and the heads are split over more blocks (the grid fills the GPU)
+constexpr int64_t kMinBlocks = 2048;
+
+struct V4Smem {
+  int64_t ldc, c_elems, sb_elems, x_elems, z_elems, o_ld, o_elems;
+  size_t bytes;
+};
+// c_s (kL x ldc) | sb[2] (max(PT, kL) x ldc: the states; sb[1] first holds B) | x_s[2] (kL x PT + 8)
+// | z_s[2] (kL x PT + 8, in-type z only) | o_s (per warp 2 tiles of 16 x (PT / 2 + 8): y, out)
+// | lam[2][kL] | dt[2][kL] (fp32) | tok[kL] (int64)
+__host__ __device__ inline V4Smem v4_layout(int64_t N, int PT, bool z_tile) {
+  V4Smem m;
+  m.ldc = round64(N) + 8;
+  m.c_elems = kL * m.ldc;
+  m.sb_elems = int64_t(PT > kL ? PT : kL) * m.ldc;
+  m.x_elems = int64_t(kL) * (PT + 8);
+  m.z_elems = z_tile ? m.x_elems : 0;
+  m.o_ld = PT / 2 + 8;
+  m.o_elems = 16 * m.o_ld;
+  m.bytes = size_t(m.c_elems + 2 * m.sb_elems + 2 * m.x_elems + 2 * m.z_elems + 2 * kWarps * m.o_elems) * 2 +
+            size_t(4 * kL) * sizeof(float) + kL * sizeof(int64_t);
+  return m;
+}
+
+bool z_tile_of(const FwdParams& p) { return p.z != nullptr && !p.z_fp32; }
+
+// four 8 x 8 b16 matrices into shared memory (the inverse of ldmatrix.x4: register j of lane l is
+// row l / 4, columns 2 (l % 4) .. + 1 of matrix j; lane l addresses row l % 8 of matrix l / 8)
+__device__ __forceinline__ void stsm_x4(void* p, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1,%2,%3,%4};\n" ::"r"(mma::smem_addr(p)), "r"(r0),
+               "r"(r1), "r"(r2), "r"(r3)
+               : "memory");
+}
+
+// the two in-type elements at p (4-byte aligned; one 32-bit load) as floats (exact conversions, the
+// values Elem<T>::to_float gives)
+template <typename T>
+__device__ __forceinline__ float2 load2(const T* p) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    const uint32_t w = *reinterpret_cast<const uint32_t*>(p);  // bf16 -> fp32: the bits shifted up
+    return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+  } else
+    return __half22float2(*reinterpret_cast<const __half2*>(p));
+}
+
+// the warp's accumulator tiles acc[nt] (16 rows x 8 * NTW columns, rounded pairs in u[nt][2]: rows
+// g, g + 8) into a 16 x (8 * NTW) tile of pitch ld
+template <int NTW>
+__device__ __forceinline__ void tile_to_smem(void* tile, int ld, const uint32_t (&u)[NTW][2], int lane) {
+  using E = uint16_t;
+  const int m = lane >> 3, i = lane & 7;
+#pragma unroll
+  for (int np = 0; np < NTW / 2; ++np) {
+    E* a = static_cast<E*>(tile) + (i + ((m & 1) << 3)) * ld + (2 * np + (m >> 1)) * 8;
+    stsm_x4(a, u[2 * np][0], u[2 * np][1], u[2 * np + 1][0], u[2 * np + 1][1]);
+  }
+}
+
+template <typename T, int PT>
+__global__ void __launch_bounds__(kThreads, 2) chunk_scan_kernel_v4(FwdParams p, int splits) {
+  constexpr int NTW = PT / 16;  // 8-column accumulator tiles per warp (half the columns)
+  constexpr int kLdX = PT + 8;
+  constexpr int kWCols = PT / 2;
+  const int64_t H = p.heads, P = p.head_dim, N = p.state_dim, G = p.groups;
+  const int64_t hpg = H / G, hpb = hpg / splits;
+  const bool z_tile = p.z != nullptr && !p.z_fp32;
+  const V4Smem lay = v4_layout(N, PT, z_tile);
+  const int ldc = static_cast<int>(lay.ldc);
+  const int NP = ldc - 8;
+  const int o_ld = static_cast<int>(lay.o_ld);
+  extern __shared__ __align__(16) unsigned char smem[];
+  T* c_s = reinterpret_cast<T*>(smem);
+  T* sb = c_s + lay.c_elems;                               // 2 x sb_elems
+  T* x_s = sb + 2 * lay.sb_elems;                          // 2 x x_elems
+  T* z_s = x_s + 2 * lay.x_elems;                          // 2 x z_elems
+  T* o_s = z_s + 2 * lay.z_elems;                          // kWarps x 2 x o_elems
+  float* lam_s = reinterpret_cast<float*>(o_s + 2 * kWarps * lay.o_elems);  // 2 x kL
+  float* dt_s = lam_s + 2 * kL;                                             // 2 x kL
+  int64_t* tok_s = reinterpret_cast<int64_t*>(dt_s + 2 * kL);               // kL
+
+  // blockIdx.x = (c * G + g) * splits + slice
+  const int64_t bid = blockIdx.x;
+  const int64_t slice = bid % splits;
+  const int64_t cg = bid / splits;
+  const int64_t g = cg % G, c = cg / G;
+  const int64_t h_first = g * hpg + slice * hpb;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int wr = warp & 3;            // row block: rows [16 wr, 16 wr + 16)
+  const int col0 = (warp >> 2) * kWCols;  // this warp's first column
+  const int wrow = wr * 16;
+  const int64_t* gather = p.gather + c * kL;
+  if (gather[0] < 0) return;  // an all-padding chunk (uniform over the block)
+  for (int r = tid; r < kL; r += kThreads) tok_s[r] = gather[r];
+  __syncthreads();
+
+  const T* Cg = static_cast<const T*>(p.C) + g * N;
+  const T* Bg = static_cast<const T*>(p.B) + g * N;
+  const T* x = static_cast<const T*>(p.x);
+  const T* zin = static_cast<const T*>(p.z);
+  const T* states = static_cast<const T*>(p.states);
+  const int CV = NP / 8;
+  constexpr int XV = PT / 8;
+  tiles::rows_async<kThreads>(c_s, ldc, Cg, G * N, tok_s, kL, CV, N, tid);
+  tiles::rows_async<kThreads>(sb + lay.sb_elems, ldc, Bg, G * N, tok_s, kL, CV, N, tid);
+  mma::cp_async_commit();
+
+  auto issue_head = [&](int64_t h, int b) {
+    const int64_t row0 = (c * H + h) * kL;
+    for (int v = tid; v < 2 * (kL / 4); v += kThreads) {
+      const int which = v / (kL / 4), k = (v % (kL / 4)) * 4;
+      const float* src = (which == 0 ? p.Lam : p.dt) + row0 + k;
+      mma::cp_async_16((which == 0 ? lam_s : dt_s) + b * kL + k, src, 16);
+    }
+    tiles::dense_async<kThreads>(sb + b * lay.sb_elems, ldc, states + (c * H + h) * P * N, N, PT, P, CV, N, tid);
+    tiles::rows_async<kThreads>(x_s + b * lay.x_elems, kLdX, x + h * P, H * P, tok_s, kL, XV, P, tid);
+    if (z_tile) tiles::rows_async<kThreads>(z_s + b * lay.z_elems, kLdX, zin + h * P, H * P, tok_s, kL, XV, P, tid);
+    mma::cp_async_commit();
+  };
+  issue_head(h_first, 0);
+
+  // scores C B^T (fp32, this warp's 16 rows x 64 keys), once for the slice's heads
+  mma::cp_async_wait<1>();
+  __syncthreads();
+  mma::FragC cb[1][8];
+  tiles::gemm_pieces<T, 8>(cb, c_s + wrow * ldc, ldc, sb + lay.sb_elems, ldc, NP);
+  __syncthreads();  // sb[1] (B) is free for the heads
+
+  T* out = static_cast<T*>(p.out);
+  T* y = static_cast<T*>(p.y);
+  const float* zf = static_cast<const float*>(p.z);
+  // this lane's accumulator rows (c_row 0 / 8) and their tokens
+  const int r0 = wrow + mma::c_row(lane, 0), r1 = r0 + 8;
+  const int64_t tok0 = tok_s[r0], tok1 = tok_s[r1];
+  const int cq = mma::c_col(lane, 0);  // the lane's first column inside an 8-column tile
+  T* ys = o_s + (2 * warp) * lay.o_elems;
+  T* os = ys + lay.o_elems;
+  const bool save_y = p.z != nullptr && y != nullptr;
+  for (int64_t k = 0; k < hpb; ++k) {
+    const int b = static_cast<int>(k & 1);
+    const int64_t h = h_first + k;
+    if (k + 1 < hpb) {
+      issue_head(h + 1, b ^ 1);
+      mma::cp_async_wait<1>();
+    } else {
+      mma::cp_async_wait<0>();
+    }
+    // D pairs of this lane's columns (global, L1 / L2; in flight through the MMAs)
+    float2 dv[NTW];
+#pragma unroll
+    for (int nt = 0; nt < NTW; ++nt) {
+      const int col = col0 + nt * 8 + cq;
+      dv[nt] = make_float2(0.f, 0.f);
+      if (p.D && col < P) dv[nt] = make_float2(__ldg(p.D + h * P + col), __ldg(p.D + h * P + col + 1));
+    }
+    __syncthreads();  // head k's operands (buffer b) visible to every warp
+    const float* lam = lam_s + b * kL;
+    const float* dtv = dt_s + b * kL;
+    const T* sbuf = sb + b * lay.sb_elems;
+    const T* xbuf = x_s + b * lay.x_elems;
+
+    // 1. C s^T (this warp's columns), rows scaled by exp(Lam_i)
+    mma::FragC acc[1][NTW];
+    tiles::gemm_pieces<T, NTW>(acc, c_s + wrow * ldc, ldc, sbuf + col0 * ldc, ldc, NP);
+    const float lam_r0 = lam[r0], lam_r1 = lam[r1];
+    tiles::scale_rows<NTW>(acc, lam_r0, lam_r1);
+
+    // 2. the chunk's own tokens up to the diagonal: masked, decayed scores times x
+#pragma unroll
+    for (int kt = 0; kt < kL / 16; ++kt) {
+      if (kt > wr) break;  // every score of the tile masked: nothing to add
+      mma::FragC s2[2];
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int nt = 2 * kt + half;
+        const int j0 = nt * 8 + cq;
+        const float2 lj = *reinterpret_cast<const float2*>(lam + j0);
+        const float2 dj = *reinterpret_cast<const float2*>(dtv + j0);
+        const float ljs[2] = {lj.x, lj.y}, djs[2] = {dj.x, dj.y};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int i = e < 2 ? r0 : r1;
+          const float li = e < 2 ? lam_r0 : lam_r1;
+          const int j = j0 + (e & 1);
+          // tiles::masked_score's expression (the mask only on the diagonal tile)
+          const float v = cb[0][nt].x[e] * expf(fminf(li - ljs[e & 1], 0.f)) * djs[e & 1];
+          s2[half].x[e] = (kt < wr || j <= i) ? v : 0.f;
+        }
+      }
+      tiles::mma_scores_x<T, NTW>(acc, mma::c_to_a<T>(s2[0], s2[1]), xbuf + kt * 16 * kLdX + col0, kLdX);
+    }
+
+    // 3. epilogue on the fragments: D x, y (pre-gate), the z gate; pairs rounded to the in-type
+    const T* zbuf = z_s + b * lay.z_elems;
+    uint32_t yu[NTW][2], ou[NTW][2];
+#pragma unroll
+    for (int nt = 0; nt < NTW; ++nt) {
+      const int col = col0 + nt * 8 + cq;
+#pragma unroll
+      for (int rr = 0; rr < 2; ++rr) {
+        const int r = rr == 0 ? r0 : r1;
+        float f0 = acc[0][nt].x[2 * rr], f1 = acc[0][nt].x[2 * rr + 1];
+        if (p.D) {
+          const float2 xv = load2<T>(xbuf + r * kLdX + col);
+          f0 += dv[nt].x * xv.x;
+          f1 += dv[nt].y * xv.y;
+        }
+        if (p.z) {
+          yu[nt][rr] = mma::Elem<T>::pack(f0, f1);
+          float2 zv = make_float2(0.f, 0.f);
+          if (z_tile) {
+            zv = load2<T>(zbuf + r * kLdX + col);
+          } else {
+            const int64_t tok = rr == 0 ? tok0 : tok1;
+            if (tok >= 0 && col < P) zv = *reinterpret_cast<const float2*>(zf + (tok * H + h) * P + col);
+          }
+          f0 *= tiles::silu(zv.x);
+          f1 *= tiles::silu(zv.y);
+        }
+        ou[nt][rr] = mma::Elem<T>::pack(f0, f1);
+      }
+    }
+    if (save_y) tile_to_smem<NTW>(ys, o_ld, yu, lane);
+    tile_to_smem<NTW>(os, o_ld, ou, lane);
+    __syncwarp();
+    // 16-byte rows: lane -> row v % 16, 8-column piece v / 16 (16 rows x 32 bytes per instruction)
+#pragma unroll
+    for (int v = lane; v < 16 * (kWCols / 8); v += 32) {
+      const int r = v & 15, piece = v >> 4;
+      const int col = col0 + piece * 8;
+      const int64_t tok = tok_s[wrow + r];
+      if (tok < 0 || col >= P) continue;
+      const int64_t idx = (tok * H + h) * P + col;
+      if (save_y) *reinterpret_cast<uint4*>(y + idx) = *reinterpret_cast<const uint4*>(ys + r * o_ld + piece * 8);
+      *reinterpret_cast<uint4*>(out + idx) = *reinterpret_cast<const uint4*>(os + r * o_ld + piece * 8);
+    }
+    // every warp is done with buffer b (refilled by the next iteration's issue, head k + 2) and this
+    // warp with its output tiles (rewritten for head k + 1)
+    __syncthreads();
+  }
+}
+
+int splits_of(const FwdParams& p) {
+  const int64_t hpg = p.heads / p.groups;
+  int64_t d = 1;
+  while (d < hpg && p.num_chunks * p.groups * d < kMinBlocks) {
+    ++d;
+    while (hpg % d != 0) ++d;
+  }
+  return static_cast<int>(d);
+}
+
+template <typename T, int PT>
+int launch_v4(const FwdParams& p, cudaStream_t stream) {
+  const V4Smem lay = v4_layout(p.state_dim, PT, z_tile_of(p));
+  auto kernel = chunk_scan_kernel_v4<T, PT>;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(lay.bytes));
+  if (err != cudaSuccess) return static_cast<int>(err);
+  const int splits = splits_of(p);
+  const int64_t blocks = p.num_chunks * p.groups * splits;
+  kernel<<<dim3(static_cast<unsigned>(blocks)), kThreads, lay.bytes, stream>>>(p, splits);
+  return static_cast<int>(cudaGetLastError());
+}
+
+template <typename T>
+int by_p_v4(const FwdParams& p, cudaStream_t s) {
+  if (p.head_dim <= 32) return launch_v4<T, 32>(p, s);
+  return launch_v4<T, 64>(p, s);
+}
+
+}  // namespace
+
+bool ssd_chunk_scan_v4_supported(const FwdParams& p) {
+  if (p.chunk != kL || !fwd_shape_supported(p.chunk, p.head_dim, p.state_dim) || p.head_dim > 64 || p.groups <= 0 ||
+      p.heads % p.groups != 0)
+    return false;
+  if (v4_layout(p.state_dim, tiles::padded_p(p.head_dim), z_tile_of(p)).bytes > kV4MaxSmem) return false;
+  if (p.num_chunks * p.heads > 2147483647LL) return false;
+  return tiles::rows_aligned16(p);  // 16-byte vectors of x / z / y / out rows (P % 8 == 0)
+}
+
+int ssd_chunk_scan_fwd_v4(const FwdParams& p, void* stream) {
+  if (!ssd_chunk_scan_v4_supported(p)) return static_cast<int>(cudaErrorInvalidValue);
+  if (p.num_chunks == 0) return 0;
+  auto s = static_cast<cudaStream_t>(stream);
+  return p.in == InType::BFloat16 ? by_p_v4<__nv_bfloat16>(p, s) : by_p_v4<__half>(p, s);
+}
+
+}  // namespace tree_recurrence::ssd::fused::kernels
