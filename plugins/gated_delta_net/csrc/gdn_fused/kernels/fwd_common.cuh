@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "params.h"
 #include "tree_recurrence/kernels/mma.cuh"
@@ -17,6 +18,46 @@ namespace mm = tree_recurrence::kernels::mma;
 
 using mm::pack8;  // mma.cuh's: 8 consecutive elements of T (one 16-byte word) <-> 8 floats
 using mm::unpack8;
+
+// The kernels' versions (template argument Ver; the host picks one per process, see launch_prep_fwd /
+// launch_out_fwd): 1 = the kernels as profiled on 2026-12-03 (kept selectable by
+// TREE_RECURRENCE_GDN_PREP_V1=1 / TREE_RECURRENCE_GDN_OUT_V1=1 until the GPU confirms version 2);
+// 2 = the same arithmetic in the same order (bit for bit the same results by construction) with
+// the 16-byte shared-memory rows read as one LDS.128 into registers (load8) instead of eight
+// 16-bit loads: mma.cuh's unpack8 takes a reference, so on a shared-memory row it compiled to 8
+// LDS.U16, 4 wavefronts each (16 threads of a row at a 16-byte stride), 12.6M scalar loads and
+// 37.7M excess wavefronts per kernel at the GRPO shape (ncu 2026-12-03).
+constexpr int kVerV1 = 1;
+constexpr int kVerV2 = 2;
+
+// 8 elements of T packed in a 16-byte word held in registers -> 8 floats, by bit operations on the
+// words (the same values as Elem<T>::to_float: bf16 -> f32 is the 16-bit shift, exact; half ->
+// f32 through __half2float, exact).
+template <typename T>
+__device__ __forceinline__ void unpack8_reg(const uint4 raw, float (&f)[8]) {
+  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+      f[2 * i] = __uint_as_float(w[i] << 16);
+      f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    } else {
+      f[2 * i] = __half2float(__ushort_as_half(static_cast<unsigned short>(w[i] & 0xffffu)));
+      f[2 * i + 1] = __half2float(__ushort_as_half(static_cast<unsigned short>(w[i] >> 16)));
+    }
+  }
+}
+// 8 consecutive elements at p (16-byte aligned, shared or global) -> 8 floats: Ver 2 one 16-byte
+// load into registers, Ver 1 mma.cuh's unpack8 on the reference (8 scalar loads).
+template <typename T, int Ver>
+__device__ __forceinline__ void load8(const T* p, float (&f)[8]) {
+  if constexpr (Ver >= kVerV2) {
+    const uint4 raw = *reinterpret_cast<const uint4*>(p);
+    unpack8_reg<T>(raw, f);
+  } else {
+    unpack8<T>(*reinterpret_cast<const uint4*>(p), f);
+  }
+}
 
 // The (chunk, value head) tiles' grid, value head fastest (blockIdx.x = hv; chunk = tile_chunk()):
 // the blocks resident at once cover every head of a few consecutive chunks, so they read the
@@ -91,8 +132,8 @@ __device__ __forceinline__ void cp_tile_async(T* dst, int ld, const T* __restric
 // and out_fwd compute q^, k^ with this one function, so bit for bit alike): half a warp per row,
 // with `norms` the factor is rsqrt(sum x^2 + 1e-6) * mult (else mult); the norm factor is written
 // to norm_out[token * HK + hk] when norm_out is set. With write_back false the rows are only read
-// (for the norms). NWARPS = blockDim.x / 32.
-template <typename T, int NWARPS>
+// (for the norms). NWARPS = blockDim.x / 32. Ver: load8's (the same bits either way).
+template <typename T, int NWARPS, int Ver = kVerV1>
 __device__ __forceinline__ void scale_rows_smem(T* sX, int ld, const int64_t* sTok, int HK, int hk, bool norms, float mult,
                                                 float* __restrict__ norm_out, bool write_back) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, hl = lane & 15;
@@ -101,7 +142,7 @@ __device__ __forceinline__ void scale_rows_smem(T* sX, int ld, const int64_t* sT
     const int row = r0 + (lane >> 4);
     const int64_t tok = sTok[row];
     float f[8];
-    unpack8<T>(*reinterpret_cast<const uint4*>(sX + row * ld + hl * 8), f);
+    load8<T, Ver>(sX + row * ld + hl * 8, f);
     float r = 1.f;
     if (norms) {
       float ss = 0.f;

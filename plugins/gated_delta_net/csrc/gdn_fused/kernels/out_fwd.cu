@@ -11,6 +11,9 @@
 //   while O = q^ h[0:64] runs; O += q^ h[64:128], O *= exp(G_i), O += S v_new (tensor cores, fp32
 //   acc); o is staged in the q rows (after a barrier) and written at the chunk's tokens with 16-byte
 //   stores.
+#include <cstdlib>
+#include <cstring>
+
 #include "fwd_common.cuh"
 
 namespace tree_recurrence::gdn::fused::kernels {
@@ -51,7 +54,7 @@ __device__ __forceinline__ void q_times_h(mm::FragC (&O)[8], const T* q, const T
   }
 }
 
-template <typename T>
+template <typename T, int Ver>
 __global__ void __launch_bounds__(kThreads, 3) out_fwd_kernel(const OutParams p) {
   OutSmem<T>& s = *reinterpret_cast<OutSmem<T>*>(smem_raw);
   if (tile_chunk() >= p.num_chunks) return;
@@ -82,8 +85,9 @@ __global__ void __launch_bounds__(kThreads, 3) out_fwd_kernel(const OutParams p)
   }
   mm::cp_async_wait<1>();  // h rows 0..63, q, k landed
   __syncthreads();
-  scale_rows_smem<T, kWarps>(s.q, kLdX, s.tok, HK, hk, p.use_qk_l2norm, p.scale, hv % groups == 0 ? p.rq : nullptr, true);
-  scale_rows_smem<T, kWarps>(s.k, kLdX, s.tok, HK, hk, p.use_qk_l2norm, 1.f, nullptr, true);
+  scale_rows_smem<T, kWarps, Ver>(s.q, kLdX, s.tok, HK, hk, p.use_qk_l2norm, p.scale, hv % groups == 0 ? p.rq : nullptr,
+                                  true);
+  scale_rows_smem<T, kWarps, Ver>(s.k, kLdX, s.tok, HK, hk, p.use_qk_l2norm, 1.f, nullptr, true);
   __syncthreads();
 
   // S on the blocks at or below the diagonal, gated, then rounded into A fragments
@@ -162,20 +166,41 @@ __global__ void __launch_bounds__(kThreads, 3) out_fwd_kernel(const OutParams p)
   __syncwarp();
   T* o = static_cast<T*>(p.o);
   const int per_row = vt >> 3;
-  for (int i = lane; i < 16 * per_row; i += 32) {
-    const int r = rw * 16 + i / per_row, c8 = i % per_row;
+  const auto put = [&](int r, int c8) {
     const int64_t t = s.tok[r];
     if (t >= 0)
       *reinterpret_cast<uint4*>(o + (t * HV + hv) * static_cast<int64_t>(V) + v0 + c8 * 8) =
           *reinterpret_cast<const uint4*>(st + r * kLdX + c8 * 8);
+  };
+  if constexpr (Ver >= kVerV2) {
+    if (per_row == kTileV / 8) {  // the full 64-column half: constant shifts, unrolled (same words, same lanes)
+#pragma unroll
+      for (int i = lane; i < 16 * (kTileV / 8); i += 32) put(rw * 16 + (i >> 3), i & 7);
+      return;
+    }
   }
+  for (int i = lane; i < 16 * per_row; i += 32) put(rw * 16 + i / per_row, i % per_row);
 }
 
 }  // namespace
 
+// TREE_RECURRENCE_GDN_OUT_V1=1 (read once per process): version 1 of the kernel (fwd_common.cuh's
+// kVerV1: the 16-bit scalar shared loads of the l2norm); otherwise version 2 (the same bits).
+bool out_v1_selected() {
+  static const bool v = [] {
+    const char* e = std::getenv("TREE_RECURRENCE_GDN_OUT_V1");
+    return e != nullptr && std::strcmp(e, "1") == 0;
+  }();
+  return v;
+}
+
 const char* launch_out_fwd(const OutParams& p, void* cuda_stream) {
-  return launch_checked(out_fwd_kernel<__nv_bfloat16>, out_fwd_kernel<__half>, kThreads,
-                        static_cast<int>(sizeof(OutSmem<__half>)), p, cuda_stream);
+  const int smem = static_cast<int>(sizeof(OutSmem<__half>));
+  if (out_v1_selected())
+    return launch_checked(out_fwd_kernel<__nv_bfloat16, kVerV1>, out_fwd_kernel<__half, kVerV1>, kThreads, smem, p,
+                          cuda_stream);
+  return launch_checked(out_fwd_kernel<__nv_bfloat16, kVerV2>, out_fwd_kernel<__half, kVerV2>, kThreads, smem, p,
+                        cuda_stream);
 }
 
 }  // namespace tree_recurrence::gdn::fused::kernels

@@ -17,6 +17,9 @@
 //      shared memory and stored with 16-byte writes.
 // Shared memory is reused across phases: A (3-4) and the two scaled Ainv operands (5) share one
 // buffer. Every exponent is min(., 0) (G is non-increasing, so this only guards against g > 0 input).
+#include <cstdlib>
+#include <cstring>
+
 #include "fwd_common.cuh"
 
 namespace tree_recurrence::gdn::fused::kernels {
@@ -95,16 +98,42 @@ __device__ __forceinline__ void stash_cols(T* dst, const mm::FragC (&acc)[16], i
     }
 }
 
+// body(r, c8) for every 16-byte word (row r < 64, word c8 < per_row) of a 64-row tile, word i =
+// r per_row + c8 by thread i % kThreads. Ver 2 runs the full-width case (per_row 16, K or V = 128)
+// with constant shifts, unrolled (Ver 1: a runtime division per word in every case). Same words,
+// same threads, same values either way.
+template <int Ver, typename F>
+__device__ __forceinline__ void for_row_words(int per_row, F&& body) {
+  if constexpr (Ver >= kVerV2) {
+    if (per_row == kMaxDim / 8) {
+#pragma unroll
+      for (int i = threadIdx.x; i < kChunk * (kMaxDim / 8); i += kThreads) body(i >> 4, i & 15);
+      return;
+    }
+  }
+  for (int i = threadIdx.x; i < kChunk * per_row; i += kThreads) {
+    const int r = i / per_row, c8 = i - r * per_row;
+    body(r, c8);
+  }
+}
+
 // 64 rows x ncols (multiple of 8) from shared (pitch kLdX) to global rows of pitch ncols, 16 bytes
 // per thread and step.
-template <typename T>
+template <typename T, int Ver>
 __device__ __forceinline__ void store_rows(T* __restrict__ dst, const T* src, int ncols) {
-  const int per_row = ncols >> 3;
-  for (int i = threadIdx.x; i < kChunk * per_row; i += blockDim.x) {
-    const int r = i / per_row, c8 = i - r * per_row;
+  if constexpr (Ver == kVerV1) {  // version 1 as it was
+    const int per_row = ncols >> 3;
+    for (int i = threadIdx.x; i < kChunk * per_row; i += blockDim.x) {
+      const int r = i / per_row, c8 = i - r * per_row;
+      *reinterpret_cast<uint4*>(dst + static_cast<int64_t>(r) * ncols + c8 * 8) =
+          *reinterpret_cast<const uint4*>(src + r * kLdX + c8 * 8);
+    }
+    return;
+  }
+  for_row_words<Ver>(ncols >> 3, [&](int r, int c8) {
     *reinterpret_cast<uint4*>(dst + static_cast<int64_t>(r) * ncols + c8 * 8) =
         *reinterpret_cast<const uint4*>(src + r * kLdX + c8 * 8);
-  }
+  });
 }
 
 // Thread 0: G = cumsum(g) over the chunk (sequential from registers: G is non-increasing exactly
@@ -131,19 +160,30 @@ __device__ __forceinline__ float chunk_cumsum(const float* graw, float* G) {
 }
 
 // kd_j = exp(G_63 - G_j) k^_j (dlast[j] = exp(G_63 - G_j); k^ rows pitch kLdX) to global rows of
-// pitch K, 16-byte stores, all threads.
-template <typename T>
+// pitch K, 16-byte stores, all threads (Ver: load8's and for_row_words').
+template <typename T, int Ver>
 __device__ __forceinline__ void store_kd(T* __restrict__ kd, const T* kh, const float* dlast, int K) {
-  const int per_row = K >> 3;
-  for (int i = threadIdx.x; i < kChunk * per_row; i += kThreads) {
-    const int r = i / per_row, c8 = i - r * per_row;
+  if constexpr (Ver == kVerV1) {  // version 1 as it was
+    const int per_row = K >> 3;
+    for (int i = threadIdx.x; i < kChunk * per_row; i += kThreads) {
+      const int r = i / per_row, c8 = i - r * per_row;
+      float f[8];
+      unpack8<T>(*reinterpret_cast<const uint4*>(kh + r * kLdX + c8 * 8), f);
+      const float d = dlast[r];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) f[e] *= d;
+      *reinterpret_cast<uint4*>(kd + static_cast<int64_t>(r) * K + c8 * 8) = pack8<T>(f);
+    }
+    return;
+  }
+  for_row_words<Ver>(K >> 3, [&](int r, int c8) {
     float f[8];
-    unpack8<T>(*reinterpret_cast<const uint4*>(kh + r * kLdX + c8 * 8), f);
+    load8<T, Ver>(kh + r * kLdX + c8 * 8, f);
     const float d = dlast[r];
 #pragma unroll
     for (int e = 0; e < 8; ++e) f[e] *= d;
     *reinterpret_cast<uint4*>(kd + static_cast<int64_t>(r) * K + c8 * 8) = pack8<T>(f);
-  }
+  });
 }
 
 // 3a's gating of acc = k^ k^T (rows of this warp's block, lower_nt): A_ij = beta_i exp(G_i - G_j)
@@ -287,7 +327,7 @@ __device__ __forceinline__ void block_inverse(float* M, int tid) {
   }
 }
 
-template <typename T>
+template <typename T, int Ver>
 __global__ void __launch_bounds__(kThreads, 4) prep_fwd_kernel(const PrepParams p) {
   PrepSmem<T>& s = *reinterpret_cast<PrepSmem<T>*>(smem_raw);
   if (tile_chunk() >= p.num_chunks) return;
@@ -322,7 +362,7 @@ __global__ void __launch_bounds__(kThreads, 4) prep_fwd_kernel(const PrepParams 
     s.bg[tid] = s.beta[tid] * exp_nonpos(Gi);
     s.dlast[tid] = exp_nonpos(s.G[kChunk - 1] - Gi);
   }
-  scale_rows_smem<T, kThreads / 32>(s.k, kLdX, s.tok, HK, hk, p.use_qk_l2norm, 1.f, writer ? p.rk : nullptr, true);
+  scale_rows_smem<T, kThreads / 32, Ver>(s.k, kLdX, s.tok, HK, hk, p.use_qk_l2norm, 1.f, writer ? p.rk : nullptr, true);
   __syncthreads();  // k^, bg, dlast complete
   if (tid < kChunk) p.G[tile * kChunk + tid] = s.G[tid];
 
@@ -333,7 +373,7 @@ __global__ void __launch_bounds__(kThreads, 4) prep_fwd_kernel(const PrepParams 
     store_gated_A(s.u.A, acc, s.G, s.beta, warp);
   }
   // 3b. kd_j = exp(G_63 - G_j) k^_j (16-byte stores)
-  store_kd<T>(static_cast<T*>(p.kd) + tile * kChunk * K, s.k, s.dlast, K);
+  store_kd<T, Ver>(static_cast<T*>(p.kd) + tile * kChunk * K, s.k, s.dlast, K);
   __syncthreads();
 
   {
@@ -381,15 +421,29 @@ __global__ void __launch_bounds__(kThreads, 4) prep_fwd_kernel(const PrepParams 
   __syncwarp();
   stash_cols<T>(s.v, acc, warp, vb16);
   __syncthreads();
-  store_rows<T>(static_cast<T*>(p.w) + tile * kChunk * K, s.k, K);
-  store_rows<T>(static_cast<T*>(p.u) + tile * kChunk * V, s.v, V);
+  store_rows<T, Ver>(static_cast<T*>(p.w) + tile * kChunk * K, s.k, K);
+  store_rows<T, Ver>(static_cast<T*>(p.u) + tile * kChunk * V, s.v, V);
 }
 
 }  // namespace
 
+// TREE_RECURRENCE_GDN_PREP_V1=1 (read once per process): version 1 of the kernel (fwd_common.cuh's
+// kVerV1: the 16-bit scalar shared loads); otherwise version 2 (the same bits).
+bool prep_v1_selected() {
+  static const bool v = [] {
+    const char* e = std::getenv("TREE_RECURRENCE_GDN_PREP_V1");
+    return e != nullptr && std::strcmp(e, "1") == 0;
+  }();
+  return v;
+}
+
 const char* launch_prep_fwd(const PrepParams& p, void* cuda_stream) {
-  return launch_checked(prep_fwd_kernel<__nv_bfloat16>, prep_fwd_kernel<__half>, kThreads,
-                        static_cast<int>(sizeof(PrepSmem<__half>)), p, cuda_stream);
+  const int smem = static_cast<int>(sizeof(PrepSmem<__half>));
+  if (prep_v1_selected())
+    return launch_checked(prep_fwd_kernel<__nv_bfloat16, kVerV1>, prep_fwd_kernel<__half, kVerV1>, kThreads, smem, p,
+                          cuda_stream);
+  return launch_checked(prep_fwd_kernel<__nv_bfloat16, kVerV2>, prep_fwd_kernel<__half, kVerV2>, kThreads, smem, p,
+                        cuda_stream);
 }
 
 }  // namespace tree_recurrence::gdn::fused::kernels
