@@ -13,7 +13,8 @@ and asserted: stages within STAGE_TOL, finals within 1e-2 (the bf16 bound of mam
 within STAGE_TOL, bitwise identical outputs on a repeat of the default.
 
 (A version 2 of the post kernel and its test against version 1 were deleted on 2026-12-02: after its race fix it
-was no faster.) The kernel reads ds_leave in the input type by default (issue 20 H5; TREE_RECURRENCE_SSD_DS_FP32=1 gives
+was no faster.) Version 3 (2026-12-03) is the default; TREE_RECURRENCE_SSD_POST_V1=1 (read once per process) launches
+version 1: test_post_v3_vs_v1_bitwise* run version 1 in subprocesses and require every output bitwise equal. The kernel reads ds_leave in the input type by default (issue 20 H5; TREE_RECURRENCE_SSD_DS_FP32=1 gives
 the fp32 ds); the 16-bit ds against the fp32 one: test_ssd_fused_bwd_gpu.py
 test_ds_in_input_type.
 
@@ -75,7 +76,7 @@ def _post_inputs(seg_offsets, parents, chunk, dtype, H, P, G, N, D_per_channel, 
 def run_post_case(monkeypatch, seg_offsets, parents, dtype=torch.bfloat16, H=4, P=16, G=2, N=16,
                   D_per_channel=False, use=("D", "dt_bias", "z", "h0"), h0="per_root", dt_softplus=True,
                   dt_limit=(0.0, float("inf")), seed=0, oracle_chunk=None, variants=("new", "dy_buffer", "v1"),
-                  name=""):
+                  name="", keep=None):
     chunk = 64
     seg_offsets, parents = list(seg_offsets), list(parents)
     d, A, D, dt_bias, z, h0t, tabs = _post_inputs(seg_offsets, parents, chunk, dtype, H, P, G, N, D_per_channel, use,
@@ -135,6 +136,8 @@ def run_post_case(monkeypatch, seg_offsets, parents, dtype=torch.bfloat16, H=4, 
         print(f"\n[{name}] {var}: stages vs float64:", " ".join(f"{k}={v:.2e}" for k, v in se.items()))
         print(f"[{name}] {var}: finals vs float64:", " ".join(f"{k}={v:.2e}" for k, v in fe.items()))
         outs[var], errs[var] = got, (se, fe)
+        if keep is not None:
+            keep[var] = {k: v.cpu() for k, v in got.items()}
         if var == "new":
             again = launch()
             diff = [k for k in got if not torch.equal(got[k], again[k])]
@@ -204,3 +207,95 @@ def test_post_N64_G1_bf16(monkeypatch):
 
 # P, N = 128 is not covered: the tensor-core path's gate (ssd_bwd_tc_supported: post_tc's shared-memory plan)
 # is false there, so fused::backward takes the fp32 CUDA-core kernels and the new post kernel is not used.
+
+
+# --- post kernel version 3 (the default) against version 1 (TREE_RECURRENCE_SSD_POST_V1=1, read once per process:
+# a subprocess). Version 3 computes the same values in the same order (ssd_post_bwd.cu's version-3 comment), so every
+# output of the stage op is expected bitwise equal; each run also checks its variant against float64 (run_post_case).
+# "new" is the default (dy from dout / z / y, the 16-bit ds), "dy_buffer" the gate's fp32 dy (the kFly = false kernel).
+POST_V3_CASES = {
+    "model_z_bf16": dict(seg_offsets=MIXED[0], parents=MIXED[1], dtype=torch.bfloat16, H=8, P=64, G=2, N=128,
+                         D_per_channel=True),
+    "no_z_h0_bf16": dict(seg_offsets=MIXED[0], parents=MIXED[1], dtype=torch.bfloat16, H=8, P=64, G=2, N=128,
+                         use=("D", "dt_bias", "h0")),
+    "one_token_bf16": dict(seg_offsets=[0, 1, 2, 3, 4, 5], parents=[-1, 0, 0, 2, -1], dtype=torch.bfloat16),
+    "P16_N16_fp16": dict(seg_offsets=MIXED[0], parents=MIXED[1], dtype=torch.float16, H=4, P=16, G=2, N=16),
+    "wide_P40_N24_shared_h0_fp16": dict(seg_offsets=WIDE[0], parents=WIDE[1], dtype=torch.float16, H=4, P=40, G=1,
+                                        N=24, h0="shared", dt_softplus=False, dt_limit=(0.05, 1.5)),
+    "P24_N40_bf16": dict(seg_offsets=MIXED[0], parents=MIXED[1], dtype=torch.bfloat16, H=4, P=24, G=2, N=40),
+    "P8_N8_fp16": dict(seg_offsets=MIXED[0], parents=MIXED[1], dtype=torch.float16, H=4, P=8, G=2, N=8),
+    "model_dims_bf16": dict(seg_offsets=[0, 64, 65, 200, 330], parents=[-1, 0, 0, 2], dtype=torch.bfloat16, H=128,
+                            P=64, G=8, N=128, D_per_channel=True, oracle_chunk=32),
+}
+POST_V3_DS32_CASES = ("model_z_bf16", "wide_P40_N24_shared_h0_fp16", "one_token_bf16")
+POST_V3_VARIANTS = ("new", "dy_buffer")
+_POST_RUNS = {}
+
+
+def _post_run_cases(cases):
+    """{case: {variant: {output: cpu tensor}}} of this process's kernels (run_post_case: float64 checks included)."""
+    from pytest import MonkeyPatch
+
+    res = {}
+    with MonkeyPatch.context() as mp:
+        for case in cases:
+            keep = {}
+            run_post_case(mp, **POST_V3_CASES[case], variants=POST_V3_VARIANTS, name=case, keep=keep)
+            res[case] = keep
+    return res
+
+
+def _post_subprocess(tmp_path_factory, v1, ds_fp32, cases):
+    """_post_run_cases(cases) in a subprocess with TREE_RECURRENCE_SSD_POST_V1=1 (v1) / TREE_RECURRENCE_SSD_DS_FP32=1
+    (ds_fp32), cached per module."""
+    import os
+    import subprocess
+    import sys
+
+    key = (v1, ds_fp32)
+    if key in _POST_RUNS:
+        return _POST_RUNS[key]
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = tmp_path_factory.mktemp("post_v3") / f"v1{int(v1)}_ds32{int(ds_fp32)}.pt"
+    code = ("import sys, torch; sys.path.insert(0, %r); import test_ssd_post_bwd_gpu as t; "
+            "torch.save(t._post_run_cases(%r), %r)" % (here, list(cases), str(path)))
+    env = {k: v for k, v in os.environ.items()
+           if k not in ENV + ("TREE_RECURRENCE_SSD_POST_V1", "TREE_RECURRENCE_SSD_DS_FP32")}
+    if v1:
+        env["TREE_RECURRENCE_SSD_POST_V1"] = "1"
+    if ds_fp32:
+        env["TREE_RECURRENCE_SSD_DS_FP32"] = "1"
+    env["TREE_RECURRENCE_TEST_OPS"] = "1"  # the stage op (conftest sets it for this process)
+    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=here, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    print(proc.stdout[-2000:])
+    _POST_RUNS[key] = torch.load(path)
+    return _POST_RUNS[key]
+
+
+def _assert_bitwise(a, b, what):
+    for var in POST_V3_VARIANTS:
+        bad = [k for k in a[var] if not torch.equal(a[var][k], b[var][k])]
+        assert not bad, f"{what} [{var}]: version 3 vs version 1 not bitwise equal: {bad}"
+
+
+@pytest.mark.parametrize("case", sorted(POST_V3_CASES))
+def test_post_v3_vs_v1_bitwise(tmp_path_factory, case):
+    """This process (version 3 unless TREE_RECURRENCE_SSD_POST_V1=1 is set) against a version-1 subprocess: every
+    stage and final gradient bitwise equal, both variants; each within its float64 tolerances."""
+    import os
+
+    if os.environ.get("TREE_RECURRENCE_SSD_POST_V1", "") == "1" or os.environ.get("TREE_RECURRENCE_SSD_DS_FP32", "") == "1":
+        pytest.skip("this process already runs version 1 / the fp32 ds (read once)")
+    new = _post_run_cases([case])[case]
+    old = _post_subprocess(tmp_path_factory, True, False, tuple(POST_V3_CASES))[case]
+    _assert_bitwise(new, old, case)
+
+
+@pytest.mark.parametrize("case", POST_V3_DS32_CASES)
+def test_post_v3_vs_v1_bitwise_ds_fp32(tmp_path_factory, case):
+    """The fp32 ds (TREE_RECURRENCE_SSD_DS_FP32=1: version 3 reads it as version 1 does): two subprocesses, version 3
+    and version 1, bitwise equal."""
+    new = _post_subprocess(tmp_path_factory, False, True, POST_V3_DS32_CASES)[case]
+    old = _post_subprocess(tmp_path_factory, True, True, POST_V3_DS32_CASES)[case]
+    _assert_bitwise(new, old, case + " ds fp32")

@@ -30,11 +30,16 @@
 // A version 2 (the next head's loads overlapped with this head's tail, 6 block barriers per head) was deleted on
 // 2026-12-02: after its race fix it measured 8.72 ms at GRPO on the H200 against this kernel's 8.59-8.79 ms
 // (git history has it). The 16-bit ds (p.ds16, issue 20 H5) is read by a warp-uniform branch.
+// Version 3 (2026-12-03, the default; TREE_RECURRENCE_SSD_POST_V1=1 launches the kernel described above, its SASS
+// unchanged): the same values bit for bit, fewer instructions, bank conflicts and block barriers (the comment above
+// post_bf16_kernel's template says what moved); 6 block barriers + 2 two-warp named barriers per head instead of 9.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 
 #include "bwd_tiles.cuh"
 #include "fwd_tiles.cuh"
@@ -116,8 +121,20 @@ __device__ __forceinline__ void zero2(mm::FragC (&acc)[2]) {
 }
 // acc (16 x 16) += A B^T, k in [kb, ke): A this block's 16 rows (pitch lda), B its 16 columns as rows (pitch ldb),
 // both k-contiguous
-template <typename T>
+// (U2: the k loop unrolled by 2, the next step's fragments loaded while this step's mma run; same mma order)
+template <typename T, bool U2 = false>
 __device__ __forceinline__ void mma_abt(mm::FragC (&acc)[2], const T* A, int lda, const T* B, int ldb, int kb, int ke) {
+  if constexpr (U2) {
+#pragma unroll 2
+    for (int k0 = kb; k0 < ke; k0 += 16) {
+      const mm::FragA a = mm::load_a_row(A + k0, lda);
+      mm::FragB b0, b1;
+      mm::load_b_nk(b0, b1, B + k0, ldb);
+      mm::mma<T>(acc[0], a, b0);
+      mm::mma<T>(acc[1], a, b1);
+    }
+    return;
+  }
   #pragma unroll 1
   for (int k0 = kb; k0 < ke; k0 += 16) {
     const mm::FragA a = mm::load_a_row(A + k0, lda);
@@ -129,8 +146,19 @@ __device__ __forceinline__ void mma_abt(mm::FragC (&acc)[2], const T* A, int lda
 }
 // acc (16 x 16) += A^T B, k in [kb, ke): A's 16 columns from A (pitch lda), B's 16 columns from B (pitch ldb),
 // both row k at k * ld
-template <typename T>
+template <typename T, bool U2 = false>
 __device__ __forceinline__ void mma_atb(mm::FragC (&acc)[2], const T* A, int lda, const T* B, int ldb, int kb, int ke) {
+  if constexpr (U2) {
+#pragma unroll 2
+    for (int k0 = kb; k0 < ke; k0 += 16) {
+      const mm::FragA a = mm::load_a_col(A + k0 * lda, lda);
+      mm::FragB b0, b1;
+      mm::load_b_kn(b0, b1, B + k0 * ldb, ldb);
+      mm::mma<T>(acc[0], a, b0);
+      mm::mma<T>(acc[1], a, b1);
+    }
+    return;
+  }
   #pragma unroll 1
   for (int k0 = kb; k0 < ke; k0 += 16) {
     const mm::FragA a = mm::load_a_col(A + k0 * lda, lda);
@@ -152,12 +180,12 @@ __device__ __forceinline__ void for_low_blocks(int warp, F f) {
 }
 // for this warp's lower blocks blk of A B^T (A, B: L rows, pitch ld, K columns; blocks blk = warp + 8 i):
 // f(blk, r0, c0, acc) with the block's origin and acc = the product there
-template <typename T, class F>
+template <typename T, bool U2 = false, class F>
 __device__ __forceinline__ void low_block_products(int warp, const T* A, const T* B, int ld, int K, F f) {
   for_low_blocks(warp, [&](int blk, int r0, int c0) {
     mm::FragC acc[2];
     zero2(acc);
-    mma_abt<T>(acc, A + r0 * ld, ld, B + c0 * ld, ld, 0, K);
+    mma_abt<T, U2>(acc, A + r0 * ld, ld, B + c0 * ld, ld, 0, K);
     f(blk, r0, c0, acc);
   });
 }
@@ -188,7 +216,221 @@ __device__ __forceinline__ void acc_gemm(mm::FragC (&acc)[kMaxAcc][2], const T* 
   }
 }
 
+// --- version 3 (the default; TREE_RECURRENCE_SSD_POST_V1=1: the kernel as before) -------------------------
+// Same values as version 1, bit for bit (same expressions, same summation orders); the differences are where
+// and when they are computed:
+//   * the load phase (load_rows_v3): dz in the same pass as dy (the sigmoid once; y read with dout / z, no
+//     second read of dout / z), the rows' loads unrolled by 2, dy / e^Lam . dy stored as 16-byte words, the dD
+//     partials of a thread's rows in registers (v1's per-element slot reads / writes were 8-way bank conflicts);
+//   * the 16-bit dS by cp.async, overlapped with the wlast dt . x and M tiles;
+//   * the next head's s issued by warps 2..7 while warps 0, 1 run the head's row tail;
+//   * the row tail (head_rows_v3): W's row prefixes by float4, the two inner syncs as a 64-thread named barrier
+//     (warps 0, 1 only), its global loads issued first, the dA partial summed after the head's last barrier;
+//   * the k loops of CS, B dS^T, M^T dy and dy x^T unrolled by 2 (the next step's ldmatrix in flight during this
+//     step's mma; same mma order); the q partials and the dx epilogue read dy / x by element pairs.
+// ptxas (sm_90a): 128 registers, 0 spills in every instance (version 1: 4-12 bytes), 2 barriers (0 and the named 1).
+
+// the 64-thread named barrier of warps 0 and 1 (barrier 1; __syncthreads is barrier 0)
+__device__ __forceinline__ void sync_rows64() { asm volatile("bar.sync 1, 64;\n" ::: "memory"); }
+
+// one row piece's global inputs (16-byte words; fa / fb: the fp32 dy when not kFly) and e^Lam of the row
+struct RowIn {
+  uint4 x, d, z, y;
+  float4 fa, fb;
+  float lam;
+  int64_t off;
+  bool ok;
+};
 template <typename T, bool kFly, bool kZ>
+__device__ __forceinline__ void load_row_v3(const BwdParams& p, const int* tok, int h, int H, int P, int64_t chl, int i,
+                                            int lcc, bool wdz, RowIn& r) {
+  const int t = tok[i];
+  r.ok = t >= 0 && lcc * 8 < P;
+  r.off = (static_cast<int64_t>(t) * H + h) * P + lcc * 8;
+  r.x = make_uint4(0u, 0u, 0u, 0u);
+  r.d = r.x;
+  r.z = r.x;
+  r.y = r.x;
+  r.fa = make_float4(0.f, 0.f, 0.f, 0.f);
+  r.fb = r.fa;
+  if (r.ok) {
+    r.x = ld16(static_cast<const T*>(p.x) + r.off);
+    if constexpr (kFly) {
+      r.d = ld16(static_cast<const T*>(p.dout) + r.off);
+      if constexpr (kZ) {
+        r.z = ld16(static_cast<const T*>(p.z) + r.off);
+        if (wdz) r.y = ld16(static_cast<const T*>(p.y) + r.off);
+      }
+    } else {
+      r.fa = __ldg(reinterpret_cast<const float4*>(p.dy + r.off));
+      r.fb = __ldg(reinterpret_cast<const float4*>(p.dy + r.off + 4));
+    }
+  }
+  r.lam = __ldg(p.Lam + chl + i);
+}
+// row i's dy, e^Lam . dy, x into shared memory (16-byte words), dz to global (wdz), the dD partial sums (wdD)
+template <typename T, bool kFly, bool kZ>
+__device__ __forceinline__ void store_row_v3(const RowIn& r, int i, int lrow0, int lcc, int PT, bool wdz, bool wdD,
+                                             T* dys, T* sc, T* xs, T* gdz, float (&dDa)[8]) {
+  const float ei = expf(r.lam);
+  const uint32_t xw4[4] = {r.x.x, r.x.y, r.x.z, r.x.w}, dw4[4] = {r.d.x, r.d.y, r.d.z, r.d.w};
+  const uint32_t zw4[4] = {r.z.x, r.z.y, r.z.z, r.z.w}, yw4[4] = {r.y.x, r.y.y, r.y.z, r.y.w};
+  const float fy[8] = {r.fa.x, r.fa.y, r.fa.z, r.fa.w, r.fb.x, r.fb.y, r.fb.z, r.fb.w};
+  uint32_t dyw[4], scw[4], dzw[4];
+#pragma unroll
+  for (int w = 0; w < 4; ++w) {
+    float2 dy2;
+    dzw[w] = 0u;
+    if constexpr (kFly) {
+      const float2 g2 = unpack2<T>(dw4[w]);
+      dy2 = g2;
+      if constexpr (kZ) {
+        const float2 z2 = unpack2<T>(zw4[w]);
+        const float s0 = sigm(z2.x), s1 = sigm(z2.y);
+        dy2.x = dy2.x * z2.x * s0;
+        dy2.y = dy2.y * z2.y * s1;
+        if (wdz) {
+          const float2 y2 = unpack2<T>(yw4[w]);
+          dzw[w] = mm::Elem<T>::pack(g2.x * y2.x * s0 * (1.f + z2.x * (1.f - s0)),
+                                     g2.y * y2.y * s1 * (1.f + z2.y * (1.f - s1)));
+        }
+      }
+    } else {
+      dy2 = make_float2(fy[2 * w], fy[2 * w + 1]);
+    }
+    dyw[w] = mm::Elem<T>::pack(dy2.x, dy2.y);
+    scw[w] = mm::Elem<T>::pack(ei * dy2.x, ei * dy2.y);
+    if (wdD) {
+      const float2 x2 = unpack2<T>(xw4[w]);
+      const float a0 = dy2.x * x2.x, a1 = dy2.y * x2.y;
+      dDa[2 * w] = i == lrow0 ? a0 : dDa[2 * w] + a0;
+      dDa[2 * w + 1] = i == lrow0 ? a1 : dDa[2 * w + 1] + a1;
+    }
+  }
+  *reinterpret_cast<uint4*>(dys + i * PT + lcc * 8) = make_uint4(dyw[0], dyw[1], dyw[2], dyw[3]);
+  *reinterpret_cast<uint4*>(sc + i * PT + lcc * 8) = make_uint4(scw[0], scw[1], scw[2], scw[3]);
+  *reinterpret_cast<uint4*>(xs + i * PT + lcc * 8) = r.x;
+  if (wdz && r.ok) *reinterpret_cast<uint4*>(gdz + r.off) = make_uint4(dzw[0], dzw[1], dzw[2], dzw[3]);
+}
+// version 3's load phase of one head: this thread's rows lrow0, lrow0 + rpp, .. (16-byte column piece lcc), each
+// row's global loads (x, dout, z, y, Lam) issued before its arithmetic
+template <typename T, bool kFly, bool kZ>
+__device__ __forceinline__ void load_rows_v3(const BwdParams& p, const int* tok, int h, int H, int P, int Pp, int PT,
+                                             int64_t chl, int lrow0, int lcc, int rpp, T* dys, T* sc, T* xs,
+                                             float* dDred) {
+  T* gdz = static_cast<T*>(p.dz_out);
+  const bool wdz = kFly && kZ && gdz != nullptr;
+  const bool wdD = p.dD_part != nullptr;
+  float dDa[8];  // this thread's slot: its rows in order (v1's dDr[] sums)
+#pragma unroll
+  for (int k = 0; k < 8; ++k) dDa[k] = 0.f;
+#pragma unroll 1
+  for (int i = lrow0; i < kL; i += rpp) {  // (two rows in flight: ~270 bytes of spills next to the dC / dB accumulators)
+    RowIn a;
+    load_row_v3<T, kFly, kZ>(p, tok, h, H, P, chl, i, lcc, wdz, a);
+    store_row_v3<T, kFly, kZ>(a, i, lrow0, lcc, PT, wdz, wdD, dys, sc, xs, gdz, dDa);
+  }
+  if (wdD && lrow0 < kL) {
+    float4* d4 = reinterpret_cast<float4*>(dDred + lrow0 * Pp + lcc * 8);
+    d4[0] = make_float4(dDa[0], dDa[1], dDa[2], dDa[3]);
+    d4[1] = make_float4(dDa[4], dDa[5], dDa[6], dDa[7]);
+  }
+}
+
+// the row-exclusive prefixes of W's row i (its columns 0..i; i < kL) in place, by float4: the same running sum as
+// bwd_tiles::row_exclusive_prefix (left to right); the last float4 may run past column i into the row's upper part
+// (within the pitch), which nothing reads
+__device__ __forceinline__ void row_exclusive_prefix4(float* w, int i) {
+  float run = 0.f;
+  float4* w4 = reinterpret_cast<float4*>(w);
+  for (int j4 = 0; j4 * 4 <= i; ++j4) {
+    const float4 v = w4[j4];
+    float4 o;
+    o.x = run; run += v.x;
+    o.y = run; run += v.y;
+    o.z = run; run += v.z;
+    o.w = run; run += v.w;
+    w4[j4] = o;
+  }
+}
+
+// version 3's per-head row tail: bwd_tiles::head_rows's arithmetic in its order, for warps 0 and 1 only (tid < kL;
+// the caller's other warps skip it), its two inner syncs as sync_rows64 and without the dA partial (red[] holds
+// dts . d_dtA; the caller sums it after the head's last barrier: dA_sum_v3). The global loads (ddecay, A, dt_bias,
+// dt_raw) first, before the stores.
+template <int LDW>
+__device__ __forceinline__ void head_rows_v3(const BwdParams& p, int tid, float* small, const float* qpart,
+                                             const float* dpart, const float* vpart, int ncolP, const float* Wm,
+                                             const int* tok, int64_t ch, int64_t H, int64_t h) {
+  constexpr int L = kL;
+  const float* dts = small + L;
+  const float* el = dts + L;
+  const float* wl = el + L;
+  float* qs = small + 4 * L;
+  float* vs = qs + L;
+  float* red = vs + L;
+  const int64_t chl = ch * L;
+  const int k = tid;
+  const int t = tok[k];
+  const int64_t th = static_cast<int64_t>(t) * H + h;
+  const float ddec = p.ddecay[ch], Ah = p.A[h];
+  const float bias = p.dt_bias != nullptr ? p.dt_bias[h] : 0.f;
+  const float raw = t >= 0 ? p.dt_raw[th] : 0.f;
+  float dpairs = 0.f, dd = 0.f;
+  {
+    float q = 0.f, v = 0.f;
+    for (int ct = 0; ct < ncolP; ++ct) {
+      q += qpart[ct * L + k];
+      dd += dpart[ct * L + k];
+      v += vpart[ct * L + k];
+    }
+    q *= el[k];
+    v *= dts[k] * wl[k];
+    qs[k] = q;
+    vs[k] = v;
+    p.q[chl + k] = q;
+    p.v[chl + k] = v;
+    p.ddt_direct[chl + k] = dd;
+    for (int i = k; i < L; ++i) dpairs += Wm[i * LDW + k];
+  }
+  sync_rows64();
+  {
+    float qsum = 0.f, vsum = 0.f;
+    for (int m = L - 1; m >= k; --m) qsum += qs[m];
+    for (int j = 0; j < k; ++j) vsum += vs[j];
+    const float d = dpairs + qsum + vsum + el[L - 1] * ddec;
+    p.d_dtA[chl + k] = d;
+    red[k] = dts[k] * d;
+    if (t >= 0) {
+      const float ddt = dd + Ah * d;
+      p.ddt[th] = ddt;
+      const float v = raw + bias;
+      float deriv = 1.f, pre = v;
+      if (p.dt_softplus && v <= 20.f) {
+        pre = fmaxf(v, 0.f) + log1pf(expf(-fabsf(v)));
+        deriv = 1.f / (1.f + expf(-v));
+      }
+      const bool pass = pre >= p.dt_min && pre <= p.dt_max;
+      p.ddt_raw[th] = pass ? ddt * deriv : 0.f;
+    }
+  }
+}
+// the dA partial of chunk-head ch from red[] (head_rows's order), after the barrier that published red
+__device__ __forceinline__ void dA_sum_v3(const BwdParams& p, const float* red, int64_t ch) {
+  float s = 0.f;
+  const float4* r4 = reinterpret_cast<const float4*>(red);
+#pragma unroll 4
+  for (int k4 = 0; k4 < kL / 4; ++k4) {
+    const float4 v = r4[k4];
+    s += v.x;
+    s += v.y;
+    s += v.z;
+    s += v.w;
+  }
+  p.dA_part[ch] = s;
+}
+
+template <typename T, bool kFly, bool kZ, bool kV3>
 __global__ void __launch_bounds__(kThreads, 2) post_bf16_kernel(BwdParams p) {
   extern __shared__ __align__(16) unsigned char smem[];
   const int H = static_cast<int>(p.heads), P = static_cast<int>(p.head_dim), N = static_cast<int>(p.state_dim),
@@ -296,16 +538,21 @@ __global__ void __launch_bounds__(kThreads, 2) post_bf16_kernel(BwdParams p) {
       el[tid] = expf(lv);
       wl[tid] = exp_le0(p.Lam[chl + kL - 1] - lv);
     }
-    // s -> mat (cp.async, the input type)
+    // s -> mat (cp.async, the input type); V3: heads after the first were issued by warps 2..7 in the
+    // previous head's tail
     const int64_t sbase = ch * P * static_cast<int64_t>(N);
-    for (int e = tid; e < Pp * cprN; e += kThreads) {
-      const int pp = e / cprN, cc = e % cprN;
-      const bool ok = pp < P && cc * 8 < N;
-      mm::cp_async_16(mat + pp * NT + cc * 8, gst + (ok ? sbase + pp * N + cc * 8 : 0), ok ? 16 : 0);
+    if (!kV3 || hh == 0) {
+      for (int e = tid; e < Pp * cprN; e += kThreads) {
+        const int pp = e / cprN, cc = e % cprN;
+        const bool ok = pp < P && cc * 8 < N;
+        mm::cp_async_16(mat + pp * NT + cc * 8, gst + (ok ? sbase + pp * N + cc * 8 : 0), ok ? 16 : 0);
+      }
+      mm::cp_async_commit();
     }
-    mm::cp_async_commit();
     // dy (on the fly or from p.dy), x, e^Lam . dy; dz; dD partials
-    if (lrow0 < rpp) {
+    if constexpr (kV3) {
+      if (lrow0 < rpp) load_rows_v3<T, kFly, kZ>(p, tok, h, H, P, Pp, PT, chl, lrow0, lcc, rpp, dys, sc, xs, dDred);
+    } else if (lrow0 < rpp) {
       #pragma unroll 1
       for (int i = lrow0; i < kL; i += rpp) {
         const int t = tok[i];
@@ -391,8 +638,26 @@ __global__ void __launch_bounds__(kThreads, 2) post_bf16_kernel(BwdParams p) {
       const int r0 = (b / ncolP) * 16, ct = b % ncolP, p0 = ct * 16;
       mm::FragC acc[2];
       zero2(acc);
-      mma_abt<T>(acc, Cs + r0 * NT, NT, mat + p0 * NT, NT, 0, Np);
+      mma_abt<T, kV3>(acc, Cs + r0 * NT, NT, mat + p0 * NT, NT, 0, Np);
       float s0 = 0.f, s1 = 0.f;
+      if constexpr (kV3) {  // dy by element pairs (columns c_col, c_col + 1), the same products and order
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+          for (int hr = 0; hr < 2; ++hr) {
+            const int r = r0 + mm::c_row(lane, 2 * hr), col = p0 + nt * 8 + mm::c_col(lane, 0);
+            const float2 d2 = unpack2<T>(*reinterpret_cast<const uint32_t*>(dys + r * PT + col));
+            const float v0 = acc[nt].x[2 * hr] * d2.x;
+            const float v1 = acc[nt].x[2 * hr + 1] * d2.y;
+            if (hr == 0) {
+              s0 += v0;
+              s0 += v1;
+            } else {
+              s1 += v0;
+              s1 += v1;
+            }
+          }
+      } else {
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
@@ -401,6 +666,7 @@ __global__ void __launch_bounds__(kThreads, 2) post_bf16_kernel(BwdParams p) {
           const float v = acc[nt].x[e] * mm::Elem<T>::to_float(dys[r * PT + col]);
           if (e < 2) s0 += v; else s1 += v;
         }
+      }
       bwd_tiles::quad_sum(s0);
       bwd_tiles::quad_sum(s1);
       if (tq == 0) {
@@ -416,7 +682,16 @@ __global__ void __launch_bounds__(kThreads, 2) post_bf16_kernel(BwdParams p) {
     {
       const float* dsb = p.ds + sbase;
       const T* dsh = static_cast<const T*>(p.ds16) + sbase;  // H5: ds_leave in T (already rounded: its bits)
-      for (int e = tid; e < Pp * cprN; e += kThreads) {
+      const bool ds_async = kV3 && p.ds16 != nullptr;  // V3: the 16-bit dS by cp.async (waited before the barrier)
+      if (ds_async) {
+        for (int e = tid; e < Pp * cprN; e += kThreads) {
+          const int pp = e / cprN, cc = e % cprN;
+          const bool ok = pp < P && cc * 8 < N;
+          mm::cp_async_16(mat + pp * NT + cc * 8, ok ? dsh + pp * N + cc * 8 : dsh, ok ? 16 : 0);
+        }
+        mm::cp_async_commit();
+      }
+      for (int e = tid; !ds_async && e < Pp * cprN; e += kThreads) {
         const int pp = e / cprN, cc = e % cprN;
         if (p.ds16 != nullptr) {
           *reinterpret_cast<uint4*>(mat + pp * NT + cc * 8) =
@@ -458,6 +733,7 @@ __global__ void __launch_bounds__(kThreads, 2) post_bf16_kernel(BwdParams p) {
           store_pairs<T>(Mt, kLT, i0, j0, m[0], m[1], m[2], m[3]);
         }
       });
+      if (ds_async) mm::cp_async_wait<0>();
     }
     __syncthreads();
 
@@ -471,8 +747,8 @@ __global__ void __launch_bounds__(kThreads, 2) post_bf16_kernel(BwdParams p) {
       mm::FragC aS[2], aG[2];
       zero2(aS);
       zero2(aG);
-      mma_abt<T>(aS, Bs + r0 * NT, NT, mat + p0 * NT, NT, 0, Np);
-      mma_atb<T>(aG, Mt + r0, kLT, dys + p0, PT, r0, kL);
+      mma_abt<T, kV3>(aS, Bs + r0 * NT, NT, mat + p0 * NT, NT, 0, Np);
+      mma_atb<T, kV3>(aG, Mt + r0, kLT, dys + p0, PT, r0, kL);
       float d0 = 0.f, d1 = 0.f, v0 = 0.f, v1 = 0.f;
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
@@ -480,13 +756,21 @@ __global__ void __launch_bounds__(kThreads, 2) post_bf16_kernel(BwdParams p) {
         for (int hr = 0; hr < 2; ++hr) {  // accumulator rows g and g + 8
           const int j = r0 + mm::c_row(lane, 2 * hr), pc = p0 + nt * 8 + mm::c_col(lane, 0);
           float dxv[2];
+          float2 x2 = make_float2(0.f, 0.f), y2 = x2;  // V3: x and dy by element pairs (same values)
+          if constexpr (kV3) {
+            x2 = unpack2<T>(*reinterpret_cast<const uint32_t*>(xs + j * PT + pc));
+            y2 = unpack2<T>(*reinterpret_cast<const uint32_t*>(dys + j * PT + pc));
+          }
 #pragma unroll
           for (int q = 0; q < 2; ++q) {
             const int e = 2 * hr + q;
             const float gv = aG[nt].x[e] + wl[j] * aS[nt].x[e];
-            const float xv = mm::Elem<T>::to_float(xs[j * PT + pc + q]);
+            const float xv = kV3 ? (q == 0 ? x2.x : x2.y) : mm::Elem<T>::to_float(xs[j * PT + pc + q]);
+            const float dyv = kV3 ? (q == 0 ? y2.x : y2.y) : 0.f;
             dxv[q] = dts[j] * gv +
-                     (Dh != nullptr && pc + q < P ? Dh[pc + q] * mm::Elem<T>::to_float(dys[j * PT + pc + q]) : 0.f);
+                     (Dh != nullptr && pc + q < P
+                          ? Dh[pc + q] * (kV3 ? dyv : mm::Elem<T>::to_float(dys[j * PT + pc + q]))
+                          : 0.f);
             if (hr == 0) {
               d0 += xv * gv;
               v0 += xv * aS[nt].x[e];
@@ -508,7 +792,7 @@ __global__ void __launch_bounds__(kThreads, 2) post_bf16_kernel(BwdParams p) {
     __syncthreads();
 
     // dyx = dy x^T (lower blocks) -> dCB (summed over heads in sdf) and W = cb . dCB (fp32, over Mt / sc)
-    low_block_products<T>(warp, dys, xs, PT, Pp, [&](int blk, int r0, int c0, mm::FragC(&acc)[2]) {
+    low_block_products<T, kV3>(warp, dys, xs, PT, Pp, [&](int blk, int r0, int c0, mm::FragC(&acc)[2]) {
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
         float4* sp4 = frag4(sdf, blk, nt, lane);
@@ -532,14 +816,33 @@ __global__ void __launch_bounds__(kThreads, 2) post_bf16_kernel(BwdParams p) {
       }
     });
     __syncthreads();
-    // row-exclusive prefixes of W (lower part: j <= i)
-    if (tid < kL) bwd_tiles::row_exclusive_prefix(Wm + tid * kLW, tid + 1);
-    __syncthreads();
+    if constexpr (kV3) {
+      if (tid < kL) {  // warps 0, 1: W's row prefixes, then the row tail
+        row_exclusive_prefix4(Wm + tid * kLW, tid);
+        sync_rows64();
+        head_rows_v3<kLW>(p, tid, lam, qpart, dpart, vpart, ncolP, Wm, tok, ch, H, h);
+      } else if (hh + 1 < hpg) {  // warps 2..7: the next head's s -> mat (dS's last readers were before the dyx barrier)
+        const int64_t nbase = (ch + 1) * P * static_cast<int64_t>(N);
+        for (int e = tid - kL; e < Pp * cprN; e += kThreads - kL) {
+          const int pp = e / cprN, cc = e % cprN;
+          const bool ok = pp < P && cc * 8 < N;
+          mm::cp_async_16(mat + pp * NT + cc * 8, gst + (ok ? nbase + pp * N + cc * 8 : 0), ok ? 16 : 0);
+        }
+        mm::cp_async_commit();
+      }
+      // the next head overwrites lam, dts, dys, xs, the W region, the partials
+      __syncthreads();
+      if (tid == kThreads - 1) dA_sum_v3(p, red, ch);  // red[] is next written in the next head's row tail
+    } else {
+      // row-exclusive prefixes of W (lower part: j <= i)
+      if (tid < kL) bwd_tiles::row_exclusive_prefix(Wm + tid * kLW, tid + 1);
+      __syncthreads();
 
-    // rows: q, v, ddt_direct, then the d(dt A) scan (post_tc's order)
-    bwd_tiles::head_rows<kLW>(p, tid, lam, qpart, dpart, vpart, ncolP, Wm, tok, ch, H, h);
-    // the next head overwrites lam, dts, dys, xs, mat, the W region, the partials
-    __syncthreads();
+      // rows: q, v, ddt_direct, then the d(dt A) scan (post_tc's order)
+      bwd_tiles::head_rows<kLW>(p, tid, lam, qpart, dpart, vpart, ncolP, Wm, tok, ch, H, h);
+      // the next head overwrites lam, dts, dys, xs, mat, the W region, the partials
+      __syncthreads();
+    }
   }
 
   // sum dCB (lower) in the input type over the W region, then dC += (sum dCB) B, dB += (sum dCB)^T C
@@ -583,11 +886,21 @@ int max_smem_optin() {
 bool half_type(BwdType t) { return t == BwdType::BFloat16 || t == BwdType::Float16; }
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
+// TREE_RECURRENCE_SSD_POST_V1=1 (read once per process): the post kernel as before version 3 (same outputs, bit
+// for bit, by construction; kept until the H200 confirms version 3)
+bool post_v1_selected() {
+  static const bool v = [] {
+    const char* e = std::getenv("TREE_RECURRENCE_SSD_POST_V1");
+    return e != nullptr && std::strcmp(e, "1") == 0;
+  }();
+  return v;
+}
+
 template <typename T, bool kFly, bool kZ>
 int launch3(const BwdParams& p, cudaStream_t st) {
   const int bytes = Plan(p.head_dim, p.state_dim).bytes;
   // reads the 16-bit ds (p.ds16, H5) or the fp32 one by a warp-uniform branch
-  auto* kern = post_bf16_kernel<T, kFly, kZ>;
+  auto* kern = post_v1_selected() ? post_bf16_kernel<T, kFly, kZ, false> : post_bf16_kernel<T, kFly, kZ, true>;
   cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   if (e != cudaSuccess) return static_cast<int>(e);
   e = cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
