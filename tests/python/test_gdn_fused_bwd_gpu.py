@@ -18,6 +18,15 @@ whatever the forward kernels do.
 * test_bitwise_deterministic: two runs give identical bits.
 * test_through_the_op: gdn_tree_scan's autograd on CUDA bf16 (fused forward + fused backward) vs the
   oracle: the integration with the forward engineer's saved buffers.
+* the memory-lean backward (gdn_fused_bwd.cpp's switches TREE_RECURRENCE_GDN_BWD_DQ_SUM: dq^ summed per
+  key head inside (b); TREE_RECURRENCE_GDN_BWD_DV_INPLACE: dv_total over dv_local; both on by default, the
+  stages op's `mode` picks either path per call): test_stages / test_final_gradients /
+  test_bitwise_deterministic run the old (mode 0) and the new (mode 3) path; test_lean_paths_bitwise_equal:
+  every mode gives the old path's bits (dq_hv: its ordered group sum); test_retain_graph_double_backward:
+  a retain_graph=True backward keeps the saved buffers (the second backward gives the same bits), a third
+  one raises; test_backward_peak_memory: the backward's peak equals the live-buffer timeline of
+  gdn_fused_bwd.cpp (_predicted_backward_peak), in process and, for the old path and the memory trace
+  (TREE_RECURRENCE_GDN_MEMTRACE=1), in subprocesses.
 
 Run: .venv/bin/python -m pytest tests/python/test_gdn_fused_bwd_gpu.py -q -x -s
 """
@@ -113,16 +122,50 @@ def cached_oracle(name):
     return case["oracle"]
 
 
-def run_stages(case):
+MODES = [0, 3]  # the stages op's mode: 0 the previous backward path, 3 the memory-lean one (dq^ summed, dv in place)
+
+
+def run_stages(case, mode=-1):
+    """The stages op on a case; mode -1 the backward's switches (default: the lean path), else bit 0 dq^
+    summed per key head in (b), bit 1 dv_total written over dv_local."""
     ops = plugins.ops(FAMILY)
     if not hasattr(ops, "gdn_fused_backward_stages"):
         pytest.skip("this build has no gdn_fused_backward_stages op")
     d, s = case["dev"], case["saved"]
     out = ops.gdn_fused_backward_stages(d["grad"], d["q"], d["k"], d["v"], d["g"], d["beta"], *case["tabs"],
                                         _init(d, case["h0"]), 0.0, case["l2norm"], s["G"], s["Ainv"], s["w"], s["kd"],
-                                        s["h"], s["v_new"], s["rq"], s["rk"])
+                                        s["h"], s["v_new"], s["rq"], s["rk"], mode)
     torch.cuda.synchronize()
     return dict(zip(NAMES, out))
+
+
+def dq_like(want_dq_hv, got_dq):
+    """The twin's per-value-head dq^ as the kernel returned it: summed over each key head's value heads
+    when the stages op's dq_hv has HK heads (the lean path)."""
+    NC, HV, C, K = want_dq_hv.shape
+    HK = got_dq.shape[1]
+    return want_dq_hv if HK == HV else want_dq_hv.reshape(NC, HK, HV // HK, C, K).sum(2)
+
+
+def dq_per_value_head(dq, HV):
+    """The stages op's dq_hv as (NC, HV, C, K) for stage_d (which sums the value heads of each key head):
+    the lean path's per-key-head sum in each key head's first value head, zeros elsewhere."""
+    NC, HK, C, K = dq.shape
+    if HK == HV:
+        return dq
+    out = torch.zeros(NC, HK, HV // HK, C, K, dtype=dq.dtype)
+    out[:, :, 0] = dq
+    return out.reshape(NC, HV, C, K)
+
+
+def group_sum_in_order(dq_hv, HK):
+    """fp32 sum of each key head's value heads, from 0, in increasing order (the lean kernel's order)."""
+    NC, HV, C, K = dq_hv.shape
+    x = dq_hv.reshape(NC, HK, HV // HK, C, K)
+    acc = torch.zeros_like(x[:, :, 0])
+    for gi in range(HV // HK):
+        acc = acc + x[:, :, gi]
+    return acc
 
 
 def c64(t):
@@ -151,6 +194,7 @@ def _stage_b_rows(got, inp, sv):
     """Stage (b) against its float64 twin fed the GPU's do_c and grad_state_out."""
     want = bref.stage_b(inp["qc"], inp["kc"], sv["G"], c64(got["do_c"]), sv["h"], sv["v_new"],
                         c64(got["grad_state_out"]), inp["valid"])
+    want["dq_hv"] = dq_like(want["dq_hv"], got["dq_hv"])
     return [("b", n, rel_rms(got[n], want[n]), STAGE_TOL) for n in ("dq_hv", "dk_b", "dG_b")]
 
 
@@ -165,10 +209,11 @@ def _stage_c_rows(got, inp, sv, scatter):
     return rows, want
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_stages(name):
+def test_stages(name, mode):
     case = cached_case(name)
-    got = run_stages(case)
+    got = run_stages(case, mode)
     x = case["x64"]
     inp, sv = _twin_inputs(case)
     G = sv["G"]
@@ -189,7 +234,9 @@ def test_stages(name):
     c_rows, want = _stage_c_rows(got, inp, sv, scatter)
     rows += c_rows
 
-    want = bref.stage_d(c64(got["dq_hv"]), c64(got["dk_hv"]), c64(got["dG"]), want["dv_c"], want["dbeta_c"], scatter, inp)
+    HV = x["v"].shape[1]
+    want = bref.stage_d(dq_per_value_head(c64(got["dq_hv"]), HV), c64(got["dk_hv"]), c64(got["dG"]), want["dv_c"],
+                        want["dbeta_c"], scatter, inp)
     # dq, dk are stored in the inputs' type (bf16: rounding alone is ~1e-3 relative RMS); dg fp32
     rows += [("d", n, rel_rms(got[n], want[n]), 5e-3) for n in ("dq", "dk")]
     rows.append(("d", "dg", rel_rms(got["dg"], want["dg"]), 1e-4))
@@ -226,10 +273,11 @@ def qwen_gate(p):
     return -torch.exp(p["A_log"]) * torch.nn.functional.softplus(p["a"] + p["dt_bias"])
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_final_gradients(name):
+def test_final_gradients(name, mode):
     case = cached_case(name)
-    got = run_stages(case)
+    got = run_stages(case, mode)
     want = cached_oracle(name)
     rows = [("final", f"d{n}", rel_rms(got[f"d{n}"], want[n]), TOL) for n in ("q", "k", "v", "g", "beta")]
     if case["h0"] != "none":
@@ -269,10 +317,11 @@ def test_gate_parameter_gradients(name):
     assert not bad, f"{name}: gate-parameter gradients over tolerance: {bad}"
 
 
-@pytest.mark.parametrize("name", ["around_chunk", "wide", "grouped_l2"])
-def test_bitwise_deterministic(name):
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", ["around_chunk", "wide", "grouped_l2", "grouped_no_l2"])
+def test_bitwise_deterministic(name, mode):
     case = cached_case(name)
-    a, b = run_stages(case), run_stages(case)
+    a, b = run_stages(case, mode), run_stages(case, mode)
     diff = [n for n in NAMES if not torch.equal(a[n], b[n])]
     assert not diff, f"{name}: two runs differ in {diff}"
 
@@ -345,7 +394,7 @@ def test_extreme_gates(name):
     rows = []
     # (b) fed its own inputs (in-type q^, k^ as the kernel rounds them): only fp32 arithmetic is left
     want = bref.stage_b(qk, kk, G, c64(got["do_c"]), sv["h"], sv["v_new"], c64(got["grad_state_out"]), inp["valid"])
-    rows += [("b", "dq_hv", rel_rms(got["dq_hv"], want["dq_hv"]), STAGE_TOL),
+    rows += [("b", "dq_hv", rel_rms(got["dq_hv"], dq_like(want["dq_hv"], got["dq_hv"])), STAGE_TOL),
              ("b", "dk_b", rel_rms(got["dk_b"], want["dk_b"]), STAGE_TOL),
              ("b", "dG_b", rel_rms(got["dG_b"], want["dG_b"]), 2e-3)]
     want_c = bref.stage_c(kk, inp["vc"], inp["bc"], G, sv["Ainv"], sv["w"], sv["h"], c64(got["dv_total"]),
@@ -409,3 +458,161 @@ def test_stage_against_twin_more_shapes(table, name):
     rows = _stage_c_rows(got, inp, sv, case["tabs_cpu"][1])[0] if table == "wy" else _stage_b_rows(got, inp, sv)
     bad += report(name, rows)
     assert not bad, f"{name}: {bad}"
+
+
+# ---- the memory-lean backward (gdn_fused_bwd.cpp's switches; kernels/dqk_bwd.cu's per-key-head dq^ sum)
+
+LEAN_CASES = {
+    "lean_grouped_l2": dict(CASES["grouped_l2"]),        # HV = 2 HK, K = V = 128
+    "lean_grouped_no_l2": dict(CASES["grouped_no_l2"]),  # HV = 2 HK, padded K, V
+    "lean_grpo_like": dict(WY_CASES["wy_grpo_like"]),    # HV = 2 HK, GRPO dims
+    "lean_grpo_like_fp16": dict(WY_CASES["wy_grpo_like_fp16"]),
+    "lean_hv4_hk1": dict(spec=[(-1, 100), (0, 70), (0, 30)], h0="per_root", K=64, V=64, HK=1, HV=4),  # 4 value heads
+    "lean_strong_hv_eq_hk": dict(CASES["strong"]),       # HV = HK
+    "lean_one_token": dict(CASES["one_token"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LEAN_CASES))
+def test_lean_paths_bitwise_equal(name):
+    """Every mode (dq^ summed in (b) or not, dv_total in place or not) gives the previous path's bits: the
+    dqk kernel runs the same per-head work and sums dq^ in the finalize stage's order; dv_total in place
+    over dv_local changes no arithmetic. dq_hv of the summing modes: the previous one's ordered group sum."""
+    case = setup_case(**LEAN_CASES[name])
+    HK = case["dev"]["q"].shape[1]
+    ref = run_stages(case, 0)
+    for mode in (1, 2, 3):
+        got = run_stages(case, mode)
+        diff = []
+        for n in NAMES:
+            want = group_sum_in_order(ref[n], HK) if (n == "dq_hv" and mode & 1) else ref[n]
+            if not (got[n].shape == want.shape and torch.equal(got[n], want)):
+                diff.append(n)
+        assert not diff, f"{name}: mode {mode} differs from mode 0 in {diff}"
+
+
+@pytest.mark.parametrize("name", ["grouped_l2", "strong", "around_chunk"])
+def test_retain_graph_double_backward(name):
+    """retain_graph=True keeps the stage buffers (the lean backward frees them only when the graph is not
+    kept): a second backward through the graph gives the first one's bits; after a backward without
+    retain_graph, another one raises instead of reading freed buffers."""
+    case = cached_case(name)
+    ops = plugins.ops(FAMILY)
+    d = {n: t.clone().requires_grad_(n != "grad") for n, t in case["dev"].items()}
+    o = ops.gdn_tree_scan(d["q"], d["k"], d["v"], d["g"], d["beta"], *case["tabs"], _init(d, case["h0"]), 0.0,
+                          case["l2norm"])
+    leaves = [d[n] for n in ("q", "k", "v", "g", "beta")]
+    g1 = torch.autograd.grad(o, leaves, d["grad"], retain_graph=True)
+    g2 = torch.autograd.grad(o, leaves, d["grad"])  # the last one: frees the buffers as it goes
+    for n, a, b in zip("q k v g beta".split(), g1, g2):
+        assert torch.equal(a, b), f"{name}: d{n} of the second backward differs from the first"
+    want = cached_oracle(name)
+    rows = [("op", f"d{n}", rel_rms(a, want[n]), TOL) for n, a in zip("q k v g beta".split(), g1)]
+    bad = report(name + "/retain_graph", rows)
+    assert not bad, f"{name}: gradients over tolerance: {bad}"
+    with pytest.raises(RuntimeError, match="second time|saved buffer"):
+        torch.autograd.grad(o, leaves, d["grad"])
+
+
+def _predicted_backward_peak(T, S, R, NC, HK, HV, K, V, dq_sum, dv_inplace, beta_cast=True):
+    """Bytes above what is allocated when the backward starts (o and the saved buffers included there), at
+    the peak of the fused backward's live-buffer timeline (gdn_fused_bwd.cpp's run, ScanFunction handing
+    the saved buffers over): per stage the transients alive at its launch minus the saved buffers already
+    released (w, kd after the state pass; Ainv, h, v_new after (c)). In-type 2 bytes."""
+    C, bf, f = 64, 2, 4
+    cv, ck, kv = NC * HV * C * V * bf, NC * HV * C * K * bf, NC * HV * K * V * bf
+    cc, chf = NC * HV * C * C * bf, NC * HV * C * f
+    d_root, ws = R * HV * K * V * f, S * HV * K * V * f
+    beta32 = T * HV * f if beta_cast else 0
+    decay = NC * HV * f
+    dq, dk = NC * (HK if dq_sum else HV) * C * K * f, NC * HV * C * K * f
+    tok = T * HV * V * bf + 2 * T * HV * f  # dv, dbeta, dg
+    stages = {
+        "state pass": beta32 + decay + cv + ck + cv + kv + (0 if dv_inplace else cv) + d_root + ws,
+        "(b) dq/dk": beta32 + cv + cv + kv + d_root + dq + dk + chf - 2 * ck,
+        "(c) WY": beta32 + cv + d_root + dq + dk + chf + tok - 2 * ck,
+        "(d) finalize": beta32 + d_root + dq + dk + chf + tok + 2 * T * HK * K * bf - 2 * ck - (cc + kv + cv),
+    }
+    return max(stages.values()), stages
+
+
+PEAK_SPECS = {
+    "flat": dict(spec=[(-1, 65536)], HK=4, HV=8),
+    "tree": dict(spec=[(-1, 32768), (0, 16384), (0, 8192), (0, 8192)], HK=4, HV=8),
+    "hv_eq_hk": dict(spec=[(-1, 32768), (0, 16384), (0, 16384)], HK=8, HV=8),
+}
+
+
+def _measure_backward_peak(name):
+    """Forward, then the backward's peak above the allocation when it starts (bytes), and the prediction
+    for the switches in this process's environment."""
+    import os
+    cfg = PEAK_SPECS[name]
+    seg_offsets, parents = trie(cfg["spec"])
+    T, HK, HV, K, V = seg_offsets[-1], cfg["HK"], cfg["HV"], 128, 128
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    r = lambda *s, dt=torch.bfloat16: torch.randn(*s, generator=gen, device="cuda", dtype=dt)  # noqa: E731
+    x = dict(q=r(T, HK, K), k=r(T, HK, K), v=r(T, HV, V),
+             g=-torch.nn.functional.softplus(r(T, HV, dt=torch.float32) - 1.0),
+             beta=torch.sigmoid(r(T, HV, dt=torch.float32)).to(torch.bfloat16))
+    grad = r(T, HV, V)
+    tabs = chunk_tables(seg_offsets, parents, 64, "cuda")
+    leaves = [x[n].requires_grad_() for n in ("q", "k", "v", "g", "beta")]
+    op = plugins.ops(FAMILY).gdn_tree_scan
+    o = op(x["q"], x["k"], x["v"], x["g"], x["beta"], *tabs, None, 0.0, True)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    torch.autograd.grad(o, leaves, grad)
+    torch.cuda.synchronize()
+    got = torch.cuda.max_memory_allocated() - base
+    on = lambda v: os.environ.get(v) != "0"  # noqa: E731
+    NC, S = tabs[0].shape[0], len(parents)
+    R = sum(p < 0 for p in parents)
+    want, stages = _predicted_backward_peak(T, S, R, NC, HK, HV, K, V, on("TREE_RECURRENCE_GDN_BWD_DQ_SUM"),
+                                            on("TREE_RECURRENCE_GDN_BWD_DV_INPLACE"))
+    return dict(got=got, want=want, stages=stages)
+
+
+PEAK_SLACK = 24 << 20  # the caching allocator's rounding (a block keeps an unsplit remainder under 1 MiB)
+
+
+def _check_peak(m, label):
+    print(f"\n[{label}] backward peak {m['got'] / 2**20:.1f} MiB, predicted {m['want'] / 2**20:.1f} MiB "
+          f"(stages: {', '.join(f'{k} {v / 2**20:.1f}' for k, v in m['stages'].items())})")
+    assert abs(m["got"] - m["want"]) <= PEAK_SLACK, f"{label}: peak {m['got']} bytes, predicted {m['want']}"
+
+
+@pytest.mark.parametrize("name", sorted(PEAK_SPECS))
+def test_backward_peak_memory(name):
+    """The backward's peak (torch.cuda.max_memory_allocated) is the live-buffer timeline's (in process: the
+    switches of this environment, by default the lean path)."""
+    _check_peak(_measure_backward_peak(name), name)
+
+
+@pytest.mark.parametrize("env", ["lean", "previous"])
+def test_backward_peak_memory_subprocess(env):
+    """The same in a fresh process per switch setting (the switches are read once): the lean path and the
+    previous one (TREE_RECURRENCE_GDN_BWD_DQ_SUM=0, TREE_RECURRENCE_GDN_BWD_DV_INPLACE=0), each at its own
+    predicted peak; TREE_RECURRENCE_GDN_MEMTRACE=1 prints one line per stage."""
+    import json
+    import os
+    import subprocess
+    import sys
+    here = os.path.dirname(os.path.abspath(__file__))
+    e = dict(os.environ, TREE_RECURRENCE_GDN_MEMTRACE="1")
+    e.pop("TREE_RECURRENCE_GDN_BWD_DQ_SUM", None)
+    e.pop("TREE_RECURRENCE_GDN_BWD_DV_INPLACE", None)
+    if env == "previous":
+        e.update(TREE_RECURRENCE_GDN_BWD_DQ_SUM="0", TREE_RECURRENCE_GDN_BWD_DV_INPLACE="0")
+    e["PYTHONPATH"] = here + os.pathsep + e.get("PYTHONPATH", "")
+    code = ("import json, test_gdn_fused_bwd_gpu as t; m = t._measure_backward_peak('tree'); "
+            "print('RESULT ' + json.dumps(m))")
+    out = subprocess.run([sys.executable, "-c", code], env=e, cwd=here, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-4000:]
+    trace = [ln for ln in out.stderr.splitlines() if ln.startswith("[gdn bwd memtrace]")]
+    print("\n" + "\n".join(trace))
+    for stage in ("start", "(a) dv_local", "state pass", "(b) dq/dk", "(c) WY backward", "(d) finalize", "end"):
+        assert any(f"] {stage} " in ln for ln in trace), f"memtrace has no line for {stage!r}"
+    m = json.loads([ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")][-1][len("RESULT "):])
+    _check_peak(m, f"tree/{env}")

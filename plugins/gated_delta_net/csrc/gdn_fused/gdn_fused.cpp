@@ -3,8 +3,13 @@
 
 #include <ATen/ATen.h>
 #include <torch/autograd.h>
+#include <torch/csrc/autograd/graph_task.h>
+
+#include <array>
+#include <utility>
 
 #include "../gdn_chunked.h"
+#include "tree_recurrence/sdk/check.h"
 
 namespace tree_recurrence::gdn::fused {
 namespace {
@@ -14,14 +19,23 @@ bool half_type(at::ScalarType t) { return t == at::kBFloat16 || t == at::kHalf; 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
+// The stage buffers ScanFunction keeps in saved_data (key, field of Saved).
+std::array<std::pair<const char*, at::Tensor*>, 5> stage_buffers(Saved& sv) {
+  return {{{"Ainv", &sv.Ainv}, {"w", &sv.w}, {"kd", &sv.kd}, {"h", &sv.h}, {"v_new", &sv.v_new}}};
+}
+
 struct ScanFunction : public torch::autograd::Function<ScanFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const at::Tensor& g, const at::Tensor& beta, const Tables& tables,
                             const std::optional<at::Tensor>& initial_state, double scale, bool use_qk_l2norm) {
     auto [o, sv] = fused::forward(q, k, v, g, beta, tables, initial_state, scale, use_qk_l2norm);
     const bool has_init = initial_state.has_value() && initial_state->defined();
-    ctx->save_for_backward({q, k, v, g, beta, has_init ? *initial_state : at::Tensor(), sv.G, sv.Ainv, sv.w, sv.kd, sv.h,
-                            sv.v_new, sv.rq, sv.rk});
+    ctx->save_for_backward({q, k, v, g, beta, has_init ? *initial_state : at::Tensor(), sv.G, sv.rq, sv.rk});
+    // The large stage buffers ride in saved_data, not save_for_backward, so that the backward can drop
+    // each one after its last reader (a SavedVariable lives until the node releases all of them, after
+    // the backward returned): w, kd after the state pass, Ainv, h, v_new after the WY stage. (Not
+    // outputs or inputs of this node, so no version counter to check; saved-tensor hooks do not see them.)
+    for (const auto& [key, buf] : stage_buffers(sv)) ctx->saved_data[key] = *buf;
     tables.save(ctx);
     ctx->saved_data["has_init"] = has_init;
     ctx->saved_data["scale"] = scale;
@@ -44,19 +58,29 @@ struct ScanFunction : public torch::autograd::Function<ScanFunction> {
     for (int i = 0; i < 5; ++i) need[i] = ctx->needs_input_grad(i);
     need[5] = has_init && ctx->needs_input_grad(5);
 
+    // The stage buffers: without retain_graph (the engine frees this node's buffers after this call
+    // anyway) they are handed over, so fused::backward frees each after its last reader; with
+    // retain_graph=True they stay here (a later backward through the graph needs them; this
+    // backward's peak then keeps w, kd to the end).
+    const bool keep_graph = torch::autograd::get_current_graph_task_keep_graph();
+    Saved sv;
+    for (const auto& [key, buf] : stage_buffers(sv)) {
+      auto it = ctx->saved_data.find(key);
+      TR_CHECK(it != ctx->saved_data.end() && it->second.isTensor(), "gdn_tree_scan (fused backward): the saved "
+               "buffer ", key, " is gone: an earlier backward through this graph without retain_graph=True "
+               "released it (it frees the stage buffers as it goes); pass retain_graph=True to every backward "
+               "but the last");
+      *buf = it->second.toTensor();
+      if (!keep_graph) ctx->saved_data.erase(it);
+    }
     Grads gr;
     if (!env_is_zero("TREE_RECURRENCE_GDN_FUSED_BWD")) {
-      Saved sv;
       sv.G = saved[6];
-      sv.Ainv = saved[7];
-      sv.w = saved[8];
-      sv.kd = saved[9];
-      sv.h = saved[10];
-      sv.v_new = saved[11];
-      sv.rq = saved[12];
-      sv.rk = saved[13];
-      gr = fused::backward(grad_o, q, k, v, g, beta, t, init, scale, l2, sv);
+      sv.rq = saved[7];
+      sv.rk = saved[8];
+      gr = fused::backward(grad_o, q, k, v, g, beta, t, init, scale, l2, std::move(sv));
     } else {
+      sv = Saved();  // unused here
       // Interim fallback: the composite recomputed on fp32 copies, differentiated by autograd (the
       // composite's own gradients: it widens bf16 / fp16 inputs to fp32 the same way).
       at::AutoGradMode enable(true);

@@ -70,9 +70,11 @@ struct Grads {
   at::Tensor d_initial_state;        // like initial_state (float32), undefined when it is None
 };
 
-// Backward kernels (gdn_fused_bwd.cpp) from the saved buffers and grad_o (T, HV, V).
+// Backward kernels (gdn_fused_bwd.cpp) from the saved buffers and grad_o (T, HV, V). Takes `saved` over
+// and drops each buffer right after its last reader (w, kd after the state pass; Ainv, h, v_new after
+// the WY stage): a buffer the caller keeps a reference to stays alive (pass a copy to keep them).
 Grads backward(const at::Tensor& grad_o, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                const at::Tensor& g, const at::Tensor& beta, const Tables& tables,
-               const std::optional<at::Tensor>& initial_state, double scale, bool use_qk_l2norm, const Saved& saved);
+               const std::optional<at::Tensor>& initial_state, double scale, bool use_qk_l2norm, Saved&& saved);
 
 }  // namespace tree_recurrence::gdn::fused

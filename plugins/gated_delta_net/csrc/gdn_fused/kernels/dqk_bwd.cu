@@ -119,6 +119,26 @@ __device__ __forceinline__ void dqk_store(const FragC (&acc)[1][2], float* out, 
             make_float2(acc[0][nt].x[2 * eh], acc[0][nt].x[2 * eh + 1]);
     }
 }
+// dqk_store of dq^, or (sum 1) 0 + acc, (sum 2) out + acc: dq^ summed over the value heads of a key head,
+// element by element (each element read and written by this lane only).
+__device__ __forceinline__ void dqk_store_sum(const FragC (&acc)[1][2], float* out, int K, int r0, int c0, int sum) {
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+    for (int eh = 0; eh < 2; ++eh) {
+      const int i = el_row(r0, 2 * eh), col = el_col(c0, nt, 2 * eh);
+      if (col < K) {
+        float2* o = reinterpret_cast<float2*>(out + static_cast<int64_t>(i) * K + col);
+        const float x = acc[0][nt].x[2 * eh], y = acc[0][nt].x[2 * eh + 1];
+        if (sum == 0) {
+          *o = make_float2(x, y);
+        } else {
+          const float2 prev = sum == 2 ? *o : make_float2(0.f, 0.f);
+          *o = make_float2(prev.x + x, prev.y + y);
+        }
+      }
+    }
+}
 // acc *= rowscale(row); the tile's row dots <acc_i, Y_i> (Y = q^ or k^) to part.
 template <typename T, typename Scale>
 __device__ __forceinline__ void dqk_scale_rowdot(FragC (&acc)[1][2], Scale rowscale, const T* Y, int ldk, float* part, int r0,
@@ -185,15 +205,12 @@ __device__ __forceinline__ float dqk3_dot(const uint4 (&a)[kDqkHdsRegs], const u
   }
   return s;
 }
+// One (chunk c, value head: ch = c * HV + hv, of key head hk) of version 3. dq_out: the C x K dq^ tile to
+// write (dq_sum 0: dq^; 1: 0 + dq^; 2: the value there + dq^, read and written by the same thread).
 template <typename T>
-__global__ void __launch_bounds__(kDqkThreads, 2) dqk_kernel_v3(GdnBwdParams p) {
-  extern __shared__ __align__(16) char smem_raw[];
-  // (NC, HV) grid read head-fastest: block ch of the dispatch order (x fastest) is (c, hv) = (ch / HV, ch % HV),
-  // so the value heads of a chunk run side by side (the second reads q, k rows, rq, rk and the gather row from
-  // L2; the chunk-major h, dS, dO, v_new are read in address order)
-  const int64_t HV = p.hv, HK = p.hk;
-  const int64_t ch = static_cast<int64_t>(blockIdx.y) * gridDim.x + blockIdx.x;  // = c * HV + hv
-  const int64_t c = ch / HV, hk = (ch - c * HV) / (HV / HK);
+__device__ __forceinline__ void dqk_v3_head(const GdnBwdParams& p, char* smem_raw, int64_t ch, int64_t c, int64_t hk,
+                                            float* dq_out, int dq_sum) {
+  const int64_t HK = p.hk;
   const int K = static_cast<int>(p.k_dim), V = static_cast<int>(p.v_dim);
   const int Kp = round16(K), Vp = round16(V), ldk = pitch_of(Kp), ldv = pitch_of(Vp);
   const bool two = Kp > kDqkHalf;  // two state halves
@@ -259,7 +276,6 @@ __global__ void __launch_bounds__(kDqkThreads, 2) dqk_kernel_v3(GdnBwdParams p) 
   // dq^ = exp(G) (dO h^T) + dP k^ by state half; partQ: <exp(G_i) (dO h^T)_i, q^_i>. Warp's tile:
   // rows r0.., columns kb + cl.. (version 1's tiles of those columns).
   const int r0 = (warp / (kDqkHalf / 16)) * 16, cl = (warp % (kDqkHalf / 16)) * 16;
-  float* dq_out = p.dq_hv + ch * C * K;
   float* dk_out = p.dk_hv + ch * C * K;
   uint4 hr0[kDqkHdsRegs], hr1[kDqkHdsRegs];
   const int rows_p1 = two ? Kp - kDqkHalf : 0;
@@ -267,7 +283,7 @@ __global__ void __launch_bounds__(kDqkThreads, 2) dqk_kernel_v3(GdnBwdParams p) 
   auto dq_finish = [&](FragC(&acc)[1][2], int c0) {
     dqk_scale_rowdot<T>(acc, [&](int i) { return eG[i]; }, qh, ldk, partQ, r0, c0);
     tile_mma<T, true, true>(acc, dP, kPitchC, kh, ldk, r0, c0, C / 16);
-    dqk_store(acc, dq_out, K, r0, c0);
+    dqk_store_sum(acc, dq_out, K, r0, c0, dq_sum);
   };
   {
     if (two)
@@ -339,6 +355,30 @@ __global__ void __launch_bounds__(kDqkThreads, 2) dqk_kernel_v3(GdnBwdParams p) 
   dg_rows(p.dG + ch * C, partQ, partT, partD, *lastRow, Kp, g_last, hds_all);
 }
 
+// Version 3's kernel. p.dq_key_heads false: the (NC, HV) grid read head-fastest: block ch of the dispatch
+// order (x fastest) is (c, hv) = (ch / HV, ch % HV), so the value heads of a chunk run side by side (the
+// second reads q, k rows, rq, rk and the gather row from L2; the chunk-major h, dS, dO, v_new are read in
+// address order); dq^ per value head. p.dq_key_heads true: the (NC, HK) grid, block b = c * HK + hk, which
+// runs the value heads hk * G .. hk * G + G - 1 of its key head one after the other (the same per-head work
+// and order) and sums their dq^ into the (NC, HK, C, K) tile b in increasing head order, starting from 0
+// (bit for bit the finalize stage's group sum of the per-value-head path; no atomics).
+template <typename T, bool kKeyHeads>
+__global__ void __launch_bounds__(kDqkThreads, 2) dqk_kernel_v3(GdnBwdParams p) {
+  extern __shared__ __align__(16) char smem_raw[];
+  const int64_t b = static_cast<int64_t>(blockIdx.y) * gridDim.x + blockIdx.x;
+  if constexpr (!kKeyHeads) {
+    const int64_t HV = p.hv, c = b / HV, hk = (b - c * HV) / (HV / p.hk);  // b = ch = c * HV + hv
+    dqk_v3_head<T>(p, smem_raw, b, c, hk, p.dq_hv + b * C * p.k_dim, 0);
+  } else {
+    const int groups = static_cast<int>(p.hv / p.hk);
+    for (int gi = 0; gi < groups; ++gi) {
+      if (gi > 0) __syncthreads();  // the previous head's last reads of shared memory are done
+      const int64_t c = b / p.hk, hk = b - c * p.hk;
+      dqk_v3_head<T>(p, smem_raw, c * p.hv + hk * groups + gi, c, hk, p.dq_hv + b * C * p.k_dim, gi > 0 ? 2 : 1);
+    }
+  }
+}
+
 }  // namespace
 }  // namespace bwd
 
@@ -350,7 +390,10 @@ const char* gdn_bwd_dqk(const GdnBwdParams& p, void* stream) {
                        2 * smem_bytes<uint16_t>(kDqkHalf * ldv) + smem_bytes<uint16_t>(C * kPitchC) + 3 * smem_bytes<float>(C) +
                        3 * smem_bytes<float>(C * 8) + smem_bytes<int>(4) + smem_bytes<float>(kDqkWarps + 1) +
                        2 * smem_bytes<float>(C) + smem_bytes<int64_t>(C) + smem_bytes<uint4>(kDqkThreads);
-  return launch_chunks(dqk_kernel_v3<__nv_bfloat16>, dqk_kernel_v3<__half>, kDqkThreads, bytes, p, stream);
+  if (!p.dq_key_heads)
+    return launch_chunks(dqk_kernel_v3<__nv_bfloat16, false>, dqk_kernel_v3<__half, false>, kDqkThreads, bytes, p, stream);
+  return launch_chunks(dqk_kernel_v3<__nv_bfloat16, true>, dqk_kernel_v3<__half, true>, kDqkThreads, bytes, p, stream,
+                       dim3(static_cast<unsigned>(p.num_chunks), static_cast<unsigned>(p.hk)));
 }
 
 }  // namespace tree_recurrence::gdn::fused::kernels

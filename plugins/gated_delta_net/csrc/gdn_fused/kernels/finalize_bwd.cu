@@ -1,5 +1,6 @@
 // (d) of the fused GDN backward: dq, dk at the tokens. One warp per (token, key head): the value
-// heads of the key head summed in increasing order (no atomics), times scale for q, then
+// heads of the key head summed in increasing order (no atomics; for q already done by (b) when
+// p.dq_key_heads, the same sum: dy = 0 + that), times scale for q, then
 // l2norm's backward (y = x r: dx = r (dy - y <y, dy>), the dot a fixed butterfly).
 #include "common_bwd.cuh"
 
@@ -35,12 +36,22 @@ __global__ void __launch_bounds__(kThreads) finalize_kernel(GdnBwdParams p) {
   for (int64_t gi = 0; gi < groups; ++gi) {  // value heads of the key head in increasing order
     const int64_t base = ((c * HV + hk * groups + gi) * C + pos) * K;
 #pragma unroll
-    for (int a = 0; a < 2; ++a)
+    for (int a = 0; a < 2; ++a) {
+      if (a == 0 && p.dq_key_heads) continue;  // dq^ already summed per key head by (b)
 #pragma unroll
       for (int m = 0; m < kBwdMaxDim / 32; ++m) {
         const int col = lane + 32 * m;
         if (col < K) dy[a][m] += dhv[a][base + col];
       }
+    }
+  }
+  if (p.dq_key_heads) {  // dq^ of the key head: (NC, HK, C, K), the group sum (from 0, in order) of (b)
+    const int64_t base = ((c * HK + hk) * C + pos) * K;
+#pragma unroll
+    for (int m = 0; m < kBwdMaxDim / 32; ++m) {
+      const int col = lane + 32 * m;
+      if (col < K) dy[0][m] += dhv[0][base + col];
+    }
   }
 #pragma unroll
   for (int a = 0; a < 2; ++a) {

@@ -6,7 +6,7 @@
 // Order (one launch each, grid (NC, HV) of 128 threads unless said):
 //   gdn_bwd_dv_local  (a)  dv_local = (E * q^ k^T)^T dO, q_g = exp(G) q^, dO chunk-major
 //   chunk_state_pass_tc_backward (SDK): grad_state_out (dS), dv_total, grad_initial
-//   gdn_bwd_dqk       (b)  dq_hv, dk_hv (intra-chunk + kd part), dG (fp32)
+//   gdn_bwd_dqk       (b)  dq_hv (or per key head: dq_key_heads), dk_hv (intra-chunk + kd part), dG (fp32)
 //   gdn_bwd_wy        (c)  the WY backward: dv, dbeta, dk_hv +=, dG +=, dg = reverse cumsum of dG
 //   gdn_bwd_finalize  (d)  dq, dk at the tokens: value heads of a key head summed in order, scale,
 //                          l2norm backward (one warp per (token, key head))
@@ -29,6 +29,9 @@ struct GdnBwdParams {
   int64_t k_dim = 0, v_dim = 0;
   float scale = 1.f;       // the scale already resolved (1/sqrt(K) when the op got 0)
   bool use_qk_l2norm = true;
+  // dq_hv per key head: (b) runs a key head's value heads in one CTA and sums their dq^ (fixed order),
+  // (d) reads one dq^ per key head (gdn_fused_bwd.cpp: TREE_RECURRENCE_GDN_BWD_DQ_SUM)
+  bool dq_key_heads = false;
   BwdDType in = BwdDType::BFloat16;
 
   const int64_t* gather = nullptr;   // (NC, C) token or -1
@@ -59,7 +62,8 @@ struct GdnBwdParams {
   const void* dv_total = nullptr;        // (NC, HV, C, V) in
 
   // (b) / (c) workspaces, fp32 chunk-major
-  float* dq_hv = nullptr;   // (NC, HV, C, K) gradient wrt q^ of each value head
+  float* dq_hv = nullptr;   // (NC, HV, C, K) gradient wrt q^ of each value head; with dq_key_heads
+                            // (NC, HK, C, K): summed over the value heads of each key head (in order)
   float* dk_hv = nullptr;   // (NC, HV, C, K) gradient wrt k^ of each value head
   float* dG = nullptr;      // (NC, HV, C)   gradient wrt the chunk-local cumulative G
 
