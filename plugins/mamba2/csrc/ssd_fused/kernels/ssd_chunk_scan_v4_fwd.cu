@@ -101,18 +101,20 @@ __device__ __forceinline__ void tile_to_smem(void* tile, int ld, const uint32_t 
   }
 }
 
-template <typename T, int PT>
+// NP = round64(N) (64 / 128 / 192) a template argument: the tile loaders' vector counts and the
+// 64-column pieces of the C s^T / C B^T products are compile-time (the per-head copies of v3 took a
+// runtime division per 16-byte vector, ~20% of its instructions)
+template <typename T, int PT, int NP>
 __global__ void __launch_bounds__(kThreads, 2) chunk_scan_kernel_v4(FwdParams p, int splits) {
   constexpr int NTW = PT / 16;  // 8-column accumulator tiles per warp (half the columns)
   constexpr int kLdX = PT + 8;
   constexpr int kWCols = PT / 2;
+  constexpr int ldc = NP + 8;
+  constexpr int o_ld = PT / 2 + 8;
   const int64_t H = p.heads, P = p.head_dim, N = p.state_dim, G = p.groups;
   const int64_t hpg = H / G, hpb = hpg / splits;
   const bool z_tile = p.z != nullptr && !p.z_fp32;
-  const V4Smem lay = v4_layout(N, PT, z_tile);
-  const int ldc = static_cast<int>(lay.ldc);
-  const int NP = ldc - 8;
-  const int o_ld = static_cast<int>(lay.o_ld);
+  const V4Smem lay = v4_layout(NP, PT, z_tile);
   extern __shared__ __align__(16) unsigned char smem[];
   T* c_s = reinterpret_cast<T*>(smem);
   T* sb = c_s + lay.c_elems;                               // 2 x sb_elems
@@ -143,22 +145,49 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_scan_kernel_v4(FwdParams p,
   const T* x = static_cast<const T*>(p.x);
   const T* zin = static_cast<const T*>(p.z);
   const T* states = static_cast<const T*>(p.states);
-  const int CV = NP / 8;
+  constexpr int CV = NP / 8;
   constexpr int XV = PT / 8;
   tiles::rows_async<kThreads>(c_s, ldc, Cg, G * N, tok_s, kL, CV, N, tid);
   tiles::rows_async<kThreads>(sb + lay.sb_elems, ldc, Bg, G * N, tok_s, kL, CV, N, tid);
   mma::cp_async_commit();
 
+  // one head's operands into buffer b: Lam, dt (fp32), the state s[c] (P x N), x rows, z rows (the
+  // copies of tiles::dense_async / rows_async, with this thread's rows and columns fixed at compile
+  // time where the vector counts divide the block: no division per copy)
+  constexpr int kXR = kThreads / XV;  // x / z rows per pass
+  const int xr = tid / XV, xc = (tid % XV) * 8;
   auto issue_head = [&](int64_t h, int b) {
     const int64_t row0 = (c * H + h) * kL;
-    for (int v = tid; v < 2 * (kL / 4); v += kThreads) {
-      const int which = v / (kL / 4), k = (v % (kL / 4)) * 4;
+    if (tid < 2 * (kL / 4)) {
+      const int which = tid / (kL / 4), k = (tid % (kL / 4)) * 4;
       const float* src = (which == 0 ? p.Lam : p.dt) + row0 + k;
       mma::cp_async_16((which == 0 ? lam_s : dt_s) + b * kL + k, src, 16);
     }
-    tiles::dense_async<kThreads>(sb + b * lay.sb_elems, ldc, states + (c * H + h) * P * N, N, PT, P, CV, N, tid);
-    tiles::rows_async<kThreads>(x_s + b * lay.x_elems, kLdX, x + h * P, H * P, tok_s, kL, XV, P, tid);
-    if (z_tile) tiles::rows_async<kThreads>(z_s + b * lay.z_elems, kLdX, zin + h * P, H * P, tok_s, kL, XV, P, tid);
+    T* sdst = sb + b * lay.sb_elems;
+    const T* ssrc = states + (c * H + h) * P * N;
+    if constexpr (kThreads % CV == 0) {
+      constexpr int kSR = kThreads / CV;  // state rows per pass
+      const int sr = tid / CV, sc = (tid % CV) * 8;
+      const bool col_ok = sc < N;
+#pragma unroll
+      for (int i = 0; i < PT / kSR; ++i) {
+        const int r = sr + i * kSR;
+        const bool ok = col_ok && r < P;
+        mma::cp_async_16(sdst + r * ldc + sc, ok ? ssrc + int64_t(r) * N + sc : ssrc, ok ? 16 : 0);
+      }
+    } else {
+      tiles::dense_async<kThreads>(sdst, ldc, ssrc, N, PT, P, CV, N, tid);
+    }
+    const bool xc_ok = xc < P;
+#pragma unroll
+    for (int i = 0; i < kL / kXR; ++i) {
+      const int r = xr + i * kXR;
+      const int64_t t = tok_s[r];
+      const bool ok = t >= 0 && xc_ok;
+      const int64_t off = ok ? t * (H * P) + h * P + xc : 0;
+      mma::cp_async_16(x_s + b * lay.x_elems + r * kLdX + xc, x + off, ok ? 16 : 0);
+      if (z_tile) mma::cp_async_16(z_s + b * lay.z_elems + r * kLdX + xc, zin + off, ok ? 16 : 0);
+    }
     mma::cp_async_commit();
   };
   issue_head(h_first, 0);
@@ -234,37 +263,55 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_scan_kernel_v4(FwdParams p,
       tiles::mma_scores_x<T, NTW>(acc, mma::c_to_a<T>(s2[0], s2[1]), xbuf + kt * 16 * kLdX + col0, kLdX);
     }
 
-    // 3. epilogue on the fragments: D x, y (pre-gate), the z gate; pairs rounded to the in-type
+    // 3. epilogue on the fragments, per element v3's order: + D x, y = that (pre-gate, rounded),
+    // times silu(z), out rounded; each optional step one uniform branch over the warp's 4 NTW elements
     const T* zbuf = z_s + b * lay.z_elems;
-    uint32_t yu[NTW][2], ou[NTW][2];
+    if (p.D) {
 #pragma unroll
-    for (int nt = 0; nt < NTW; ++nt) {
-      const int col = col0 + nt * 8 + cq;
+      for (int nt = 0; nt < NTW; ++nt)
 #pragma unroll
-      for (int rr = 0; rr < 2; ++rr) {
-        const int r = rr == 0 ? r0 : r1;
-        float f0 = acc[0][nt].x[2 * rr], f1 = acc[0][nt].x[2 * rr + 1];
-        if (p.D) {
-          const float2 xv = load2<T>(xbuf + r * kLdX + col);
-          f0 += dv[nt].x * xv.x;
-          f1 += dv[nt].y * xv.y;
+        for (int rr = 0; rr < 2; ++rr) {
+          const float2 xv = load2<T>(xbuf + (rr == 0 ? r0 : r1) * kLdX + col0 + nt * 8 + cq);
+          acc[0][nt].x[2 * rr] += dv[nt].x * xv.x;
+          acc[0][nt].x[2 * rr + 1] += dv[nt].y * xv.y;
         }
-        if (p.z) {
-          yu[nt][rr] = mma::Elem<T>::pack(f0, f1);
-          float2 zv = make_float2(0.f, 0.f);
+    }
+    if (p.z) {
+      float2 zv[NTW][2];
+#pragma unroll
+      for (int nt = 0; nt < NTW; ++nt)
+#pragma unroll
+        for (int rr = 0; rr < 2; ++rr) {
+          const int col = col0 + nt * 8 + cq;
           if (z_tile) {
-            zv = load2<T>(zbuf + r * kLdX + col);
+            zv[nt][rr] = load2<T>(zbuf + (rr == 0 ? r0 : r1) * kLdX + col);
           } else {
             const int64_t tok = rr == 0 ? tok0 : tok1;
-            if (tok >= 0 && col < P) zv = *reinterpret_cast<const float2*>(zf + (tok * H + h) * P + col);
+            zv[nt][rr] = make_float2(0.f, 0.f);
+            if (tok >= 0 && col < P) zv[nt][rr] = *reinterpret_cast<const float2*>(zf + (tok * H + h) * P + col);
           }
-          f0 *= tiles::silu(zv.x);
-          f1 *= tiles::silu(zv.y);
         }
-        ou[nt][rr] = mma::Elem<T>::pack(f0, f1);
+      if (save_y) {
+        uint32_t yu[NTW][2];
+#pragma unroll
+        for (int nt = 0; nt < NTW; ++nt)
+#pragma unroll
+          for (int rr = 0; rr < 2; ++rr) yu[nt][rr] = mma::Elem<T>::pack(acc[0][nt].x[2 * rr], acc[0][nt].x[2 * rr + 1]);
+        tile_to_smem<NTW>(ys, o_ld, yu, lane);
       }
+#pragma unroll
+      for (int nt = 0; nt < NTW; ++nt)
+#pragma unroll
+        for (int rr = 0; rr < 2; ++rr) {
+          acc[0][nt].x[2 * rr] *= tiles::silu(zv[nt][rr].x);
+          acc[0][nt].x[2 * rr + 1] *= tiles::silu(zv[nt][rr].y);
+        }
     }
-    if (save_y) tile_to_smem<NTW>(ys, o_ld, yu, lane);
+    uint32_t ou[NTW][2];
+#pragma unroll
+    for (int nt = 0; nt < NTW; ++nt)
+#pragma unroll
+      for (int rr = 0; rr < 2; ++rr) ou[nt][rr] = mma::Elem<T>::pack(acc[0][nt].x[2 * rr], acc[0][nt].x[2 * rr + 1]);
     tile_to_smem<NTW>(os, o_ld, ou, lane);
     __syncwarp();
     // 16-byte rows: lane -> row v % 16, 8-column piece v / 16 (16 rows x 32 bytes per instruction)
@@ -294,10 +341,10 @@ int splits_of(const FwdParams& p) {
   return static_cast<int>(d);
 }
 
-template <typename T, int PT>
+template <typename T, int PT, int NP>
 int launch_v4(const FwdParams& p, cudaStream_t stream) {
   const V4Smem lay = v4_layout(p.state_dim, PT, z_tile_of(p));
-  auto kernel = chunk_scan_kernel_v4<T, PT>;
+  auto kernel = chunk_scan_kernel_v4<T, PT, NP>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(lay.bytes));
   if (err != cudaSuccess) return static_cast<int>(err);
   const int splits = splits_of(p);
@@ -306,10 +353,19 @@ int launch_v4(const FwdParams& p, cudaStream_t stream) {
   return static_cast<int>(cudaGetLastError());
 }
 
+// (P 64 with N > 128 does not fit: ssd_chunk_scan_v4_supported)
 template <typename T>
 int by_p_v4(const FwdParams& p, cudaStream_t s) {
-  if (p.head_dim <= 32) return launch_v4<T, 32>(p, s);
-  return launch_v4<T, 64>(p, s);
+  const int64_t NP = round64(p.state_dim);
+  if (p.head_dim <= 32) {
+    if (NP == 64) return launch_v4<T, 32, 64>(p, s);
+    if (NP == 128) return launch_v4<T, 32, 128>(p, s);
+    if (NP == 192) return launch_v4<T, 32, 192>(p, s);
+    return static_cast<int>(cudaErrorInvalidValue);
+  }
+  if (NP == 64) return launch_v4<T, 64, 64>(p, s);
+  if (NP == 128) return launch_v4<T, 64, 128>(p, s);
+  return static_cast<int>(cudaErrorInvalidValue);
 }
 
 }  // namespace
@@ -319,6 +375,8 @@ bool ssd_chunk_scan_v4_supported(const FwdParams& p) {
       p.heads % p.groups != 0)
     return false;
   if (v4_layout(p.state_dim, tiles::padded_p(p.head_dim), z_tile_of(p)).bytes > kV4MaxSmem) return false;
+  const int64_t NP = round64(p.state_dim);  // the instantiated (PT, NP): by_p_v4
+  if (NP > (p.head_dim <= 32 ? 192 : 128)) return false;
   if (p.num_chunks * p.heads > 2147483647LL) return false;
   return tiles::rows_aligned16(p);  // 16-byte vectors of x / z / y / out rows (P % 8 == 0)
 }
