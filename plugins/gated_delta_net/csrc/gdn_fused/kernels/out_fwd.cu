@@ -10,7 +10,10 @@
 //   input type into four A fragments; the k rows are then dead and rows 64..127 of h are copied there
 //   while O = q^ h[0:64] runs; O += q^ h[64:128], O *= exp(G_i), O += S v_new (tensor cores, fp32
 //   acc); o is staged in the q rows (after a barrier) and written at the chunk's tokens with 16-byte
-//   stores.
+//   stores. Version 2 (the default; TREE_RECURRENCE_GDN_OUT_V1=1 keeps version 1): 16-byte shared
+//   loads in the l2norm (fwd_common.cuh's load8), rows 64..127 of h in the second group (into the
+//   v_new buffer) and v_new into the dead k rows after S, so the late copy has all of q^ h to hide
+//   behind; the same products in the same order (bit for bit version 1's results).
 #include <cstdlib>
 #include <cstring>
 
@@ -27,9 +30,9 @@ constexpr int kLdX = kMaxDim + 8;  // pitch of every tile (q, k, h, v_new, the o
 template <typename T>
 struct OutSmem {
   T q[kChunk * kLdX];   // q^, then the o staging
-  T k[kChunk * kLdX];   // k^, then rows 64.. of h
+  T k[kChunk * kLdX];   // k^, then rows 64.. of h (version 1) or v_new (version 2)
   T h[kChunk * kLdX];   // rows 0..63 of h
-  T vn[kChunk * kLdX];
+  T vn[kChunk * kLdX];  // v_new (version 1) or rows 64.. of h (version 2)
   float G[kChunk];
   int64_t tok[kChunk];
 };
@@ -54,13 +57,21 @@ __device__ __forceinline__ void q_times_h(mm::FragC (&O)[8], const T* q, const T
   }
 }
 
+// Word c8 (8 elements) of row r of the o staging st (pitch kLdX) to o + token * ldo (nothing for a
+// pad row, token < 0).
+template <typename T>
+__device__ __forceinline__ void store_o_word(T* __restrict__ o, int64_t ldo, const T* st, const int64_t* tok, int r, int c8) {
+  const int64_t t = tok[r];
+  if (t >= 0) *reinterpret_cast<uint4*>(o + t * ldo + c8 * 8) = *reinterpret_cast<const uint4*>(st + r * kLdX + c8 * 8);
+}
+
 template <typename T, int Ver>
 __global__ void __launch_bounds__(kThreads, 3) out_fwd_kernel(const OutParams p) {
   OutSmem<T>& s = *reinterpret_cast<OutSmem<T>*>(smem_raw);
   if (tile_chunk() >= p.num_chunks) return;
   const auto [c, hv, HV, HK, groups, hk, K, V] = tile_ids(p);
   const int kb16 = (K + 15) >> 4;
-  const int kb_lo = min(kb16, 4);  // k blocks of h in s.h; kb_lo..kb16-1 later in s.k
+  const int kb_lo = min(kb16, 4);  // k blocks of h in s.h; kb_lo..kb16-1 in h_hi
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int rw = warp & 3;
   const int v0 = (warp >> 2) * kTileV;
@@ -68,16 +79,28 @@ __global__ void __launch_bounds__(kThreads, 3) out_fwd_kernel(const OutParams p)
   const int vb16 = (vt + 15) >> 4;
   const int64_t tile = c * HV + hv;
   const T* hp = static_cast<const T*>(p.h) + tile * static_cast<int64_t>(K) * V;
+  const T* vnp = static_cast<const T*>(p.v_new) + tile * static_cast<int64_t>(kChunk) * V;
+  const bool hi = kb16 > 4;
+  // Version 1: rows 64.. of h go to s.k once k^ is dead (after S), v_new to s.vn at the start.
+  // Version 2: the other way round: rows 64.. of h to s.vn at the start, v_new to s.k after S, so the
+  // copy issued late (v_new) is needed only after all of q^ h (8 k blocks of MMAs to hide it behind,
+  // not 4). The same products in the same order: the same bits.
+  constexpr bool kV2 = Ver >= kVerV2;
+  T* const h_hi = kV2 ? s.vn : s.k;  // h's row 64 at row 0
+  const T* const vn = kV2 ? s.k : s.vn;
 
-  // groups: (rows 0..63 of h, q, k), then v_new (waited for only before S v_new)
+  // groups: (rows 0..63 of h, q, k), then v_new (version 2: rows 64.. of h)
   cp_tile_async<kThreads>(s.h, kLdX, hp, 0, kb_lo * 16, K, V);
   ChunkRows<kThreads> rows;
   rows.load(p.gather + c * kChunk);
   rows.copy<T>(s.q, kLdX, static_cast<const T*>(p.q), HK, hk, K);
   rows.copy<T>(s.k, kLdX, static_cast<const T*>(p.k), HK, hk, K);
   mm::cp_async_commit();
-  cp_tile_async<kThreads>(s.vn, kLdX, static_cast<const T*>(p.v_new) + tile * static_cast<int64_t>(kChunk) * V, 0, kChunk,
-                          kChunk, V);
+  if constexpr (kV2) {
+    if (hi) cp_tile_async<kThreads>(h_hi, kLdX, hp, 64, (kb16 - 4) * 16, K, V);
+  } else {
+    cp_tile_async<kThreads>(s.vn, kLdX, vnp, 0, kChunk, kChunk, V);
+  }
   mm::cp_async_commit();
   if (tid < kChunk) {
     s.tok[tid] = p.gather[c * kChunk + tid];
@@ -113,20 +136,28 @@ __global__ void __launch_bounds__(kThreads, 3) out_fwd_kernel(const OutParams p)
 #pragma unroll
     for (int kt = 0; kt < 4; ++kt) Sa[kt] = mm::c_to_a<T>(S[2 * kt], S[2 * kt + 1]);
   }
-  __syncthreads();  // every warp is done reading k^: rows 64.. of h go there
-  const bool hi = kb16 > 4;
-  if (hi) cp_tile_async<kThreads>(s.k, kLdX, hp, 64, (kb16 - 4) * 16, K, V);
+  __syncthreads();  // every warp is done reading k^: rows 64.. of h (version 2: v_new) go there
+  if constexpr (kV2) {
+    cp_tile_async<kThreads>(s.k, kLdX, vnp, 0, kChunk, kChunk, V);
+  } else {
+    if (hi) cp_tile_async<kThreads>(h_hi, kLdX, hp, 64, (kb16 - 4) * 16, K, V);
+  }
   mm::cp_async_commit();
 
-  // O = q^ h, k blocks 0..3 from s.h while rows 64.. fly, then 4.. from s.k
+  // O = q^ h, k blocks 0..3 from s.h while the last group flies, then 4.. from h_hi
   mm::FragC O[8];
 #pragma unroll
   for (int nt = 0; nt < 8; ++nt) O[nt].zero();
   if (vb16 > 0) q_times_h<T>(O, s.q, s.h, rw, v0, vb16, 0, kb_lo);
+  if constexpr (kV2) {
+    mm::cp_async_wait<1>();
+    __syncthreads();  // rows 64.. of h (the second group) visible to every warp; v_new may still fly
+    if (vb16 > 0) q_times_h<T>(O, s.q, h_hi, rw, v0, vb16, 4, kb16);
+  }
   mm::cp_async_wait<0>();
   __syncthreads();  // rows 64.. of h and v_new visible to every warp
   if (vb16 > 0) {
-    q_times_h<T>(O, s.q, s.k, rw, v0, vb16, 4, kb16);
+    if constexpr (!kV2) q_times_h<T>(O, s.q, h_hi, rw, v0, vb16, 4, kb16);
     const float e0 = exp_nonpos(s.G[rw * 16 + mm::c_row(lane, 0)]);
     const float e1 = exp_nonpos(s.G[rw * 16 + mm::c_row(lane, 2)]);
 #pragma unroll
@@ -143,7 +174,7 @@ __global__ void __launch_bounds__(kThreads, 3) out_fwd_kernel(const OutParams p)
         for (int np = 0; np < 4; ++np) {
           if (np < vb16) {
             mm::FragB b0, b1;
-            mm::load_b_kn(b0, b1, s.vn + kt * 16 * kLdX + v0 + np * 16, kLdX);
+            mm::load_b_kn(b0, b1, vn + kt * 16 * kLdX + v0 + np * 16, kLdX);
             mm::mma<T>(O[2 * np], Sa[kt], b0);
             mm::mma<T>(O[2 * np + 1], Sa[kt], b1);
           }
@@ -164,22 +195,17 @@ __global__ void __launch_bounds__(kThreads, 3) out_fwd_kernel(const OutParams p)
     }
   }
   __syncwarp();
-  T* o = static_cast<T*>(p.o);
+  T* o = static_cast<T*>(p.o) + static_cast<int64_t>(hv) * V + v0;  // token t's row at o + t HV V
+  const int64_t ldo = static_cast<int64_t>(HV) * V;
   const int per_row = vt >> 3;
-  const auto put = [&](int r, int c8) {
-    const int64_t t = s.tok[r];
-    if (t >= 0)
-      *reinterpret_cast<uint4*>(o + (t * HV + hv) * static_cast<int64_t>(V) + v0 + c8 * 8) =
-          *reinterpret_cast<const uint4*>(st + r * kLdX + c8 * 8);
-  };
   if constexpr (Ver >= kVerV2) {
     if (per_row == kTileV / 8) {  // the full 64-column half: constant shifts, unrolled (same words, same lanes)
 #pragma unroll
-      for (int i = lane; i < 16 * (kTileV / 8); i += 32) put(rw * 16 + (i >> 3), i & 7);
+      for (int i = lane; i < 16 * (kTileV / 8); i += 32) store_o_word(o, ldo, st, s.tok, rw * 16 + (i >> 3), i & 7);
       return;
     }
   }
-  for (int i = lane; i < 16 * per_row; i += 32) put(rw * 16 + i / per_row, i % per_row);
+  for (int i = lane; i < 16 * per_row; i += 32) store_o_word(o, ldo, st, s.tok, rw * 16 + i / per_row, i % per_row);
 }
 
 }  // namespace
