@@ -5,7 +5,8 @@
 # against LibTorch, stamps it with the build fingerprint the registry checks (torch version,
 # _GLIBCXX_USE_CXX11_ABI from torch's flags, CUDA version and archs), and places its manifest next
 # to it. The op namespace is `tree_recurrence_<name>`, passed as TREE_RECURRENCE_OP_NAMESPACE so it
-# is never typed twice. PYTHON names the family's Python folder (library stand-ins, component adapters:
+# is never typed twice. The plugin links the shared ops library (TreeRecurrence::ops, sdk/shared_ops.h), which
+# registers the ops families share (torch.ops.tree_recurrence.tree_conv, .chunk_state_pass) once for all. PYTHON names the family's Python folder (library stand-ins, component adapters:
 # the manifest's `python:` modules); its *.py files go next to the manifest as the folder <name>/, where
 # the engine imports them from.
 function(tree_recurrence_fingerprint_definitions target)
@@ -38,12 +39,25 @@ function(tree_recurrence_add_family name)
   if(TARGET TreeRecurrence::sdk)
     target_link_libraries(${target} PRIVATE TreeRecurrence::sdk)
   endif()
+  # The shared ops library (sdk/shared_ops.h): the C++ functions of the shared ops (chunk_state_pass, tree_conv).
+  if(TARGET TreeRecurrence::ops)
+    target_link_libraries(${target} PRIVATE TreeRecurrence::ops)
+  endif()
   target_compile_definitions(${target} PRIVATE TREE_RECURRENCE_OP_NAMESPACE=tree_recurrence_${name})
   if(CMAKE_CUDA_COMPILER AND ARG_CUDA_SOURCES)
     target_compile_definitions(${target} PRIVATE TREE_RECURRENCE_WITH_CUDA=1)
   endif()
   tree_recurrence_fingerprint_definitions(${target})
   set_target_properties(${target} PROPERTIES PREFIX "lib" CXX_VISIBILITY_PRESET hidden)
+  if(ARG_INSTALL_DIR AND TARGET tree_recurrence_ops)
+    # In the package: plugins/ next to sdk/lib/, where the shared ops library is installed.
+    set_target_properties(${target} PROPERTIES INSTALL_RPATH "$ORIGIN/../sdk/lib")
+  elseif(ARG_INSTALL_DIR AND TARGET TreeRecurrence::ops)
+    # Out of tree: the installed package's sdk/lib/ (the Python package also loads the library before any plugin).
+    get_target_property(_tr_ops_location TreeRecurrence::ops IMPORTED_LOCATION)
+    get_filename_component(_tr_ops_dir "${_tr_ops_location}" DIRECTORY)
+    set_target_properties(${target} PROPERTIES INSTALL_RPATH "${_tr_ops_dir}")
+  endif()
   if(NOT ARG_OUTPUT_DIR)
     set(ARG_OUTPUT_DIR "${CMAKE_BINARY_DIR}/plugins")
   endif()

@@ -1,7 +1,8 @@
 # Installs the SDK into the wheel, under tree_recurrence/sdk/ (included from sdk/CMakeLists.txt):
 #
 #   include/tree_recurrence/{sdk,kernels}/*.h   the public headers
-#   lib/libtree_recurrence_kernels.a            the shared tree conv kernels (CPU, and CUDA when built), PIC
+#   lib/libtree_recurrence_kernels.a            the shared kernels (tree conv, state pass; CPU, and CUDA when built), PIC
+#   lib/libtree_recurrence_ops.so               the shared torch ops (torch.ops.tree_recurrence.*; sdk/shared_ops.h)
 #   cmake/TreeRecurrenceSDKConfig.cmake         find_package(TreeRecurrenceSDK): imported targets, Torch, and
 #   cmake/TreeRecurrenceSDKConfigVersion.cmake  tree_recurrence_add_family() stamping this build's fingerprint
 #   cmake/TreeRecurrenceFamily.cmake
@@ -11,6 +12,7 @@ set(_tr_sdk_dest tree_recurrence/sdk)
 
 install(DIRECTORY "${PROJECT_SOURCE_DIR}/sdk/include/" DESTINATION ${_tr_sdk_dest}/include FILES_MATCHING PATTERN "*.h")
 install(TARGETS tree_recurrence_kernels ARCHIVE DESTINATION ${_tr_sdk_dest}/lib)
+install(TARGETS tree_recurrence_ops LIBRARY DESTINATION ${_tr_sdk_dest}/lib)
 
 # The fingerprint every library of this build carries (sdk/include/tree_recurrence/sdk/fingerprint.h): the
 # installed config records it so that an out-of-tree family is built for the same torch, C++ ABI and CUDA.

@@ -1,5 +1,5 @@
 // The one mapping of torch's floating dtypes onto the kernels' element types (kernels/dtype.h), for
-// the torch op wrappers (tree_conv_op.h, chunk_state_op.h).
+// the shared ops library's torch op wrappers (sdk/ops/tree_conv_op.cpp, sdk/ops/chunk_state_op.cpp).
 #pragma once
 
 #include <c10/core/ScalarType.h>

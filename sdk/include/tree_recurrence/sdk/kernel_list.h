@@ -5,6 +5,8 @@
 // An op of the family's namespace runs on a device when it has a kernel for that device's dispatch key,
 // or when it is a CompositeImplicitAutograd composite and every op it is built on (the second element,
 // ops of the same namespace) runs there. Call it after the family registered its ops (its constructor).
+// A name the family's namespace does not hold is looked up among the shared ops (torch.ops.tree_recurrence,
+// sdk/shared_ops.h: tree_conv, chunk_state_pass), which a family lists as its own when it offers them.
 #pragma once
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -15,11 +17,13 @@
 
 #include "tree_recurrence/sdk/family.h"
 #include "tree_recurrence/sdk/op_library.h"
+#include "tree_recurrence/sdk/shared_ops.h"
 
 namespace tree_recurrence {
 
 inline bool op_runs_on(const std::string& op, c10::DispatchKey device_key, const std::vector<std::string>& built_on) {
   auto handle = c10::Dispatcher::singleton().findOp({qualified_op(op.c_str()), ""});
+  if (!handle) handle = c10::Dispatcher::singleton().findOp({std::string(TREE_RECURRENCE_SHARED_OP_NAMESPACE "::") + op, ""});
   if (!handle) return false;
   if (handle->hasKernelForDispatchKey(device_key)) return true;
   if (!handle->hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd)) return false;
