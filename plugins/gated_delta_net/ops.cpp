@@ -1,21 +1,20 @@
 // Torch ops of the gated_delta_net family (namespace tree_recurrence_gated_delta_net), registered
-// when the family is created (sdk/op_library.h says why).
+// when the family is created (sdk/op_library.h says why). The tree conv and the state pass it runs on are the
+// shared ops library's (torch.ops.tree_recurrence.*, sdk/shared_ops.h), not registered here.
 #include "ops.h"
 
 #include "csrc/gdn_chunked.h"
 #include "csrc/gdn_fused/gdn_fused.h"
 #include "csrc/gdn_fused/gdn_fused_bwd.h"
 #include "csrc/gdn_token_oracle.h"
-#include "tree_recurrence/sdk/chunk_state_op.h"
 #include "tree_recurrence/sdk/chunk_tables.h"
+#include "tree_recurrence/sdk/op_library.h"
 #include "tree_recurrence/sdk/test_ops.h"
-#include "tree_recurrence/sdk/tree_conv_op.h"
 
 namespace tree_recurrence::gdn {
 
 void register_ops() {
-  register_tree_conv_op();
-  register_chunk_state_op();
+  // tree_conv and chunk_state_pass are the shared ops library's (torch.ops.tree_recurrence, sdk/shared_ops.h).
   // The seam's native op: chunked, over the plan's device chunk tables (csrc/gdn_chunked.h).
   op_library(torch::Library::FRAGMENT)
       .def("gdn_tree_scan(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, " TREE_RECURRENCE_CHUNK_TABLE_SCHEMA

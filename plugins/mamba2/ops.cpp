@@ -1,4 +1,4 @@
-// Torch ops of the mamba2 family (namespace tree_recurrence_mamba2): the shared tree conv, the
+// Torch ops of the mamba2 family (namespace tree_recurrence_mamba2): the
 // chunked tree SSD scan (ssd_tree_scan, the seam's native op), and for tests only
 // (TREE_RECURRENCE_TEST_OPS=1, sdk/test_ops.h) its float64 oracle ssd_token_scan and the fused
 // kernels' stage ops, registered when the family is created (sdk/op_library.h says why: a bad
@@ -9,16 +9,15 @@
 #include "csrc/ssd_fused/ssd_fused.h"
 #include "csrc/ssd_fused/ssd_fused_bwd.h"
 #include "csrc/ssd_token_oracle.h"
-#include "tree_recurrence/sdk/chunk_state_op.h"
 #include "tree_recurrence/sdk/chunk_tables.h"
+#include "tree_recurrence/sdk/op_library.h"
 #include "tree_recurrence/sdk/test_ops.h"
-#include "tree_recurrence/sdk/tree_conv_op.h"
 
 namespace tree_recurrence::ssd {
 
 void register_ops() {
-  register_tree_conv_op();
-  register_chunk_state_op();  // the inter-chunk state pass ssd_tree_scan calls (qualified_op)
+  // tree_conv and the inter-chunk state pass ssd_tree_scan calls (chunk_state_pass, a C++ function) are the
+  // shared ops library's (torch.ops.tree_recurrence, sdk/shared_ops.h).
   op_library(torch::Library::FRAGMENT)
       .def("ssd_tree_scan(Tensor x, Tensor dt, Tensor B, Tensor C, " TREE_RECURRENCE_CHUNK_TABLE_SCHEMA
            ", Tensor? initial_state, Tensor A, float[] dt_limit, Tensor? D=None, Tensor? dt_bias=None, "

@@ -2,7 +2,8 @@
 // against the installed SDK (find_package(TreeRecurrenceSDK)).
 //
 // The family object is created once, when the registry loads the library, and never destroyed. Its
-// constructor registers the torch ops (tree_recurrence_kimi_linear::tree_conv and ::kda_tree_scan): an error
+// constructor registers the torch ops (tree_recurrence_kimi_linear::kda_tree_scan; the tree conv is the
+// SDK's shared op, tree_recurrence::tree_conv): an error
 // there reaches the factory, which reports it, and the registry refuses this plugin while others load.
 #include "ops.h"
 #include "tree_recurrence/sdk/family.h"

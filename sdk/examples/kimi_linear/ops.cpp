@@ -3,13 +3,13 @@
 #include "ops.h"
 
 #include "csrc/kda_tree_scan.h"
-#include "tree_recurrence/sdk/tree_conv_op.h"
+#include "tree_recurrence/sdk/op_library.h"
 
 namespace kimi_linear {
 
 void register_ops() {
-  // The SDK's tree conv (CPU, CUDA when the SDK has it, Meta, Autograd), in this family's namespace.
-  tree_recurrence::register_tree_conv_op();
+  // The tree conv is the SDK's shared op (torch.ops.tree_recurrence.tree_conv, libtree_recurrence_ops.so): not
+  // registered here.
   tree_recurrence::op_library(torch::Library::FRAGMENT)
       .def("kda_tree_scan(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor seg_offsets, Tensor parents, "
            "Tensor? initial_state, float scale, bool use_qk_l2norm) -> Tensor");
