@@ -61,7 +61,7 @@ def main():
     parser.add_argument("--device", default="cuda")
     args = parser.parse_args()
     plugins.families()
-    ops = torch.ops.tree_recurrence_gated_delta_net
+    ops = plugins.shared_ops()  # torch.ops.tree_recurrence (the shared ops library)
     dev = torch.device(args.device)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     H, K, V, C = (2, 100, 70, 16) if args.small else (32, 128, 128, 64)

@@ -18,9 +18,9 @@ import torch
 import tree_recurrence as tr
 from tree_recurrence import plugins
 
-plugins.families()  # loads the family plugins, which register their torch ops
-NAMESPACES = ["tree_recurrence_gated_delta_net", "tree_recurrence_mamba2"]
-OPS = torch.ops.tree_recurrence_gated_delta_net
+plugins.families()  # loads the shared ops library (torch.ops.tree_recurrence), then the family plugins
+FAMILY_NAMESPACES = ["tree_recurrence_gated_delta_net", "tree_recurrence_mamba2", "tree_recurrence_short_conv"]
+OPS = plugins.shared_ops()
 OP, BACKWARD = OPS.chunk_state_pass, OPS.chunk_state_pass_backward
 HAS_CUDA = torch.cuda.is_available()
 
@@ -203,15 +203,22 @@ def test_larger_dims_and_full_chunks():
     check_against_oracle(result, reference, 1e-12, torch.float64)
 
 
-def test_both_families_register_the_op():
-    for ns in NAMESPACES:
-        ops = getattr(torch.ops, ns)
-        assert hasattr(ops, "chunk_state_pass") and hasattr(ops, "chunk_state_pass_backward"), ns
+def test_the_op_is_registered_once_in_the_shared_namespace():
+    """One op, torch.ops.tree_recurrence.chunk_state_pass (libtree_recurrence_ops.so): no family registers a copy
+    in its own namespace, and the families that run on it still list their scans as running (kernel_list.h finds
+    the shared op)."""
+    for name in ("chunk_state_pass", "chunk_state_pass_backward", "tree_conv", "tree_conv_backward"):
+        assert torch._C._jit_get_schemas_for_operator(f"tree_recurrence::{name}"), name
+        for ns in FAMILY_NAMESPACES:
+            assert not torch._C._jit_get_schemas_for_operator(f"{ns}::{name}"), f"{ns}::{name}"
+    for family, scan in (("gated_delta_net", "gdn_tree_scan"), ("mamba2", "ssd_tree_scan")):
+        if family in plugins.families():
+            assert plugins.families()[family].has_kernel(scan, "cpu"), family
     plan = random_trie("forest", 4, 7)
     tables = plan.chunk_tables(4, "cpu")
     inputs = make_inputs(tables, 2, 3, 5, 4, torch.float64, 7, True, "shared", None)
     a = OP(*inputs, *tables.state_args())
-    b = torch.ops.tree_recurrence_mamba2.chunk_state_pass(*inputs, *tables.state_args())
+    b = torch.ops.tree_recurrence.chunk_state_pass.default(*inputs, *tables.state_args())
     for x, y in zip(a, b):
         torch.testing.assert_close(x, y, rtol=0, atol=0)
 

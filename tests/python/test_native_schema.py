@@ -58,8 +58,8 @@ def _add_kwarg(name):
                                        "positionally for a chunked (native.chunk given) op"),
     (lambda spec: spec["native"].pop("chunk"),
      f"native op '{NS}::gdn_tree_scan': argument 5 is 'gather', the driver passes the plan table 'seg_offsets' there"),
-    (_set_native(op="tree_conv", chunk=None), f"native op '{NS}::tree_conv' takes 7 arguments, the driver passes 8 "
-                                              "positionally for a token-walking (no native.chunk) op"),
+    # the shared ops (torch.ops.tree_recurrence.tree_conv, ...) are no family's own: a manifest cannot name one
+    (_set_native(op="tree_conv", chunk=None), f"native op '{NS}::tree_conv' is not registered"),
     (_set_native(op="gdn_fused_stages"), f"native op '{NS}::gdn_fused_stages' returns (List[Tensor]), the driver "
                                          "expects one Tensor"),
     (_drop_kwarg("scale"), "parameter 'scale' has no default and native.kwargs does not give it"),

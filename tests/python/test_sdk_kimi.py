@@ -181,10 +181,12 @@ def test_sdk_cli_points_at_the_installed_sdk():
     assert cmake == package / "sdk" / "cmake" and include == package / "sdk" / "include"
     assert {"TreeRecurrenceSDKConfig.cmake", "TreeRecurrenceSDKConfigVersion.cmake",
             "TreeRecurrenceFamily.cmake"} <= {p.name for p in cmake.iterdir()}
-    for header in ("abi.h", "family.h", "fingerprint.h", "op_library.h", "tree_conv_op.h"):
+    for header in ("abi.h", "family.h", "fingerprint.h", "op_library.h", "tree_conv_op.h", "chunk_state_op.h",
+                   "shared_ops.h"):
         assert (include / "tree_recurrence" / "sdk" / header).is_file(), header
     assert (include / "tree_recurrence" / "kernels" / "tree_conv.h").is_file()
     assert (package / "sdk" / "lib" / "libtree_recurrence_kernels.a").is_file()
+    assert (package / "sdk" / "lib" / "libtree_recurrence_ops.so").is_file()  # the shared ops library
     config = (cmake / "TreeRecurrenceSDKConfig.cmake").read_text()
     built_torch = tree_recurrence._core.core_fingerprint().split(",")[0].removeprefix("torch ").strip()
     assert f'set(TREE_RECURRENCE_SDK_TORCH_VERSION "{built_torch}")' in config
@@ -203,6 +205,9 @@ def test_plugin_loads_with_the_package_fingerprint(kimi_family, kimi_plugin_dir)
     assert [m["mixers"] for m in manifest["models"] if m["model_type"] == "kimi_linear"] == [["KimiLinearDeltaAttention"]]
     assert set(manifest["seams"]) == set(KIMI_SEAMS)
     assert hasattr(torch.ops.tree_recurrence_kimi_linear, "kda_tree_scan")
+    # its tree conv is the SDK's shared op, not a copy in its own namespace
+    assert not torch._C._jit_get_schemas_for_operator("tree_recurrence_kimi_linear::tree_conv")
+    assert torch._C._jit_get_schemas_for_operator("tree_recurrence::tree_conv")
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""torch.ops.tree_recurrence_gated_delta_net.tree_conv: the causal depthwise conv over a trie.
+"""torch.ops.tree_recurrence.tree_conv (the shared ops library, registered once for every family): the causal depthwise conv over a trie.
 
 Checked on CPU against an independent reference: every sample's root-to-leaf path run through
 ``torch.nn.functional.conv1d`` on its own (the path positions come from TRL's packing, not from
@@ -17,8 +17,8 @@ from tree_recurrence import plugins
 
 pytestmark = pytest.mark.usefixtures("gdn_modules_pristine")
 
-plugins.families()  # loads the family plugins, which register their torch ops
-OP = torch.ops.tree_recurrence_gated_delta_net.tree_conv
+plugins.families()  # loads the shared ops library (torch.ops.tree_recurrence), then the family plugins
+OP = plugins.shared_ops().tree_conv
 CHANNELS = 5
 
 

@@ -236,9 +236,10 @@ def decide_route(call: SeamCall, backend: str, policy: Policy, device: torch.dev
 
 def tree_conv(family: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None,
               plan: TreePlan) -> torch.Tensor:
-    """The family's native tree conv on a channels-first ``(1, C, N)`` row; returns ``(1, C, N)``."""
+    """A family's native tree conv (the shared ``torch.ops.tree_recurrence.tree_conv``) on a ``(1, C, N)`` row."""
     check_activation("tree_conv", activation)
-    return _tree_conv_op(plugins.ops(family).tree_conv, x, weight, bias, activation, plan)
+    plugins.ops(family)  # KeyError when no such family is loaded
+    return _tree_conv_op(plugins.shared_ops().tree_conv, x, weight, bias, activation, plan)
 
 
 def _tree_conv_op(op, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None,
@@ -254,7 +255,7 @@ def _decide_conv(call: SeamCall, backend: str, policy: Policy, device: torch.dev
     native = plugins.has_kernel(plugins.families()[call.family], "tree_conv", device)
     _, _, is_library = bound_implementation(call.original)
     if backend in ("auto", "native") and native:
-        return Route("native", "native tree conv", plugins.ops(call.family).tree_conv, is_library=is_library)
+        return Route("native", "native tree conv", plugins.shared_ops().tree_conv, is_library=is_library)
     if backend == "native":
         raise ValueError(f"{call.family}: backend 'native' has no tree_conv kernel for {device.type} in this build")
     return Route("rescan", "conv over every path as a padded batch of the bound kernel", is_library=is_library)

@@ -1,6 +1,9 @@
 """Family plugins: discovery through the C++ registry, their torch op namespaces, and families
 registered from Python (``register_family``).
 
+The shared ops (``torch.ops.tree_recurrence.tree_conv``, ``.chunk_state_pass``: ``_shared_ops``) are loaded
+before any plugin: when this module is imported and before every scan.
+
 Folders searched, in order: the package's own ``plugins`` folder, every folder of
 TREE_RECURRENCE_PLUGIN_PATH (os.pathsep-separated), then folders given to ``add_plugin_path``.
 A refused plugin is listed with its reason (``doctor``) and never loaded into a crash.
@@ -20,7 +23,7 @@ from typing import Any
 
 import torch
 
-from . import _core
+from . import _core, _shared_ops
 from ._specs import Family, SeamSpec, SpecError, parse_seams
 
 PACKAGE_PLUGIN_DIR = Path(_core.__file__).resolve().parent / "plugins"
@@ -41,6 +44,7 @@ def add_plugin_path(folder: str | os.PathLike) -> list[dict[str, Any]]:
     """Registers a plugin folder and loads what is new there; returns the new records."""
     global _scan
     folder = os.fspath(folder)
+    _load_shared_ops()
     if folder not in _extra_folders:
         _extra_folders.append(folder)
     added = [record for record, _ in _confined(_core.discover_plugins([folder]))]
@@ -62,6 +66,12 @@ def runtime_mismatch() -> str | None:
     if f"cxx11_abi {abi}" not in built:
         return f"this build uses another C++ ABI than the running torch (cxx11_abi {abi}): reinstall it"
     return None
+
+
+def _load_shared_ops() -> None:
+    """The shared ops library, before any plugin (which links it); not under a torch this build is not for."""
+    if runtime_mismatch() is None:
+        _shared_ops.load()
 
 
 # The last scan: the folders it covered, its records and the loaded ones' Family by name. Every seam call
@@ -100,6 +110,7 @@ def _scanned(rescan: bool = False) -> tuple[tuple[str, ...], list[dict[str, Any]
     global _scan
     folders = tuple(plugin_folders())
     if rescan or _scan is None or _scan[0] != folders:
+        _load_shared_ops()
         _core.discover_plugins(list(folders))
         pairs = _confined(_core.plugin_records())
         _scan = (folders, [record for record, _ in pairs], {f.name: f for _, f in pairs if f is not None})
@@ -192,11 +203,17 @@ def refused() -> list[dict[str, Any]]:
 
 
 def ops(family: str):
-    """The torch op namespace of a loaded family (``torch.ops.tree_recurrence_<family>``)."""
+    """The torch op namespace of a loaded family (``torch.ops.tree_recurrence_<family>``): its own ops. The ops
+    families share (tree_conv, chunk_state_pass) are ``shared_ops()``'s."""
     record = families().get(family)
     if record is None:
         raise KeyError(f"no loaded family plugin named '{family}'")
     return getattr(torch.ops, record.op_namespace)
+
+
+def shared_ops():
+    """``torch.ops.tree_recurrence``: the ops every family shares (``_shared_ops``), registered once."""
+    return _shared_ops.ops()
 
 
 # --------------------------------------------------------------------------------------------
@@ -298,5 +315,7 @@ def family_python(family: str, role: str):
 def has_kernel(record: Family, name: str, device: torch.device) -> bool:
     return record.has_kernel(name, device.type)
 
+
+_load_shared_ops()
 
 from ._registered import register_family, unregister_family  # noqa: E402,F401 (families registered from Python)
