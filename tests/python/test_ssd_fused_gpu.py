@@ -525,8 +525,8 @@ def test_state_pass_ahead_bitwise_equals_v1(name, monkeypatch):
 
 
 SCAN_V4_DIMS = [(16, 64, 2, 128), (8, 64, 1, 128), (2, 8, 2, 8), (8, 24, 4, 40), (6, 32, 3, 64), (4, 56, 2, 72),
-                (4, 64, 4, 256)]
-SCAN_V4_IDS = ["H16P64G2N128", "G1", "P8N8", "P24N40", "H6P32G3", "P56N72", "P64N256"]
+                (4, 32, 2, 176), (4, 64, 4, 256)]
+SCAN_V4_IDS = ["H16P64G2N128", "G1", "P8N8", "P24N40", "H6P32G3", "P56N72", "P32N176", "P64N256"]
 
 
 def scan_variant(monkeypatch, variant):
@@ -544,8 +544,9 @@ def test_scan_v4_vs_v3_and_v2(dims, dtype, name, monkeypatch):
     """The v4 chunk scan (default at chunk 64, P <= 64: 8 warps, key tiles above the diagonal skipped, the
     epilogue on the fragments), v3 (TREE_RECURRENCE_SSD_FWD_SCAN=v3) and v2 (=v2): each against the float64
     stage reference, then out / y of v4 bitwise equal to v3's and v2's (the same per-element arithmetic); odd P /
-    N (P 8, 24, 56; N 8, 40, 72), 1-token segments, z in-type / fp32 / none, D (H, P) / none, per-root h0.
-    P64N256 does not fit v3 / v4 (shared memory): all three runs take v2 there."""
+    N (P 8, 24, 56; N 8, 40, 72, 176: v4's N-rounded-to-64 instantiations 64 / 128 / 192), 1-token segments,
+    z in-type / fp32 / none, D (H, P) / none, per-root h0. P64N256 does not fit v3 / v4 (shared memory): all
+    three runs take v2 there."""
     H, P, G, N = dims
     off, par = CRAFTED[name]
     roots = sum(p < 0 for p in par)

@@ -8,20 +8,24 @@
 // warps per scheduler, issue 36%; the epilogue loop -- a runtime division, 8 scalar 16-bit shared
 // loads of x and of z with 37% excess wavefronts, 8 scalar D loads per 8 columns -- took ~45% of the
 // stall samples):
-//  * 256 threads: warp w owns rows [16 (w % 4), +16) and half the P columns ((w / 4) * PT / 2 ..);
+//  * 256 threads: warp w owns a row block of 16 rows (w for w < 4, 7 - w after: balanced over the
+//    schedulers) and half the P columns ((w / 4) * PT / 2 ..);
 //    C B^T (once per block) is computed by both warps of a row block (each needs its 16 x 64 scores
 //    in registers), C s^T and the scores-times-x MMAs are split by columns; 2 blocks per SM (<= 128
 //    registers, <= 112 KB of shared memory): 4 warps per scheduler instead of 2;
-//  * key tiles above the diagonal (kt > w % 4: every score masked to 0) are skipped: no exps, no MMAs
+//  * key tiles above the diagonal (kt > the row block: every score masked to 0) are skipped: no exps, no MMAs
 //    (v3 added their exact zeros); below the diagonal the mask is not evaluated;
 //  * epilogue per accumulator element in registers: x and z pairs read as 32-bit words (conflict-free
 //    at pitch PT + 8), D pairs from global (read at the head's start), y / out pairs rounded, written
 //    to a warp-private shared tile by stmatrix and stored as 16-byte rows (16 full sectors per
-//    instruction); no fp32 staging, no integer division.
+//    instruction); no fp32 staging, no integer division;
+//  * N rounded to 64 a template argument, the per-head copies with the thread's rows / columns fixed
+//    (v3: a division and 64-bit index math per 16-byte copy, ~1/4 of its per-head instructions).
 // Per element the same operations in the same order as v3 (fwd_tiles.cuh's expressions: the
 // accumulation over k of each accumulator tile, the row scale, the masked score rounded to the
 // in-type, D x, y, silu(z)), so results are expected bitwise equal to v3 / v2 (the skipped tiles only
-// added +0: a -0 accumulator would read +0 there, equal under ==).
+// added 0 * x: a -0 accumulator read +0 there, equal under ==; a non-finite x of a later token of
+// the chunk no longer reaches the earlier rows as NaN).
 // Grid: NC * G * splits blocks as v3 (the slice fastest). Only chunk 64 and P <= 64.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -132,7 +136,10 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_scan_kernel_v4(FwdParams p,
   const int64_t g = cg % G, c = cg / G;
   const int64_t h_first = g * hpg + slice * hpb;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int wr = warp & 3;            // row block: rows [16 wr, 16 wr + 16)
+  // row block wr (rows [16 wr, 16 wr + 16)) and column half: warps w and w + 4 (one scheduler,
+  // warp % 4) take row blocks w and 3 - w, so every scheduler has 5 key tiles of scores per head
+  // (row block wr has wr + 1)
+  const int wr = warp < 4 ? warp : 7 - warp;
   const int col0 = (warp >> 2) * kWCols;  // this warp's first column
   const int wrow = wr * 16;
   const int64_t* gather = p.gather + c * kL;
