@@ -219,23 +219,24 @@ __device__ __forceinline__ void acc_gemm(mm::FragC (&acc)[kMaxAcc][2], const T* 
 // --- version 3 (the default; TREE_RECURRENCE_SSD_POST_V1=1: the kernel as before) -------------------------
 // Same values as version 1, bit for bit (same expressions, same summation orders); the differences are where
 // and when they are computed:
-//   * the load phase (load_rows_v3): dz in the same pass as dy (the sigmoid once; y read with dout / z, no
-//     second read of dout / z), the rows' loads unrolled by 2, dy / e^Lam . dy stored as 16-byte words, the dD
-//     partials of a thread's rows in registers (v1's per-element slot reads / writes were 8-way bank conflicts);
+//   * the load phase (load_rows_v3): dy / e^Lam . dy stored as 16-byte words, the dD partials of a thread's rows in
+//     registers (v1's per-element slot reads / writes were 8-way bank conflicts), no dz pass;
+//   * dz (dz_rows_v3, v1's dz-pass expressions) on warps 2..7 while warps 0, 1 run the row tail (idle warps before);
 //   * the 16-bit dS by cp.async, overlapped with the wlast dt . x and M tiles;
 //   * the next head's s issued by warps 2..7 while warps 0, 1 run the head's row tail;
 //   * the row tail (head_rows_v3): W's row prefixes by float4, the two inner syncs as a 64-thread named barrier
 //     (warps 0, 1 only), its global loads issued first, the dA partial summed after the head's last barrier;
 //   * the k loops of CS, B dS^T, M^T dy and dy x^T unrolled by 2 (the next step's ldmatrix in flight during this
 //     step's mma; same mma order); the q partials and the dx epilogue read dy / x by element pairs.
-// ptxas (sm_90a): 128 registers, 0 spills in every instance (version 1: 4-12 bytes), 2 barriers (0 and the named 1).
+// ptxas (sm_90a): 128 registers; spills 0 bytes except the dy-on-the-fly + z instance (24-byte stores / 40-byte
+// loads: ~10 LDL per head outside the mma loops; version 1: 4 / 4); 2 barriers (0 and the named 1).
 
 // the 64-thread named barrier of warps 0 and 1 (barrier 1; __syncthreads is barrier 0)
 __device__ __forceinline__ void sync_rows64() { asm volatile("bar.sync 1, 64;\n" ::: "memory"); }
 
 // one row piece's global inputs (16-byte words; fa / fb: the fp32 dy when not kFly) and e^Lam of the row
 struct RowIn {
-  uint4 x, d, z, y;
+  uint4 x, d, z;
   float4 fa, fb;
   float lam;
   int64_t off;
@@ -243,24 +244,20 @@ struct RowIn {
 };
 template <typename T, bool kFly, bool kZ>
 __device__ __forceinline__ void load_row_v3(const BwdParams& p, const int* tok, int h, int H, int P, int64_t chl, int i,
-                                            int lcc, bool wdz, RowIn& r) {
+                                            int lcc, RowIn& r) {
   const int t = tok[i];
   r.ok = t >= 0 && lcc * 8 < P;
   r.off = (static_cast<int64_t>(t) * H + h) * P + lcc * 8;
   r.x = make_uint4(0u, 0u, 0u, 0u);
   r.d = r.x;
   r.z = r.x;
-  r.y = r.x;
   r.fa = make_float4(0.f, 0.f, 0.f, 0.f);
   r.fb = r.fa;
   if (r.ok) {
     r.x = ld16(static_cast<const T*>(p.x) + r.off);
     if constexpr (kFly) {
       r.d = ld16(static_cast<const T*>(p.dout) + r.off);
-      if constexpr (kZ) {
-        r.z = ld16(static_cast<const T*>(p.z) + r.off);
-        if (wdz) r.y = ld16(static_cast<const T*>(p.y) + r.off);
-      }
+      if constexpr (kZ) r.z = ld16(static_cast<const T*>(p.z) + r.off);
     } else {
       r.fa = __ldg(reinterpret_cast<const float4*>(p.dy + r.off));
       r.fb = __ldg(reinterpret_cast<const float4*>(p.dy + r.off + 4));
@@ -268,32 +265,24 @@ __device__ __forceinline__ void load_row_v3(const BwdParams& p, const int* tok, 
   }
   r.lam = __ldg(p.Lam + chl + i);
 }
-// row i's dy, e^Lam . dy, x into shared memory (16-byte words), dz to global (wdz), the dD partial sums (wdD)
+// row i's dy, e^Lam . dy, x into shared memory (16-byte words), the dD partial sums (wdD)
 template <typename T, bool kFly, bool kZ>
-__device__ __forceinline__ void store_row_v3(const RowIn& r, int i, int lrow0, int lcc, int PT, bool wdz, bool wdD,
-                                             T* dys, T* sc, T* xs, T* gdz, float (&dDa)[8]) {
+__device__ __forceinline__ void store_row_v3(const RowIn& r, int i, int lrow0, int lcc, int PT, bool wdD, T* dys, T* sc,
+                                             T* xs, float (&dDa)[8]) {
   const float ei = expf(r.lam);
   const uint32_t xw4[4] = {r.x.x, r.x.y, r.x.z, r.x.w}, dw4[4] = {r.d.x, r.d.y, r.d.z, r.d.w};
-  const uint32_t zw4[4] = {r.z.x, r.z.y, r.z.z, r.z.w}, yw4[4] = {r.y.x, r.y.y, r.y.z, r.y.w};
+  const uint32_t zw4[4] = {r.z.x, r.z.y, r.z.z, r.z.w};
   const float fy[8] = {r.fa.x, r.fa.y, r.fa.z, r.fa.w, r.fb.x, r.fb.y, r.fb.z, r.fb.w};
-  uint32_t dyw[4], scw[4], dzw[4];
+  uint32_t dyw[4], scw[4];
 #pragma unroll
   for (int w = 0; w < 4; ++w) {
     float2 dy2;
-    dzw[w] = 0u;
     if constexpr (kFly) {
-      const float2 g2 = unpack2<T>(dw4[w]);
-      dy2 = g2;
+      dy2 = unpack2<T>(dw4[w]);
       if constexpr (kZ) {
         const float2 z2 = unpack2<T>(zw4[w]);
-        const float s0 = sigm(z2.x), s1 = sigm(z2.y);
-        dy2.x = dy2.x * z2.x * s0;
-        dy2.y = dy2.y * z2.y * s1;
-        if (wdz) {
-          const float2 y2 = unpack2<T>(yw4[w]);
-          dzw[w] = mm::Elem<T>::pack(g2.x * y2.x * s0 * (1.f + z2.x * (1.f - s0)),
-                                     g2.y * y2.y * s1 * (1.f + z2.y * (1.f - s1)));
-        }
+        dy2.x = dy2.x * z2.x * sigm(z2.x);
+        dy2.y = dy2.y * z2.y * sigm(z2.y);
       }
     } else {
       dy2 = make_float2(fy[2 * w], fy[2 * w + 1]);
@@ -310,16 +299,44 @@ __device__ __forceinline__ void store_row_v3(const RowIn& r, int i, int lrow0, i
   *reinterpret_cast<uint4*>(dys + i * PT + lcc * 8) = make_uint4(dyw[0], dyw[1], dyw[2], dyw[3]);
   *reinterpret_cast<uint4*>(sc + i * PT + lcc * 8) = make_uint4(scw[0], scw[1], scw[2], scw[3]);
   *reinterpret_cast<uint4*>(xs + i * PT + lcc * 8) = r.x;
-  if (wdz && r.ok) *reinterpret_cast<uint4*>(gdz + r.off) = make_uint4(dzw[0], dzw[1], dzw[2], dzw[3]);
+}
+// dz = dout y silu'(z) in z's type for the head's rows (version 1's dz pass, its expressions), 8-byte pieces e =
+// first, first + step, .. of the L x (Pp / 4) pieces (8 bytes: fewer live registers next to the dC / dB
+// accumulators): version 3 runs it on warps 2..7 during the row tail
+template <typename T>
+__device__ __forceinline__ void dz_rows_v3(const BwdParams& p, const int* tok, int h, int H, int P, int Pp, int first,
+                                           int step) {
+  const T* gdo = static_cast<const T*>(p.dout);
+  const T* gz = static_cast<const T*>(p.z);
+  const T* gy = static_cast<const T*>(p.y);
+  T* gdz = static_cast<T*>(p.dz_out);
+  const int cpr4 = Pp / 4;
+#pragma unroll 1
+  for (int e = first; e < kL * cpr4; e += step) {
+    const int i = e / cpr4, cc = e % cpr4;
+    const int t = tok[i];
+    if (t < 0 || cc * 4 >= P) continue;
+    const int64_t off = (static_cast<int64_t>(t) * H + h) * P + cc * 4;
+    const uint2 dr = __ldg(reinterpret_cast<const uint2*>(gdo + off)), zr = __ldg(reinterpret_cast<const uint2*>(gz + off)),
+                yr = __ldg(reinterpret_cast<const uint2*>(gy + off));
+    const uint32_t dw4[2] = {dr.x, dr.y}, zw4[2] = {zr.x, zr.y}, yw4[2] = {yr.x, yr.y};
+    uint32_t dzw[2];
+#pragma unroll
+    for (int w = 0; w < 2; ++w) {
+      const float2 g2 = unpack2<T>(dw4[w]), z2 = unpack2<T>(zw4[w]), y2 = unpack2<T>(yw4[w]);
+      const float s0 = sigm(z2.x), s1 = sigm(z2.y);
+      dzw[w] = mm::Elem<T>::pack(g2.x * y2.x * s0 * (1.f + z2.x * (1.f - s0)),
+                                 g2.y * y2.y * s1 * (1.f + z2.y * (1.f - s1)));
+    }
+    *reinterpret_cast<uint2*>(gdz + off) = make_uint2(dzw[0], dzw[1]);
+  }
 }
 // version 3's load phase of one head: this thread's rows lrow0, lrow0 + rpp, .. (16-byte column piece lcc), each
-// row's global loads (x, dout, z, y, Lam) issued before its arithmetic
+// row's global loads (x, dout, z, Lam) issued before its arithmetic
 template <typename T, bool kFly, bool kZ>
 __device__ __forceinline__ void load_rows_v3(const BwdParams& p, const int* tok, int h, int H, int P, int Pp, int PT,
                                              int64_t chl, int lrow0, int lcc, int rpp, T* dys, T* sc, T* xs,
                                              float* dDred) {
-  T* gdz = static_cast<T*>(p.dz_out);
-  const bool wdz = kFly && kZ && gdz != nullptr;
   const bool wdD = p.dD_part != nullptr;
   float dDa[8];  // this thread's slot: its rows in order (v1's dDr[] sums)
 #pragma unroll
@@ -327,8 +344,8 @@ __device__ __forceinline__ void load_rows_v3(const BwdParams& p, const int* tok,
 #pragma unroll 1
   for (int i = lrow0; i < kL; i += rpp) {  // (two rows in flight: ~270 bytes of spills next to the dC / dB accumulators)
     RowIn a;
-    load_row_v3<T, kFly, kZ>(p, tok, h, H, P, chl, i, lcc, wdz, a);
-    store_row_v3<T, kFly, kZ>(a, i, lrow0, lcc, PT, wdz, wdD, dys, sc, xs, gdz, dDa);
+    load_row_v3<T, kFly, kZ>(p, tok, h, H, P, chl, i, lcc, a);
+    store_row_v3<T, kFly, kZ>(a, i, lrow0, lcc, PT, wdD, dys, sc, xs, dDa);
   }
   if (wdD && lrow0 < kL) {
     float4* d4 = reinterpret_cast<float4*>(dDred + lrow0 * Pp + lcc * 8);
@@ -829,6 +846,9 @@ __global__ void __launch_bounds__(kThreads, 2) post_bf16_kernel(BwdParams p) {
           mm::cp_async_16(mat + pp * NT + cc * 8, gst + (ok ? nbase + pp * N + cc * 8 : 0), ok ? 16 : 0);
         }
         mm::cp_async_commit();
+      }
+      if constexpr (kFly && kZ) {  // warps 2..7: this head's dz (global only: no shared memory)
+        if (tid >= kL && gdz != nullptr) dz_rows_v3<T>(p, tok, h, H, P, Pp, tid - kL, kThreads - kL);
       }
       // the next head overwrites lam, dts, dys, xs, the W region, the partials
       __syncthreads();
