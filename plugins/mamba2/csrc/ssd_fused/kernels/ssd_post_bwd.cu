@@ -219,8 +219,9 @@ __device__ __forceinline__ void acc_gemm(mm::FragC (&acc)[kMaxAcc][2], const T* 
 // --- version 3 (the default; TREE_RECURRENCE_SSD_POST_V1=1: the kernel as before) -------------------------
 // Same values as version 1, bit for bit (same expressions, same summation orders); the differences are where
 // and when they are computed:
-//   * the load phase (load_rows_v3): dy / e^Lam . dy stored as 16-byte words, the dD partials of a thread's rows in
-//     registers (v1's per-element slot reads / writes were 8-way bank conflicts), no dz pass;
+//   * the load phase: with dy on the fly x, dout, z of all a thread's rows by cp.async at once (issue_rows_v3 /
+//     finish_rows_v3), else load_rows_v3 (a row at a time); dy / e^Lam . dy stored as 16-byte words, the dD
+//     partials of a thread's rows in registers (v1's per-element slot reads / writes were 8-way bank conflicts);
 //   * dz (dz_rows_v3, v1's dz-pass expressions) on warps 2..7 while warps 0, 1 run the row tail (idle warps before);
 //   * the 16-bit dS by cp.async, overlapped with the wlast dt . x and M tiles;
 //   * the next head's s issued by warps 2..7 while warps 0, 1 run the head's row tail;
@@ -228,8 +229,7 @@ __device__ __forceinline__ void acc_gemm(mm::FragC (&acc)[kMaxAcc][2], const T* 
 //     (warps 0, 1 only), its global loads issued first, the dA partial summed after the head's last barrier;
 //   * the k loops of CS, B dS^T, M^T dy and dy x^T unrolled by 2 (the next step's ldmatrix in flight during this
 //     step's mma; same mma order); the q partials and the dx epilogue read dy / x by element pairs.
-// ptxas (sm_90a): 128 registers; spills 0 bytes except the dy-on-the-fly + z instance (24-byte stores / 40-byte
-// loads: ~10 LDL per head outside the mma loops; version 1: 4 / 4); 2 barriers (0 and the named 1).
+// ptxas (sm_90a): 128 registers, 0 spills in every instance (version 1: 4-12 bytes), 2 barriers (0 and the named 1).
 
 // the 64-thread named barrier of warps 0 and 1 (barrier 1; __syncthreads is barrier 0)
 __device__ __forceinline__ void sync_rows64() { asm volatile("bar.sync 1, 64;\n" ::: "memory"); }
@@ -348,6 +348,56 @@ __device__ __forceinline__ void load_rows_v3(const BwdParams& p, const int* tok,
     store_row_v3<T, kFly, kZ>(a, i, lrow0, lcc, PT, wdD, dys, sc, xs, dDa);
   }
   if (wdD && lrow0 < kL) {
+    float4* d4 = reinterpret_cast<float4*>(dDred + lrow0 * Pp + lcc * 8);
+    d4[0] = make_float4(dDa[0], dDa[1], dDa[2], dDa[3]);
+    d4[1] = make_float4(dDa[4], dDa[5], dDa[6], dDa[7]);
+  }
+}
+
+// version 3's load phase with dy on the fly, in two steps: issue_rows_v3 copies this thread's rows' x, dout, z
+// pieces by cp.async into xs, dys, sc (zero-filled for pad rows / columns >= P, as version 1's zero registers);
+// after the caller's cp.async wait (a thread reads back only its own pieces: no barrier) finish_rows_v3 forms dy,
+// e^Lam . dy in place and the dD partials, store_row_v3's arithmetic. All rows' loads in flight at once.
+template <typename T, bool kZ>
+__device__ __forceinline__ void issue_rows_v3(const BwdParams& p, const int* tok, int h, int H, int P, int PT,
+                                              int lrow0, int lcc, int rpp, T* dys, T* sc, T* xs) {
+  const T* gx = static_cast<const T*>(p.x);
+  const T* gdo = static_cast<const T*>(p.dout);
+  const T* gz = static_cast<const T*>(p.z);
+#pragma unroll 1
+  for (int i = lrow0; i < kL; i += rpp) {
+    const int t = tok[i];
+    const bool ok = t >= 0 && lcc * 8 < P;
+    const int64_t off = ok ? (static_cast<int64_t>(t) * H + h) * P + lcc * 8 : 0;
+    const int nb = ok ? 16 : 0;
+    const int so = i * PT + lcc * 8;
+    mm::cp_async_16(xs + so, gx + off, nb);
+    mm::cp_async_16(dys + so, gdo + off, nb);
+    if constexpr (kZ) mm::cp_async_16(sc + so, gz + off, nb);
+  }
+}
+template <typename T, bool kZ>
+__device__ __forceinline__ void finish_rows_v3(const BwdParams& p, int Pp, int PT, int64_t chl, int lrow0, int lcc,
+                                               int rpp, float lam0, T* dys, T* sc, T* xs, float* dDred) {
+  const bool wdD = p.dD_part != nullptr;
+  float dDa[8];  // this thread's slot: its rows in order (v1's dDr[] sums)
+#pragma unroll
+  for (int k = 0; k < 8; ++k) dDa[k] = 0.f;
+  float lnext = lam0;  // Lam of row lrow0 (loaded by the caller before its wait), then one row ahead
+#pragma unroll 1
+  for (int i = lrow0; i < kL; i += rpp) {
+    RowIn r;
+    const int so = i * PT + lcc * 8;
+    r.x = *reinterpret_cast<const uint4*>(xs + so);
+    r.d = *reinterpret_cast<const uint4*>(dys + so);
+    r.z = kZ ? *reinterpret_cast<const uint4*>(sc + so) : make_uint4(0u, 0u, 0u, 0u);
+    r.fa = make_float4(0.f, 0.f, 0.f, 0.f);
+    r.fb = r.fa;
+    r.lam = lnext;
+    if (i + rpp < kL) lnext = __ldg(p.Lam + chl + i + rpp);
+    store_row_v3<T, true, kZ>(r, i, lrow0, lcc, PT, wdD, dys, sc, xs, dDa);
+  }
+  if (wdD) {
     float4* d4 = reinterpret_cast<float4*>(dDred + lrow0 * Pp + lcc * 8);
     d4[0] = make_float4(dDa[0], dDa[1], dDa[2], dDa[3]);
     d4[1] = make_float4(dDa[4], dDa[5], dDa[6], dDa[7]);
@@ -558,6 +608,14 @@ __global__ void __launch_bounds__(kThreads, 2) post_bf16_kernel(BwdParams p) {
     // s -> mat (cp.async, the input type); V3: heads after the first were issued by warps 2..7 in the
     // previous head's tail
     const int64_t sbase = ch * P * static_cast<int64_t>(N);
+    // V3, dy on the fly: this thread's x / dout / z pieces by cp.async first (a group of their own: at the first
+    // head s follows, and the wait leaves s in flight), then dy and e^Lam . dy from them
+    constexpr bool kAsyncRows = kV3 && kFly;
+    if constexpr (kAsyncRows) {
+      if (lrow0 < rpp && lrow0 < kL) issue_rows_v3<T, kZ>(p, tok, h, H, P, PT, lrow0, lcc, rpp, dys, sc, xs);
+      mm::cp_async_commit();
+    }
+    const float lam0 = kAsyncRows && lrow0 < rpp && lrow0 < kL ? __ldg(p.Lam + chl + lrow0) : 0.f;
     if (!kV3 || hh == 0) {
       for (int e = tid; e < Pp * cprN; e += kThreads) {
         const int pp = e / cprN, cc = e % cprN;
@@ -567,7 +625,12 @@ __global__ void __launch_bounds__(kThreads, 2) post_bf16_kernel(BwdParams p) {
       mm::cp_async_commit();
     }
     // dy (on the fly or from p.dy), x, e^Lam . dy; dz; dD partials
-    if constexpr (kV3) {
+    if constexpr (kAsyncRows) {
+      // groups in order: [the previous tail's s (heads > 0)], this head's rows, [s (head 0)]: at head 0 the rows are
+      // the second newest group (wait 1 leaves s in flight); later heads wait for all (s landed during the tail)
+      if (hh == 0) mm::cp_async_wait<1>(); else mm::cp_async_wait<0>();
+      if (lrow0 < rpp && lrow0 < kL) finish_rows_v3<T, kZ>(p, Pp, PT, chl, lrow0, lcc, rpp, lam0, dys, sc, xs, dDred);
+    } else if constexpr (kV3) {
       if (lrow0 < rpp) load_rows_v3<T, kFly, kZ>(p, tok, h, H, P, Pp, PT, chl, lrow0, lcc, rpp, dys, sc, xs, dDred);
     } else if (lrow0 < rpp) {
       #pragma unroll 1
