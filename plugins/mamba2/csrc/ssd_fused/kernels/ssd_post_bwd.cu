@@ -32,7 +32,8 @@
 // (git history has it). The 16-bit ds (p.ds16, issue 20 H5) is read by a warp-uniform branch.
 // Version 3 (2026-12-03, the default; TREE_RECURRENCE_SSD_POST_V1=1 launches the kernel described above, its SASS
 // unchanged): the same values bit for bit, fewer instructions, bank conflicts and block barriers (the comment above
-// post_bf16_kernel's template says what moved); 6 block barriers + 2 two-warp named barriers per head instead of 9.
+// post_bf16_kernel's template says what moved); 6 block barriers per head instead of 9 (no named barrier: the row
+// tail runs on warp 0 under __syncwarp, see head_rows_v3).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -222,17 +223,17 @@ __device__ __forceinline__ void acc_gemm(mm::FragC (&acc)[kMaxAcc][2], const T* 
 //   * the load phase: with dy on the fly x, dout, z of all a thread's rows by cp.async at once (issue_rows_v3 /
 //     finish_rows_v3), else load_rows_v3 (a row at a time); dy / e^Lam . dy stored as 16-byte words, the dD
 //     partials of a thread's rows in registers (v1's per-element slot reads / writes were 8-way bank conflicts);
-//   * dz (dz_rows_v3, v1's dz-pass expressions) on warps 2..7 while warps 0, 1 run the row tail (idle warps before);
+//   * dz (dz_rows_v3, v1's dz-pass expressions) on warps 1..7 while warp 0 runs the row tail (idle warps before);
 //   * the 16-bit dS by cp.async, overlapped with the wlast dt . x and M tiles;
-//   * the next head's s issued by warps 2..7 while warps 0, 1 run the head's row tail;
-//   * the row tail (head_rows_v3): W's row prefixes by float4, the two inner syncs as a 64-thread named barrier
-//     (warps 0, 1 only), its global loads issued first, the dA partial summed after the head's last barrier;
+//   * the next head's s issued by warps 1..7 while warp 0 runs the head's row tail;
+//   * the row tail (head_rows_v3): on warp 0 alone (rows lane, lane + 32), W's row prefixes by float4, the two
+//     inner syncs as __syncwarp, its global loads issued first, the dA partial summed after the head's last barrier
+//     (on warps 0-1 under a named barrier, bar.sync 1, 64, racecheck reported hazards across every block barrier
+//     of the head loop on the H200, 2026-12-03: notes/san_ssd_racecheck_post_v3.log);
 //   * the k loops of CS, B dS^T, M^T dy and dy x^T unrolled by 2 (the next step's ldmatrix in flight during this
 //     step's mma; same mma order); the q partials and the dx epilogue read dy / x by element pairs.
-// ptxas (sm_90a): 128 registers, 0 spills in every instance (version 1: 4-12 bytes), 2 barriers (0 and the named 1).
+// ptxas (sm_90a): 128 registers, 0 spills in every instance (version 1: 4-12 bytes), 1 barrier (block-wide only).
 
-// the 64-thread named barrier of warps 0 and 1 (barrier 1; __syncthreads is barrier 0)
-__device__ __forceinline__ void sync_rows64() { asm volatile("bar.sync 1, 64;\n" ::: "memory"); }
 
 // one row piece's global inputs (16-byte words; fa / fb: the fp32 dy when not kFly) and e^Lam of the row
 struct RowIn {
@@ -302,7 +303,7 @@ __device__ __forceinline__ void store_row_v3(const RowIn& r, int i, int lrow0, i
 }
 // dz = dout y silu'(z) in z's type for the head's rows (version 1's dz pass, its expressions), 8-byte pieces e =
 // first, first + step, .. of the L x (Pp / 4) pieces (8 bytes: fewer live registers next to the dC / dB
-// accumulators): version 3 runs it on warps 2..7 during the row tail
+// accumulators): version 3 runs it on warps 1..7 during the row tail
 template <typename T>
 __device__ __forceinline__ void dz_rows_v3(const BwdParams& p, const int* tok, int h, int H, int P, int Pp, int first,
                                            int step) {
@@ -421,15 +422,19 @@ __device__ __forceinline__ void row_exclusive_prefix4(float* w, int i) {
   }
 }
 
-// version 3's per-head row tail: bwd_tiles::head_rows's arithmetic in its order, for warps 0 and 1 only (tid < kL;
-// the caller's other warps skip it), its two inner syncs as sync_rows64 and without the dA partial (red[] holds
-// dts . d_dtA; the caller sums it after the head's last barrier: dA_sum_v3). The global loads (ddecay, A, dt_bias,
-// dt_raw) first, before the stores.
+// version 3's per-head row tail: bwd_tiles::head_rows's arithmetic in its order per row, on warp 0 alone (lane: rows
+// lane and lane + 32; the caller's other warps skip it), its two cross-row steps (after the caller's W prefixes and
+// between the row sums and the scan) ordered by __syncwarp, without the dA partial (red[] holds dts . d_dtA; the
+// caller sums it after the head's last barrier: dA_sum_v3).
+// (It ran on warps 0-1 under a 64-thread named barrier, bar.sync 1, 64: racecheck then reported hazards across
+// every block barrier of the head loop, as it did for version 2's tail (ec3a240); a warp-local tail leaves
+// block-wide barriers only, every warp the same count per head.)
 template <int LDW>
-__device__ __forceinline__ void head_rows_v3(const BwdParams& p, int tid, float* small, const float* qpart,
+__device__ __forceinline__ void head_rows_v3(const BwdParams& p, int lane, float* small, const float* qpart,
                                              const float* dpart, const float* vpart, int ncolP, const float* Wm,
                                              const int* tok, int64_t ch, int64_t H, int64_t h) {
   constexpr int L = kL;
+  static_assert(L == 64, "the tail's row mapping (lane, lane + 32)");
   const float* dts = small + L;
   const float* el = dts + L;
   const float* wl = el + L;
@@ -437,18 +442,17 @@ __device__ __forceinline__ void head_rows_v3(const BwdParams& p, int tid, float*
   float* vs = qs + L;
   float* red = vs + L;
   const int64_t chl = ch * L;
-  const int k = tid;
-  const int t = tok[k];
-  const int64_t th = static_cast<int64_t>(t) * H + h;
   const float ddec = p.ddecay[ch], Ah = p.A[h];
   const float bias = p.dt_bias != nullptr ? p.dt_bias[h] : 0.f;
-  const float raw = t >= 0 ? p.dt_raw[th] : 0.f;
-  float dpairs = 0.f, dd = 0.f;
-  {
-    float q = 0.f, v = 0.f;
+  // (few registers live next to the dC / dB accumulators: the second loop sums ddt_direct again, the same sum in the
+  // same order, and reads dt_raw itself)
+#pragma unroll 1
+  for (int r = 0; r < 2; ++r) {
+    const int k = lane + 32 * r;
+    float q = 0.f, v = 0.f, d = 0.f;
     for (int ct = 0; ct < ncolP; ++ct) {
       q += qpart[ct * L + k];
-      dd += dpart[ct * L + k];
+      d += dpart[ct * L + k];
       v += vpart[ct * L + k];
     }
     q *= el[k];
@@ -457,12 +461,18 @@ __device__ __forceinline__ void head_rows_v3(const BwdParams& p, int tid, float*
     vs[k] = v;
     p.q[chl + k] = q;
     p.v[chl + k] = v;
-    p.ddt_direct[chl + k] = dd;
-    for (int i = k; i < L; ++i) dpairs += Wm[i * LDW + k];
+    p.ddt_direct[chl + k] = d;
   }
-  sync_rows64();
-  {
-    float qsum = 0.f, vsum = 0.f;
+  __syncwarp();  // qs, vs (all rows) -> the sums below
+#pragma unroll 1
+  for (int r = 0; r < 2; ++r) {
+    const int k = lane + 32 * r;
+    const int t = tok[k];
+    const int64_t th = static_cast<int64_t>(t) * H + h;
+    const float raw = t >= 0 ? p.dt_raw[th] : 0.f;
+    float dd = 0.f, dpairs = 0.f, qsum = 0.f, vsum = 0.f;
+    for (int ct = 0; ct < ncolP; ++ct) dd += dpart[ct * L + k];
+    for (int i = k; i < L; ++i) dpairs += Wm[i * LDW + k];
     for (int m = L - 1; m >= k; --m) qsum += qs[m];
     for (int j = 0; j < k; ++j) vsum += vs[j];
     const float d = dpairs + qsum + vsum + el[L - 1] * ddec;
@@ -605,7 +615,7 @@ __global__ void __launch_bounds__(kThreads, 2) post_bf16_kernel(BwdParams p) {
       el[tid] = expf(lv);
       wl[tid] = exp_le0(p.Lam[chl + kL - 1] - lv);
     }
-    // s -> mat (cp.async, the input type); V3: heads after the first were issued by warps 2..7 in the
+    // s -> mat (cp.async, the input type); V3: heads after the first were issued by warps 1..7 in the
     // previous head's tail
     const int64_t sbase = ch * P * static_cast<int64_t>(N);
     // V3, dy on the fly: this thread's x / dout / z pieces by cp.async first (a group of their own: at the first
@@ -897,21 +907,22 @@ __global__ void __launch_bounds__(kThreads, 2) post_bf16_kernel(BwdParams p) {
     });
     __syncthreads();
     if constexpr (kV3) {
-      if (tid < kL) {  // warps 0, 1: W's row prefixes, then the row tail
-        row_exclusive_prefix4(Wm + tid * kLW, tid);
-        sync_rows64();
-        head_rows_v3<kLW>(p, tid, lam, qpart, dpart, vpart, ncolP, Wm, tok, ch, H, h);
-      } else if (hh + 1 < hpg) {  // warps 2..7: the next head's s -> mat (dS's last readers were before the dyx barrier)
+      if (warp == 0) {  // warp 0: W's row prefixes (rows lane, lane + 32), then the row tail
+        row_exclusive_prefix4(Wm + lane * kLW, lane);
+        row_exclusive_prefix4(Wm + (lane + 32) * kLW, lane + 32);
+        __syncwarp();  // W prefixes (all rows) -> the column sums of head_rows_v3
+        head_rows_v3<kLW>(p, lane, lam, qpart, dpart, vpart, ncolP, Wm, tok, ch, H, h);
+      } else if (hh + 1 < hpg) {  // warps 1..7: the next head's s -> mat (dS's last readers were before the dyx barrier)
         const int64_t nbase = (ch + 1) * P * static_cast<int64_t>(N);
-        for (int e = tid - kL; e < Pp * cprN; e += kThreads - kL) {
+        for (int e = tid - 32; e < Pp * cprN; e += kThreads - 32) {
           const int pp = e / cprN, cc = e % cprN;
           const bool ok = pp < P && cc * 8 < N;
           mm::cp_async_16(mat + pp * NT + cc * 8, gst + (ok ? nbase + pp * N + cc * 8 : 0), ok ? 16 : 0);
         }
         mm::cp_async_commit();
       }
-      if constexpr (kFly && kZ) {  // warps 2..7: this head's dz (global only: no shared memory)
-        if (tid >= kL && gdz != nullptr) dz_rows_v3<T>(p, tok, h, H, P, Pp, tid - kL, kThreads - kL);
+      if constexpr (kFly && kZ) {  // warps 1..7: this head's dz (global only: no shared memory)
+        if (warp != 0 && gdz != nullptr) dz_rows_v3<T>(p, tok, h, H, P, Pp, tid - 32, kThreads - 32);
       }
       // the next head overwrites lam, dts, dys, xs, the W region, the partials
       __syncthreads();
