@@ -7,6 +7,8 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <type_traits>
 
 #include "params.h"
@@ -211,6 +213,41 @@ inline const char* launch_checked(void (*bf16)(Params), void (*fp16)(Params), in
     return "gdn fused forward: chunks must be < 2^31, value heads <= 65535 and a multiple of key heads";
   if (p.num_chunks == 0) return "";
   return launch_tiles(p.in == InType::BFloat16 ? bf16 : fp16, threads, smem, p, static_cast<cudaStream_t>(cuda_stream));
+}
+
+// The stages' version switches, each read once per process: TREE_RECURRENCE_GDN_PREP_V1=1 /
+// TREE_RECURRENCE_GDN_OUT_V1=1 select version 1 (kVerV1) of prep_fwd_kernel / out_fwd_kernel,
+// otherwise version 2 (the same bits).
+enum class FwdStage { Prep = 0, Out = 1 };
+inline bool env_is_one(const char* name) {
+  const char* e = std::getenv(name);
+  return e != nullptr && std::strcmp(e, "1") == 0;
+}
+inline bool v1_selected(FwdStage stage) {
+  static const bool v1[2] = {env_is_one("TREE_RECURRENCE_GDN_PREP_V1"), env_is_one("TREE_RECURRENCE_GDN_OUT_V1")};
+  return v1[static_cast<int>(stage)];
+}
+
+template <typename T>
+struct TypeTag {
+  using type = T;
+};
+
+// A stage's entry with the kernel's version picked by the host: launch_checked of the bf16 / fp16
+// instances of version 1 (kVerV1) when v1, else of version 2 (kVerV2). kernel_of(TypeTag<T>{},
+// std::integral_constant<int, Ver>{}) names the instance (the stage's kernel<T, Ver>).
+template <typename KernelOf, typename Params>
+inline const char* launch_version(bool v1, KernelOf kernel_of, int threads, size_t smem, const Params& p,
+                                  void* cuda_stream) {
+  const TypeTag<__nv_bfloat16> bf16;
+  const TypeTag<__half> fp16;
+  const int bytes = static_cast<int>(smem);
+  if (v1) {
+    const std::integral_constant<int, kVerV1> ver;
+    return launch_checked(kernel_of(bf16, ver), kernel_of(fp16, ver), threads, bytes, p, cuda_stream);
+  }
+  const std::integral_constant<int, kVerV2> ver;
+  return launch_checked(kernel_of(bf16, ver), kernel_of(fp16, ver), threads, bytes, p, cuda_stream);
 }
 
 }  // namespace tree_recurrence::gdn::fused::kernels

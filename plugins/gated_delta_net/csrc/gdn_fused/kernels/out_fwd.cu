@@ -14,8 +14,6 @@
 //   loads in the l2norm (fwd_common.cuh's load8), rows 64..127 of h in the second group (into the
 //   v_new buffer) and v_new into the dead k rows after S, so the late copy has all of q^ h to hide
 //   behind; the same products in the same order (bit for bit version 1's results).
-#include <cstdlib>
-#include <cstring>
 
 #include "fwd_common.cuh"
 
@@ -212,21 +210,9 @@ __global__ void __launch_bounds__(kThreads, 3) out_fwd_kernel(const OutParams p)
 
 // TREE_RECURRENCE_GDN_OUT_V1=1 (read once per process): version 1 of the kernel (fwd_common.cuh's
 // kVerV1: the 16-bit scalar shared loads of the l2norm); otherwise version 2 (the same bits).
-bool out_v1_selected() {
-  static const bool v = [] {
-    const char* e = std::getenv("TREE_RECURRENCE_GDN_OUT_V1");
-    return e != nullptr && std::strcmp(e, "1") == 0;
-  }();
-  return v;
-}
-
 const char* launch_out_fwd(const OutParams& p, void* cuda_stream) {
-  const int smem = static_cast<int>(sizeof(OutSmem<__half>));
-  if (out_v1_selected())
-    return launch_checked(out_fwd_kernel<__nv_bfloat16, kVerV1>, out_fwd_kernel<__half, kVerV1>, kThreads, smem, p,
-                          cuda_stream);
-  return launch_checked(out_fwd_kernel<__nv_bfloat16, kVerV2>, out_fwd_kernel<__half, kVerV2>, kThreads, smem, p,
-                        cuda_stream);
+  auto kernel = [](auto t, auto ver) { return out_fwd_kernel<typename decltype(t)::type, decltype(ver)::value>; };
+  return launch_version(v1_selected(FwdStage::Out), kernel, kThreads, sizeof(OutSmem<__half>), p, cuda_stream);
 }
 
 }  // namespace tree_recurrence::gdn::fused::kernels

@@ -17,8 +17,6 @@
 //      shared memory and stored with 16-byte writes.
 // Shared memory is reused across phases: A (3-4) and the two scaled Ainv operands (5) share one
 // buffer. Every exponent is min(., 0) (G is non-increasing, so this only guards against g > 0 input).
-#include <cstdlib>
-#include <cstring>
 
 #include "fwd_common.cuh"
 
@@ -429,21 +427,9 @@ __global__ void __launch_bounds__(kThreads, 4) prep_fwd_kernel(const PrepParams 
 
 // TREE_RECURRENCE_GDN_PREP_V1=1 (read once per process): version 1 of the kernel (fwd_common.cuh's
 // kVerV1: the 16-bit scalar shared loads); otherwise version 2 (the same bits).
-bool prep_v1_selected() {
-  static const bool v = [] {
-    const char* e = std::getenv("TREE_RECURRENCE_GDN_PREP_V1");
-    return e != nullptr && std::strcmp(e, "1") == 0;
-  }();
-  return v;
-}
-
 const char* launch_prep_fwd(const PrepParams& p, void* cuda_stream) {
-  const int smem = static_cast<int>(sizeof(PrepSmem<__half>));
-  if (prep_v1_selected())
-    return launch_checked(prep_fwd_kernel<__nv_bfloat16, kVerV1>, prep_fwd_kernel<__half, kVerV1>, kThreads, smem, p,
-                          cuda_stream);
-  return launch_checked(prep_fwd_kernel<__nv_bfloat16, kVerV2>, prep_fwd_kernel<__half, kVerV2>, kThreads, smem, p,
-                        cuda_stream);
+  auto kernel = [](auto t, auto ver) { return prep_fwd_kernel<typename decltype(t)::type, decltype(ver)::value>; };
+  return launch_version(v1_selected(FwdStage::Prep), kernel, kThreads, sizeof(PrepSmem<__half>), p, cuda_stream);
 }
 
 }  // namespace tree_recurrence::gdn::fused::kernels
