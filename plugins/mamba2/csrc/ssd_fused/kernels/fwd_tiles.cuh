@@ -105,6 +105,17 @@ __device__ __forceinline__ void stage_acc(float* stage, int ld, int row0, const 
     }
 }
 
+// the accumulator pairs (x[2 rr], x[2 rr + 1]: row c_row(lane, 0) for rr 0, + 8 for rr 1) of NT
+// 8-column tiles rounded to the in-type, two elements per 32-bit word (the A / stmatrix register
+// layout)
+template <typename T, int NT>
+__device__ __forceinline__ void pack_pairs(uint32_t (&u)[NT][2], const mma::FragC (&acc)[1][NT]) {
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) u[nt][rr] = mma::Elem<T>::pack(acc[0][nt].x[2 * rr], acc[0][nt].x[2 * rr + 1]);
+}
+
 using mma::pack8;  // mma.cuh's: 8 consecutive elements of T (one 16-byte word) <-> 8 floats
 using mma::unpack8;
 

@@ -300,10 +300,7 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_scan_kernel_v4(FwdParams p,
         }
       if (save_y) {
         uint32_t yu[NTW][2];
-#pragma unroll
-        for (int nt = 0; nt < NTW; ++nt)
-#pragma unroll
-          for (int rr = 0; rr < 2; ++rr) yu[nt][rr] = mma::Elem<T>::pack(acc[0][nt].x[2 * rr], acc[0][nt].x[2 * rr + 1]);
+        tiles::pack_pairs<T, NTW>(yu, acc);
         tile_to_smem<NTW>(ys, o_ld, yu, lane);
       }
 #pragma unroll
@@ -315,10 +312,7 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_scan_kernel_v4(FwdParams p,
         }
     }
     uint32_t ou[NTW][2];
-#pragma unroll
-    for (int nt = 0; nt < NTW; ++nt)
-#pragma unroll
-      for (int rr = 0; rr < 2; ++rr) ou[nt][rr] = mma::Elem<T>::pack(acc[0][nt].x[2 * rr], acc[0][nt].x[2 * rr + 1]);
+    tiles::pack_pairs<T, NTW>(ou, acc);
     tile_to_smem<NTW>(os, o_ld, ou, lane);
     __syncwarp();
     // 16-byte rows: lane -> row v % 16, 8-column piece v / 16 (16 rows x 32 bytes per instruction)
