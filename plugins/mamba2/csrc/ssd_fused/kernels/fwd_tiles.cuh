@@ -4,12 +4,14 @@
 // 16-byte epilogue (D x, y saved pre-gate, the z gate, out); for the chunk-state kernels
 // (ssd_chunk_state_fwd.cu, ssd_chunk_state_pass_fwd.cu) dt's preparation, the block cumsum of dt A,
 // the weights w and the (P x 64-column) accumulator walk. One definition, so the kernels' arithmetic
-// is the same expression in each (their outputs are expected bitwise equal). CUDA only; include from
-// .cu files.
+// is the same expression in each (their outputs are expected bitwise equal); for the grouped chunk
+// scans (v3, v4: ssd_chunk_scan_v4_fwd.cu) their common shared-memory pieces, block numbers, token
+// rows, C / B copies, head prefetch and host entry steps. CUDA only; include from .cu files.
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_runtime.h>
 
 #include <cstdint>
 
@@ -154,6 +156,71 @@ __device__ __forceinline__ void epilogue8(const FwdParams& p, const float* stage
   *reinterpret_cast<uint4*>(out + idx) = pack8<T>(f);
 }
 
+// --- the grouped chunk scans (v3: ssd_chunk_scan_group_fwd.cu, v4: ssd_chunk_scan_v4_fwd.cu) ------
+
+// their shared-memory pieces common to both, in elements of the in-type: c_s (L x ldc), sb[2]
+// (max(PT, L) x ldc: the states; sb[1] first holds B), x_s[2] (L x PT + 8), z_s[2] (L x PT + 8,
+// in-type z only); each kernel's layout adds its own pieces after these
+struct ScanSmem {
+  int64_t ldc, c_elems, sb_elems, x_elems, z_elems;
+};
+template <int L>
+__host__ __device__ inline ScanSmem scan_smem(int64_t N, int PT, bool z_tile) {
+  ScanSmem m;
+  m.ldc = round64(N) + 8;
+  m.c_elems = L * m.ldc;
+  m.sb_elems = int64_t(PT > L ? PT : L) * m.ldc;
+  m.x_elems = int64_t(L) * (PT + 8);
+  m.z_elems = z_tile ? m.x_elems : 0;
+  return m;
+}
+
+// a block's group g, chunk c and the first head of its slice (hpb heads from g hpg + slice hpb):
+// blockIdx.x = (c * G + g) * splits + slice (the slice fastest)
+struct ScanBlock {
+  int64_t g, c, h_first;
+};
+__device__ __forceinline__ ScanBlock scan_block(int64_t G, int64_t hpg, int64_t hpb, int splits) {
+  const int64_t bid = blockIdx.x;
+  const int64_t slice = bid % splits;
+  const int64_t cg = bid / splits;
+  const int64_t g = cg % G, c = cg / G;
+  return {g, c, g * hpg + slice * hpb};
+}
+
+// chunk c's token rows (p.gather, L of them) into tok_s by NT threads, then a block barrier; false
+// (no barrier) for an all-padding chunk: uniform over the block, the caller returns
+template <int L, int NT>
+__device__ __forceinline__ bool chunk_tokens(const FwdParams& p, int64_t c, int64_t* tok_s, int tid) {
+  const int64_t* gather = p.gather + c * L;
+  if (gather[0] < 0) return false;
+  for (int r = tid; r < L; r += NT) tok_s[r] = gather[r];
+  __syncthreads();
+  return true;
+}
+
+// group g's C and B rows (G groups, N columns) of the chunk's tokens (tok_s) into c_s and b_s (pitch
+// ldc, CV 8-element vectors a row: zeros past N and on pad rows), one cp.async commit group
+template <int L, int NT, typename T>
+__device__ __forceinline__ void issue_cb(const FwdParams& p, T* c_s, T* b_s, int ldc, const int64_t* tok_s, int64_t g,
+                                         int64_t G, int64_t N, int CV, int tid) {
+  rows_async<NT>(c_s, ldc, static_cast<const T*>(p.C) + g * N, G * N, tok_s, L, CV, N, tid);
+  rows_async<NT>(b_s, ldc, static_cast<const T*>(p.B) + g * N, G * N, tok_s, L, CV, N, tid);
+  mma::cp_async_commit();
+}
+
+// the head loop's prefetch (one commit group a head): issue_next() (head k + 1's operands into the
+// other buffer) when there is a head k + 1 of the hpb, then the wait for head k's group
+template <typename F>
+__device__ __forceinline__ void prefetch_next(int64_t k, int64_t hpb, F&& issue_next) {
+  if (k + 1 < hpb) {
+    issue_next();
+    mma::cp_async_wait<1>();
+  } else {
+    mma::cp_async_wait<0>();
+  }
+}
+
 // --- chunk states --------------------------------------------------------------------------------
 
 __device__ __forceinline__ float softplus20(float v) {
@@ -284,5 +351,52 @@ int dispatch(const FwdParams& p, F&& f) {
 }
 
 inline int padded_p(int64_t P) { return P <= 32 ? 32 : P <= 64 ? 64 : 128; }
+
+// --- host: the grouped chunk scans' (v3 / v4) entries ---------------------------------------------
+
+// the shape conditions both take: chunk L, a supported shape with P <= 64, heads a multiple of groups
+inline bool grouped_scan_shape(const FwdParams& p, int L) {
+  return p.chunk == L && fwd_shape_supported(p.chunk, p.head_dim, p.state_dim) && p.head_dim <= 64 && p.groups > 0 &&
+         p.heads % p.groups == 0;
+}
+// and the row conditions: chunk x head numbers below 2^31, 16-byte vectors of x / z / y / out rows
+// (P % 8 == 0)
+inline bool grouped_scan_rows(const FwdParams& p) {
+  return p.num_chunks * p.heads <= 2147483647LL && rows_aligned16(p);
+}
+
+// how many blocks share a (chunk, group)'s heads: the least divisor of H / G giving min_blocks
+// blocks (the grid fills the GPU), else H / G
+inline int head_splits(const FwdParams& p, int64_t min_blocks) {
+  const int64_t hpg = p.heads / p.groups;
+  int64_t d = 1;
+  while (d < hpg && p.num_chunks * p.groups * d < min_blocks) {
+    ++d;
+    while (hpg % d != 0) ++d;
+  }
+  return static_cast<int>(d);
+}
+
+// kernel<<<NC * G * splits blocks, threads, bytes>>>(p, splits), splits = head_splits(p, min_blocks)
+template <typename K>
+inline int launch_grouped(K kernel, int threads, size_t bytes, const FwdParams& p, int64_t min_blocks,
+                          cudaStream_t stream) {
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+  if (err != cudaSuccess) return static_cast<int>(err);
+  const int splits = head_splits(p, min_blocks);
+  const int64_t blocks = p.num_chunks * p.groups * splits;
+  kernel<<<dim3(static_cast<unsigned>(blocks)), threads, bytes, stream>>>(p, splits);
+  return static_cast<int>(cudaGetLastError());
+}
+
+// an entry: cudaErrorInvalidValue unless supported, 0 without chunks, else by_type(type_tag<T>{},
+// stream) for p's in-type T (bf16 / fp16)
+template <typename F>
+int run_grouped(bool supported, const FwdParams& p, void* stream, F&& by_type) {
+  if (!supported) return static_cast<int>(cudaErrorInvalidValue);
+  if (p.num_chunks == 0) return 0;
+  auto s = static_cast<cudaStream_t>(stream);
+  return p.in == InType::BFloat16 ? by_type(type_tag<__nv_bfloat16>{}, s) : by_type(type_tag<__half>{}, s);
+}
 
 }  // namespace tree_recurrence::ssd::fused::kernels::tiles

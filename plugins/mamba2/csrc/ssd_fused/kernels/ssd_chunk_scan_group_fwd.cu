@@ -37,20 +37,15 @@ constexpr size_t kV3MaxSmem = 112 * 1024;
 // fewer blocks than this and the heads are split over more blocks (the grid fills the GPU)
 constexpr int64_t kMinBlocks = 2048;
 
-struct V3Smem {
-  int64_t ldc, c_elems, sb_elems, x_elems, z_elems, stage_floats;
+struct V3Smem : tiles::ScanSmem {
+  int64_t stage_floats;
   size_t bytes;
 };
 // c_s (kL x ldc) | sb[2] (max(PT, kL) x ldc: the states; sb[1] first holds B) | x_s[2] (kL x PT + 8)
-// | z_s[2] (kL x PT + 8, in-type z only) | stage (kL x PT + 4 fp32) | lam[2][kL] | dt[2][kL] (fp32)
-// | tok[kL] (int64)
+// | z_s[2] (kL x PT + 8, in-type z only) (these: tiles::scan_smem) | stage (kL x PT + 4 fp32)
+// | lam[2][kL] | dt[2][kL] (fp32) | tok[kL] (int64)
 __host__ __device__ inline V3Smem v3_layout(int64_t N, int PT, bool z_tile) {
-  V3Smem m;
-  m.ldc = round64(N) + 8;
-  m.c_elems = kL * m.ldc;
-  m.sb_elems = int64_t(PT > kL ? PT : kL) * m.ldc;
-  m.x_elems = int64_t(kL) * (PT + 8);
-  m.z_elems = z_tile ? m.x_elems : 0;
+  V3Smem m{tiles::scan_smem<kL>(N, PT, z_tile)};
   m.stage_floats = int64_t(kL) * (PT + 4);
   m.bytes = size_t(m.c_elems + 2 * m.sb_elems + 2 * m.x_elems + 2 * m.z_elems) * 2 +
             size_t(m.stage_floats + 4 * kL) * sizeof(float) + kL * sizeof(int64_t);
@@ -80,30 +75,19 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_scan_kernel_v3(FwdParams p,
   float* dt_s = lam_s + 2 * kL;                                 // 2 x kL
   int64_t* tok_s = reinterpret_cast<int64_t*>(dt_s + 2 * kL);   // kL
 
-  // blockIdx.x = (c * G + g) * splits + slice
-  const int64_t bid = blockIdx.x;
-  const int64_t slice = bid % splits;
-  const int64_t cg = bid / splits;
-  const int64_t g = cg % G, c = cg / G;
-  const int64_t h_first = g * hpg + slice * hpb;
+  const tiles::ScanBlock blk = tiles::scan_block(G, hpg, hpb, splits);
+  const int64_t g = blk.g, c = blk.c, h_first = blk.h_first;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int64_t* gather = p.gather + c * kL;
-  if (gather[0] < 0) return;  // an all-padding chunk (uniform over the block)
-  for (int r = tid; r < kL; r += kThreads) tok_s[r] = gather[r];
-  __syncthreads();
+  if (!tiles::chunk_tokens<kL, kThreads>(p, c, tok_s, tid)) return;  // an all-padding chunk
 
-  const T* Cg = static_cast<const T*>(p.C) + g * N;
-  const T* Bg = static_cast<const T*>(p.B) + g * N;
-  const T* x = static_cast<const T*>(p.x);
-  const T* zin = static_cast<const T*>(p.z);
-  const T* states = static_cast<const T*>(p.states);
   const int CV = NP / 8;
   constexpr int XV = PT / 8;
   // group: C and B rows of the chunk (B into sb[1])
-  tiles::rows_async<kThreads>(c_s, ldc, Cg, G * N, tok_s, kL, CV, N, tid);
-  tiles::rows_async<kThreads>(sb + lay.sb_elems, ldc, Bg, G * N, tok_s, kL, CV, N, tid);
-  mma::cp_async_commit();
+  tiles::issue_cb<kL, kThreads>(p, c_s, sb + lay.sb_elems, ldc, tok_s, g, G, N, CV, tid);
 
+  const T* x = static_cast<const T*>(p.x);
+  const T* zin = static_cast<const T*>(p.z);
+  const T* states = static_cast<const T*>(p.states);
   // one head's operands into buffer b: Lam, dt (fp32), the state s[c] (P x N), x rows, z rows
   auto issue_head = [&](int64_t h, int b) {
     const int64_t row0 = (c * H + h) * kL;
@@ -133,21 +117,15 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_scan_kernel_v3(FwdParams p,
   for (int64_t k = 0; k < hpb; ++k) {
     const int b = static_cast<int>(k & 1);
     const int64_t h = h_first + k;
-    if (k + 1 < hpb) {
-      issue_head(h + 1, b ^ 1);
-      mma::cp_async_wait<1>();
-    } else {
-      mma::cp_async_wait<0>();
-    }
+    tiles::prefetch_next(k, hpb, [&] { issue_head(h + 1, b ^ 1); });
     __syncthreads();  // head k's operands (buffer b) visible to every warp
     const float* lam = lam_s + b * kL;
     const float* dtv = dt_s + b * kL;
-    const T* sbuf = sb + b * lay.sb_elems;
     const T* xbuf = x_s + b * lay.x_elems;
 
-    // 1. C s^T, rows scaled by exp(Lam_i)
+    // 1. C s^T (the state in buffer b), rows scaled by exp(Lam_i)
     mma::FragC acc[1][NTP];
-    tiles::gemm_pieces<T, NTP>(acc, c_s + wrow * ldc, ldc, sbuf, ldc, NP);
+    tiles::gemm_pieces<T, NTP>(acc, c_s + wrow * ldc, ldc, sb + b * lay.sb_elems, ldc, NP);
     tiles::scale_rows<NTP>(acc, lam[wrow + mma::c_row(lane, 0)], lam[wrow + mma::c_row(lane, 2)]);
 
     // 2. the chunk's own tokens: masked, decayed scores times x
@@ -183,26 +161,10 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_scan_kernel_v3(FwdParams p,
   }
 }
 
-int splits_of(const FwdParams& p) {
-  const int64_t hpg = p.heads / p.groups;
-  int64_t d = 1;
-  while (d < hpg && p.num_chunks * p.groups * d < kMinBlocks) {
-    ++d;
-    while (hpg % d != 0) ++d;
-  }
-  return static_cast<int>(d);
-}
-
 template <typename T, int PT>
 int launch_v3(const FwdParams& p, cudaStream_t stream) {
-  const V3Smem lay = v3_layout(p.state_dim, PT, z_tile_of(p));
-  auto kernel = chunk_scan_kernel_v3<T, PT>;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(lay.bytes));
-  if (err != cudaSuccess) return static_cast<int>(err);
-  const int splits = splits_of(p);
-  const int64_t blocks = p.num_chunks * p.groups * splits;
-  kernel<<<dim3(static_cast<unsigned>(blocks)), kThreads, lay.bytes, stream>>>(p, splits);
-  return static_cast<int>(cudaGetLastError());
+  return tiles::launch_grouped(chunk_scan_kernel_v3<T, PT>, kThreads, v3_layout(p.state_dim, PT, z_tile_of(p)).bytes, p,
+                               kMinBlocks, stream);
 }
 
 // P <= 64 only (ssd_chunk_scan_v3_supported): at P 128 the layout leaves 1 CTA per SM; v2 takes it
@@ -215,19 +177,14 @@ int by_p_v3(const FwdParams& p, cudaStream_t s) {
 }  // namespace
 
 bool ssd_chunk_scan_v3_supported(const FwdParams& p) {
-  if (p.chunk != kL || !fwd_shape_supported(p.chunk, p.head_dim, p.state_dim) || p.head_dim > 64 || p.groups <= 0 ||
-      p.heads % p.groups != 0)
-    return false;
-  if (v3_layout(p.state_dim, tiles::padded_p(p.head_dim), z_tile_of(p)).bytes > kV3MaxSmem) return false;
-  if (p.num_chunks * p.heads > 2147483647LL) return false;
-  return tiles::rows_aligned16(p);  // 16-byte vectors of x / z / y / out rows (P % 8 == 0)
+  return tiles::grouped_scan_shape(p, kL) &&
+         v3_layout(p.state_dim, tiles::padded_p(p.head_dim), z_tile_of(p)).bytes <= kV3MaxSmem &&
+         tiles::grouped_scan_rows(p);
 }
 
 int ssd_chunk_scan_fwd_v3(const FwdParams& p, void* stream) {
-  if (!ssd_chunk_scan_v3_supported(p)) return static_cast<int>(cudaErrorInvalidValue);
-  if (p.num_chunks == 0) return 0;
-  auto s = static_cast<cudaStream_t>(stream);
-  return p.in == InType::BFloat16 ? by_p_v3<__nv_bfloat16>(p, s) : by_p_v3<__half>(p, s);
+  return tiles::run_grouped(ssd_chunk_scan_v3_supported(p), p, stream,
+                            [&](auto t, cudaStream_t s) { return by_p_v3<typename decltype(t)::type>(p, s); });
 }
 
 }  // namespace tree_recurrence::ssd::fused::kernels

@@ -50,20 +50,15 @@ constexpr size_t kV4MaxSmem = 112 * 1024;
 // fewer blocks than this and the heads are split over more blocks (the grid fills the GPU)
 constexpr int64_t kMinBlocks = 2048;
 
-struct V4Smem {
-  int64_t ldc, c_elems, sb_elems, x_elems, z_elems, o_ld, o_elems;
+struct V4Smem : tiles::ScanSmem {
+  int64_t o_ld, o_elems;
   size_t bytes;
 };
 // c_s (kL x ldc) | sb[2] (max(PT, kL) x ldc: the states; sb[1] first holds B) | x_s[2] (kL x PT + 8)
-// | z_s[2] (kL x PT + 8, in-type z only) | o_s (per warp 2 tiles of 16 x (PT / 2 + 8): y, out)
-// | lam[2][kL] | dt[2][kL] (fp32) | tok[kL] (int64)
+// | z_s[2] (kL x PT + 8, in-type z only) (these: tiles::scan_smem) | o_s (per warp 2 tiles of 16 x
+// (PT / 2 + 8): y, out) | lam[2][kL] | dt[2][kL] (fp32) | tok[kL] (int64)
 __host__ __device__ inline V4Smem v4_layout(int64_t N, int PT, bool z_tile) {
-  V4Smem m;
-  m.ldc = round64(N) + 8;
-  m.c_elems = kL * m.ldc;
-  m.sb_elems = int64_t(PT > kL ? PT : kL) * m.ldc;
-  m.x_elems = int64_t(kL) * (PT + 8);
-  m.z_elems = z_tile ? m.x_elems : 0;
+  V4Smem m{tiles::scan_smem<kL>(N, PT, z_tile)};
   m.o_ld = PT / 2 + 8;
   m.o_elems = 16 * m.o_ld;
   m.bytes = size_t(m.c_elems + 2 * m.sb_elems + 2 * m.x_elems + 2 * m.z_elems + 2 * kWarps * m.o_elems) * 2 +
@@ -129,12 +124,8 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_scan_kernel_v4(FwdParams p,
   float* dt_s = lam_s + 2 * kL;                                             // 2 x kL
   int64_t* tok_s = reinterpret_cast<int64_t*>(dt_s + 2 * kL);               // kL
 
-  // blockIdx.x = (c * G + g) * splits + slice
-  const int64_t bid = blockIdx.x;
-  const int64_t slice = bid % splits;
-  const int64_t cg = bid / splits;
-  const int64_t g = cg % G, c = cg / G;
-  const int64_t h_first = g * hpg + slice * hpb;
+  const tiles::ScanBlock blk = tiles::scan_block(G, hpg, hpb, splits);
+  const int64_t g = blk.g, c = blk.c, h_first = blk.h_first;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   // row block wr (rows [16 wr, 16 wr + 16)) and column half: warps w and w + 4 (one scheduler,
   // warp % 4) take row blocks w and 3 - w, so every scheduler has 5 key tiles of scores per head
@@ -142,27 +133,20 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_scan_kernel_v4(FwdParams p,
   const int wr = warp < 4 ? warp : 7 - warp;
   const int col0 = (warp >> 2) * kWCols;  // this warp's first column
   const int wrow = wr * 16;
-  const int64_t* gather = p.gather + c * kL;
-  if (gather[0] < 0) return;  // an all-padding chunk (uniform over the block)
-  for (int r = tid; r < kL; r += kThreads) tok_s[r] = gather[r];
-  __syncthreads();
+  if (!tiles::chunk_tokens<kL, kThreads>(p, c, tok_s, tid)) return;  // an all-padding chunk
 
-  const T* Cg = static_cast<const T*>(p.C) + g * N;
-  const T* Bg = static_cast<const T*>(p.B) + g * N;
-  const T* x = static_cast<const T*>(p.x);
-  const T* zin = static_cast<const T*>(p.z);
-  const T* states = static_cast<const T*>(p.states);
   constexpr int CV = NP / 8;
   constexpr int XV = PT / 8;
-  tiles::rows_async<kThreads>(c_s, ldc, Cg, G * N, tok_s, kL, CV, N, tid);
-  tiles::rows_async<kThreads>(sb + lay.sb_elems, ldc, Bg, G * N, tok_s, kL, CV, N, tid);
-  mma::cp_async_commit();
+  tiles::issue_cb<kL, kThreads>(p, c_s, sb + lay.sb_elems, ldc, tok_s, g, G, N, CV, tid);
 
   // one head's operands into buffer b: Lam, dt (fp32), the state s[c] (P x N), x rows, z rows (the
   // copies of tiles::dense_async / rows_async, with this thread's rows and columns fixed at compile
   // time where the vector counts divide the block: no division per copy)
   constexpr int kXR = kThreads / XV;  // x / z rows per pass
   const int xr = tid / XV, xc = (tid % XV) * 8;
+  const T* x = static_cast<const T*>(p.x);
+  const T* zin = static_cast<const T*>(p.z);
+  const T* states = static_cast<const T*>(p.states);
   auto issue_head = [&](int64_t h, int b) {
     const int64_t row0 = (c * H + h) * kL;
     if (tid < 2 * (kL / 4)) {
@@ -219,12 +203,7 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_scan_kernel_v4(FwdParams p,
   for (int64_t k = 0; k < hpb; ++k) {
     const int b = static_cast<int>(k & 1);
     const int64_t h = h_first + k;
-    if (k + 1 < hpb) {
-      issue_head(h + 1, b ^ 1);
-      mma::cp_async_wait<1>();
-    } else {
-      mma::cp_async_wait<0>();
-    }
+    tiles::prefetch_next(k, hpb, [&] { issue_head(h + 1, b ^ 1); });
     // D pairs of this lane's columns (global, L1 / L2; in flight through the MMAs)
     float2 dv[NTW];
 #pragma unroll
@@ -236,12 +215,11 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_scan_kernel_v4(FwdParams p,
     __syncthreads();  // head k's operands (buffer b) visible to every warp
     const float* lam = lam_s + b * kL;
     const float* dtv = dt_s + b * kL;
-    const T* sbuf = sb + b * lay.sb_elems;
     const T* xbuf = x_s + b * lay.x_elems;
 
-    // 1. C s^T (this warp's columns), rows scaled by exp(Lam_i)
+    // 1. C s^T (this warp's columns of the state in buffer b), rows scaled by exp(Lam_i)
     mma::FragC acc[1][NTW];
-    tiles::gemm_pieces<T, NTW>(acc, c_s + wrow * ldc, ldc, sbuf + col0 * ldc, ldc, NP);
+    tiles::gemm_pieces<T, NTW>(acc, c_s + wrow * ldc, ldc, sb + b * lay.sb_elems + col0 * ldc, ldc, NP);
     const float lam_r0 = lam[r0], lam_r1 = lam[r1];
     tiles::scale_rows<NTW>(acc, lam_r0, lam_r1);
 
@@ -332,26 +310,10 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_scan_kernel_v4(FwdParams p,
   }
 }
 
-int splits_of(const FwdParams& p) {
-  const int64_t hpg = p.heads / p.groups;
-  int64_t d = 1;
-  while (d < hpg && p.num_chunks * p.groups * d < kMinBlocks) {
-    ++d;
-    while (hpg % d != 0) ++d;
-  }
-  return static_cast<int>(d);
-}
-
 template <typename T, int PT, int NP>
 int launch_v4(const FwdParams& p, cudaStream_t stream) {
-  const V4Smem lay = v4_layout(p.state_dim, PT, z_tile_of(p));
-  auto kernel = chunk_scan_kernel_v4<T, PT, NP>;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(lay.bytes));
-  if (err != cudaSuccess) return static_cast<int>(err);
-  const int splits = splits_of(p);
-  const int64_t blocks = p.num_chunks * p.groups * splits;
-  kernel<<<dim3(static_cast<unsigned>(blocks)), kThreads, lay.bytes, stream>>>(p, splits);
-  return static_cast<int>(cudaGetLastError());
+  return tiles::launch_grouped(chunk_scan_kernel_v4<T, PT, NP>, kThreads, v4_layout(p.state_dim, PT, z_tile_of(p)).bytes,
+                               p, kMinBlocks, stream);
 }
 
 // (P 64 with N > 128 does not fit: ssd_chunk_scan_v4_supported)
@@ -372,21 +334,16 @@ int by_p_v4(const FwdParams& p, cudaStream_t s) {
 }  // namespace
 
 bool ssd_chunk_scan_v4_supported(const FwdParams& p) {
-  if (p.chunk != kL || !fwd_shape_supported(p.chunk, p.head_dim, p.state_dim) || p.head_dim > 64 || p.groups <= 0 ||
-      p.heads % p.groups != 0)
-    return false;
+  if (!tiles::grouped_scan_shape(p, kL)) return false;
   if (v4_layout(p.state_dim, tiles::padded_p(p.head_dim), z_tile_of(p)).bytes > kV4MaxSmem) return false;
   const int64_t NP = round64(p.state_dim);  // the instantiated (PT, NP): by_p_v4
   if (NP > (p.head_dim <= 32 ? 192 : 128)) return false;
-  if (p.num_chunks * p.heads > 2147483647LL) return false;
-  return tiles::rows_aligned16(p);  // 16-byte vectors of x / z / y / out rows (P % 8 == 0)
+  return tiles::grouped_scan_rows(p);
 }
 
 int ssd_chunk_scan_fwd_v4(const FwdParams& p, void* stream) {
-  if (!ssd_chunk_scan_v4_supported(p)) return static_cast<int>(cudaErrorInvalidValue);
-  if (p.num_chunks == 0) return 0;
-  auto s = static_cast<cudaStream_t>(stream);
-  return p.in == InType::BFloat16 ? by_p_v4<__nv_bfloat16>(p, s) : by_p_v4<__half>(p, s);
+  return tiles::run_grouped(ssd_chunk_scan_v4_supported(p), p, stream,
+                            [&](auto t, cudaStream_t s) { return by_p_v4<typename decltype(t)::type>(p, s); });
 }
 
 }  // namespace tree_recurrence::ssd::fused::kernels
