@@ -1,7 +1,8 @@
 // Device pieces shared by the fused SSD backward's post-state-pass kernels, post_tc (ssd_tc_bwd.cu, fp32
 // operands split into bf16 hi + lo) and post_bf16 (ssd_post_bwd.cu, 16-bit operands): the quad sums and
 // stores of the ddt_direct / v partials, the row-exclusive prefixes of W and the per-head row tail (q, v,
-// ddt_direct, the d(dt A) scan, ddt, ddt_raw, the dA partial). One definition, so both kernels do the same
+// ddt_direct, the d(dt A) scan, ddt, ddt_raw, the dA partial; its layout, row stores and ddt_raw step are shared with
+// post_bf16's version 3 tail, head_rows_v3). One definition, so both kernels do the same
 // arithmetic in the same order; the 16-bit pair unpack (unpack2) of the 16-bit backward kernels; the typed load
 // (ld) and e^min(v, 0) (exp_le0) of the fp32 kernels (ssd_bwd.cu) and the tensor-core ones (ssd_tc_bwd.cu).
 // CUDA only; include from .cu files.
@@ -103,6 +104,50 @@ __device__ __forceinline__ void row_exclusive_prefix(float* w, int n) {
   }
 }
 
+// head_rows's small arrays after lam (kChunk floats each, in this order): dts, el (e^Lam), wl (e^{Lam_last - Lam}),
+// qs, vs, red; the layout of head_rows, head_rows_v3 (ssd_post_bwd.cu) and store_row_qvd in one place
+struct RowSmall {
+  float* dts;
+  float* el;
+  float* wl;
+  float* qs;
+  float* vs;
+  float* red;
+};
+__device__ __forceinline__ RowSmall row_small(float* small) {
+  constexpr int L = kChunk;
+  return {small + L, small + 2 * L, small + 3 * L, small + 4 * L, small + 5 * L, small + 6 * L};
+}
+
+// Row k's q, v and ddt_direct from its sums q, v, d over the column-tile partials: q e^Lam_k into qs[k] and p.q,
+// v dt_k e^{Lam_last - Lam_k} into vs[k] and p.v, d into p.ddt_direct. small: head_rows's layout. The first step's
+// end in head_rows and in post_bf16's head_rows_v3 (ssd_post_bwd.cu): one definition. (The sums stay in the
+// callers: declared there, in each caller's order, the register assignment and so the code of both is unchanged.)
+__device__ __forceinline__ void store_row_qvd(const BwdParams& p, int k, float* small, int64_t chl, float q, float v,
+                                              float d) {
+  const auto [dts, el, wl, qs, vs, red] = row_small(small);
+  q *= el[k];
+  v *= dts[k] * wl[k];
+  qs[k] = q;
+  vs[k] = v;
+  p.q[chl + k] = q;
+  p.v[chl + k] = v;
+  p.ddt_direct[chl + k] = d;
+}
+
+// ddt_raw's value at a token from its ddt and the pre-activation v = dt_raw + dt_bias: ddt softplus'(v) (softplus
+// where p.dt_softplus and v <= 20, else the identity), 0 where dt = softplus(v) falls outside [dt_min, dt_max].
+// head_rows's and head_rows_v3's (ssd_post_bwd.cu): one definition.
+__device__ __forceinline__ float ddt_raw_of(const BwdParams& p, float ddt, float v) {
+  float deriv = 1.f, pre = v;
+  if (p.dt_softplus && v <= 20.f) {
+    pre = fmaxf(v, 0.f) + log1pf(expf(-fabsf(v)));
+    deriv = 1.f / (1.f + expf(-v));
+  }
+  const bool pass = pre >= p.dt_min && pre <= p.dt_max;
+  return pass ? ddt * deriv : 0.f;
+}
+
 // The per-head row tail, after the barrier that publishes the partials and W's prefixes (LDW: W's pitch):
 // q, v, ddt_direct per row from the column-tile partials (qpart / dpart / vpart, [col tile][row], ncolP
 // tiles), the d(dt A) scan (d_dtA), ddt, ddt_raw at the rows' tokens (tok: -1 = pad) and dA_part[ch].
@@ -113,12 +158,7 @@ __device__ __forceinline__ void head_rows(const BwdParams& p, int tid, float* sm
                                           const float* dpart, const float* vpart, int ncolP, const float* Wm,
                                           const Tok* tok, int64_t ch, int64_t H, int64_t h) {
   constexpr int L = kChunk;
-  const float* dts = small + L;
-  const float* el = dts + L;
-  const float* wl = el + L;
-  float* qs = small + 4 * L;
-  float* vs = qs + L;
-  float* red = vs + L;
+  const auto [dts, el, wl, qs, vs, red] = row_small(small);
   const int64_t chl = ch * L;
   float dpairs = 0.f, dd = 0.f;
   if (tid < L) {
@@ -129,13 +169,7 @@ __device__ __forceinline__ void head_rows(const BwdParams& p, int tid, float* sm
       dd += dpart[ct * L + k];
       v += vpart[ct * L + k];
     }
-    q *= el[k];
-    v *= dts[k] * wl[k];
-    qs[k] = q;
-    vs[k] = v;
-    p.q[chl + k] = q;
-    p.v[chl + k] = v;
-    p.ddt_direct[chl + k] = dd;
+    store_row_qvd(p, k, small, chl, q, v, dd);
     for (int i = k; i < L; ++i) dpairs += Wm[i * LDW + k];
   }
   __syncthreads();
@@ -152,14 +186,7 @@ __device__ __forceinline__ void head_rows(const BwdParams& p, int tid, float* sm
       const int64_t th = static_cast<int64_t>(t) * H + h;
       const float ddt = dd + p.A[h] * d;
       p.ddt[th] = ddt;
-      const float v = p.dt_raw[th] + (p.dt_bias != nullptr ? p.dt_bias[h] : 0.f);
-      float deriv = 1.f, pre = v;
-      if (p.dt_softplus && v <= 20.f) {
-        pre = fmaxf(v, 0.f) + log1pf(expf(-fabsf(v)));
-        deriv = 1.f / (1.f + expf(-v));
-      }
-      const bool pass = pre >= p.dt_min && pre <= p.dt_max;
-      p.ddt_raw[th] = pass ? ddt * deriv : 0.f;
+      p.ddt_raw[th] = ddt_raw_of(p, ddt, p.dt_raw[th] + (p.dt_bias != nullptr ? p.dt_bias[h] : 0.f));
     }
   }
   __syncthreads();

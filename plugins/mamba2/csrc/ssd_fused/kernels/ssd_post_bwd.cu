@@ -435,12 +435,7 @@ __device__ __forceinline__ void head_rows_v3(const BwdParams& p, int lane, float
                                              const int* tok, int64_t ch, int64_t H, int64_t h) {
   constexpr int L = kL;
   static_assert(L == 64, "the tail's row mapping (lane, lane + 32)");
-  const float* dts = small + L;
-  const float* el = dts + L;
-  const float* wl = el + L;
-  float* qs = small + 4 * L;
-  float* vs = qs + L;
-  float* red = vs + L;
+  const auto [dts, el, wl, qs, vs, red] = bwd_tiles::row_small(small);
   const int64_t chl = ch * L;
   const float ddec = p.ddecay[ch], Ah = p.A[h];
   const float bias = p.dt_bias != nullptr ? p.dt_bias[h] : 0.f;
@@ -455,13 +450,7 @@ __device__ __forceinline__ void head_rows_v3(const BwdParams& p, int lane, float
       d += dpart[ct * L + k];
       v += vpart[ct * L + k];
     }
-    q *= el[k];
-    v *= dts[k] * wl[k];
-    qs[k] = q;
-    vs[k] = v;
-    p.q[chl + k] = q;
-    p.v[chl + k] = v;
-    p.ddt_direct[chl + k] = d;
+    bwd_tiles::store_row_qvd(p, k, small, chl, q, v, d);
   }
   __syncwarp();  // qs, vs (all rows) -> the sums below
 #pragma unroll 1
@@ -481,14 +470,7 @@ __device__ __forceinline__ void head_rows_v3(const BwdParams& p, int lane, float
     if (t >= 0) {
       const float ddt = dd + Ah * d;
       p.ddt[th] = ddt;
-      const float v = raw + bias;
-      float deriv = 1.f, pre = v;
-      if (p.dt_softplus && v <= 20.f) {
-        pre = fmaxf(v, 0.f) + log1pf(expf(-fabsf(v)));
-        deriv = 1.f / (1.f + expf(-v));
-      }
-      const bool pass = pre >= p.dt_min && pre <= p.dt_max;
-      p.ddt_raw[th] = pass ? ddt * deriv : 0.f;
+      p.ddt_raw[th] = bwd_tiles::ddt_raw_of(p, ddt, raw + bias);
     }
   }
 }
