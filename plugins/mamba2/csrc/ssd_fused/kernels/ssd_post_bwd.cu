@@ -120,54 +120,41 @@ __device__ __forceinline__ void zero2(mm::FragC (&acc)[2]) {
   acc[0].zero();
   acc[1].zero();
 }
+// step(k0) for k0 = kb, kb + 16, .. < ke (U2: unrolled by 2): the k loop of mma_abt / mma_atb
+template <bool U2, class Step>
+__device__ __forceinline__ void k_loop(int kb, int ke, Step step) {
+  if constexpr (U2) {
+#pragma unroll 2
+    for (int k0 = kb; k0 < ke; k0 += 16) step(k0);
+    return;
+  }
+  #pragma unroll 1
+  for (int k0 = kb; k0 < ke; k0 += 16) step(k0);
+}
 // acc (16 x 16) += A B^T, k in [kb, ke): A this block's 16 rows (pitch lda), B its 16 columns as rows (pitch ldb),
 // both k-contiguous
 // (U2: the k loop unrolled by 2, the next step's fragments loaded while this step's mma run; same mma order)
 template <typename T, bool U2 = false>
 __device__ __forceinline__ void mma_abt(mm::FragC (&acc)[2], const T* A, int lda, const T* B, int ldb, int kb, int ke) {
-  if constexpr (U2) {
-#pragma unroll 2
-    for (int k0 = kb; k0 < ke; k0 += 16) {
-      const mm::FragA a = mm::load_a_row(A + k0, lda);
-      mm::FragB b0, b1;
-      mm::load_b_nk(b0, b1, B + k0, ldb);
-      mm::mma<T>(acc[0], a, b0);
-      mm::mma<T>(acc[1], a, b1);
-    }
-    return;
-  }
-  #pragma unroll 1
-  for (int k0 = kb; k0 < ke; k0 += 16) {
+  k_loop<U2>(kb, ke, [&](int k0) {
     const mm::FragA a = mm::load_a_row(A + k0, lda);
     mm::FragB b0, b1;
     mm::load_b_nk(b0, b1, B + k0, ldb);
     mm::mma<T>(acc[0], a, b0);
     mm::mma<T>(acc[1], a, b1);
-  }
+  });
 }
 // acc (16 x 16) += A^T B, k in [kb, ke): A's 16 columns from A (pitch lda), B's 16 columns from B (pitch ldb),
 // both row k at k * ld
 template <typename T, bool U2 = false>
 __device__ __forceinline__ void mma_atb(mm::FragC (&acc)[2], const T* A, int lda, const T* B, int ldb, int kb, int ke) {
-  if constexpr (U2) {
-#pragma unroll 2
-    for (int k0 = kb; k0 < ke; k0 += 16) {
-      const mm::FragA a = mm::load_a_col(A + k0 * lda, lda);
-      mm::FragB b0, b1;
-      mm::load_b_kn(b0, b1, B + k0 * ldb, ldb);
-      mm::mma<T>(acc[0], a, b0);
-      mm::mma<T>(acc[1], a, b1);
-    }
-    return;
-  }
-  #pragma unroll 1
-  for (int k0 = kb; k0 < ke; k0 += 16) {
+  k_loop<U2>(kb, ke, [&](int k0) {
     const mm::FragA a = mm::load_a_col(A + k0 * lda, lda);
     mm::FragB b0, b1;
     mm::load_b_kn(b0, b1, B + k0 * ldb, ldb);
     mm::mma<T>(acc[0], a, b0);
     mm::mma<T>(acc[1], a, b1);
-  }
+  });
 }
 // f(blk, r0, c0) for this warp's lower blocks blk = warp + 8 i (origin (r0, c0)), one at a time
 template <class F>
@@ -235,6 +222,23 @@ __device__ __forceinline__ void acc_gemm(mm::FragC (&acc)[kMaxAcc][2], const T* 
 // ptxas (sm_90a): 128 registers, 0 spills in every instance (version 1: 4-12 bytes), 1 barrier (block-wide only).
 
 
+// 2 elements of a dy row piece in fp32: kFly: from the packed pairs of dout (dw) and z (zw), dout z sigmoid(z) (dout
+// without kZ); else the fp32 dy pair (f0, f1). Version 1's load loop and version 3's store_row_v3: one definition.
+template <typename T, bool kFly, bool kZ>
+__device__ __forceinline__ float2 dy_pair(uint32_t dw, uint32_t zw, float f0, float f1) {
+  float2 dy2;
+  if constexpr (kFly) {
+    dy2 = unpack2<T>(dw);
+    if constexpr (kZ) {
+      const float2 z2 = unpack2<T>(zw);
+      dy2.x = dy2.x * z2.x * sigm(z2.x);
+      dy2.y = dy2.y * z2.y * sigm(z2.y);
+    }
+  } else {
+    dy2 = make_float2(f0, f1);
+  }
+  return dy2;
+}
 // one row piece's global inputs (16-byte words; fa / fb: the fp32 dy when not kFly) and e^Lam of the row
 struct RowIn {
   uint4 x, d, z;
@@ -277,17 +281,7 @@ __device__ __forceinline__ void store_row_v3(const RowIn& r, int i, int lrow0, i
   uint32_t dyw[4], scw[4];
 #pragma unroll
   for (int w = 0; w < 4; ++w) {
-    float2 dy2;
-    if constexpr (kFly) {
-      dy2 = unpack2<T>(dw4[w]);
-      if constexpr (kZ) {
-        const float2 z2 = unpack2<T>(zw4[w]);
-        dy2.x = dy2.x * z2.x * sigm(z2.x);
-        dy2.y = dy2.y * z2.y * sigm(z2.y);
-      }
-    } else {
-      dy2 = make_float2(fy[2 * w], fy[2 * w + 1]);
-    }
+    const float2 dy2 = dy_pair<T, kFly, kZ>(dw4[w], zw4[w], fy[2 * w], fy[2 * w + 1]);
     dyw[w] = mm::Elem<T>::pack(dy2.x, dy2.y);
     scw[w] = mm::Elem<T>::pack(ei * dy2.x, ei * dy2.y);
     if (wdD) {
@@ -649,17 +643,9 @@ __global__ void __launch_bounds__(kThreads, 2) post_bf16_kernel(BwdParams p) {
         float* dDr = dDred + lrow0 * Pp + lcc * 8;
 #pragma unroll
         for (int w = 0; w < 4; ++w) {
-          float2 dy2;
-          if constexpr (fly) {
-            dy2 = unpack2<T>(dw4[w]);
-            if constexpr (hasz) {
-              const float2 z2 = unpack2<T>(zw4[w]);
-              dy2.x = dy2.x * z2.x * sigm(z2.x);
-              dy2.y = dy2.y * z2.y * sigm(z2.y);
-            }
-          } else {
-            dy2 = make_float2(fy[2 * w], fy[2 * w + 1]);
-          }
+          // (the operands this instance does not read passed as constants: version 1's code as before)
+          const float2 dy2 = dy_pair<T, fly, hasz>(fly ? dw4[w] : 0u, hasz ? zw4[w] : 0u, fly ? 0.f : fy[2 * w],
+                                                   fly ? 0.f : fy[2 * w + 1]);
           reinterpret_cast<uint32_t*>(dys + i * PT + lcc * 8)[w] = mm::Elem<T>::pack(dy2.x, dy2.y);
           reinterpret_cast<uint32_t*>(sc + i * PT + lcc * 8)[w] = mm::Elem<T>::pack(ei * dy2.x, ei * dy2.y);
           if (p.dD_part != nullptr) {  // this thread's slot: its rows in order
