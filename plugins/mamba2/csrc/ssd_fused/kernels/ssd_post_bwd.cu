@@ -239,6 +239,15 @@ __device__ __forceinline__ float2 dy_pair(uint32_t dw, uint32_t zw, float f0, fl
   }
   return dy2;
 }
+// dz of an element pair from packed pairs of dout (dw), z (zw), y (yw): dout y silu'(z) = dout y s (1 + z (1 - s)),
+// s = sigmoid(z), rounded to T and packed. Version 1's dz pass and dz_rows_v3: one definition.
+template <typename T>
+__device__ __forceinline__ uint32_t dz_pair(uint32_t dw, uint32_t zw, uint32_t yw) {
+  const float2 g2 = unpack2<T>(dw), z2 = unpack2<T>(zw), y2 = unpack2<T>(yw);
+  const float s0 = sigm(z2.x), s1 = sigm(z2.y);
+  return mm::Elem<T>::pack(g2.x * y2.x * s0 * (1.f + z2.x * (1.f - s0)), g2.y * y2.y * s1 * (1.f + z2.y * (1.f - s1)));
+}
+
 // one row piece's global inputs (16-byte words; fa / fb: the fp32 dy when not kFly) and e^Lam of the row
 struct RowIn {
   uint4 x, d, z;
@@ -318,10 +327,7 @@ __device__ __forceinline__ void dz_rows_v3(const BwdParams& p, const int* tok, i
     uint32_t dzw[2];
 #pragma unroll
     for (int w = 0; w < 2; ++w) {
-      const float2 g2 = unpack2<T>(dw4[w]), z2 = unpack2<T>(zw4[w]), y2 = unpack2<T>(yw4[w]);
-      const float s0 = sigm(z2.x), s1 = sigm(z2.y);
-      dzw[w] = mm::Elem<T>::pack(g2.x * y2.x * s0 * (1.f + z2.x * (1.f - s0)),
-                                 g2.y * y2.y * s1 * (1.f + z2.y * (1.f - s1)));
+      dzw[w] = dz_pair<T>(dw4[w], zw4[w], yw4[w]);
     }
     *reinterpret_cast<uint2*>(gdz + off) = make_uint2(dzw[0], dzw[1]);
   }
@@ -671,10 +677,7 @@ __global__ void __launch_bounds__(kThreads, 2) post_bf16_kernel(BwdParams p) {
             uint32_t dzw[4];
 #pragma unroll
             for (int w = 0; w < 4; ++w) {
-              const float2 g2 = unpack2<T>(dw4[w]), z2 = unpack2<T>(zw4[w]), y2 = unpack2<T>(yw4[w]);
-              const float s0 = sigm(z2.x), s1 = sigm(z2.y);
-              dzw[w] = mm::Elem<T>::pack(g2.x * y2.x * s0 * (1.f + z2.x * (1.f - s0)),
-                                         g2.y * y2.y * s1 * (1.f + z2.y * (1.f - s1)));
+              dzw[w] = dz_pair<T>(dw4[w], zw4[w], yw4[w]);
             }
             *reinterpret_cast<uint4*>(gdz + off) = make_uint4(dzw[0], dzw[1], dzw[2], dzw[3]);
           }
