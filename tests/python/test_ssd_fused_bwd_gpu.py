@@ -15,6 +15,8 @@ Run on the GPU:  .venv/bin/python -m pytest tests/python/test_ssd_fused_bwd_gpu.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -387,22 +389,14 @@ DS16_CASES = {
 
 
 def _ds_fp32_outputs(case, tmp_path):
-    import subprocess
-    import sys
-
     here = os.path.dirname(os.path.abspath(__file__))
     path = tmp_path / f"ds_fp32_{case}.pt"
     code = ("import sys, torch; sys.path.insert(0, %r); import test_ssd_fused_bwd_gpu as t; keep = {}; "
             "t.run_case(keep=keep, name=%r, **t.DS16_CASES[%r]); "
             "torch.save({k: v.cpu() for k, v in keep.items() if not k.startswith('_')}, %r)"
             % (here, f"{case} ds fp32", case, str(path)))
-    env = {k: v for k, v in os.environ.items() if k not in ("TREE_RECURRENCE_SSD_BWD_V1", "TREE_RECURRENCE_SSD_BWD_TC")}
-    env["TREE_RECURRENCE_SSD_DS_FP32"] = "1"
-    env["TREE_RECURRENCE_TEST_OPS"] = "1"  # the stage op (conftest sets it for this process)
-    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=here, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    print(proc.stdout[-2000:])
-    return torch.load(path)
+    return run_saved_subprocess(code, path, ("TREE_RECURRENCE_SSD_BWD_V1", "TREE_RECURRENCE_SSD_BWD_TC"),
+                                {"TREE_RECURRENCE_SSD_DS_FP32": "1"}, timeout=600, tail=3000)
 
 
 @pytest.mark.parametrize("case", sorted(DS16_CASES))
@@ -490,9 +484,6 @@ _FUSED_RUNS = {}
 def _fused_mode_outputs(mode, ds_fp32, tmp_path_factory):
     """All FUSED_CASES run in one subprocess with TREE_RECURRENCE_SSD_BWD_FUSED_PASS=mode (and
     TREE_RECURRENCE_SSD_DS_FP32=1 when ds_fp32): {case: {output name: tensor}} (cached per module)."""
-    import subprocess
-    import sys
-
     key = (mode, ds_fp32)
     if key in _FUSED_RUNS:
         return _FUSED_RUNS[key]
@@ -503,17 +494,28 @@ def _fused_mode_outputs(mode, ds_fp32, tmp_path_factory):
             "    keep = {}; t.run_case(keep=keep, name=case + %r, **kw)\n"
             "    res[case] = {k: v.cpu() for k, v in keep.items() if not k.startswith('_')}\n"
             "torch.save(res, %r)\n" % (here, f" fused_pass={mode}{' ds fp32' if ds_fp32 else ''}", str(path)))
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("TREE_RECURRENCE_SSD_BWD_V1", "TREE_RECURRENCE_SSD_BWD_TC", "TREE_RECURRENCE_SSD_DS_FP32")}
-    env["TREE_RECURRENCE_SSD_BWD_FUSED_PASS"] = mode
+    env_set = {"TREE_RECURRENCE_SSD_BWD_FUSED_PASS": mode}
     if ds_fp32:
-        env["TREE_RECURRENCE_SSD_DS_FP32"] = "1"
-    env["TREE_RECURRENCE_TEST_OPS"] = "1"  # the stage op (conftest sets it for this process)
-    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=here, capture_output=True, text=True, timeout=1200)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    print(proc.stdout[-3000:])
-    _FUSED_RUNS[key] = torch.load(path)
+        env_set["TREE_RECURRENCE_SSD_DS_FP32"] = "1"
+    _FUSED_RUNS[key] = run_saved_subprocess(
+        code, path, ("TREE_RECURRENCE_SSD_BWD_V1", "TREE_RECURRENCE_SSD_BWD_TC", "TREE_RECURRENCE_SSD_DS_FP32"), env_set,
+        timeout=1200, tail=4000)
     return _FUSED_RUNS[key]
+
+
+def run_saved_subprocess(code, path, env_drop, env_set, timeout, tail):
+    """Runs ``python -c code`` in this folder with ``env_drop`` removed from and ``env_set`` added to this
+    process's environment (and TREE_RECURRENCE_TEST_OPS=1: the stage ops, which conftest sets for this process),
+    asserts it succeeded (its output's last ``tail`` characters otherwise), and returns what it saved to ``path``."""
+    env = {k: v for k, v in os.environ.items() if k not in env_drop}
+    env.update(env_set)
+    env["TREE_RECURRENCE_TEST_OPS"] = "1"
+    here = os.path.dirname(os.path.abspath(__file__))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=here, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-tail:] + proc.stderr[-tail:]
+    print(proc.stdout[-(tail * 3 // 4):])
+    return torch.load(path)
 
 
 @pytest.mark.parametrize("ds_fp32", [False, True], ids=["ds16", "ds_fp32"])

@@ -160,6 +160,26 @@ def test_stages_dims(dtype, dims):
 @pytest.mark.parametrize("dims", [(16, 64, 2, 128), (4, 128, 1, 256), (4, 128, 2, 64), (2, 8, 2, 8), (8, 24, 4, 40),
                                   (6, 32, 3, 64)],
                          ids=["H16P64G2N128", "P128N256", "P128N64", "P8N8", "P24N40", "H6P32G3"])
+
+def scan_variant(monkeypatch, variant):
+    """TREE_RECURRENCE_SSD_FWD_SCAN for one run: "default" (v4 where supported) unsets it."""
+    if variant == "default":
+        monkeypatch.delenv("TREE_RECURRENCE_SSD_FWD_SCAN", raising=False)
+    else:
+        monkeypatch.setenv("TREE_RECURRENCE_SSD_FWD_SCAN", variant)
+
+
+def scan_against_float64(variant, label, ins, tabs, use, want, dtype):
+    """The fused stages under the chunk-scan ``variant`` (set by scan_variant): out and y finite and within
+    STAGE_TOL of the float64 ``want``; returns the stages by name."""
+    got = dict(zip(STAGES, call(_ops().ssd_fused_stages, ins, tabs, use)))
+    errors = {k: rel_rms(got[k], want[k]) for k in ("out", "y") if got[k].numel()}
+    print(f"\n[scan {variant} {label}] vs float64: " + " ".join(f"{k}={v:.2e}" for k, v in errors.items()))
+    assert all(torch.isfinite(got[k].float()).all() for k in ("out", "y")), variant
+    bad = {k: v for k, v in errors.items() if not v <= STAGE_TOL[dtype][k]}
+    assert not bad, (variant, bad)
+    return got
+
 def test_scan_v3_vs_v2(dims, chunk, dtype, monkeypatch):
     """The default chunk scan (v3 at chunk 64 and P <= 64, else v2) and v2 (TREE_RECURRENCE_SSD_FWD_SCAN=v2):
     each against the float64 stage reference, then out / y bitwise equal (same arithmetic: the shared
@@ -170,24 +190,14 @@ def test_scan_v3_vs_v2(dims, chunk, dtype, monkeypatch):
     for use, z_fp32 in ((("D", "dt_bias", "z", "h0"), False), (("dt_bias", "z"), True), (("D", "h0"), False)):
         runs = {}
         for variant in ("v2", "default"):
-            if variant == "v2":
-                monkeypatch.setenv("TREE_RECURRENCE_SSD_FWD_SCAN", "v2")
-            else:
-                monkeypatch.delenv("TREE_RECURRENCE_SSD_FWD_SCAN", raising=False)
+            scan_variant(monkeypatch, variant)
             roots = sum(p < 0 for p in par)
             ins = make(off[-1], dtype=dtype, roots=roots, H=H, P=P, G=G, N=N, D_per_channel=True, seed=4)
             if z_fp32:
                 ins["z"] = ins["z"].float()
             tabs = chunk_tables(off, par, chunk, "cuda")
-            got = dict(zip(STAGES, call(_ops().ssd_fused_stages, ins, tabs, use)))
-            want = reference(ins, tabs, use)
-            errors = {k: rel_rms(got[k], want[k]) for k in ("out", "y") if got[k].numel()}
-            print(f"\n[scan {variant} {dims} L={chunk} {dtype} use={use} z_fp32={z_fp32}] vs float64: "
-                  + " ".join(f"{k}={v:.2e}" for k, v in errors.items()))
-            assert all(torch.isfinite(got[k].float()).all() for k in ("out", "y")), variant
-            bad = {k: v for k, v in errors.items() if not v <= STAGE_TOL[dtype][k]}
-            assert not bad, (variant, bad)
-            runs[variant] = got
+            runs[variant] = scan_against_float64(variant, f"{dims} L={chunk} {dtype} use={use} z_fp32={z_fp32}", ins,
+                                                 tabs, use, reference(ins, tabs, use), dtype)
         diff = {k: rel_rms(runs["default"][k], runs["v2"][k]) for k in ("out", "y") if runs["v2"][k].numel()}
         print(f"[scan default vs v2 {dims} L={chunk} {dtype}] rel diff {diff}")
         assert runs["default"]["y"].shape == runs["v2"]["y"].shape
@@ -217,17 +227,24 @@ def test_scan_v3_through_the_op(monkeypatch):
     assert torch.equal(a, b), e
 
 
-@pytest.mark.parametrize("dims", [(4, 64, 2, 128), (8, 64, 1, 128), (16, 32, 2, 64)], ids=["H4G2", "H8G1", "H16G2P32"])
-def test_scan_v3_head_slices_bitwise(dims, monkeypatch):
-    """~77k tokens (>= 1,024 chunks): v3's grid takes 1 (H4G2), 2 (H8G1: 4 heads per block) and 1 (H16G2P32: 8
-    heads per block, the longest double-buffer chain) head slices per (chunk, group); out and y bitwise equal
-    to v2, two v3 runs bitwise equal."""
+def head_slice_row(dims):
+    """The head-slice tests' row: ~77k tokens of a random trie (>= 1,024 chunks of 64) at dims (H, P, G, N); its
+    inputs, chunk tables and the trie (offsets, parents)."""
     H, P, G, N = dims
     off, par = random_trie(11, 48, 3200)
     roots = sum(p < 0 for p in par)
     ins = make(off[-1], roots=roots, H=H, P=P, G=G, N=N, D_per_channel=True, seed=5)
     tabs = chunk_tables(off, par, 64, "cuda")
     assert tabs["gather"].shape[0] >= 1024, tabs["gather"].shape
+    return ins, tabs, off, par
+
+
+@pytest.mark.parametrize("dims", [(4, 64, 2, 128), (8, 64, 1, 128), (16, 32, 2, 64)], ids=["H4G2", "H8G1", "H16G2P32"])
+def test_scan_v3_head_slices_bitwise(dims, monkeypatch):
+    """~77k tokens (>= 1,024 chunks): v3's grid takes 1 (H4G2), 2 (H8G1: 4 heads per block) and 1 (H16G2P32: 8
+    heads per block, the longest double-buffer chain) head slices per (chunk, group); out and y bitwise equal
+    to v2, two v3 runs bitwise equal."""
+    ins, tabs, _, _ = head_slice_row(dims)
     monkeypatch.delenv("TREE_RECURRENCE_SSD_FWD_SCAN", raising=False)
     a = call(_ops().ssd_fused_stages, ins, tabs)
     a2 = call(_ops().ssd_fused_stages, ins, tabs)
@@ -529,12 +546,6 @@ SCAN_V4_DIMS = [(16, 64, 2, 128), (8, 64, 1, 128), (2, 8, 2, 8), (8, 24, 4, 40),
 SCAN_V4_IDS = ["H16P64G2N128", "G1", "P8N8", "P24N40", "H6P32G3", "P56N72", "P32N176", "P64N256"]
 
 
-def scan_variant(monkeypatch, variant):
-    """TREE_RECURRENCE_SSD_FWD_SCAN for one run: "default" (v4 where supported) unsets it."""
-    if variant == "default":
-        monkeypatch.delenv("TREE_RECURRENCE_SSD_FWD_SCAN", raising=False)
-    else:
-        monkeypatch.setenv("TREE_RECURRENCE_SSD_FWD_SCAN", variant)
 
 
 @pytest.mark.parametrize("name", ["around_chunks", "one_token", "wide"])
@@ -559,14 +570,8 @@ def test_scan_v4_vs_v3_and_v2(dims, dtype, name, monkeypatch):
         runs = {}
         for variant in ("default", "v3", "v2"):
             scan_variant(monkeypatch, variant)
-            got = dict(zip(STAGES, call(_ops().ssd_fused_stages, ins, tabs, use)))
-            errors = {k: rel_rms(got[k], want[k]) for k in ("out", "y") if got[k].numel()}
-            print(f"\n[scan {variant} {name} {dims} {dtype} use={use} z_fp32={z_fp32}] vs float64: "
-                  + " ".join(f"{k}={v:.2e}" for k, v in errors.items()))
-            assert all(torch.isfinite(got[k].float()).all() for k in ("out", "y")), variant
-            bad = {k: v for k, v in errors.items() if not v <= STAGE_TOL[dtype][k]}
-            assert not bad, (variant, bad)
-            runs[variant] = got
+            runs[variant] = scan_against_float64(variant, f"{name} {dims} {dtype} use={use} z_fp32={z_fp32}", ins, tabs,
+                                                 use, want, dtype)
         for other in ("v3", "v2"):
             diff = {k: rel_rms(runs["default"][k], runs[other][k]) for k in ("out", "y") if runs[other][k].numel()}
             assert runs["default"]["y"].shape == runs[other]["y"].shape
@@ -579,12 +584,7 @@ def test_scan_v4_head_slices_bitwise_equals_v3(dims, monkeypatch):
     """~77k tokens (>= 1,024 chunks, v4's grid with 1 / 2 / 1 head slices per (chunk, group), up to 8 heads per
     block through the double buffer): out and y of v4 bitwise equal to v3's, two v4 runs bitwise equal, the op
     (ssd_tree_scan) with v4 equal to the stages op's out and within the bf16 bar of the float64 token oracle."""
-    H, P, G, N = dims
-    off, par = random_trie(11, 48, 3200)
-    roots = sum(p < 0 for p in par)
-    ins = make(off[-1], roots=roots, H=H, P=P, G=G, N=N, D_per_channel=True, seed=5)
-    tabs = chunk_tables(off, par, 64, "cuda")
-    assert tabs["gather"].shape[0] >= 1024, tabs["gather"].shape
+    ins, tabs, off, par = head_slice_row(dims)
     scan_variant(monkeypatch, "default")
     a = call(_ops().ssd_fused_stages, ins, tabs)
     a2 = call(_ops().ssd_fused_stages, ins, tabs)

@@ -31,7 +31,8 @@ import pytest
 import torch
 
 import ssd_bwd_reference as ref
-from test_ssd_fused_bwd_gpu import FINAL_NAMES, MIXED, STAGE_NAMES, WIDE, make, oracle_grads, rel_rms
+from test_ssd_fused_bwd_gpu import (FINAL_NAMES, MIXED, STAGE_NAMES, WIDE, make, oracle_grads, rel_rms,
+                                    run_saved_subprocess)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -249,8 +250,6 @@ def _post_subprocess(tmp_path_factory, v1, ds_fp32, cases):
     """_post_run_cases(cases) in a subprocess with TREE_RECURRENCE_SSD_POST_V1=1 (v1) / TREE_RECURRENCE_SSD_DS_FP32=1
     (ds_fp32), cached per module."""
     import os
-    import subprocess
-    import sys
 
     key = (v1, ds_fp32)
     if key in _POST_RUNS:
@@ -259,17 +258,14 @@ def _post_subprocess(tmp_path_factory, v1, ds_fp32, cases):
     path = tmp_path_factory.mktemp("post_v3") / f"v1{int(v1)}_ds32{int(ds_fp32)}.pt"
     code = ("import sys, torch; sys.path.insert(0, %r); import test_ssd_post_bwd_gpu as t; "
             "torch.save(t._post_run_cases(%r), %r)" % (here, list(cases), str(path)))
-    env = {k: v for k, v in os.environ.items()
-           if k not in ENV + ("TREE_RECURRENCE_SSD_POST_V1", "TREE_RECURRENCE_SSD_DS_FP32")}
+    env_set = {}
     if v1:
-        env["TREE_RECURRENCE_SSD_POST_V1"] = "1"
+        env_set["TREE_RECURRENCE_SSD_POST_V1"] = "1"
     if ds_fp32:
-        env["TREE_RECURRENCE_SSD_DS_FP32"] = "1"
-    env["TREE_RECURRENCE_TEST_OPS"] = "1"  # the stage op (conftest sets it for this process)
-    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=here, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    print(proc.stdout[-2000:])
-    _POST_RUNS[key] = torch.load(path)
+        env_set["TREE_RECURRENCE_SSD_DS_FP32"] = "1"
+    _POST_RUNS[key] = run_saved_subprocess(
+        code, path, ENV + ("TREE_RECURRENCE_SSD_POST_V1", "TREE_RECURRENCE_SSD_DS_FP32"), env_set, timeout=900,
+        tail=3000)
     return _POST_RUNS[key]
 
 
