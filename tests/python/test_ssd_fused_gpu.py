@@ -155,12 +155,6 @@ def test_stages_dims(dtype, dims):
     check_stages(off, par, chunk=128, dtype=dtype, H=H, P=P, G=G, N=N, label=f"H{H}P{P}G{G}N{N}", D_per_channel=True)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("chunk", [64, 128, 256])
-@pytest.mark.parametrize("dims", [(16, 64, 2, 128), (4, 128, 1, 256), (4, 128, 2, 64), (2, 8, 2, 8), (8, 24, 4, 40),
-                                  (6, 32, 3, 64)],
-                         ids=["H16P64G2N128", "P128N256", "P128N64", "P8N8", "P24N40", "H6P32G3"])
-
 def scan_variant(monkeypatch, variant):
     """TREE_RECURRENCE_SSD_FWD_SCAN for one run: "default" (v4 where supported) unsets it."""
     if variant == "default":
@@ -180,6 +174,12 @@ def scan_against_float64(variant, label, ins, tabs, use, want, dtype):
     assert not bad, (variant, bad)
     return got
 
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("chunk", [64, 128, 256])
+@pytest.mark.parametrize("dims", [(16, 64, 2, 128), (4, 128, 1, 256), (4, 128, 2, 64), (2, 8, 2, 8), (8, 24, 4, 40),
+                                  (6, 32, 3, 64)],
+                         ids=["H16P64G2N128", "P128N256", "P128N64", "P8N8", "P24N40", "H6P32G3"])
 def test_scan_v3_vs_v2(dims, chunk, dtype, monkeypatch):
     """The default chunk scan (v3 at chunk 64 and P <= 64, else v2) and v2 (TREE_RECURRENCE_SSD_FWD_SCAN=v2):
     each against the float64 stage reference, then out / y bitwise equal (same arithmetic: the shared
