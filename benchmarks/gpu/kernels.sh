@@ -49,12 +49,12 @@ pytest_part() {  # name seconds test-file [pytest args...]: one file, -s (the pe
 SAN_S=${SAN_S:-150}
 SAN_GDN_MEM=("tests/python/test_gdn_fused_gpu.py::test_stages_against_float64[around_chunk_strong-bf16]"
              "tests/python/test_gdn_fused_gpu.py::test_stages_against_float64[odd_dims_none-bf16]"
-             "tests/python/test_gdn_fused_bwd_gpu.py::test_stages[around_chunk-3]"
-             "tests/python/test_gdn_fused_bwd_gpu.py::test_stages[grouped_no_l2-3]"
+             "tests/python/test_gdn_fused_bwd_gpu.py::test_stages[around_chunk-7]"
+             "tests/python/test_gdn_fused_bwd_gpu.py::test_stages[grouped_no_l2-7]"
              "tests/python/test_gdn_fused_bwd_gpu.py::test_stages[grouped_l2-0]")
 SAN_GDN_RACE=("tests/python/test_gdn_fused_gpu.py::test_stages_against_float64[around_chunk_strong-bf16]"
-              "tests/python/test_gdn_fused_bwd_gpu.py::test_stages[around_chunk-3]"
-              "tests/python/test_gdn_fused_bwd_gpu.py::test_stages[grouped_l2-3]")
+              "tests/python/test_gdn_fused_bwd_gpu.py::test_stages[around_chunk-7]"
+              "tests/python/test_gdn_fused_bwd_gpu.py::test_stages[grouped_l2-7]")
 SAN_SSD_MEM=("tests/python/test_ssd_fused_gpu.py::test_stages_bf16[around_chunks-64]"
              "tests/python/test_ssd_fused_gpu.py::test_stages_dims[P64N128-dtype0]"
              "tests/python/test_ssd_fused_bwd_gpu.py::test_one_token_segments"

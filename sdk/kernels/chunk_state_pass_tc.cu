@@ -18,6 +18,8 @@
 //   grad_state_out[c] <- dS_s; dv = dv_local + kd dS_s -> dv_s (stored negated);
 //   dS = decay dS + q_g^T grad_out                 | B: w(c) landed; dv_s complete
 //   dv_total[c] <- -dv_s; dS += w^T (-dv)
+// grad_out is read chunk-major, or token-major through grad_out_rows (the row tokens of each chunk
+// loaded a chunk ahead, TokenRows): the same shared tile either way.
 // (NW = 8: all of chunk c's tiles have landed at A.)
 // Two instances of the one kernel (template NW), the same arithmetic in the same order: every
 // output element's MMA k-loop runs over the same k steps in the same order whichever warp computes
@@ -136,6 +138,42 @@ __device__ __forceinline__ void store_tile(const T* smem, T* __restrict__ g, int
       *reinterpret_cast<uint4*>(g + r * gstride + col) = v;
     }
   });
+}
+
+// The tokens of the rows of this thread's 16-byte pieces of a C x BV tile (the pieces for_pieces
+// gives it, in order) for a token-major operand (rows: the (NC, C) table, -1 = a padding row), loaded
+// one chunk ahead: load(c) issues plain loads that land while the current chunk runs; the next
+// issue reads tok.
+template <int BV, int THREADS>
+struct TokenRows {
+  static constexpr int PR = BV / 8;
+  static constexpr int N = kC * PR / THREADS;
+  static_assert((kC * PR) % THREADS == 0, "tile pieces split evenly over the CTA");
+  const int64_t* rows;
+  int64_t tok[N];
+  __device__ __forceinline__ void load(int64_t c) {
+    if (!rows) return;
+#pragma unroll
+    for (int i = 0; i < N; ++i) tok[i] = rows[c * kC + (i * THREADS + static_cast<int>(threadIdx.x)) / PR];
+  }
+};
+
+// cp.async a C x BV tile of a token-major operand (row i at g + tok(i) * row_pitch, g at the head and
+// tile column already; rows of token -1 and columns >= valid_cols zero-filled) into shared memory of
+// pitch LD. The same shared tile as load_tile of the chunk-major copy.
+template <typename T, int BV, int LD, int THREADS>
+__device__ __forceinline__ void load_token_tile(T* smem, const T* __restrict__ g, int64_t row_pitch,
+                                                const TokenRows<BV, THREADS>& rows, int valid_cols) {
+  constexpr int PR = TokenRows<BV, THREADS>::PR;
+#pragma unroll
+  for (int i = 0; i < TokenRows<BV, THREADS>::N; ++i) {
+    const int idx = i * THREADS + static_cast<int>(threadIdx.x);
+    const int r = idx / PR, col = (idx % PR) * 8;
+    const int64_t tk = rows.tok[i];
+    const bool ok = tk >= 0 && col < valid_cols;
+    const T* src = ok ? g + tk * row_pitch + col : g;
+    m::cp_async_16(smem + r * LD + col, src, ok ? 16 : 0);
+  }
 }
 
 template <int KP, int BV, int NW>
@@ -381,6 +419,10 @@ __global__ void __launch_bounds__(32 * NW) tc_backward_kernel(ChunkStatePassTcPa
     state_load<KP, BV, NW>(dS, p.workspace + (p.children[e] * t.H + t.head) * t.KV + t.n0, t.K, t.V, t.vvalid, rq, cq, l, true);
 
   const int64_t c_begin = p.seg_chunk_offsets[t.s], c_last = p.seg_chunk_offsets[t.s + 1] - 1;
+  // grad_out token-major (grad_out_rows): the rows' tokens of chunk c are read while chunk c + 1
+  // runs (the chunks' grad_out tiles are issued in the order c_last, c_last - 1, ..., c_begin)
+  TokenRows<BV, TH> go_rows{has_q ? p.grad_out_rows : nullptr, {}};
+  if (c_last >= c_begin) go_rows.load(c_last);
   // Issues chunk c's kd, q_g, grad_out, dv_local (p1) and w (pw) into stage st as one cp.async group.
   auto issue = [&](int64_t c, T* st, bool p1, bool pw) {
     if (c >= c_begin) {
@@ -390,7 +432,12 @@ __global__ void __launch_bounds__(32 * NW) tc_backward_kernel(ChunkStatePassTcPa
         load_tile<T, kC, KP, G::LDK, TH>(st, kd + ok, t.K, t.kvalid);
         if (has_q) {
           load_tile<T, kC, KP, G::LDK, TH>(st + G::KT, q_g + ok, t.K, t.kvalid);
-          load_tile<T, kC, BV, G::LDV, TH>(st + 3 * G::KT, grad_out + ov, t.V, t.vvalid);
+          if (go_rows.rows) {
+            load_token_tile<T, BV, G::LDV, TH>(st + 3 * G::KT, grad_out + t.head * t.V + t.n0, t.H * t.V, go_rows, t.vvalid);
+            if (c > c_begin) go_rows.load(c - 1);
+          } else {
+            load_tile<T, kC, BV, G::LDV, TH>(st + 3 * G::KT, grad_out + ov, t.V, t.vvalid);
+          }
         }
         if (dv_local) load_tile<T, kC, BV, G::LDV, TH>(st + 3 * G::KT + G::VT, dv_local + ov, t.V, t.vvalid);
       }
@@ -498,6 +545,7 @@ std::string check_params(const ChunkStatePassTcParams& p, bool backward) {
     if (!p.grad_state_out || !p.dv_total || !p.grad_initial || !p.workspace)
       return op + "grad_state_out, dv_total, grad_initial and workspace are required";
     if ((p.q_g == nullptr) != (p.grad_out == nullptr)) return op + "q_g and grad_out are given together or not at all";
+    if (p.grad_out_rows && !p.grad_out) return op + "grad_out_rows (token-major grad_out) needs grad_out";
     if (!bad)
       bad = misaligned({{p.dv_local, "dv_local"}, {p.q_g, "q_g"}, {p.grad_out, "grad_out"},
                         {p.grad_state_out, "grad_state_out"}, {p.dv_total, "dv_total"}, {p.grad_initial, "grad_initial"},

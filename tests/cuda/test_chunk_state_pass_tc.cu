@@ -211,9 +211,11 @@ static int run_case(const Case& cs, std::mt19937& rng) {
   randvec(size_t(NC) * H * C * K, rk, q_e, q);
   randvec(size_t(NC) * H * C * V, 1.0, go_e, go);
   randvec(size_t(NC) * H * C * V, 1.0, dvl_e, dvl);
+  std::vector<int64_t> seg_valid(static_cast<size_t>(S));  // valid rows of each segment's last chunk
   for (int64_t s = 0; s < S; ++s) {
     const int64_t c = t.seg_chunk_offsets[s + 1] - 1;
     const int64_t valid = t.last_valid[s] ? t.last_valid[s] : 1 + int64_t(rng() % C);
+    seg_valid[size_t(s)] = valid;
     for (int64_t hh = 0; hh < H; ++hh)
       for (int64_t r = valid; r < C; ++r) {
         const size_t base = size_t((c * H + hh) * C + r);
@@ -370,6 +372,62 @@ static int run_case(const Case& cs, std::mt19937& rng) {
               wide_same ? "bitwise equal" : "DIFFER: FAIL", auto_same ? "bitwise equal" : "DIFFER: FAIL",
               first[1] == first[0] ? "bitwise equal" : "differ (not required)");
   bad += !wide_same + !auto_same;
+  // grad_out token-major (grad_out_rows): the chunk rows' tokens a shuffled numbering of the valid
+  // rows (a padded row -1, read as zeros; q is zero there, so the pass's result is that of the
+  // chunk-major run) must give the chunk-major run's bits, previous (BV 32, 64) and wide kernels.
+  if (cs.has_q) {
+    std::vector<int64_t> rows(size_t(NC) * C, -1);
+    std::vector<int64_t> order;
+    for (int64_t s = 0; s < S; ++s)
+      for (int64_t c = t.seg_chunk_offsets[s]; c < t.seg_chunk_offsets[s + 1]; ++c) {
+        const int64_t valid = c == t.seg_chunk_offsets[s + 1] - 1 ? seg_valid[size_t(s)] : C;  // the zeroed tail: padding
+        for (int64_t r = 0; r < valid; ++r) order.push_back(c * C + r);
+      }
+    std::shuffle(order.begin(), order.end(), rng);
+    const int64_t T = static_cast<int64_t>(order.size());
+    std::vector<uint16_t> go_tok(size_t(T) * H * V);
+    for (int64_t tok = 0; tok < T; ++tok) {
+      const int64_t c = order[size_t(tok)] / C, r = order[size_t(tok)] % C;
+      rows[size_t(c * C + r)] = tok;
+      for (int64_t hh = 0; hh < H; ++hh)
+        std::copy_n(&go_e[size_t(((c * H + hh) * C + r) * V)], V, &go_tok[size_t((tok * H + hh) * V)]);
+    }
+    uint16_t* d_go_tok = upload(go_tok);
+    int64_t* d_rows = upload(rows);
+    const int ref_of[] = {0, 1, 2};  // modes[0..2]: previous BV 32, previous BV 64, wide
+    for (int mi : ref_of) {
+      const Mode& mode = modes[mi];
+      uint16_t* d_h = alloc_poison<uint16_t>(n_h);
+      uint16_t* d_vn = alloc_poison<uint16_t>(n_v);
+      float* d_fin = alloc_poison<float>(n_s);
+      uint16_t* d_gso = alloc_poison<uint16_t>(n_h);
+      uint16_t* d_dvt = alloc_poison<uint16_t>(n_v);
+      float* d_gi = alloc_poison<float>(n_r);
+      float* d_ws = alloc_poison<float>(n_s);
+      ChunkStatePassTcParams p = base;
+      p.heads = H, p.k_dim = K, p.v_dim = V, p.in = ty.dt;
+      p.w = cs.has_w ? d_w : nullptr, p.u = d_u, p.kd = d_kd, p.decay = d_decay, p.initial_state = d_init;
+      p.initial_per_root = cs.init == 2;
+      p.h = d_h, p.v_new = d_vn, p.final_state = d_fin;
+      p.dv_local = cs.has_dvl ? d_dvl : nullptr, p.q_g = d_q, p.grad_out = d_go_tok, p.grad_out_rows = d_rows;
+      p.grad_state_out = d_gso, p.dv_total = d_dvt, p.grad_initial = d_gi, p.workspace = d_ws;
+      p.v_tile = mode.v_tile, p.wide = mode.wide;
+      const char* e1 = tree_recurrence::kernels::chunk_state_pass_tc_forward(p, nullptr);
+      if (*e1) { std::printf("%s: forward error: %s\n", cs.name.c_str(), e1); return 1; }
+      const char* e2 = tree_recurrence::kernels::chunk_state_pass_tc_backward(p, nullptr);
+      if (*e2) { std::printf("%s: backward error (token-major grad_out): %s\n", cs.name.c_str(), e2); return 1; }
+      CHECK(cudaDeviceSynchronize());
+      Outputs o{download(d_h, n_h), download(d_vn, n_v), download(d_gso, n_h), download(d_dvt, n_v),
+                download(d_fin, n_s), download(d_gi, n_r)};
+      cudaFree(d_h), cudaFree(d_vn), cudaFree(d_fin), cudaFree(d_gso), cudaFree(d_dvt), cudaFree(d_gi), cudaFree(d_ws);
+      const bool same = o == first[size_t(mi)];
+      std::printf("%-36s %s %-10s  token-major grad_out (%lld tokens) vs chunk-major: %s\n", cs.name.c_str(), ty.name,
+                  mode.name, (long long)T, same ? "bitwise equal" : "DIFFER: FAIL");
+      bad += !same;
+    }
+    cudaFree(d_go_tok);
+    cudaFree(d_rows);
+  }
   free_tables(base);
   for (void* ptr : {(void*)d_w, (void*)d_u,
                     (void*)d_kd, (void*)d_q, (void*)d_go, (void*)d_dvl, (void*)d_decay, (void*)d_init})

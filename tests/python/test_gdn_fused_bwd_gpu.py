@@ -19,9 +19,10 @@ whatever the forward kernels do.
 * test_through_the_op: gdn_tree_scan's autograd on CUDA bf16 (fused forward + fused backward) vs the
   oracle: the integration with the forward engineer's saved buffers.
 * the memory-lean backward (gdn_fused_bwd.cpp's switches TREE_RECURRENCE_GDN_BWD_DQ_SUM: dq^ summed per
-  key head inside (b); TREE_RECURRENCE_GDN_BWD_DV_INPLACE: dv_total over dv_local; both on by default, the
+  key head inside (b); TREE_RECURRENCE_GDN_BWD_DV_INPLACE: dv_total over dv_local;
+  TREE_RECURRENCE_GDN_BWD_DO_TOKENS: the state pass and (b) read dO at the tokens; all on by default, the
   stages op's `mode` picks either path per call): test_stages / test_final_gradients /
-  test_bitwise_deterministic run the old (mode 0) and the new (mode 3) path; test_lean_paths_bitwise_equal:
+  test_bitwise_deterministic run the old (mode 0) and the new (mode 7) path; test_lean_paths_bitwise_equal:
   every mode gives the old path's bits (dq_hv: its ordered group sum); test_retain_graph_double_backward:
   a retain_graph=True backward keeps the saved buffers (the second backward gives the same bits), a third
   one raises; test_backward_peak_memory: the backward's peak equals the live-buffer timeline of
@@ -122,12 +123,13 @@ def cached_oracle(name):
     return case["oracle"]
 
 
-MODES = [0, 3]  # the stages op's mode: 0 the previous backward path, 3 the memory-lean one (dq^ summed, dv in place)
+MODES = [0, 7]  # the stages op's mode: 0 the previous backward path, 7 the memory-lean one (dq^ summed, dv in place,
+#                 dO read at the tokens)
 
 
 def run_stages(case, mode=-1):
     """The stages op on a case; mode -1 the backward's switches (default: the lean path), else bit 0 dq^
-    summed per key head in (b), bit 1 dv_total written over dv_local."""
+    summed per key head in (b), bit 1 dv_total written over dv_local, bit 2 dO read at the tokens (no do_c)."""
     ops = plugins.ops(FAMILY)
     if not hasattr(ops, "gdn_fused_backward_stages"):
         pytest.skip("this build has no gdn_fused_backward_stages op")
@@ -475,13 +477,14 @@ LEAN_CASES = {
 
 @pytest.mark.parametrize("name", sorted(LEAN_CASES))
 def test_lean_paths_bitwise_equal(name):
-    """Every mode (dq^ summed in (b) or not, dv_total in place or not) gives the previous path's bits: the
+    """Every mode (dq^ summed in (b) or not, dv_total in place or not, dO at the tokens or chunk-major) gives
+    the previous path's bits: the
     dqk kernel runs the same per-head work and sums dq^ in the finalize stage's order; dv_total in place
     over dv_local changes no arithmetic. dq_hv of the summing modes: the previous one's ordered group sum."""
     case = setup_case(**LEAN_CASES[name])
     HK = case["dev"]["q"].shape[1]
     ref = run_stages(case, 0)
-    for mode in (1, 2, 3):
+    for mode in range(1, 8):
         got = run_stages(case, mode)
         diff = []
         for n in NAMES:
@@ -514,11 +517,12 @@ def test_retain_graph_double_backward(name):
         torch.autograd.grad(o, leaves, d["grad"])
 
 
-def _predicted_backward_peak(T, S, R, NC, HK, HV, K, V, dq_sum, dv_inplace, beta_cast=True):
+def _predicted_backward_peak(T, S, R, NC, HK, HV, K, V, dq_sum, dv_inplace, do_tokens, beta_cast=True):
     """Bytes above what is allocated when the backward starts (o and the saved buffers included there), at
     the peak of the fused backward's live-buffer timeline (gdn_fused_bwd.cpp's run, ScanFunction handing
     the saved buffers over): per stage the transients alive at its launch minus the saved buffers already
-    released (w, kd after the state pass; Ainv, h, v_new after (c)). In-type 2 bytes."""
+    released (w, kd after the state pass; Ainv, h, v_new after (c)). In-type 2 bytes. do_tokens: no
+    chunk-major do_c (the state pass and (b) read the caller's grad_o)."""
     C, bf, f = 64, 2, 4
     cv, ck, kv = NC * HV * C * V * bf, NC * HV * C * K * bf, NC * HV * K * V * bf
     cc, chf = NC * HV * C * C * bf, NC * HV * C * f
@@ -527,9 +531,10 @@ def _predicted_backward_peak(T, S, R, NC, HK, HV, K, V, dq_sum, dv_inplace, beta
     decay = NC * HV * f
     dq, dk = NC * (HK if dq_sum else HV) * C * K * f, NC * HV * C * K * f
     tok = T * HV * V * bf + 2 * T * HV * f  # dv, dbeta, dg
+    do_c = 0 if do_tokens else cv
     stages = {
-        "state pass": beta32 + decay + cv + ck + cv + kv + (0 if dv_inplace else cv) + d_root + ws,
-        "(b) dq/dk": beta32 + cv + cv + kv + d_root + dq + dk + chf - 2 * ck,
+        "state pass": beta32 + decay + cv + ck + do_c + kv + (0 if dv_inplace else cv) + d_root + ws,
+        "(b) dq/dk": beta32 + do_c + cv + kv + d_root + dq + dk + chf - 2 * ck,
         "(c) WY": beta32 + cv + d_root + dq + dk + chf + tok - 2 * ck,
         "(d) finalize": beta32 + d_root + dq + dk + chf + tok + 2 * T * HK * K * bf - 2 * ck - (cc + kv + cv),
     }
@@ -570,7 +575,8 @@ def _measure_backward_peak(name):
     NC, S = tabs[0].shape[0], len(parents)
     R = sum(p < 0 for p in parents)
     want, stages = _predicted_backward_peak(T, S, R, NC, HK, HV, K, V, on("TREE_RECURRENCE_GDN_BWD_DQ_SUM"),
-                                            on("TREE_RECURRENCE_GDN_BWD_DV_INPLACE"))
+                                            on("TREE_RECURRENCE_GDN_BWD_DV_INPLACE"),
+                                            on("TREE_RECURRENCE_GDN_BWD_DO_TOKENS"))
     return dict(got=got, want=want, stages=stages)
 
 
@@ -593,7 +599,8 @@ def test_backward_peak_memory(name):
 @pytest.mark.parametrize("env", ["lean", "previous"])
 def test_backward_peak_memory_subprocess(env):
     """The same in a fresh process per switch setting (the switches are read once): the lean path and the
-    previous one (TREE_RECURRENCE_GDN_BWD_DQ_SUM=0, TREE_RECURRENCE_GDN_BWD_DV_INPLACE=0), each at its own
+    previous one (TREE_RECURRENCE_GDN_BWD_DQ_SUM=0, TREE_RECURRENCE_GDN_BWD_DV_INPLACE=0,
+    TREE_RECURRENCE_GDN_BWD_DO_TOKENS=0), each at its own
     predicted peak; TREE_RECURRENCE_GDN_MEMTRACE=1 prints one line per stage."""
     import json
     import os
@@ -603,8 +610,10 @@ def test_backward_peak_memory_subprocess(env):
     e = dict(os.environ, TREE_RECURRENCE_GDN_MEMTRACE="1")
     e.pop("TREE_RECURRENCE_GDN_BWD_DQ_SUM", None)
     e.pop("TREE_RECURRENCE_GDN_BWD_DV_INPLACE", None)
+    e.pop("TREE_RECURRENCE_GDN_BWD_DO_TOKENS", None)
     if env == "previous":
-        e.update(TREE_RECURRENCE_GDN_BWD_DQ_SUM="0", TREE_RECURRENCE_GDN_BWD_DV_INPLACE="0")
+        e.update(TREE_RECURRENCE_GDN_BWD_DQ_SUM="0", TREE_RECURRENCE_GDN_BWD_DV_INPLACE="0",
+                 TREE_RECURRENCE_GDN_BWD_DO_TOKENS="0")
     e["PYTHONPATH"] = here + os.pathsep + e.get("PYTHONPATH", "")
     code = ("import json, test_gdn_fused_bwd_gpu as t; m = t._measure_backward_peak('tree'); "
             "print('RESULT ' + json.dumps(m))")

@@ -1,5 +1,6 @@
 // The fused GDN backward (issue 19), host side: checks, allocation and the launches in order:
-//   (a) kernels/dv_local_bwd.cu   dv_local, q_g, dO chunk-major
+//   (a) kernels/dv_local_bwd.cu   dv_local, q_g (and dO chunk-major, do_c, only with
+//                                 TREE_RECURRENCE_GDN_BWD_DO_TOKENS=0: else the readers gather grad_o)
 //   the SDK's reverse tree state pass (chunk_state_pass_tc_backward): dS per chunk, dv_total,
 //       the roots' initial-state gradients
 //   (b) kernels/dqk_bwd.cu        dq^ per key head (summed over its value heads; or per value head),
@@ -10,7 +11,8 @@
 // Memory (GRPO, T = 49,152, HV = 32, HK = 16, K = V = 128, bf16): every buffer lives from right before
 // its writer to right after its last reader; the saved w, kd go after the state pass and Ainv, h,
 // v_new after (c) when the caller hands them over (ScanFunction without retain_graph). The peak is at
-// the state pass: the saved buffers, dv_local (= dv_total), q_g, do_c, grad_state_out, the workspace.
+// the state pass: the saved buffers, dv_local (= dv_total), q_g, grad_state_out, the workspace (no do_c:
+// the pass and (b) read grad_o at the tokens).
 #include "gdn_fused_bwd.h"
 #include "tree_recurrence/sdk/check.h"
 
@@ -69,6 +71,9 @@ void check_buffer(const at::Tensor& t, const char* name, at::IntArrayRef shape, 
 //   TREE_RECURRENCE_GDN_BWD_DV_INPLACE  the state pass writes dv_total over dv_local (it reads each
 //                                       (chunk, head, V tile) of dv_local into shared memory, in the CTA
 //                                       that alone writes that tile of dv_total, before writing it)
+//   TREE_RECURRENCE_GDN_BWD_DO_TOKENS   the state pass and (b) read dO at the tokens (grad_o through the
+//                                       gather table, pads zero) instead of a chunk-major copy do_c
+//                                       written by (a): the same tiles, 0.40 GB less at GRPO
 // TREE_RECURRENCE_GDN_MEMTRACE=1 (read once): after each stage's launch, the caching allocator's current
 // and peak allocated bytes of the device to stderr (host-side counters, no sync).
 bool env_on(const char* name) {
@@ -81,6 +86,10 @@ bool env_dq_sum() {
 }
 bool env_dv_inplace() {
   static const bool on = env_on("TREE_RECURRENCE_GDN_BWD_DV_INPLACE");
+  return on;
+}
+bool env_do_tokens() {
+  static const bool on = env_on("TREE_RECURRENCE_GDN_BWD_DO_TOKENS");
   return on;
 }
 bool env_memtrace() {
@@ -132,6 +141,7 @@ Stages run(const at::Tensor& grad_o, const at::Tensor& q_in, const at::Tensor& k
   check_buffer(saved.rk, "rk", {T, HK}, at::kFloat, dev);
   const bool dq_sum = mode < 0 ? env_dq_sum() : (mode & 1) != 0;
   const bool dv_inplace = mode < 0 ? env_dv_inplace() : (mode & 2) != 0;
+  const bool do_tokens = mode < 0 ? env_do_tokens() : (mode & 4) != 0;
 
   c10::cuda::CUDAGuard guard(dev);
   const auto di = dev.index();
@@ -157,7 +167,7 @@ Stages run(const at::Tensor& grad_o, const at::Tensor& q_in, const at::Tensor& k
   Stages st;
   st.dv_local = at::empty({NC, HV, C, V}, in_opt);
   st.q_g = at::empty({NC, HV, C, K}, in_opt);
-  st.do_c = at::empty({NC, HV, C, V}, in_opt);
+  if (!do_tokens) st.do_c = at::empty({NC, HV, C, V}, in_opt);
   at::Tensor decay = G.select(2, C - 1).exp().contiguous();
 
   kernels::GdnBwdParams p;
@@ -187,13 +197,19 @@ Stages run(const at::Tensor& grad_o, const at::Tensor& q_in, const at::Tensor& k
   p.v_new = v_new.data_ptr();
   p.dv_local = st.dv_local.data_ptr();
   p.q_g = st.q_g.data_ptr();
-  p.do_c = st.do_c.data_ptr();
+  p.do_c = do_tokens ? nullptr : st.do_c.data_ptr();
 
   // (a)
   check_launch(kernels::gdn_bwd_dv_local(p, stream), "dv_local");
   memtrace("(a) dv_local", di);
-  go = at::Tensor();  // (a) was its only reader (a cast copy, if any, goes here)
-  p.grad_o = nullptr;
+  if (!do_tokens) {
+    go = at::Tensor();  // (a) was its only reader (a cast copy, if any, goes here)
+    p.grad_o = nullptr;
+  } else if (keep_stages) {  // the stages op's do_c: dO at the chunk rows, pads zero (what (a) would write)
+    const at::Tensor rows = gather.view({-1});
+    const at::Tensor picked = go.index_select(0, rows.clamp_min(0)).masked_fill(rows.lt(0).view({-1, 1, 1}), 0);
+    st.do_c = picked.view({NC, C, HV, V}).permute({0, 2, 1, 3}).contiguous();
+  }
 
   st.grad_state_out = at::empty({NC, HV, K, V}, in_opt);
   if (dv_inplace) {
@@ -216,7 +232,8 @@ Stages run(const at::Tensor& grad_o, const at::Tensor& q_in, const at::Tensor& k
     // dv_local's buffer: dv_total's own when in place (st.dv_local is then a copy, or the same tensor)
     sp.dv_local = dv_inplace ? st.dv_total.data_ptr() : st.dv_local.data_ptr();
     sp.q_g = st.q_g.data_ptr();
-    sp.grad_out = st.do_c.data_ptr();
+    sp.grad_out = do_tokens ? go.data_ptr() : st.do_c.data_ptr();
+    sp.grad_out_rows = do_tokens ? gather.data_ptr<int64_t>() : nullptr;
     sp.grad_state_out = st.grad_state_out.data_ptr();
     sp.dv_total = st.dv_total.data_ptr();
     sp.grad_initial = st.d_root.data_ptr<float>();
@@ -250,8 +267,10 @@ Stages run(const at::Tensor& grad_o, const at::Tensor& q_in, const at::Tensor& k
     st.dG_b = st.dG.clone();
   } else {
     st.do_c = at::Tensor();
+    go = at::Tensor();  // (b) was the last reader of either
     st.grad_state_out = at::Tensor();
     p.do_c = nullptr;
+    p.grad_o = nullptr;
     p.grad_state_out = nullptr;
   }
   // (c)

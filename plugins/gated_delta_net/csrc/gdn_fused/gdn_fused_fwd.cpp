@@ -3,6 +3,7 @@
 // the only host table is level_offsets.
 #include <ATen/ATen.h>
 #include "tree_recurrence/sdk/check.h"
+#include "tree_recurrence/sdk/element_type.h"
 #include <ATen/core/grad_mode.h>
 
 #include <cmath>
@@ -76,7 +77,12 @@ std::pair<at::Tensor, Saved> forward(const at::Tensor& q_in, const at::Tensor& k
   c10::cuda::CUDAGuard guard(q_in.device());
   const auto stream = c10::cuda::getCurrentCUDAStream().stream();
   const at::Tensor q = aligned(q_in), k = aligned(k_in), v = aligned(v_in);
-  const at::Tensor g = g_in.to(at::kFloat).contiguous(), beta = beta_in.to(at::kFloat).contiguous();
+  // g, beta as they come (fp32 or the inputs' 16-bit type, fused::supported): prep widens them, no cast copy
+  const auto row_input = [](const at::Tensor& x) {
+    const auto kt = sdk::kernel_dtype<tree_recurrence::kernels::DType>(x.scalar_type());
+    return kt && *kt != tree_recurrence::kernels::DType::Float64 ? x.contiguous() : x.to(at::kFloat).contiguous();
+  };
+  const at::Tensor g = row_input(g_in), beta = row_input(beta_in);
   const at::Tensor gather = tables.gather.contiguous();
   const auto f32 = q.options().dtype(at::kFloat), in = v.options();
   const kernels::InType it = dt == at::kBFloat16 ? kernels::InType::BFloat16 : kernels::InType::Float16;
@@ -100,8 +106,10 @@ std::pair<at::Tensor, Saved> forward(const at::Tensor& q_in, const at::Tensor& k
   auto pp = tile_params<kernels::PrepParams>(NC, T, HK, HV, K, V, use_qk_l2norm, it, gather);
   pp.k = k.data_ptr();
   pp.v = v.data_ptr();
-  pp.g = g.data_ptr<float>();
-  pp.beta = beta.data_ptr<float>();
+  pp.g = g.data_ptr();
+  pp.beta = beta.data_ptr();
+  pp.g_type = *sdk::kernel_dtype<tree_recurrence::kernels::DType>(g.scalar_type());
+  pp.beta_type = *sdk::kernel_dtype<tree_recurrence::kernels::DType>(beta.scalar_type());
   pp.G = sv.G.data_ptr<float>();
   pp.Ainv = sv.Ainv.data_ptr();
   pp.w = sv.w.data_ptr();

@@ -373,6 +373,12 @@ Stages run(const at::Tensor& grad_out, const Args& a, const Tables& t, const Sav
     check_launch(k::ssd_bwd_ddecay_finish(p, stream), "ddecay (sum of the state pass's partials)");
   else
     check_launch(k::ssd_bwd_ddecay(p, stream), "ddecay");
+  if (!keep_stages) {
+    // the segments' carries (S, H, P, N) fp32: the state pass was their last reader (0.30 GB on the GRPO
+    // trie's 72 segments): back to the caching allocator before the post kernel's outputs (stream order)
+    ws = at::Tensor();
+    p.ws = nullptr;
+  }
   // H3's bf16 / fp16 post kernel (ssd_post_bwd.cu): dy on the fly (post_new) or from the gate's dy
   if (post_ok) {  // post_new, or the dy-buffer mode (reads the gate's fp32 dy)
     if (!keep_stages) p.cb = nullptr;  // C B^T stays in shared memory (no 100 MB stage write at GRPO)

@@ -16,7 +16,8 @@
 //   grad_state_out[c] = dS                                 (stored rounded to the input type)
 //   dv_total[c] = dv_local[c] + kd[c] @ dS                 (C x V; dv_local null: 0)
 //   dS (entering c) = decay[c] * dS + q_g[c]^T @ grad_out[c] - w[c]^T @ dv_total[c]
-// (q_g / grad_out null: that term is 0; w null: no w term). The value left after a segment's first
+// (q_g / grad_out null: that term is 0; w null: no w term; grad_out chunk-major, or token-major
+// through grad_out_rows). The value left after a segment's first
 // chunk is that segment's initial-state gradient: written to grad_initial (R, H, K, V) for a root
 // (summed over roots when the initial state is shared: the caller sums) and kept in the (S, H, K, V)
 // workspace for non-roots, where the parent's last chunk gathers it.
@@ -65,7 +66,11 @@ struct ChunkStatePassTcParams : ChunkTreeTables {  // tables (device; level_offs
   // Backward inputs (w, kd, decay above are read too).
   const void* dv_local = nullptr;  // (NC, H, C, V) in, or null
   const void* q_g = nullptr;       // (NC, H, C, K) in, or null
-  const void* grad_out = nullptr;  // (NC, H, C, V) in, or null
+  const void* grad_out = nullptr;  // (NC, H, C, V) in, or null; (T, H, V) with grad_out_rows
+  // null: grad_out is chunk-major as above. Else (NC, C) int64, the token of each chunk row (-1: a
+  // padding row, read as zeros; e.g. the plan's gather table), and grad_out is token-major (T, H, V):
+  // row i of chunk c is grad_out[grad_out_rows[c * C + i], head, :] (no chunk-major copy of it).
+  const int64_t* grad_out_rows = nullptr;
   // Backward outputs.
   void* grad_state_out = nullptr;  // (NC, H, K, V) in: gradient of the state leaving each chunk
   void* dv_total = nullptr;        // (NC, H, C, V) in

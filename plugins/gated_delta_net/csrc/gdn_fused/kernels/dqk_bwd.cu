@@ -239,7 +239,10 @@ __device__ __forceinline__ void dqk_v3_head(const GdnBwdParams& p, char* smem_ra
   const T* vn_g = static_cast<const T*>(p.v_new) + ch * C * V;
   const T* h_g = static_cast<const T*>(p.h) + ch * static_cast<int64_t>(K) * V;
   const T* dS_g = static_cast<const T*>(p.grad_state_out) + ch * static_cast<int64_t>(K) * V;
-  async_matrix<T>(A, ldv, static_cast<const T*>(p.do_c) + ch * C * V, C, C, V, Vp);  // g1: A = dO
+  if (p.do_c)  // g1: A = dO (chunk-major copy, or at the tokens: the same tile, pads zero)
+    async_matrix<T>(A, ldv, static_cast<const T*>(p.do_c) + ch * C * V, C, C, V, Vp);
+  else
+    async_token_rows<T>(A, ldv, static_cast<const T*>(p.grad_o), tok, p.hv, ch - c * p.hv, V, Vp);
   async_matrix<T>(B0, ldv, vn_g, C, C, V, Vp);                                         //     B0 = v_new
   mma::cp_async_commit();
   async_token_rows<T>(qh, ldk, static_cast<const T*>(p.q), tok, HK, hk, K, Kp);  // g2

@@ -6,6 +6,8 @@
 
 #include <cstdint>
 
+#include "tree_recurrence/kernels/dtype.h"
+
 namespace tree_recurrence::gdn::fused::kernels {
 
 enum class InType { BFloat16, Float16 };
@@ -31,8 +33,11 @@ struct PrepParams {
   const int64_t* gather = nullptr;  // (NC, C)
   const void* k = nullptr;          // (T, HK, K) in
   const void* v = nullptr;          // (T, HV, V) in
-  const float* g = nullptr;         // (T, HV)
-  const float* beta = nullptr;      // (T, HV)
+  const void* g = nullptr;          // (T, HV) of g_type
+  const void* beta = nullptr;       // (T, HV) of beta_type
+  // float32, bfloat16 or float16 each, read as they are (widened to fp32 exactly: no cast copy)
+  tree_recurrence::kernels::DType g_type = tree_recurrence::kernels::DType::Float32;
+  tree_recurrence::kernels::DType beta_type = tree_recurrence::kernels::DType::Float32;
 
   float* G = nullptr;
   void* Ainv = nullptr;

@@ -56,7 +56,8 @@ struct GdnBwdParams {
   // (a) outputs, (b) inputs
   void* dv_local = nullptr;       // (NC, HV, C, V) in
   void* q_g = nullptr;            // (NC, HV, C, K) in
-  void* do_c = nullptr;           // (NC, HV, C, V) in
+  void* do_c = nullptr;           // (NC, HV, C, V) in, or null: then (b) and the state pass read grad_o
+                                  // (token-major, through gather) and (a) writes no chunk-major copy
   // from the state pass
   const void* grad_state_out = nullptr;  // (NC, HV, K, V) in
   const void* dv_total = nullptr;        // (NC, HV, C, V) in

@@ -325,6 +325,14 @@ __device__ __forceinline__ void block_inverse(float* M, int tid) {
   }
 }
 
+// Element i of a per-row scalar input (g, beta) of type t, widened to fp32 (exact).
+__device__ __forceinline__ float row_scalar(const void* x, tree_recurrence::kernels::DType t, int64_t i) {
+  using tree_recurrence::kernels::DType;
+  if (t == DType::BFloat16) return __bfloat162float(static_cast<const __nv_bfloat16*>(x)[i]);
+  if (t == DType::Float16) return __half2float(static_cast<const __half*>(x)[i]);
+  return static_cast<const float*>(x)[i];
+}
+
 template <typename T, int Ver>
 __global__ void __launch_bounds__(kThreads, 4) prep_fwd_kernel(const PrepParams p) {
   PrepSmem<T>& s = *reinterpret_cast<PrepSmem<T>*>(smem_raw);
@@ -347,8 +355,8 @@ __global__ void __launch_bounds__(kThreads, 4) prep_fwd_kernel(const PrepParams 
   if (tid < kChunk) {
     const int64_t t = p.gather[c * kChunk + tid];
     s.tok[tid] = t;
-    s.graw[tid] = t >= 0 ? p.g[t * HV + hv] : 0.f;
-    s.beta[tid] = t >= 0 ? p.beta[t * HV + hv] : 0.f;
+    s.graw[tid] = t >= 0 ? row_scalar(p.g, p.g_type, t * HV + hv) : 0.f;
+    s.beta[tid] = t >= 0 ? row_scalar(p.beta, p.beta_type, t * HV + hv) : 0.f;
   }
   __syncthreads();  // graw, beta, tok
   // 2. the chunk-local cumsum (sequential: exactly non-increasing for g <= 0), while the copies fly
