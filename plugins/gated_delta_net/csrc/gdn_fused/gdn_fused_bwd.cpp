@@ -128,7 +128,7 @@ Stages run(const at::Tensor& grad_o, const at::Tensor& q_in, const at::Tensor& k
                       ", ", HV, "), got ", t->sizes());
   const int64_t L = static_cast<int64_t>(tables.level_offsets.size()) - 1;
   TR_CHECK_VALUE(L >= 1 || S == 0, "fused GDN backward: level_offsets must have num_levels + 1 entries");
-  TR_CHECK_VALUE(mode >= -1 && mode <= 3, "fused GDN backward: mode must be -1 (the switches) or 0..3, got ", mode);
+  TR_CHECK_VALUE(mode >= -1 && mode <= 7, "fused GDN backward: mode must be -1 (the switches) or 0..7, got ", mode);
   const int64_t R = L >= 1 ? tables.level_offsets[1] - tables.level_offsets[0] : 0;
   const auto dev = q_in.device();
   check_buffer(saved.G, "G", {NC, HV, C}, at::kFloat, dev);
