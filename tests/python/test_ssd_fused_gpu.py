@@ -17,6 +17,10 @@ without CUDA.
   (TREE_RECURRENCE_SSD_FWD_FUSED_PASS=0);
 * the three-kernel path's state pass 4 chunks ahead (default) bitwise against one at a time
   (TREE_RECURRENCE_SSD_FWD_STATE_PASS=v1);
+* the pipelined chunk-state scan (chunk 64, long segments: the default where the fused pass does not run)
+  bitwise against the three-kernel path (TREE_RECURRENCE_SSD_FWD_PIPELINED=0) in every stage (dt, Lam,
+  chunk_states, states, out, y), on flat rows, long-segment tries and the crafted tries, odd P / N, fp16,
+  with and without initial states; through the op on a flat row (auto route) against the token oracle;
 * the v3 chunk scan (chunk 64, P <= 64: C B^T once per (chunk, group), heads double-buffered;
   TREE_RECURRENCE_SSD_FWD_SCAN=v3) and v4 (the default where it fits: v3's blocks with 8 warps, key tiles
   above the diagonal skipped, the epilogue on the fragments) against float64 per stage and bitwise against
@@ -479,8 +483,10 @@ def test_fused_pass_vs_three_kernel_path(name, chunk, monkeypatch):
         _, _, fused = check_stages(off, par, chunk=chunk, use=use, label=f"{name} fused pass {len(use)}", H=4, P=64,
                                    G=2, N=128)
         monkeypatch.setenv("TREE_RECURRENCE_SSD_FWD_FUSED_PASS", "0")
+        monkeypatch.setenv("TREE_RECURRENCE_SSD_FWD_PIPELINED", "0")  # (chunk 64 would take the pipelined scan)
         _, _, three = check_stages(off, par, chunk=chunk, use=use, label=f"{name} 3-kernel {len(use)}", H=4, P=64,
                                    G=2, N=128)
+        monkeypatch.delenv("TREE_RECURRENCE_SSD_FWD_PIPELINED")
         assert torch.equal(fused["dt"], three["dt"]) and torch.equal(fused["Lam"], three["Lam"])
         e = {k: rel_rms(fused[k], three[k]) for k in ("states", "out")}
         print(f"[fused pass vs 3-kernel {name} L={chunk}] " + " ".join(f"{k}={v:.2e}" for k, v in e.items()))
@@ -533,6 +539,7 @@ def test_state_pass_ahead_bitwise_equals_v1(name, monkeypatch):
     flat 8,200-token row (129 chunks: not a multiple of 4) and on crafted tries; the default against float64."""
     off, par = (offsets_of([8200]), [-1]) if name == "flat" else CRAFTED[name]
     monkeypatch.setenv("TREE_RECURRENCE_SSD_FWD_FUSED_PASS", "0")
+    monkeypatch.setenv("TREE_RECURRENCE_SSD_FWD_PIPELINED", "0")  # the three-kernel path (not the pipelined scan)
     monkeypatch.delenv("TREE_RECURRENCE_SSD_FWD_STATE_PASS", raising=False)
     _, _, ahead = check_stages(off, par, chunk=64, H=4, P=64, G=2, N=128, label=f"{name} state pass ahead")
     monkeypatch.setenv("TREE_RECURRENCE_SSD_FWD_STATE_PASS", "v1")
@@ -602,3 +609,57 @@ def test_scan_v4_head_slices_bitwise_equals_v3(dims, monkeypatch):
         print(f"\n[v4 head slices {dims}] vs token oracle {e:.2e}")
         assert e <= TOL[torch.bfloat16]
     print(f"\n[v4 head slices {dims}] NC={tabs['gather'].shape[0]} bitwise equal to v3")
+
+
+# the pipelined chunk-state scan against the three-kernel path: (layout, dims) pairs; long layouts at two
+# dims, the crafted tries (short segments: forced off the fused pass) at the odd ones too
+PIPE_LAYOUTS = {
+    "flat_129": (offsets_of([8200]), [-1]),                               # 129 chunks in a row
+    "long_tree": (offsets_of([5000, 3000, 2000, 700, 64]), [-1, 0, 0, 2, -1]),  # levels, a leaf root, h0 per root
+    "around_chunks": CRAFTED["around_chunks"],
+    "one_token": CRAFTED["one_token"],
+    "wide": CRAFTED["wide"],
+}
+PIPE_CASES = [("flat_129", (4, 64, 2, 128)), ("flat_129", (8, 24, 4, 40)), ("long_tree", (4, 64, 2, 128)),
+              ("long_tree", (4, 128, 2, 256)), ("around_chunks", (2, 8, 2, 8)), ("around_chunks", (4, 56, 2, 72)),
+              ("one_token", (4, 64, 2, 128)), ("wide", (6, 32, 3, 64))]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name,dims", PIPE_CASES, ids=[f"{n}-H{d[0]}P{d[1]}G{d[2]}N{d[3]}" for n, d in PIPE_CASES])
+def test_pipelined_pass_bitwise_three_kernel(name, dims, dtype, monkeypatch):
+    """Chunk 64 off the fused pass (TREE_RECURRENCE_SSD_FWD_FUSED_PASS=0): the pipelined chunk-state scan
+    (default) and the three-kernel path (TREE_RECURRENCE_SSD_FWD_PIPELINED=0) pass the float64 stage check and
+    give every stage bitwise equal (the same MMA on the same tiles, the same fmaf per chunk in order); with
+    initial states, D, dt_bias and z, and without h0 / dt_bias."""
+    H, P, G, N = dims
+    off, par = PIPE_LAYOUTS[name]
+    monkeypatch.setenv("TREE_RECURRENCE_SSD_FWD_FUSED_PASS", "0")
+    for use in (("D", "dt_bias", "z", "h0"), ("D", "z")):
+        monkeypatch.setenv("TREE_RECURRENCE_SSD_FWD_PIPELINED", "0")
+        _, _, three = check_stages(off, par, chunk=64, dtype=dtype, use=use, H=H, P=P, G=G, N=N,
+                                   label=f"{name} 3-kernel {len(use)}")
+        monkeypatch.delenv("TREE_RECURRENCE_SSD_FWD_PIPELINED")
+        _, _, pipe = check_stages(off, par, chunk=64, dtype=dtype, use=use, H=H, P=P, G=G, N=N,
+                                  label=f"{name} pipelined {len(use)}")
+        diff = [k for k in STAGES if not torch.equal(pipe[k], three[k])]
+        assert not diff, (name, dims, use, {k: rel_rms(pipe[k], three[k]) for k in diff})
+
+
+def test_pipelined_pass_through_the_op(monkeypatch):
+    """The op on a flat 20,000-token row (313 chunks: the auto route takes the pipelined scan): two runs
+    bitwise equal, equal to the three-kernel path's output, within the bf16 tolerance of the token oracle."""
+    monkeypatch.delenv("TREE_RECURRENCE_SSD_FWD_FUSED_PASS", raising=False)
+    monkeypatch.delenv("TREE_RECURRENCE_SSD_FWD_PIPELINED", raising=False)
+    off, par = offsets_of([20000]), [-1]
+    ins = make(off[-1], H=4, P=64, G=2, N=128, seed=5)
+    tabs = chunk_tables(off, par, 64, "cuda")
+    a = call(_ops().ssd_tree_scan, ins, tabs)
+    b = call(_ops().ssd_tree_scan, ins, tabs)
+    assert torch.equal(a, b)
+    monkeypatch.setenv("TREE_RECURRENCE_SSD_FWD_PIPELINED", "0")
+    three = call(_ops().ssd_tree_scan, ins, tabs)
+    assert torch.equal(a, three)
+    e = rel_rms(a, oracle(ins, off, par))
+    print(f"\n[pipelined scan op, flat 20000] vs token oracle {e:.2e}")
+    assert e <= TOL[torch.bfloat16]

@@ -3,10 +3,14 @@
 //   default: chunk state + tree state pass in one kernel per level (ssd_chunk_state_pass_fwd.cu, the
 //            fp32 chunk states never reach memory), then the chunk scan, when the segments average
 //            <= 64 chunks (fused_pass_enabled); else, or with TREE_RECURRENCE_SSD_FWD_FUSED_PASS=0,
-//            the three-kernel path (chunk state -> fp32 chunk_states -> state pass -> chunk scan);
-//            TREE_RECURRENCE_SSD_FWD_FUSED_PASS=1 forces the fused pass. The three-kernel path's state
-//            pass loads 4 chunks ahead; TREE_RECURRENCE_SSD_FWD_STATE_PASS=v1 one at a time (the
-//            previous kernel, until the GPU confirms; same arithmetic).
+//            the pipelined chunk-state scan (ssd_chunk_state_scan_fwd.cu, chunk 64: dt / Lam, then per
+//            level one kernel computing each S_c and the states with chunk c + 2's rows in flight; no
+//            fp32 chunk_states), bitwise equal to the three-kernel path (chunk state -> fp32
+//            chunk_states -> state pass -> chunk scan), which runs for chunks 128 / 256 or with
+//            TREE_RECURRENCE_SSD_FWD_PIPELINED=0; TREE_RECURRENCE_SSD_FWD_FUSED_PASS=1 forces the fused
+//            pass. The three-kernel path's state pass loads 4 chunks ahead;
+//            TREE_RECURRENCE_SSD_FWD_STATE_PASS=v1 one at a time (the previous kernel, until the GPU
+//            confirms; same arithmetic).
 //   chunk scan: v4 (ssd_chunk_scan_v4_fwd.cu: v3's blocks with 8 warps, the epilogue on the
 //            fragments) where ssd_chunk_scan_v4_supported holds, else v3 (ssd_chunk_scan_group_fwd.cu:
 //            per (chunk, group, head slice), C B^T once, the heads' state / x / z double-buffered) where
@@ -15,7 +19,8 @@
 //            forces v3 where supported (the fallback until the GPU confirms v4), =v2 forces v2 (same
 //            arithmetic in all three, expected bitwise equal).
 // forward_stages (tests) also runs the chunk-state kernel, for the transient chunk_states stage; with
-// the fused pass, dt / Lam / states then come from the fused kernel (which rewrites the same dt / Lam).
+// the fused pass or the pipelined scan, dt / Lam / states then come from that kernel (which rewrites
+// the same dt / Lam).
 #include "ssd_fused.h"
 #include "tree_recurrence/sdk/check.h"
 
@@ -83,6 +88,14 @@ Scan scan_forced() {
   return Scan::Default;
 }
 
+// TREE_RECURRENCE_SSD_FWD_PIPELINED: "0" the three-kernel path where the fused pass does not run; else
+// the pipelined chunk-state scan where it is supported (chunk 64). Read per forward (the GPU tests
+// compare both paths in-process).
+bool pipelined_enabled() {
+  const char* v = std::getenv("TREE_RECURRENCE_SSD_FWD_PIPELINED");
+  return !(v && std::string(v) == "0");
+}
+
 // TREE_RECURRENCE_SSD_FWD_STATE_PASS: "v1" the state pass one chunk at a time; else 4 chunks ahead.
 bool state_pass_ahead() {
   const char* v = std::getenv("TREE_RECURRENCE_SSD_FWD_STATE_PASS");
@@ -135,7 +148,13 @@ Stages run(const Args& a, const Tables& t, bool with_chunk_states, bool save_y) 
   o.dt = at::empty({NC, H, L}, f32);
   o.Lam = at::empty({NC, H, L}, f32);
   const bool fused_pass = fused_pass_enabled(NC, S);
-  const bool chunk_state_kernel = !fused_pass || with_chunk_states;
+  // the pipelined scan's support depends on shapes and the 16-byte alignment of x, B (dense) and of the
+  // fresh dt / Lam buffers above; checked on a parameter block with just those fields
+  kernels::FwdParams shape;
+  shape.chunk = L, shape.head_dim = P, shape.state_dim = N, shape.heads = H, shape.groups = G, shape.num_chunks = NC;
+  shape.x = x.data_ptr(), shape.B = B.data_ptr(), shape.dt = o.dt.data_ptr<float>(), shape.Lam = o.Lam.data_ptr<float>();
+  const bool pipelined = !fused_pass && pipelined_enabled() && kernels::ssd_chunk_state_scan_supported(shape);
+  const bool chunk_state_kernel = (!fused_pass && !pipelined) || with_chunk_states;
   if (chunk_state_kernel) o.chunk_states = at::empty({NC, H, P, N}, f32);
   o.states = at::empty({NC, H, P, N}, x.options());
   if (a.z && save_y) o.y = at::empty({T, H, P}, x.options());
@@ -176,6 +195,8 @@ Stages run(const Args& a, const Tables& t, bool with_chunk_states, bool save_y) 
   if (chunk_state_kernel) check_launch(kernels::ssd_chunk_state_fwd(p, stream), "chunk state");
   if (fused_pass)
     check_launch(kernels::ssd_chunk_state_pass_fwd(p, stream), "fused chunk state + state pass");
+  else if (pipelined)  // (after the chunk-state kernel in forward_stages: rewrites the same dt / Lam)
+    check_launch(kernels::ssd_chunk_state_scan_fwd(p, stream), "pipelined chunk state scan");
   else
     check_launch(kernels::ssd_state_pass_fwd(p, stream), "state pass");
   const Scan scan = scan_forced();

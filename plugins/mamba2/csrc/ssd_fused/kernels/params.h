@@ -73,6 +73,12 @@ int ssd_state_pass_fwd(const FwdParams& p, void* stream);
 // a+b+c in one kernel (ssd_chunk_state_pass_fwd.cu): dt, Lam and the states entering each chunk,
 // one launch per level; S_c stays in registers (chunk_states is neither read nor written).
 int ssd_chunk_state_pass_fwd(const FwdParams& p, void* stream);
+// a+b+c for long segments (ssd_chunk_state_scan_fwd.cu; chunk 64): dt and Lam per (chunk, head), then
+// one pipelined launch per level computing each S_c on tensor cores and the states entering each chunk
+// (chunk c + 2's rows in flight while chunk c computes); chunk_states is neither read nor written, and
+// dt, Lam, states and the workspace are bitwise the three-kernel path's (a+b, c above).
+bool ssd_chunk_state_scan_supported(const FwdParams& p);
+int ssd_chunk_state_scan_fwd(const FwdParams& p, void* stream);
 // d: the chunk scan (C s^T, C B^T masked and decayed times dt x, D x, z gate), tensor cores.
 // v2 (ssd_chunk_scan_fwd.cu): per (chunk, 64-row tile, head), head-fastest grid (C / B rows shared
 // through L2 by a group's heads), all first-block operands in flight at once, 16-byte epilogue; every
