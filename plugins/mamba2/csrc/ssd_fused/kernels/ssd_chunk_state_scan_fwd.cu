@@ -11,9 +11,9 @@
 //     warp_gemm on the same tiles), s = fmaf(exp(min(Lam_last, 0)), s, S_c) elementwise
 //     (ssd_state_pass_fwd.cu's update). So states, dt, Lam and the workspace are bitwise those of the
 //     three-kernel path (test_ssd_fused_gpu.py: test_pipelined_pass_bitwise*).
-// S_c does not depend on s: only the fmaf chain is sequential. Chunk c + 2's x, B, dt and Lam rows are
-// issued (cp.async, a ring of 3 stages) while chunk c computes, its token rows read from gather a step
-// before that, so a step waits on no load: per step two CTA barriers (A: chunk c landed, B: w B scaled in place), one 64 x 64 x 64 product
+// S_c does not depend on s: only the fmaf chain is sequential. Chunk c + 2's token rows, x, B, dt and
+// Lam rows are issued (cp.async, a ring of 3 stages) while chunk c computes, so a step waits on no
+// load: per step two CTA barriers (A: chunk c landed, B: w B scaled in place), one 64 x 64 x 64 product
 // per CTA and the state update in registers. 128 threads; warp w owns N columns [16 w, 16 w + 16) of
 // the block's tile and every P row (PT = P padded to 32 / 64 / 128), as the chunk-state kernel.
 // A segment starts from its parent's final state (fp32 workspace (S, H, P, N)), a root's initial
@@ -138,17 +138,14 @@ __global__ void __launch_bounds__(kThreads) chunk_state_scan_kernel(FwdParams p,
   __syncthreads();
   for (int k = 0; k < 2; ++k) issue(c_begin + k, StagePtrs<T, PT>(smem, k));
 
-  // the token rows of chunk c + 2 reach shared memory at step c; they are read from gather a step
-  // earlier (a plain load landing while step c - 1 computes: no dependent global load on a step's path)
-  int64_t tok_reg = tid < kL && c_begin + 2 < c_end ? p.gather[(c_begin + 2) * kL + tid] : -1;
   int cur = 0;  // stage of chunk c
   for (int64_t c = c_begin; c < c_end; ++c) {
     const StagePtrs<T, PT> sc(smem, cur);
     const int ahead = cur == 0 ? 2 : cur - 1;  // stage of chunk c + 2 (= that of chunk c - 1, free)
     const StagePtrs<T, PT> sa(smem, ahead);
     const bool has_ahead = c + 2 < c_end;
-    const int64_t tok_ahead = tok_reg;
-    tok_reg = tid < kL && c + 3 < c_end ? p.gather[(c + 3) * kL + tid] : -1;
+    int64_t tok_ahead = -1;
+    if (has_ahead && tid < kL) tok_ahead = p.gather[(c + 2) * kL + tid];  // lands while chunk c's loads are waited on
 
     // states[c] = s, the state entering the chunk
     {
