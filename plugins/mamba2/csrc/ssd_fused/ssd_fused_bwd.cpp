@@ -375,7 +375,8 @@ Stages run(const at::Tensor& grad_out, const Args& a, const Tables& t, const Sav
     check_launch(k::ssd_bwd_ddecay(p, stream), "ddecay");
   if (!keep_stages) {
     // the segments' carries (S, H, P, N) fp32: the state pass was their last reader (0.30 GB on the GRPO
-    // trie's 72 segments): back to the caching allocator before the post kernel's outputs (stream order)
+    // trie's 72 segments), back to the caching allocator for the ATen tail (stream order). The peak keeps
+    // them: the post kernel's outputs (dx, dz, dB, dC) are allocated before the state pass
     ws = at::Tensor();
     p.ws = nullptr;
   }

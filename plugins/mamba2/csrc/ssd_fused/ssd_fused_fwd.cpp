@@ -147,15 +147,6 @@ Stages run(const Args& a, const Tables& t, bool with_chunk_states, bool save_y) 
   o.out = at::empty({T, H, P}, x.options());
   o.dt = at::empty({NC, H, L}, f32);
   o.Lam = at::empty({NC, H, L}, f32);
-  const bool fused_pass = fused_pass_enabled(NC, S);
-  // the pipelined scan's support depends on shapes and the 16-byte alignment of x, B (dense) and of the
-  // fresh dt / Lam buffers above; checked on a parameter block with just those fields
-  kernels::FwdParams shape;
-  shape.chunk = L, shape.head_dim = P, shape.state_dim = N, shape.heads = H, shape.groups = G, shape.num_chunks = NC;
-  shape.x = x.data_ptr(), shape.B = B.data_ptr(), shape.dt = o.dt.data_ptr<float>(), shape.Lam = o.Lam.data_ptr<float>();
-  const bool pipelined = !fused_pass && pipelined_enabled() && kernels::ssd_chunk_state_scan_supported(shape);
-  const bool chunk_state_kernel = (!fused_pass && !pipelined) || with_chunk_states;
-  if (chunk_state_kernel) o.chunk_states = at::empty({NC, H, P, N}, f32);
   o.states = at::empty({NC, H, P, N}, x.options());
   if (a.z && save_y) o.y = at::empty({T, H, P}, x.options());
   const at::Tensor workspace = at::empty({std::max<int64_t>(S, 1), H, P, N}, f32);
@@ -185,11 +176,19 @@ Stages run(const Args& a, const Tables& t, bool with_chunk_states, bool save_y) 
   p.level_offsets = t.level_offsets.data();
   p.num_levels = static_cast<int64_t>(t.level_offsets.size()) - 1;
   p.dt = o.dt.data_ptr<float>(), p.Lam = o.Lam.data_ptr<float>();
-  p.chunk_states = chunk_state_kernel ? o.chunk_states.data_ptr<float>() : nullptr;
   p.states = o.states.data_ptr();
   p.workspace = workspace.data_ptr<float>();
   p.y = a.z && save_y ? o.y.data_ptr() : nullptr;
   p.out = o.out.data_ptr();
+  // the route, from the filled parameters (the pipelined scan's support: shapes, x / B / dt / Lam aligned);
+  // the fp32 chunk states exist only for the three-kernel path and the stages op
+  const bool fused_pass = fused_pass_enabled(NC, S);
+  const bool pipelined = !fused_pass && pipelined_enabled() && kernels::ssd_chunk_state_scan_supported(p);
+  const bool chunk_state_kernel = (!fused_pass && !pipelined) || with_chunk_states;
+  if (chunk_state_kernel) {
+    o.chunk_states = at::empty({NC, H, P, N}, f32);
+    p.chunk_states = o.chunk_states.data_ptr<float>();
+  }
 
   void* stream = c10::cuda::getCurrentCUDAStream().stream();
   if (chunk_state_kernel) check_launch(kernels::ssd_chunk_state_fwd(p, stream), "chunk state");
