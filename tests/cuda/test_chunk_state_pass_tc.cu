@@ -321,32 +321,40 @@ static int run_case(const Case& cs, std::mt19937& rng) {
   };
   // "auto" (the default rule, or TREE_RECURRENCE_STATE_PASS_WIDE) may mix both kernels across levels.
   const Mode modes[] = {{"prev BV 32", 32, 0}, {"prev BV 64", 64, 0}, {"wide", 32, 1}, {"auto", 0, -1}};
+  // One forward + backward run of a mode into fresh poisoned outputs; grad_out chunk-major (go_rows
+  // null) or token-major through go_rows. False (after printing why) when a launcher refused.
+  auto run_pass = [&](const Mode& mode, const uint16_t* go_buf, const int64_t* go_rows, Outputs& o) {
+    uint16_t* d_h = alloc_poison<uint16_t>(n_h);
+    uint16_t* d_vn = alloc_poison<uint16_t>(n_v);
+    float* d_fin = alloc_poison<float>(n_s);
+    uint16_t* d_gso = alloc_poison<uint16_t>(n_h);
+    uint16_t* d_dvt = alloc_poison<uint16_t>(n_v);
+    float* d_gi = alloc_poison<float>(n_r);
+    float* d_ws = alloc_poison<float>(n_s);
+    ChunkStatePassTcParams p = base;
+    p.heads = H, p.k_dim = K, p.v_dim = V, p.in = ty.dt;
+    p.w = cs.has_w ? d_w : nullptr, p.u = d_u, p.kd = d_kd, p.decay = d_decay, p.initial_state = d_init;
+    p.initial_per_root = cs.init == 2;
+    p.h = d_h, p.v_new = d_vn, p.final_state = d_fin;
+    p.dv_local = cs.has_dvl ? d_dvl : nullptr, p.q_g = cs.has_q ? d_q : nullptr, p.grad_out = cs.has_q ? go_buf : nullptr;
+    p.grad_out_rows = go_rows;
+    p.grad_state_out = d_gso, p.dv_total = d_dvt, p.grad_initial = d_gi, p.workspace = d_ws;
+    p.v_tile = mode.v_tile, p.wide = mode.wide;
+    const char* e1 = tree_recurrence::kernels::chunk_state_pass_tc_forward(p, nullptr);
+    if (*e1) std::printf("%s: forward error: %s\n", cs.name.c_str(), e1);
+    const char* e2 = *e1 ? "" : tree_recurrence::kernels::chunk_state_pass_tc_backward(p, nullptr);
+    if (*e2) std::printf("%s: backward error%s: %s\n", cs.name.c_str(), go_rows ? " (token-major grad_out)" : "", e2);
+    CHECK(cudaDeviceSynchronize());
+    o = Outputs{download(d_h, n_h), download(d_vn, n_v), download(d_gso, n_h), download(d_dvt, n_v),
+                download(d_fin, n_s), download(d_gi, n_r)};
+    cudaFree(d_h), cudaFree(d_vn), cudaFree(d_fin), cudaFree(d_gso), cudaFree(d_dvt), cudaFree(d_gi), cudaFree(d_ws);
+    return !*e1 && !*e2;
+  };
   std::vector<Outputs> first;
   for (const Mode& mode : modes) {
     for (int rep = 0; rep < 2; ++rep) {
-      uint16_t* d_h = alloc_poison<uint16_t>(n_h);
-      uint16_t* d_vn = alloc_poison<uint16_t>(n_v);
-      float* d_fin = alloc_poison<float>(n_s);
-      uint16_t* d_gso = alloc_poison<uint16_t>(n_h);
-      uint16_t* d_dvt = alloc_poison<uint16_t>(n_v);
-      float* d_gi = alloc_poison<float>(n_r);
-      float* d_ws = alloc_poison<float>(n_s);
-      ChunkStatePassTcParams p = base;
-      p.heads = H, p.k_dim = K, p.v_dim = V, p.in = ty.dt;
-      p.w = cs.has_w ? d_w : nullptr, p.u = d_u, p.kd = d_kd, p.decay = d_decay, p.initial_state = d_init;
-      p.initial_per_root = cs.init == 2;
-      p.h = d_h, p.v_new = d_vn, p.final_state = d_fin;
-      p.dv_local = cs.has_dvl ? d_dvl : nullptr, p.q_g = cs.has_q ? d_q : nullptr, p.grad_out = cs.has_q ? d_go : nullptr;
-      p.grad_state_out = d_gso, p.dv_total = d_dvt, p.grad_initial = d_gi, p.workspace = d_ws;
-      p.v_tile = mode.v_tile, p.wide = mode.wide;
-      const char* e1 = tree_recurrence::kernels::chunk_state_pass_tc_forward(p, nullptr);
-      if (*e1) { std::printf("%s: forward error: %s\n", cs.name.c_str(), e1); return 1; }
-      const char* e2 = tree_recurrence::kernels::chunk_state_pass_tc_backward(p, nullptr);
-      if (*e2) { std::printf("%s: backward error: %s\n", cs.name.c_str(), e2); return 1; }
-      CHECK(cudaDeviceSynchronize());
-      Outputs o{download(d_h, n_h), download(d_vn, n_v), download(d_gso, n_h), download(d_dvt, n_v),
-                download(d_fin, n_s), download(d_gi, n_r)};
-      cudaFree(d_h), cudaFree(d_vn), cudaFree(d_fin), cudaFree(d_gso), cudaFree(d_dvt), cudaFree(d_gi), cudaFree(d_ws);
+      Outputs o;
+      if (!run_pass(mode, d_go, nullptr, o)) return 1;
       if (rep == 0) {
         Err eh, ev, ef, eg, ed, ei;
         for (size_t i = 0; i < n_h; ++i) eh.add(ty.dec(o.h[i]), h_ref[i]), eg.add(ty.dec(o.gso[i]), gso_ref[i]);
@@ -397,29 +405,8 @@ static int run_case(const Case& cs, std::mt19937& rng) {
     const int ref_of[] = {0, 1, 2};  // modes[0..2]: previous BV 32, previous BV 64, wide
     for (int mi : ref_of) {
       const Mode& mode = modes[mi];
-      uint16_t* d_h = alloc_poison<uint16_t>(n_h);
-      uint16_t* d_vn = alloc_poison<uint16_t>(n_v);
-      float* d_fin = alloc_poison<float>(n_s);
-      uint16_t* d_gso = alloc_poison<uint16_t>(n_h);
-      uint16_t* d_dvt = alloc_poison<uint16_t>(n_v);
-      float* d_gi = alloc_poison<float>(n_r);
-      float* d_ws = alloc_poison<float>(n_s);
-      ChunkStatePassTcParams p = base;
-      p.heads = H, p.k_dim = K, p.v_dim = V, p.in = ty.dt;
-      p.w = cs.has_w ? d_w : nullptr, p.u = d_u, p.kd = d_kd, p.decay = d_decay, p.initial_state = d_init;
-      p.initial_per_root = cs.init == 2;
-      p.h = d_h, p.v_new = d_vn, p.final_state = d_fin;
-      p.dv_local = cs.has_dvl ? d_dvl : nullptr, p.q_g = d_q, p.grad_out = d_go_tok, p.grad_out_rows = d_rows;
-      p.grad_state_out = d_gso, p.dv_total = d_dvt, p.grad_initial = d_gi, p.workspace = d_ws;
-      p.v_tile = mode.v_tile, p.wide = mode.wide;
-      const char* e1 = tree_recurrence::kernels::chunk_state_pass_tc_forward(p, nullptr);
-      if (*e1) { std::printf("%s: forward error: %s\n", cs.name.c_str(), e1); return 1; }
-      const char* e2 = tree_recurrence::kernels::chunk_state_pass_tc_backward(p, nullptr);
-      if (*e2) { std::printf("%s: backward error (token-major grad_out): %s\n", cs.name.c_str(), e2); return 1; }
-      CHECK(cudaDeviceSynchronize());
-      Outputs o{download(d_h, n_h), download(d_vn, n_v), download(d_gso, n_h), download(d_dvt, n_v),
-                download(d_fin, n_s), download(d_gi, n_r)};
-      cudaFree(d_h), cudaFree(d_vn), cudaFree(d_fin), cudaFree(d_gso), cudaFree(d_dvt), cudaFree(d_gi), cudaFree(d_ws);
+      Outputs o;
+      if (!run_pass(mode, d_go_tok, d_rows, o)) return 1;
       const bool same = o == first[size_t(mi)];
       std::printf("%-36s %s %-10s  token-major grad_out (%lld tokens) vs chunk-major: %s\n", cs.name.c_str(), ty.name,
                   mode.name, (long long)T, same ? "bitwise equal" : "DIFFER: FAIL");
