@@ -310,6 +310,59 @@ def test_through_ssd_tree_scan_autograd(chunk):
     assert not bad, bad
 
 
+def test_y_recomputed_not_stored_and_fallback(monkeypatch):
+    """Issue 20 (memory): with z on the bf16 post kernel's route the forward stores no pre-gate y (fused::forms_y_itself;
+    0.75 GiB at GRPO): the post kernel recomputes it. Checked: (1) the memory a forward leaves for its backward is one
+    y smaller than under TREE_RECURRENCE_SSD_BWD_V1=1 (a route that reads y: the forward stores it); (2) the gradients
+    of the default route vs float64; (3) a forward that stored no y followed by a backward on a route that reads it
+    (V1 set in between): y comes from the forward kernels, every gradient vs float64 and close to (1)'s."""
+    from test_ssd_chunked import as_oracle, make_inputs, run_chunked, run_oracle
+
+    seg, par = MIXED
+    ins = make_inputs(seg[-1], H=4, P=16, G=2, N=16, dtype=torch.bfloat16, device="cuda", roots=2, D_per_channel=True)
+    oracle = as_oracle(ins)
+    names = ["x", "dt", "A", "B", "C", "D", "dt_bias", "z", "h0"]
+    want = run_oracle(oracle, seg, par)
+    w = torch.randn(want.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    wanted = torch.autograd.grad((want * w).sum(), [oracle[n] for n in names])
+
+    def forward(env_v1):
+        if env_v1:
+            monkeypatch.setenv("TREE_RECURRENCE_SSD_BWD_V1", "1")
+        else:
+            monkeypatch.delenv("TREE_RECURRENCE_SSD_BWD_V1", raising=False)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        y = run_chunked(ins, seg, par, chunk=64)
+        torch.cuda.synchronize()
+        return y, torch.cuda.memory_allocated() - before
+
+    y_v1, kept_v1 = forward(True)
+    del y_v1
+    y, kept = forward(False)
+    y_bytes = ins["x"].numel() * ins["x"].element_size()
+    stored = kept_v1 - kept
+    print(f"\n[y recompute] a forward keeps {kept} B (V1 route: {kept_v1} B); y is {y_bytes} B")
+    assert stored >= y_bytes and stored < y_bytes + 1024, f"the default forward kept {stored} B less than V1's, not one y"
+
+    def grads(y):
+        return torch.autograd.grad((y * w.to(y.device, y.dtype)).sum(), [ins[n] for n in names])
+
+    got = grads(y)  # default route: the post kernel recomputes y
+    y2, _ = forward(False)
+    monkeypatch.setenv("TREE_RECURRENCE_SSD_BWD_V1", "1")  # the backward now takes post_tc, which reads y
+    got_fb = grads(y2)
+    monkeypatch.delenv("TREE_RECURRENCE_SSD_BWD_V1")
+    for label, g in (("recomputed in post", got), ("forward-kernel fallback", got_fb)):
+        errors = {n: rel_rms(a.float(), b) for n, a, b in zip(names, g, wanted)}
+        print(f"[y {label}] rel RMS vs float64:", " ".join(f"{k}={v:.2e}" for k, v in errors.items()))
+        bad = {k: v for k, v in errors.items() if not v <= 2e-2}
+        assert not bad, f"{label}: {bad}"
+    close = {n: rel_rms(a.float(), b.float()) for n, a, b in zip(names, got, got_fb)}
+    bad = {k: v for k, v in close.items() if not v <= 2e-2}
+    assert not bad, f"recomputed vs fallback: {bad}"
+
+
 @pytest.mark.parametrize("trie", ["mixed", "wide"])
 def test_state_pass_scalar_fallback(trie):
     """P N = 35 (not a multiple of 4): the reverse state pass's one-element-per-thread variant (every other

@@ -1,8 +1,10 @@
 """H3's bf16 / fp16 post kernel of the fused SSD backward (plugins/mamba2/csrc/ssd_fused/kernels/ssd_post_bwd.cu)
 on the GPU, through the test-only op ``ssd_fused_backward_stages``.
 
-For each case the op runs three times: the default (the new post kernel with dy computed on the fly from
-dout / z / y, dz written in z's dtype, dD from its per-chunk partials), TREE_RECURRENCE_SSD_POST_DY=buffer (the
+For each case the op runs three or four times: the default (the new post kernel with dy computed on the fly from
+dout / z / y, dz written in z's dtype, dD from its per-chunk partials), with z "recompute_y" (no saved y: the
+kernel recomputes y itself, the autograd route since issue 20's memory work; every output but dz the default's bits,
+dz within STAGE_TOL of it and vs float64), TREE_RECURRENCE_SSD_POST_DY=buffer (the
 new kernel reading the gate's fp32 dy) and TREE_RECURRENCE_SSD_BWD_V1=1 (today's post_tc, split-bf16, ~fp32
 products). Printed per case (so one run tells which output of which kernel is wrong):
   * every post-kernel stage (cb, q, v, ddt_direct, d_dtA, ddt, ddt_raw, dA_part) and final gradient (dx, dt, A,
@@ -76,10 +78,12 @@ def _post_inputs(seg_offsets, parents, chunk, dtype, H, P, G, N, D_per_channel, 
 
 def run_post_case(monkeypatch, seg_offsets, parents, dtype=torch.bfloat16, H=4, P=16, G=2, N=16,
                   D_per_channel=False, use=("D", "dt_bias", "z", "h0"), h0="per_root", dt_softplus=True,
-                  dt_limit=(0.0, float("inf")), seed=0, oracle_chunk=None, variants=("new", "dy_buffer", "v1"),
+                  dt_limit=(0.0, float("inf")), seed=0, oracle_chunk=None, variants=("new", "recompute_y", "dy_buffer", "v1"),
                   name="", keep=None):
     chunk = 64
     seg_offsets, parents = list(seg_offsets), list(parents)
+    if "z" not in use:
+        variants = tuple(v for v in variants if v != "recompute_y")
     d, A, D, dt_bias, z, h0t, tabs = _post_inputs(seg_offsets, parents, chunk, dtype, H, P, G, N, D_per_channel, use,
                                                   h0, seed)
     opt = dict(D=D, dt_bias=dt_bias, z=z, initial_state=h0t, dt_softplus=dt_softplus, dt_limit=dt_limit)
@@ -93,13 +97,14 @@ def run_post_case(monkeypatch, seg_offsets, parents, dtype=torch.bfloat16, H=4, 
                      states=cu(saved["states"]), y=cu(saved["y"]) if z is not None else None)
     ops = _ops()
 
-    def launch():
+    def launch(var="new"):
+        saved_y = None if var == "recompute_y" else saved_dev["y"]  # no y: the post kernel recomputes it
         out = ops.ssd_fused_backward_stages(
             cu(d["dout"]), cu(d["x"]), cu(d["dt"], torch.float32), cu(d["B"]), cu(d["C"]), cu(A, torch.float32),
             cu(D, torch.float32), cu(dt_bias, torch.float32), cu(z), cu(h0t, torch.float32), list(dt_limit), dt_softplus,
             tabs_dev["gather"], tabs_dev["scatter"], tabs_dev["seg_chunk_offsets"], tabs_dev["parents"],
             tabs_dev["root_index"], tabs_dev["level_segments"], tabs_dev["level_offsets"], tabs_dev["child_offsets"],
-            tabs_dev["children"], saved_dev["dt"], saved_dev["Lam"], saved_dev["states"], saved_dev["y"])
+            tabs_dev["children"], saved_dev["dt"], saved_dev["Lam"], saved_dev["states"], saved_y)
         if dev.type == "cuda":
             torch.cuda.synchronize()
         return dict(zip(STAGE_NAMES + FINAL_NAMES, out))
@@ -129,7 +134,7 @@ def run_post_case(monkeypatch, seg_offsets, parents, dtype=torch.bfloat16, H=4, 
     outs, errs = {}, {}
     for var in variants:
         _set_env(monkeypatch, var)
-        got = launch()
+        got = launch(var)
         for k, v in got.items():
             assert torch.isfinite(v).all(), f"{name} [{var}]: {k} is not finite"
         se = {k: rel_rms(got[k], want[k]) for k in POST_STAGES}
@@ -139,8 +144,8 @@ def run_post_case(monkeypatch, seg_offsets, parents, dtype=torch.bfloat16, H=4, 
         outs[var], errs[var] = got, (se, fe)
         if keep is not None:
             keep[var] = {k: v.cpu() for k, v in got.items()}
-        if var == "new":
-            again = launch()
+        if var in ("new", "recompute_y"):
+            again = launch(var)
             diff = [k for k in got if not torch.equal(got[k], again[k])]
             assert not diff, f"{name}: not bitwise identical on two runs: {diff}"
     _set_env(monkeypatch, "new")
@@ -153,6 +158,11 @@ def run_post_case(monkeypatch, seg_offsets, parents, dtype=torch.bfloat16, H=4, 
         if other == "v1":
             bad = {k: v for k, v in dd.items() if not v <= STAGE_TOL[dtype]}
             assert not bad, f"{name}: new post kernel vs V1 above {STAGE_TOL[dtype]}: {bad}"
+        if other == "recompute_y":  # y recomputed in the kernel: dz within rounding, every other output the same bits
+            same = [k for k in outs["new"] if k not in ("dz", "dz_final")]
+            diff = [k for k in same if not torch.equal(outs["new"][k], outs[other][k])]
+            assert not diff, f"{name}: recomputing y changed outputs other than dz: {diff}"
+            assert dd["dz_final"] <= STAGE_TOL[dtype], f"{name}: dz with y recomputed vs saved {dd['dz_final']}"
     if z is not None:  # the kernel's dz (z's dtype) vs the gate's fp32 dz stage
         e = rel_rms(outs["new"]["dz_final"], outs["new"]["dz"])
         print(f"[{name}] new dz vs the gate's dz: {e:.2e}")
@@ -193,7 +203,7 @@ def test_post_model_dims_bf16(monkeypatch):
     with and without z; oracle: autograd through the float64 chunked forward (chunk 32)."""
     seg, par = [0, 64, 65, 200, 330], [-1, 0, 0, 2]
     run_post_case(monkeypatch, seg, par, dtype=torch.bfloat16, H=128, P=64, G=8, N=128, D_per_channel=True,
-                  oracle_chunk=32, variants=("new", "v1"), name="post model dims bf16 z")
+                  oracle_chunk=32, variants=("new", "recompute_y", "v1"), name="post model dims bf16 z")
     run_post_case(monkeypatch, seg, par, dtype=torch.bfloat16, H=128, P=64, G=8, N=128, use=("D", "dt_bias"),
                   oracle_chunk=32, variants=("new", "v1"), name="post model dims bf16 no z")
 

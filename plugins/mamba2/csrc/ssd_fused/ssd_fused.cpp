@@ -115,7 +115,8 @@ struct ScanFn : public torch::autograd::Function<ScanFn> {
                             const std::optional<at::Tensor>& h0, const Args* args, const Tables* tables,
                             bool save_y) {
     diag_throw("forward");
-    auto [out, saved] = fused::forward(*args, *tables, save_y);
+    // y is stored only for a backward that reads it (forms_y_itself: the post kernel recomputes it)
+    auto [out, saved] = fused::forward(*args, *tables, save_y && !forms_y_itself(*args, *tables));
     ctx->save_for_backward({x, dt, B, C, A, opt(D), opt(dt_bias), opt(z), opt(h0), saved.dt, saved.Lam, saved.states,
                             saved.y});
     ctx->saved_data["dt_min"] = args->dt_min;

@@ -18,7 +18,8 @@
 //   dt     float32 (NC, H, L)        dt_i after bias / softplus / clamp (0 on pad rows)
 //   Lam    float32 (NC, H, L)        chunk-local cumsum of dt A
 //   states in-type (NC, H, P, N)     s[c], the state entering each chunk (rounded like mamba-ssm)
-//   y      in-type (T, H, P)         y before the z gate (only when z is given)
+//   y      in-type (T, H, P)         y before the z gate (only when z is given and forms_y_itself is false:
+//                                     otherwise the backward's post kernel recomputes it)
 // "in-type" is x's dtype (bf16 or fp16); B, C share it; dt, z, D, dt_bias, A may be fp32 or in-type.
 #pragma once
 
@@ -76,8 +77,16 @@ inline bool fused_passes_suit(int64_t num_chunks, int64_t num_segments) {
   return num_chunks <= 64 * std::max<int64_t>(num_segments, 1);
 }
 
-// Backward kernels (ssd_fused_bwd.cpp) from the saved buffers and grad_out (T, H, P).
+// Backward kernels (ssd_fused_bwd.cpp) from the saved buffers and grad_out (T, H, P). With z and no saved y
+// (Saved::y undefined) the backward recomputes y: the bf16 post kernel forms it itself; any other route runs the
+// forward kernels for it.
 Grads backward(const at::Tensor& grad_out, const Args& a, const Tables& t, const Saved& saved);
+
+// (ssd_fused_bwd.cpp) Whether the backward's post kernel will form the pre-gate y itself for these inputs (z given,
+// x / B / C / z of one 16-bit type, dense, the bf16 post kernel's shapes and routes): then the forward does not store
+// y (0.75 GiB at GRPO). Host-side only. A backward that finds y missing on another route (grad_out misaligned, an
+// environment variable changed in between) recomputes it with the forward kernels: correct, slower.
+bool forms_y_itself(const Args& a, const Tables& t);
 
 // (ssd_fused_fwd.cpp) The forward's stages for tests: {out, dt, Lam, chunk_states (fp32
 // (NC, H, P, N), the transient S_c), states, y (undefined without z)}.

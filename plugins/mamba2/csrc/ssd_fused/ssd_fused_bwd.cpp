@@ -164,8 +164,10 @@ Stages run(const at::Tensor& grad_out, const Args& a, const Tables& t, const Sav
   if (a.z) {
     TR_CHECK_VALUE(a.z->sizes() == a.x.sizes(), "fused SSD backward: z must be shaped like x ", a.x.sizes(), ", got ",
                       a.z->sizes());
-    TR_CHECK_VALUE(saved.y.defined() && saved.y.sizes() == a.x.sizes(),
-                      "fused SSD backward: with z the saved y (tokens, heads, head_dim) is required");
+    // y may be absent (the forward did not store it: forms_y_itself); then it is recomputed, by the post kernel or,
+    // on a route that reads it, by the forward kernels (below)
+    TR_CHECK_VALUE(!saved.y.defined() || saved.y.sizes() == a.x.sizes(),
+                      "fused SSD backward: the saved y must be shaped like x ", a.x.sizes(), ", got ", saved.y.sizes());
   }
   if (a.D)
     TR_CHECK_VALUE((a.D->dim() == 1 && a.D->size(0) == H) || (a.D->dim() == 2 && a.D->size(0) == H && a.D->size(1) == P),
@@ -199,22 +201,18 @@ Stages run(const at::Tensor& grad_out, const Args& a, const Tables& t, const Sav
                                  .contiguous()
                            : at::Tensor();
   const at::Tensor z = a.z ? in(*a.z) : at::Tensor();
-  const at::Tensor y = a.z ? in(saved.y) : at::Tensor();
+  at::Tensor y = a.z && saved.y.defined() ? in(saved.y) : at::Tensor();
+  const bool y_missing = a.z && !y.defined();
   const at::Tensor gather = t.gather.contiguous();
 
   Stages st;
-  st.cb = at::empty({NC, G, L, L}, f32);
-  // ds (fp32, or x's 16-bit type on the bf16 path) is allocated below, once the kernels are chosen
+  // ds (fp32, or x's 16-bit type on the bf16 path), cb, the row stages and the outputs dx / dz / dB / dC are
+  // allocated below, once the kernels are chosen
   at::Tensor ws = at::empty({std::max<int64_t>(S, 1), H, P, N}, f32);
   if (a.initial_state) st.d_roots = at::zeros({std::max<int64_t>(R, 1), H, P, N}, f32);
   st.ddecay = at::empty({NC, H}, f32);
-  st.q = at::empty({NC, H, L}, f32);
-  st.v = at::empty({NC, H, L}, f32);
-  st.ddt_direct = at::empty({NC, H, L}, f32);
-  st.d_dtA = at::empty({NC, H, L}, f32);
   st.ddt = at::empty({T, H}, f32);
   st.ddt_raw = at::empty({T, H}, f32);
-  at::Tensor dB = at::empty({T, G, N}, f32), dC = at::empty({T, G, N}, f32);
   st.dA_part = at::empty({NC, H}, f32);
 
   k::BwdParams p;
@@ -229,9 +227,11 @@ Stages run(const at::Tensor& grad_out, const Args& a, const Tables& t, const Sav
   p.x = x.data_ptr(); p.B = B.data_ptr(); p.C = C.data_ptr(); p.dout = dout.data_ptr(); p.states = states.data_ptr();
   if (a.z) {
     p.z_type = bwd_type(z, "z");
-    p.y_type = bwd_type(y, "saved y");
     p.z = z.data_ptr();
-    p.y = y.data_ptr();
+    if (y.defined()) {
+      p.y_type = bwd_type(y, "saved y");
+      p.y = y.data_ptr();
+    }
   }
   p.dt_raw = dt_raw.data_ptr<float>();
   p.A = A.data_ptr<float>();
@@ -251,31 +251,19 @@ Stages run(const at::Tensor& grad_out, const Args& a, const Tables& t, const Sav
   p.level_segments = lsegs.data_ptr<int64_t>();
   p.child_offsets = coff.data_ptr<int64_t>();
   p.children = kids.data_ptr<int64_t>();
-  p.cb = st.cb.data_ptr<float>();
   const bool tc = tc_enabled() && k::ssd_bwd_tc_supported(p);
-  at::Tensor dyx, dx;
+  at::Tensor dyx, dx, dB, dC;
   if (!tc) {
     dyx = at::empty({NC, H, L, L}, f32);
     p.dyx = dyx.data_ptr<float>();
-    dx = at::empty({T, H, P}, f32);
-    p.dx = dx.data_ptr<float>();
   } else {
-    // the tensor-core kernel writes dx in x's (kernel) dtype: no fp32 (T, H, P) buffer
-    dx = at::empty({T, H, P}, x.options());
-    p.dx_out = dx.data_ptr();
-    p.dx_type = p.x_type;
+    p.dx_type = p.x_type;  // the tensor-core kernels write dx in x's (kernel) dtype: no fp32 (T, H, P) buffer
   }
   p.ws = ws.data_ptr<float>();
   p.droots = a.initial_state ? st.d_roots.data_ptr<float>() : nullptr;
   p.ddecay = st.ddecay.data_ptr<float>();
-  p.q = st.q.data_ptr<float>();
-  p.v = st.v.data_ptr<float>();
-  p.ddt_direct = st.ddt_direct.data_ptr<float>();
-  p.d_dtA = st.d_dtA.data_ptr<float>();
   p.ddt = st.ddt.data_ptr<float>();
   p.ddt_raw = st.ddt_raw.data_ptr<float>();
-  p.dB = dB.data_ptr<float>();
-  p.dC = dC.data_ptr<float>();
   p.dA_part = st.dA_part.data_ptr<float>();
 
   const bool v1 = v1_selected();
@@ -292,11 +280,29 @@ Stages run(const at::Tensor& grad_out, const Args& a, const Tables& t, const Sav
   // set and dz_out / dy still null, ssd_bwd_post_bf16_supported checks the shapes, dtypes and the inputs'
   // alignment; the buffers allocated below are fresh (aligned), and in the dy-buffer mode the gate's dy is
   // allocated whenever post_new is false (need_gate), so the decision holds for both modes
-  bool post_ok = false;
-  if (tc && !v1) {
+  // (the outputs dx_out, dz_out, dB_out / dC_out are still null here: the check accepts that, they are fresh
+  // buffers allocated below). Without a saved y the kernel recomputes it (p.recompute_y; dy on the fly only).
+  const auto post_check = [&] {
+    if (!(tc && !v1)) return false;
     p.post_dy_from_dout = true;
-    post_ok = k::ssd_bwd_post_bf16_supported(p);
+    const bool ok = k::ssd_bwd_post_bf16_supported(p);
     p.post_dy_from_dout = false;
+    return ok;
+  };
+  p.recompute_y = y_missing && !post_dy_buffer;
+  bool post_ok = post_check();
+  // y missing on a route that reads it (another post kernel, an environment override, inputs the kernel refuses),
+  // or for the gate (which writes dz from y) of the stage op: y from the forward kernels, bit for bit the
+  // forward's (a forward's time and transient memory: the common route never takes this)
+  const auto forward_y = [&] {
+    y = forward(a, t, /*save_y=*/true).second.y;
+    p.y = y.data_ptr();
+    p.y_type = bwd_type(y, "recomputed y");
+  };
+  if (y_missing && !(post_ok && p.recompute_y)) {
+    forward_y();
+    p.recompute_y = false;
+    post_ok = post_check();
   }
   const bool post_new = post_ok && !post_dy_buffer;
   // H5: ds in x's 16-bit type when every kernel touching it takes it so (local_bf16, the state pass with the
@@ -313,10 +319,6 @@ Stages run(const at::Tensor& grad_out, const Args& a, const Tables& t, const Sav
   at::Tensor dz_out, dD_part;
   if (post_new) {
     p.post_dy_from_dout = true;
-    if (a.z) {
-      dz_out = at::empty({T, H, P}, z.options());
-      p.dz_out = dz_out.data_ptr();
-    }
     if (a.D) {
       dD_part = at::empty({NC, H, P}, f32);
       p.dD_part = dD_part.data_ptr<float>();
@@ -324,6 +326,43 @@ Stages run(const at::Tensor& grad_out, const Args& a, const Tables& t, const Sav
   }
   // the gate's fp32 dy / dz: only when a kernel still reads dy, or for the stage op's dy / dz outputs
   const bool need_gate = !(local_new && post_new) || keep_stages;
+  if (need_gate && a.z && p.y == nullptr) forward_y();  // (the post kernel still recomputes its own: p.recompute_y)
+  // post_bf16's outputs: 16-bit dB / dC (no fp32 buffers, no cast), no cb / q / v / ddt_direct / d_dtA outside the
+  // stage op (nothing reads them), and dx / dz / dB / dC allocated after the state pass, once its carries (ws)
+  // are released: they are not both in memory at the peak
+  const bool late_outputs = post_ok && !keep_stages;
+  const auto alloc_outputs = [&] {
+    dx = at::empty({T, H, P}, tc ? x.options() : f32);
+    if (tc) p.dx_out = dx.data_ptr(); else p.dx = dx.data_ptr<float>();
+    if (post_ok) {
+      dB = at::empty({T, G, N}, B.options());
+      dC = at::empty({T, G, N}, B.options());
+      p.dB_out = dB.data_ptr();
+      p.dC_out = dC.data_ptr();
+    } else {
+      dB = at::empty({T, G, N}, f32);
+      dC = at::empty({T, G, N}, f32);
+      p.dB = dB.data_ptr<float>();
+      p.dC = dC.data_ptr<float>();
+    }
+    if (post_new && a.z) {
+      dz_out = at::empty({T, H, P}, z.options());
+      p.dz_out = dz_out.data_ptr();
+    }
+  };
+  if (!post_ok || keep_stages) {
+    st.cb = at::empty({NC, G, L, L}, f32);
+    st.q = at::empty({NC, H, L}, f32);
+    st.v = at::empty({NC, H, L}, f32);
+    st.ddt_direct = at::empty({NC, H, L}, f32);
+    st.d_dtA = at::empty({NC, H, L}, f32);
+    p.cb = st.cb.data_ptr<float>();
+    p.q = st.q.data_ptr<float>();
+    p.v = st.v.data_ptr<float>();
+    p.ddt_direct = st.ddt_direct.data_ptr<float>();
+    p.d_dtA = st.d_dtA.data_ptr<float>();
+  }
+  if (!late_outputs) alloc_outputs();
   if (need_gate) {
     st.dy = at::empty({T, H, P}, f32);
     p.dy = st.dy.data_ptr<float>();
@@ -375,14 +414,15 @@ Stages run(const at::Tensor& grad_out, const Args& a, const Tables& t, const Sav
     check_launch(k::ssd_bwd_ddecay(p, stream), "ddecay");
   if (!keep_stages) {
     // the segments' carries (S, H, P, N) fp32: the state pass was their last reader (0.30 GB on the GRPO
-    // trie's 72 segments), back to the caching allocator for the ATen tail (stream order). The peak keeps
-    // them: the post kernel's outputs (dx, dz, dB, dC) are allocated before the state pass
+    // trie's 72 segments), back to the caching allocator (stream order) before the post kernel's outputs
+    // (dx, dz, dB, dC) are allocated on its route (late_outputs), so the two are not in memory together
     ws = at::Tensor();
     p.ws = nullptr;
   }
+  if (late_outputs) alloc_outputs();
   // H3's bf16 / fp16 post kernel (ssd_post_bwd.cu): dy on the fly (post_new) or from the gate's dy
   if (post_ok) {  // post_new, or the dy-buffer mode (reads the gate's fp32 dy)
-    if (!keep_stages) p.cb = nullptr;  // C B^T stays in shared memory (no 100 MB stage write at GRPO)
+    // (outside the stage op p.cb is null: C B^T stays in shared memory, no 100 MB stage write at GRPO)
     p.post_bf16_checked = true;        // decided above: the launcher does not check again
     check_launch(k::ssd_bwd_post_bf16(p, stream), "bf16 / fp16 chunk gradients (cb, dx, dz, ddt, dB, dC, d(dt A), dD)");
   } else if (tc) {
@@ -469,6 +509,33 @@ Stages run(const at::Tensor& grad_out, const Args& a, const Tables& t, const Sav
 }
 
 }  // namespace
+
+bool forms_y_itself(const Args& a, const Tables& t) {
+#ifndef TREE_RECURRENCE_WITH_CUDA
+  (void)a; (void)t;
+  return false;
+#else
+  if (!a.z || !tc_enabled() || v1_selected()) return false;
+  const char* pdy = std::getenv("TREE_RECURRENCE_SSD_POST_DY");
+  if (pdy != nullptr && std::strcmp(pdy, "buffer") == 0) return false;
+  if (a.x.dim() != 3 || a.B.dim() != 3 || t.gather.dim() != 2 || !a.x.is_cuda()) return false;
+  const at::ScalarType in = a.x.scalar_type();
+  if (a.B.scalar_type() != in || a.C.scalar_type() != in || a.z->scalar_type() != in) return false;
+  // the post kernel's support as the backward will ask it (grad_out, states, ds, the outputs: fresh, of x's type)
+  const k::BwdType ty = in == at::kBFloat16 ? k::BwdType::BFloat16 : in == at::kHalf ? k::BwdType::Float16 : k::BwdType::Float32;
+  k::BwdParams p;
+  p.tokens = a.x.size(0); p.heads = a.x.size(1); p.head_dim = a.x.size(2);
+  p.groups = a.B.size(1); p.state_dim = a.B.size(2);
+  p.num_chunks = t.gather.size(0); p.chunk = t.gather.size(1); p.num_segments = t.parents.size(0);
+  p.x_type = p.bc_type = p.dout_type = p.states_type = p.dx_type = p.z_type = ty;
+  const bool dense = a.x.is_contiguous() && a.B.is_contiguous() && a.C.is_contiguous() && a.z->is_contiguous();
+  if (!dense) return false;  // (a strided input is copied by the backward: its pointer is not this one)
+  p.x = a.x.data_ptr(); p.B = a.B.data_ptr(); p.C = a.C.data_ptr(); p.z = a.z->data_ptr();
+  p.post_dy_from_dout = true;
+  p.recompute_y = true;
+  return k::ssd_bwd_tc_supported(p) && k::ssd_bwd_post_bf16_supported(p);
+#endif
+}
 
 Grads backward(const at::Tensor& grad_out, const Args& a, const Tables& t, const Saved& saved) {
   return run(grad_out, a, t, saved, false).grads;

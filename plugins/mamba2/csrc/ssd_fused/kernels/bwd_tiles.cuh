@@ -130,9 +130,11 @@ __device__ __forceinline__ void store_row_qvd(const BwdParams& p, int k, float* 
   v *= dts[k] * wl[k];
   qs[k] = q;
   vs[k] = v;
-  p.q[chl + k] = q;
-  p.v[chl + k] = v;
-  p.ddt_direct[chl + k] = d;
+  if (p.q != nullptr) {  // stage outputs (null on the bf16 post path outside the stage op: nothing reads them)
+    p.q[chl + k] = q;
+    p.v[chl + k] = v;
+    p.ddt_direct[chl + k] = d;
+  }
 }
 
 // ddt_raw's value at a token from its ddt and the pre-activation v = dt_raw + dt_bias: ddt softplus'(v) (softplus
@@ -179,7 +181,7 @@ __device__ __forceinline__ void head_rows(const BwdParams& p, int tid, float* sm
     for (int m = L - 1; m >= k; --m) qsum += qs[m];
     for (int j = 0; j < k; ++j) vsum += vs[j];
     const float d = dpairs + qsum + vsum + el[L - 1] * p.ddecay[ch];
-    p.d_dtA[chl + k] = d;
+    if (p.d_dtA != nullptr) p.d_dtA[chl + k] = d;
     red[k] = dts[k] * d;
     const Tok t = tok[k];
     if (t >= 0) {

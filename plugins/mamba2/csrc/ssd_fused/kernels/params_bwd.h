@@ -110,6 +110,14 @@ struct BwdParams {
   // rows, dB / dC, post_tc) refuse it. ws and droots stay fp32. TREE_RECURRENCE_SSD_DS_FP32=1: fp32 ds.
   void* ds16 = nullptr;
   BwdType ds16_type = BwdType::BFloat16;
+  // Issue 20, memory (the bf16 post kernel only):
+  //   recompute_y: with z, y is not read (may be null): the post kernel recomputes it from C, s, cb, x, dt, Lam
+  //     and D (needs post_dy_from_dout and version 3), so the forward need not store it (0.75 GiB at GRPO);
+  //   dB_out / dC_out (T, G, N) in B's 16-bit type, or null: the post kernel writes dB / dC there, rounded once
+  //     from fp32 (the fp32 dB / dC above unused), instead of an fp32 buffer and a cast.
+  bool recompute_y = false;
+  void* dB_out = nullptr;
+  void* dC_out = nullptr;
 };
 
 constexpr int64_t kBwdMaxChunk = 256;
@@ -147,9 +155,11 @@ int64_t ssd_bwd_fused_pass_ddecay_parts(const BwdParams& p);
 int ssd_bwd_fused_pass(const BwdParams& p, int64_t begin, int64_t count, void* stream);  // ds_leave, ws, droots
 
 // bf16 / fp16 post kernel (ssd_post_bwd.cu, round 3): post_tc's outputs (cb if set, dx in dx_type, q, v,
-// ddt_direct, d_dtA, ddt, ddt_raw, dA_part, dB, dC) and, per the fields above, dz_out and dD_part; one
-// bf16 / fp16 MMA per product, ldmatrix fragments. Chunk 64, P and N in 1..128 multiples of 8, x / B / C
-// / dout / states (/ z / y) of one 16-bit type, 16-byte aligned pointers (ssd_bwd_post_bf16_supported).
+// ddt_direct, d_dtA when set, ddt, ddt_raw, dA_part, dB, dC or dB_out / dC_out) and, per the fields above,
+// dz_out and dD_part; one bf16 / fp16 MMA per product, ldmatrix fragments. Chunk 64, P and N in 1..128
+// multiples of 8, x / B / C / dout / states (/ z / y) of one 16-bit type, 16-byte aligned pointers
+// (ssd_bwd_post_bf16_supported). The support check accepts null outputs (dx_out, dz_out, dB / dC or dB_out /
+// dC_out): a caller may allocate them after deciding (fresh buffers are aligned); the launch refuses them null.
 bool ssd_bwd_post_bf16_supported(const BwdParams& p);
 int ssd_bwd_post_bf16(const BwdParams& p, void* stream);  // needs ds_leave, ddecay
 

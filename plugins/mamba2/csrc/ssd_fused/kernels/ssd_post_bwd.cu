@@ -241,11 +241,17 @@ __device__ __forceinline__ float2 dy_pair(uint32_t dw, uint32_t zw, float f0, fl
 }
 // dz of an element pair from packed pairs of dout (dw), z (zw), y (yw): dout y silu'(z) = dout y s (1 + z (1 - s)),
 // s = sigmoid(z), rounded to T and packed. Version 1's dz pass and dz_rows_v3: one definition.
+// dz_pair_y: the same from y in fp32 (y0, y1; the recomputed y of kRecY).
+template <typename T>
+__device__ __forceinline__ uint32_t dz_pair_y(uint32_t dw, uint32_t zw, float y0, float y1) {
+  const float2 g2 = unpack2<T>(dw), z2 = unpack2<T>(zw);
+  const float s0 = sigm(z2.x), s1 = sigm(z2.y);
+  return mm::Elem<T>::pack(g2.x * y0 * s0 * (1.f + z2.x * (1.f - s0)), g2.y * y1 * s1 * (1.f + z2.y * (1.f - s1)));
+}
 template <typename T>
 __device__ __forceinline__ uint32_t dz_pair(uint32_t dw, uint32_t zw, uint32_t yw) {
-  const float2 g2 = unpack2<T>(dw), z2 = unpack2<T>(zw), y2 = unpack2<T>(yw);
-  const float s0 = sigm(z2.x), s1 = sigm(z2.y);
-  return mm::Elem<T>::pack(g2.x * y2.x * s0 * (1.f + z2.x * (1.f - s0)), g2.y * y2.y * s1 * (1.f + z2.y * (1.f - s1)));
+  const float2 y2 = unpack2<T>(yw);
+  return dz_pair_y<T>(dw, zw, y2.x, y2.y);
 }
 
 // one row piece's global inputs (16-byte words; fa / fb: the fp32 dy when not kFly) and e^Lam of the row
@@ -465,7 +471,7 @@ __device__ __forceinline__ void head_rows_v3(const BwdParams& p, int lane, float
     for (int m = L - 1; m >= k; --m) qsum += qs[m];
     for (int j = 0; j < k; ++j) vsum += vs[j];
     const float d = dpairs + qsum + vsum + el[L - 1] * ddec;
-    p.d_dtA[chl + k] = d;
+    if (p.d_dtA != nullptr) p.d_dtA[chl + k] = d;  // a stage output (null outside the stage op)
     red[k] = dts[k] * d;
     if (t >= 0) {
       const float ddt = dd + Ah * d;
@@ -489,8 +495,69 @@ __device__ __forceinline__ void dA_sum_v3(const BwdParams& p, const float* red, 
   p.dA_part[ch] = s;
 }
 
-template <typename T, bool kFly, bool kZ, bool kV3>
+// kRecY's step for the 16 x 16 block (rows r0.., columns p0..) whose C s^T is cs: y = e^Lam . cs + (M . dt) x + D x
+// in fp32, then dz = dout y silu'(z) (dz_pair_y) in z's type at the block's real tokens. (M . dt)[i][j] = cb[i][j]
+// exp(Lam_i - Lam_j) dt_j (j <= i) is formed per lower 16 x 16 block from cb's fp32 fragments (fragment order, the
+// accumulator layout) and rounded to T as the A operand (c_to_a); x is the B operand (ldmatrix, k-major rows).
+template <typename T>
+__device__ __forceinline__ void recompute_y_dz(const BwdParams& p, const mm::FragC (&cs)[2], const float* cbf,
+                                               const float* lam, const float* dts, const float* el, const T* xs,
+                                               const int* tok, int r0, int p0, int PT, int lane, int h, int H, int P,
+                                               const T* gdo, const T* gz, T* gdz) {
+  mm::FragC ay[2];
+  zero2(ay);
+  const int rb = r0 >> 4;
+#pragma unroll 1
+  for (int cbk = 0; cbk <= rb; ++cbk) {
+    const int blk = rb * (rb + 1) / 2 + cbk, c0 = cbk * 16;
+    mm::FragC m2[2];
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      const float4 cv = *frag4(const_cast<float*>(cbf), blk, nt, lane);
+      const float cvs[4] = {cv.x, cv.y, cv.z, cv.w};
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = r0 + mm::c_row(lane, e), j = c0 + nt * 8 + mm::c_col(lane, e);
+        m2[nt].x[e] = j <= i ? cvs[e] * exp_le0(lam[i] - lam[j]) * dts[j] : 0.f;
+      }
+    }
+    const mm::FragA a = mm::c_to_a<T>(m2[0], m2[1]);
+    mm::FragB b0, b1;
+    mm::load_b_kn(b0, b1, xs + c0 * PT + p0, PT);
+    mm::mma<T>(ay[0], a, b0);
+    mm::mma<T>(ay[1], a, b1);
+  }
+  if (gdz == nullptr) return;
+  const float* Dh = p.D != nullptr ? p.D + static_cast<int64_t>(h) * P : nullptr;
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int j = r0 + mm::c_row(lane, 2 * hr), pc = p0 + nt * 8 + mm::c_col(lane, 0);
+      const int t = tok[j];
+      if (t < 0 || pc >= P) continue;
+      const float ej = el[j];
+      float y0 = ej * cs[nt].x[2 * hr] + ay[nt].x[2 * hr];
+      float y1 = ej * cs[nt].x[2 * hr + 1] + ay[nt].x[2 * hr + 1];
+      if (Dh != nullptr) {
+        const float2 x2 = unpack2<T>(*reinterpret_cast<const uint32_t*>(xs + j * PT + pc));
+        y0 += Dh[pc] * x2.x;
+        y1 += Dh[pc + 1] * x2.y;
+      }
+      const int64_t off = (static_cast<int64_t>(t) * H + h) * P + pc;
+      const uint32_t dw = __ldg(reinterpret_cast<const unsigned int*>(gdo + off));
+      const uint32_t zw = __ldg(reinterpret_cast<const unsigned int*>(gz + off));
+      *reinterpret_cast<uint32_t*>(gdz + off) = dz_pair_y<T>(dw, zw, y0, y1);
+    }
+}
+
+// kRecY (version 3 with dy on the fly and z; p.recompute_y): y is not read; the CS step recomputes it per 16 x 16
+// block, y = e^Lam . C s^T + (M . dt) x + D x (the forward's formula, fp32 from the same 16-bit operands: the A
+// operand of (M . dt) x formed in registers from cb's fragments, x by ldmatrix), and writes dz there (dz_rows_v3
+// does not run). The forward then stores no y: 0.75 GiB less at GRPO, and no y write / read.
+template <typename T, bool kFly, bool kZ, bool kV3, bool kRecY = false>
 __global__ void __launch_bounds__(kThreads, 2) post_bf16_kernel(BwdParams p) {
+  static_assert(!kRecY || (kFly && kZ && kV3), "y is recomputed by version 3 with dy from dout and z only");
   extern __shared__ __align__(16) unsigned char smem[];
   const int H = static_cast<int>(p.heads), P = static_cast<int>(p.head_dim), N = static_cast<int>(p.state_dim),
             G = static_cast<int>(p.groups), hpg = H / G;
@@ -696,7 +763,9 @@ __global__ void __launch_bounds__(kThreads, 2) post_bf16_kernel(BwdParams p) {
     // CS = C s^T (L x P): q partials <dy_r, CS_r> per column tile
     #pragma unroll 1
     for (int b = warp; b < ncolPblk; b += kWarps) {
-      const int r0 = (b / ncolP) * 16, ct = b % ncolP, p0 = ct * 16;
+      // the row strips paired as in the dx step (0 + 3, 1 + 2: kRecY's (M . dt) x is triangular); any order gives
+      // the same q partials
+      const int kb = b / ncolP, r0 = (kb == 2 ? 3 : (kb == 3 ? 2 : kb)) * 16, ct = b % ncolP, p0 = ct * 16;
       mm::FragC acc[2];
       zero2(acc);
       mma_abt<T, kV3>(acc, Cs + r0 * NT, NT, mat + p0 * NT, NT, 0, Np);
@@ -734,6 +803,7 @@ __global__ void __launch_bounds__(kThreads, 2) post_bf16_kernel(BwdParams p) {
         qpart[ct * kL + r0 + mm::c_row(lane, 0)] = s0;
         qpart[ct * kL + r0 + mm::c_row(lane, 2)] = s1;
       }
+      if constexpr (kRecY) recompute_y_dz<T>(p, acc, cbf, lam, dts, el, xs, tok, r0, p0, PT, lane, h, H, P, gdo, gz, gdz);
     }
     // dC head term: (e^Lam . dy) s
     acc_gemm<T, false>(accC, sc, PT, mat, NT, 0, Pp, r0s, half, nbh, ncolN);
@@ -892,7 +962,7 @@ __global__ void __launch_bounds__(kThreads, 2) post_bf16_kernel(BwdParams p) {
         }
         mm::cp_async_commit();
       }
-      if constexpr (kFly && kZ) {  // warps 1..7: this head's dz (global only: no shared memory)
+      if constexpr (kFly && kZ && !kRecY) {  // warps 1..7: this head's dz (global only: no shared memory)
         if (warp != 0 && gdz != nullptr) dz_rows_v3<T>(p, tok, h, H, P, Pp, tid - 32, kThreads - 32);
       }
       // the next head overwrites lam, dts, dys, xs, the W region, the partials
@@ -933,8 +1003,15 @@ __global__ void __launch_bounds__(kThreads, 2) post_bf16_kernel(BwdParams p) {
           const int t = tok[r];
           if (t >= 0 && n < N) {
             const int64_t o = (static_cast<int64_t>(t) * G + g) * N + n;
-            *reinterpret_cast<float2*>(p.dC + o) = make_float2(accC[u][nt].x[2 * hr], accC[u][nt].x[2 * hr + 1]);
-            *reinterpret_cast<float2*>(p.dB + o) = make_float2(accB[u][nt].x[2 * hr], accB[u][nt].x[2 * hr + 1]);
+            if (p.dB_out != nullptr) {  // B's 16-bit type, rounded once (RN: the bits of the fp32 values' cast)
+              *reinterpret_cast<uint32_t*>(static_cast<T*>(p.dC_out) + o) =
+                  mm::Elem<T>::pack(accC[u][nt].x[2 * hr], accC[u][nt].x[2 * hr + 1]);
+              *reinterpret_cast<uint32_t*>(static_cast<T*>(p.dB_out) + o) =
+                  mm::Elem<T>::pack(accB[u][nt].x[2 * hr], accB[u][nt].x[2 * hr + 1]);
+            } else {
+              *reinterpret_cast<float2*>(p.dC + o) = make_float2(accC[u][nt].x[2 * hr], accC[u][nt].x[2 * hr + 1]);
+              *reinterpret_cast<float2*>(p.dB + o) = make_float2(accB[u][nt].x[2 * hr], accB[u][nt].x[2 * hr + 1]);
+            }
           }
         }
     }
@@ -961,11 +1038,12 @@ bool post_v1_selected() {
   return v;
 }
 
-template <typename T, bool kFly, bool kZ>
+template <typename T, bool kFly, bool kZ, bool kRecY = false>
 int launch3(const BwdParams& p, cudaStream_t st) {
   const int bytes = Plan(p.head_dim, p.state_dim).bytes;
   // reads the 16-bit ds (p.ds16, H5) or the fp32 one by a warp-uniform branch
-  auto* kern = post_v1_selected() ? post_bf16_kernel<T, kFly, kZ, false> : post_bf16_kernel<T, kFly, kZ, true>;
+  auto* kern = kRecY ? post_bf16_kernel<T, kFly, kZ, true, kRecY>
+                     : (post_v1_selected() ? post_bf16_kernel<T, kFly, kZ, false> : post_bf16_kernel<T, kFly, kZ, true>);
   cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   if (e != cudaSuccess) return static_cast<int>(e);
   e = cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
@@ -975,8 +1053,10 @@ int launch3(const BwdParams& p, cudaStream_t st) {
 }
 template <typename T>
 int launch(const BwdParams& p, cudaStream_t st) {
-  if (p.post_dy_from_dout)
-    return p.z != nullptr ? launch3<T, true, true>(p, st) : launch3<T, true, false>(p, st);
+  if (p.post_dy_from_dout) {
+    if (p.z == nullptr) return launch3<T, true, false>(p, st);
+    return p.recompute_y ? launch3<T, true, true, true>(p, st) : launch3<T, true, true>(p, st);
+  }
   return launch3<T, false, false>(p, st);  // dy precomputed (z already folded in by the gate kernel)
 }
 
@@ -988,22 +1068,28 @@ bool ssd_bwd_post_bf16_supported(const BwdParams& p) {
   if (p.groups < 1 || p.heads % p.groups != 0) return false;
   const BwdType t = p.x_type;
   if (!half_type(t) || p.bc_type != t || p.dout_type != t || p.states_type != t || p.dx_type != t) return false;
-  if (p.z != nullptr && (p.z_type != t || p.y_type != t || p.y == nullptr)) return false;
+  if (p.recompute_y && (p.z == nullptr || !p.post_dy_from_dout || post_v1_selected())) return false;
+  if (p.z != nullptr && (p.z_type != t || (!p.recompute_y && (p.y_type != t || p.y == nullptr)))) return false;
   if (p.num_chunks * p.groups > 0x7fffffffLL || p.tokens > 0x7fffffffLL) return false;
   if (!aligned16(p.x) || !aligned16(p.B) || !aligned16(p.C) || !aligned16(p.dout) || !aligned16(p.states) ||
-      !aligned16(p.ds16 != nullptr ? p.ds16 : static_cast<const void*>(p.ds)) || !aligned16(p.dx_out) ||
-      p.dx_out == nullptr)
+      !aligned16(p.ds16 != nullptr ? p.ds16 : static_cast<const void*>(p.ds)) || !aligned16(p.dx_out))
     return false;
   if (p.ds16 != nullptr && p.ds16_type != t) return false;  // H5: ds in the input type
   if (p.z != nullptr && (!aligned16(p.z) || !aligned16(p.y) || !aligned16(p.dz_out))) return false;
   if (!p.post_dy_from_dout && (p.dy == nullptr || !aligned16(p.dy))) return false;
   if ((reinterpret_cast<uintptr_t>(p.dB) & 7u) != 0 || (reinterpret_cast<uintptr_t>(p.dC) & 7u) != 0) return false;
+  if ((reinterpret_cast<uintptr_t>(p.dB_out) & 3u) != 0 || (reinterpret_cast<uintptr_t>(p.dC_out) & 3u) != 0) return false;
   return Plan(p.head_dim, p.state_dim).bytes <= max_smem_optin();
 }
 
 int ssd_bwd_post_bf16(const BwdParams& p, void* stream) {
   if (p.num_chunks * p.groups == 0) return 0;
   if (!p.post_bf16_checked && !ssd_bwd_post_bf16_supported(p)) return static_cast<int>(cudaErrorInvalidValue);
+  // the outputs the support check let be null (allocated after it) must be there now
+  const bool dbc16 = p.dB_out != nullptr && p.dC_out != nullptr;
+  if (p.dx_out == nullptr || (p.z != nullptr && p.post_dy_from_dout && p.dz_out == nullptr) ||
+      (!dbc16 && (p.dB == nullptr || p.dC == nullptr)) || ((p.dB_out == nullptr) != (p.dC_out == nullptr)))
+    return static_cast<int>(cudaErrorInvalidValue);
   const auto st = static_cast<cudaStream_t>(stream);
   return p.x_type == BwdType::BFloat16 ? launch<__nv_bfloat16>(p, st) : launch<__half>(p, st);
 }
