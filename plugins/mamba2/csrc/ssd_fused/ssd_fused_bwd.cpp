@@ -515,7 +515,13 @@ bool forms_y_itself(const Args& a, const Tables& t) {
   (void)a; (void)t;
   return false;
 #else
-  if (!a.z || !tc_enabled() || v1_selected()) return false;
+  // TREE_RECURRENCE_SSD_SAVE_Y=1 (read once per process): the forward stores y anyway (the saved-y route of the
+  // post kernel: dz from the stored y on the warps idle during the row tail); for comparisons
+  static const bool save_y_forced = [] {
+    const char* e = std::getenv("TREE_RECURRENCE_SSD_SAVE_Y");
+    return e != nullptr && std::strcmp(e, "1") == 0;
+  }();
+  if (!a.z || save_y_forced || !tc_enabled() || v1_selected()) return false;
   const char* pdy = std::getenv("TREE_RECURRENCE_SSD_POST_DY");
   if (pdy != nullptr && std::strcmp(pdy, "buffer") == 0) return false;
   if (a.x.dim() != 3 || a.B.dim() != 3 || t.gather.dim() != 2 || !a.x.is_cuda()) return false;

@@ -499,11 +499,32 @@ __device__ __forceinline__ void dA_sum_v3(const BwdParams& p, const float* red, 
 // in fp32, then dz = dout y silu'(z) (dz_pair_y) in z's type at the block's real tokens. (M . dt)[i][j] = cb[i][j]
 // exp(Lam_i - Lam_j) dt_j (j <= i) is formed per lower 16 x 16 block from cb's fp32 fragments (fragment order, the
 // accumulator layout) and rounded to T as the A operand (c_to_a); x is the B operand (ldmatrix, k-major rows).
+// (the block's dout / z pairs: fetched by recompute_y_prefetch before the q partials and the (M . dt) x mma, their
+// latency under those;
+// [nt][hr][0: dout, 1: z], 0 at pads)
+template <typename T>
+__device__ __forceinline__ void recompute_y_prefetch(uint32_t (&dz_in)[2][2][2], const int* tok, int r0, int p0, int lane,
+                                                     int h, int H, int P, const T* gdo, const T* gz) {
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int j = r0 + mm::c_row(lane, 2 * hr), pc = p0 + nt * 8 + mm::c_col(lane, 0);
+      const int t = tok[j];
+      dz_in[nt][hr][0] = 0u;
+      dz_in[nt][hr][1] = 0u;
+      if (t >= 0 && pc < P) {
+        const int64_t off = (static_cast<int64_t>(t) * H + h) * P + pc;
+        dz_in[nt][hr][0] = __ldg(reinterpret_cast<const unsigned int*>(gdo + off));
+        dz_in[nt][hr][1] = __ldg(reinterpret_cast<const unsigned int*>(gz + off));
+      }
+    }
+}
 template <typename T>
 __device__ __forceinline__ void recompute_y_dz(const BwdParams& p, const mm::FragC (&cs)[2], const float* cbf,
                                                const float* lam, const float* dts, const float* el, const T* xs,
                                                const int* tok, int r0, int p0, int PT, int lane, int h, int H, int P,
-                                               const T* gdo, const T* gz, T* gdz) {
+                                               const uint32_t (&dz_in)[2][2][2], T* gdz) {
   mm::FragC ay[2];
   zero2(ay);
   const int rb = r0 >> 4;
@@ -518,7 +539,8 @@ __device__ __forceinline__ void recompute_y_dz(const BwdParams& p, const mm::Fra
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int i = r0 + mm::c_row(lane, e), j = c0 + nt * 8 + mm::c_col(lane, e);
-        m2[nt].x[e] = j <= i ? cvs[e] * exp_le0(lam[i] - lam[j]) * dts[j] : 0.f;
+        // (the fast exp: its ~1e-7 relative error is far below the operand's 16-bit rounding)
+        m2[nt].x[e] = j <= i ? cvs[e] * __expf(fminf(lam[i] - lam[j], 0.f)) * dts[j] : 0.f;
       }
     }
     const mm::FragA a = mm::c_to_a<T>(m2[0], m2[1]);
@@ -545,9 +567,7 @@ __device__ __forceinline__ void recompute_y_dz(const BwdParams& p, const mm::Fra
         y1 += Dh[pc + 1] * x2.y;
       }
       const int64_t off = (static_cast<int64_t>(t) * H + h) * P + pc;
-      const uint32_t dw = __ldg(reinterpret_cast<const unsigned int*>(gdo + off));
-      const uint32_t zw = __ldg(reinterpret_cast<const unsigned int*>(gz + off));
-      *reinterpret_cast<uint32_t*>(gdz + off) = dz_pair_y<T>(dw, zw, y0, y1);
+      *reinterpret_cast<uint32_t*>(gdz + off) = dz_pair_y<T>(dz_in[nt][hr][0], dz_in[nt][hr][1], y0, y1);
     }
 }
 
@@ -769,6 +789,8 @@ __global__ void __launch_bounds__(kThreads, 2) post_bf16_kernel(BwdParams p) {
       mm::FragC acc[2];
       zero2(acc);
       mma_abt<T, kV3>(acc, Cs + r0 * NT, NT, mat + p0 * NT, NT, 0, Np);
+      uint32_t dz_in[2][2][2];
+      if constexpr (kRecY) recompute_y_prefetch<T>(dz_in, tok, r0, p0, lane, h, H, P, gdo, gz);
       float s0 = 0.f, s1 = 0.f;
       if constexpr (kV3) {  // dy by element pairs (columns c_col, c_col + 1), the same products and order
 #pragma unroll
@@ -803,7 +825,7 @@ __global__ void __launch_bounds__(kThreads, 2) post_bf16_kernel(BwdParams p) {
         qpart[ct * kL + r0 + mm::c_row(lane, 0)] = s0;
         qpart[ct * kL + r0 + mm::c_row(lane, 2)] = s1;
       }
-      if constexpr (kRecY) recompute_y_dz<T>(p, acc, cbf, lam, dts, el, xs, tok, r0, p0, PT, lane, h, H, P, gdo, gz, gdz);
+      if constexpr (kRecY) recompute_y_dz<T>(p, acc, cbf, lam, dts, el, xs, tok, r0, p0, PT, lane, h, H, P, dz_in, gdz);
     }
     // dC head term: (e^Lam . dy) s
     acc_gemm<T, false>(accC, sc, PT, mat, NT, 0, Pp, r0s, half, nbh, ncolN);
