@@ -316,7 +316,7 @@ Stages run(const at::Tensor& grad_out, const Args& a, const Tables& t, const Sav
     st.ds_leave = at::empty({NC, H, P, N}, f32);
     p.ds = st.ds_leave.data_ptr<float>();
   }
-  at::Tensor dz_out, dD_part;
+  at::Tensor dz_out, dD_part, y_scratch;
   if (post_new) {
     p.post_dy_from_dout = true;
     if (a.D) {
@@ -348,6 +348,10 @@ Stages run(const at::Tensor& grad_out, const Args& a, const Tables& t, const Sav
     if (post_new && a.z) {
       dz_out = at::empty({T, H, P}, z.options());
       p.dz_out = dz_out.data_ptr();
+    }
+    if (post_ok && p.recompute_y) {  // the post kernel's per-CTA y scratch (NC G x L x P: 50 MB at GRPO)
+      y_scratch = at::empty({NC * G, L, P}, x.options());
+      p.y_scratch = y_scratch.data_ptr();
     }
   };
   if (!post_ok || keep_stages) {

@@ -312,13 +312,15 @@ __device__ __forceinline__ void store_row_v3(const RowIn& r, int i, int lrow0, i
 }
 // dz = dout y silu'(z) in z's type for the head's rows (version 1's dz pass, its expressions), 8-byte pieces e =
 // first, first + step, .. of the L x (Pp / 4) pieces (8 bytes: fewer live registers next to the dC / dB
-// accumulators): version 3 runs it on warps 1..7 during the row tail
-template <typename T>
+// accumulators): version 3 runs it on warps 1..7 during the row tail. kYScratch: y from the CTA's scratch (y_scratch_of:
+// row i at i * P, written by this CTA's CS step before the head's barriers: an L2 load, ld.global.cg, which sees
+// them; not the read-only path), else the stored y.
+template <typename T, bool kYScratch = false>
 __device__ __forceinline__ void dz_rows_v3(const BwdParams& p, const int* tok, int h, int H, int P, int Pp, int first,
                                            int step) {
   const T* gdo = static_cast<const T*>(p.dout);
   const T* gz = static_cast<const T*>(p.z);
-  const T* gy = static_cast<const T*>(p.y);
+  const T* gy = static_cast<const T*>(kYScratch ? p.y_scratch : p.y);
   T* gdz = static_cast<T*>(p.dz_out);
   const int cpr4 = Pp / 4;
 #pragma unroll 1
@@ -328,7 +330,8 @@ __device__ __forceinline__ void dz_rows_v3(const BwdParams& p, const int* tok, i
     if (t < 0 || cc * 4 >= P) continue;
     const int64_t off = (static_cast<int64_t>(t) * H + h) * P + cc * 4;
     const uint2 dr = __ldg(reinterpret_cast<const uint2*>(gdo + off)), zr = __ldg(reinterpret_cast<const uint2*>(gz + off)),
-                yr = __ldg(reinterpret_cast<const uint2*>(gy + off));
+                yr = kYScratch ? __ldcg(reinterpret_cast<const uint2*>(gy + (static_cast<int64_t>(blockIdx.x) * kL + i) * P + cc * 4))
+                               : __ldg(reinterpret_cast<const uint2*>(gy + off));
     const uint32_t dw4[2] = {dr.x, dr.y}, zw4[2] = {zr.x, zr.y}, yw4[2] = {yr.x, yr.y};
     uint32_t dzw[2];
 #pragma unroll
@@ -495,36 +498,21 @@ __device__ __forceinline__ void dA_sum_v3(const BwdParams& p, const float* red, 
   p.dA_part[ch] = s;
 }
 
-// kRecY's step for the 16 x 16 block (rows r0.., columns p0..) whose C s^T is cs: y = e^Lam . cs + (M . dt) x + D x
-// in fp32, then dz = dout y silu'(z) (dz_pair_y) in z's type at the block's real tokens. (M . dt)[i][j] = cb[i][j]
-// exp(Lam_i - Lam_j) dt_j (j <= i) is formed per lower 16 x 16 block from cb's fp32 fragments (fragment order, the
-// accumulator layout) and rounded to T as the A operand (c_to_a); x is the B operand (ldmatrix, k-major rows).
-// (the block's dout / z pairs: fetched by recompute_y_prefetch before the q partials and the (M . dt) x mma, their
-// latency under those;
-// [nt][hr][0: dout, 1: z], 0 at pads)
+// this CTA's y scratch (kRecY: L x P in T; formed where used, not held in registers over the head loop)
 template <typename T>
-__device__ __forceinline__ void recompute_y_prefetch(uint32_t (&dz_in)[2][2][2], const int* tok, int r0, int p0, int lane,
-                                                     int h, int H, int P, const T* gdo, const T* gz) {
-#pragma unroll
-  for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
-      const int j = r0 + mm::c_row(lane, 2 * hr), pc = p0 + nt * 8 + mm::c_col(lane, 0);
-      const int t = tok[j];
-      dz_in[nt][hr][0] = 0u;
-      dz_in[nt][hr][1] = 0u;
-      if (t >= 0 && pc < P) {
-        const int64_t off = (static_cast<int64_t>(t) * H + h) * P + pc;
-        dz_in[nt][hr][0] = __ldg(reinterpret_cast<const unsigned int*>(gdo + off));
-        dz_in[nt][hr][1] = __ldg(reinterpret_cast<const unsigned int*>(gz + off));
-      }
-    }
+__device__ __forceinline__ T* y_scratch_of(const BwdParams& p, int P) {
+  return static_cast<T*>(p.y_scratch) + static_cast<int64_t>(blockIdx.x) * kL * P;
 }
+// kRecY's step for the 16 x 16 block (rows r0.., columns p0..) whose C s^T is cs: y = e^Lam . cs + (M . dt) x + D x
+// in fp32, rounded to T into the CTA's y scratch (ysc: L x P, row i at i * P; pad rows skipped), which dz_rows_v3
+// reads in the row tail (after the head's block barriers: plain loads, not the read-only path). (M . dt)[i][j] =
+// cb[i][j] exp(Lam_i - Lam_j) dt_j (j <= i) is formed per lower 16 x 16 block from cb's fp32 fragments (fragment
+// order, the accumulator layout) and rounded to T as the A operand (c_to_a); x is the B operand (ldmatrix).
 template <typename T>
-__device__ __forceinline__ void recompute_y_dz(const BwdParams& p, const mm::FragC (&cs)[2], const float* cbf,
-                                               const float* lam, const float* dts, const float* el, const T* xs,
-                                               const int* tok, int r0, int p0, int PT, int lane, int h, int H, int P,
-                                               const uint32_t (&dz_in)[2][2][2], T* gdz) {
+__device__ __forceinline__ void recompute_y_block(const BwdParams& p, const mm::FragC (&cs)[2], const float* cbf,
+                                                  const float* lam, const float* dts, const float* el, const T* xs,
+                                                  const int* tok, int r0, int p0, int PT, int lane, int h, int P,
+                                                  T* ysc) {
   mm::FragC ay[2];
   zero2(ay);
   const int rb = r0 >> 4;
@@ -549,15 +537,13 @@ __device__ __forceinline__ void recompute_y_dz(const BwdParams& p, const mm::Fra
     mm::mma<T>(ay[0], a, b0);
     mm::mma<T>(ay[1], a, b1);
   }
-  if (gdz == nullptr) return;
   const float* Dh = p.D != nullptr ? p.D + static_cast<int64_t>(h) * P : nullptr;
 #pragma unroll
   for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
       const int j = r0 + mm::c_row(lane, 2 * hr), pc = p0 + nt * 8 + mm::c_col(lane, 0);
-      const int t = tok[j];
-      if (t < 0 || pc >= P) continue;
+      if (tok[j] < 0 || pc >= P) continue;
       const float ej = el[j];
       float y0 = ej * cs[nt].x[2 * hr] + ay[nt].x[2 * hr];
       float y1 = ej * cs[nt].x[2 * hr + 1] + ay[nt].x[2 * hr + 1];
@@ -566,15 +552,17 @@ __device__ __forceinline__ void recompute_y_dz(const BwdParams& p, const mm::Fra
         y0 += Dh[pc] * x2.x;
         y1 += Dh[pc + 1] * x2.y;
       }
-      const int64_t off = (static_cast<int64_t>(t) * H + h) * P + pc;
-      *reinterpret_cast<uint32_t*>(gdz + off) = dz_pair_y<T>(dz_in[nt][hr][0], dz_in[nt][hr][1], y0, y1);
+      *reinterpret_cast<uint32_t*>(ysc + j * P + pc) = mm::Elem<T>::pack(y0, y1);
     }
 }
 
 // kRecY (version 3 with dy on the fly and z; p.recompute_y): y is not read; the CS step recomputes it per 16 x 16
 // block, y = e^Lam . C s^T + (M . dt) x + D x (the forward's formula, fp32 from the same 16-bit operands: the A
-// operand of (M . dt) x formed in registers from cb's fragments, x by ldmatrix), and writes dz there (dz_rows_v3
-// does not run). The forward then stores no y: 0.75 GiB less at GRPO, and no y write / read.
+// operand of (M . dt) x formed in registers from cb's fragments, x by ldmatrix), rounded to T into a per-CTA scratch
+// (p.y_scratch, L x P per CTA, L2-resident, reused by each head) that dz_rows_v3 reads in the row tail, where it
+// otherwise reads the stored y. The forward then stores no y: 0.75 GiB less at GRPO (the scratch: 50 MB).
+// (Writing dz in the CS step itself, with dout / z loaded there, cost 2.2 ms more at GRPO on the H200, 2026-12-04:
+// the dz work left the warps that idle during the row tail.)
 template <typename T, bool kFly, bool kZ, bool kV3, bool kRecY = false>
 __global__ void __launch_bounds__(kThreads, 2) post_bf16_kernel(BwdParams p) {
   static_assert(!kRecY || (kFly && kZ && kV3), "y is recomputed by version 3 with dy from dout and z only");
@@ -789,8 +777,6 @@ __global__ void __launch_bounds__(kThreads, 2) post_bf16_kernel(BwdParams p) {
       mm::FragC acc[2];
       zero2(acc);
       mma_abt<T, kV3>(acc, Cs + r0 * NT, NT, mat + p0 * NT, NT, 0, Np);
-      uint32_t dz_in[2][2][2];
-      if constexpr (kRecY) recompute_y_prefetch<T>(dz_in, tok, r0, p0, lane, h, H, P, gdo, gz);
       float s0 = 0.f, s1 = 0.f;
       if constexpr (kV3) {  // dy by element pairs (columns c_col, c_col + 1), the same products and order
 #pragma unroll
@@ -825,7 +811,7 @@ __global__ void __launch_bounds__(kThreads, 2) post_bf16_kernel(BwdParams p) {
         qpart[ct * kL + r0 + mm::c_row(lane, 0)] = s0;
         qpart[ct * kL + r0 + mm::c_row(lane, 2)] = s1;
       }
-      if constexpr (kRecY) recompute_y_dz<T>(p, acc, cbf, lam, dts, el, xs, tok, r0, p0, PT, lane, h, H, P, dz_in, gdz);
+      if constexpr (kRecY) recompute_y_block<T>(p, acc, cbf, lam, dts, el, xs, tok, r0, p0, PT, lane, h, P, y_scratch_of<T>(p, P));
     }
     // dC head term: (e^Lam . dy) s
     acc_gemm<T, false>(accC, sc, PT, mat, NT, 0, Pp, r0s, half, nbh, ncolN);
@@ -984,8 +970,8 @@ __global__ void __launch_bounds__(kThreads, 2) post_bf16_kernel(BwdParams p) {
         }
         mm::cp_async_commit();
       }
-      if constexpr (kFly && kZ && !kRecY) {  // warps 1..7: this head's dz (global only: no shared memory)
-        if (warp != 0 && gdz != nullptr) dz_rows_v3<T>(p, tok, h, H, P, Pp, tid - 32, kThreads - 32);
+      if constexpr (kFly && kZ) {  // warps 1..7: this head's dz (global only: no shared memory)
+        if (warp != 0 && gdz != nullptr) dz_rows_v3<T, kRecY>(p, tok, h, H, P, Pp, tid - 32, kThreads - 32);
       }
       // the next head overwrites lam, dts, dys, xs, the W region, the partials
       __syncthreads();
@@ -1090,7 +1076,8 @@ bool ssd_bwd_post_bf16_supported(const BwdParams& p) {
   if (p.groups < 1 || p.heads % p.groups != 0) return false;
   const BwdType t = p.x_type;
   if (!half_type(t) || p.bc_type != t || p.dout_type != t || p.states_type != t || p.dx_type != t) return false;
-  if (p.recompute_y && (p.z == nullptr || !p.post_dy_from_dout || post_v1_selected())) return false;
+  if (p.recompute_y && (p.z == nullptr || !p.post_dy_from_dout || post_v1_selected() || !aligned16(p.y_scratch)))
+    return false;
   if (p.z != nullptr && (p.z_type != t || (!p.recompute_y && (p.y_type != t || p.y == nullptr)))) return false;
   if (p.num_chunks * p.groups > 0x7fffffffLL || p.tokens > 0x7fffffffLL) return false;
   if (!aligned16(p.x) || !aligned16(p.B) || !aligned16(p.C) || !aligned16(p.dout) || !aligned16(p.states) ||
@@ -1110,6 +1097,7 @@ int ssd_bwd_post_bf16(const BwdParams& p, void* stream) {
   // the outputs the support check let be null (allocated after it) must be there now
   const bool dbc16 = p.dB_out != nullptr && p.dC_out != nullptr;
   if (p.dx_out == nullptr || (p.z != nullptr && p.post_dy_from_dout && p.dz_out == nullptr) ||
+      (p.recompute_y && p.y_scratch == nullptr) ||
       (!dbc16 && (p.dB == nullptr || p.dC == nullptr)) || ((p.dB_out == nullptr) != (p.dC_out == nullptr)))
     return static_cast<int>(cudaErrorInvalidValue);
   const auto st = static_cast<cudaStream_t>(stream);
