@@ -58,6 +58,7 @@ SAN_GDN_RACE=("tests/python/test_gdn_fused_gpu.py::test_stages_against_float64[a
 SAN_SSD_MEM=("tests/python/test_ssd_fused_gpu.py::test_stages_bf16[around_chunks-64]"
              "tests/python/test_ssd_fused_gpu.py::test_stages_dims[P64N128-dtype0]"
              "tests/python/test_ssd_fused_bwd_gpu.py::test_one_token_segments"
+             "tests/python/test_ssd_post_bwd_gpu.py::test_post_pads_wide_shared_h0_fp16"
              "tests/python/test_ssd_fused_bwd_gpu.py::test_tensor_core_model_dims"
              "tests/python/test_ssd_fused_gpu.py::test_pipelined_pass_bitwise_three_kernel[around_chunks-H2P8G2N8-dtype0]"
              "tests/python/test_ssd_fused_gpu.py::test_pipelined_pass_bitwise_three_kernel[long_tree-H4P64G2N128-dtype0]")

@@ -311,13 +311,14 @@ def test_through_ssd_tree_scan_autograd(chunk):
 
 
 def test_y_recomputed_not_stored_and_fallback(monkeypatch):
-    """Issue 20 (memory): with z on the bf16 post kernel's route the forward stores no pre-gate y (fused::forms_y_itself;
-    0.75 GiB at GRPO): the post kernel recomputes it. Checked: (1) the memory a forward leaves for its backward is one
+    """Issue 20 (memory mode, TREE_RECURRENCE_SSD_RECOMPUTE_Y=1): with z on the bf16 post kernel's route the forward
+    stores no pre-gate y (fused::forms_y_itself; 0.75 GiB at GRPO): the post kernel recomputes it. Checked: (1) the memory a forward leaves for its backward is one
     y smaller than under TREE_RECURRENCE_SSD_BWD_V1=1 (a route that reads y: the forward stores it); (2) the gradients
     of the default route vs float64; (3) a forward that stored no y followed by a backward on a route that reads it
     (V1 set in between): y comes from the forward kernels, every gradient vs float64 and close to (1)'s."""
     from test_ssd_chunked import as_oracle, make_inputs, run_chunked, run_oracle
 
+    monkeypatch.setenv("TREE_RECURRENCE_SSD_RECOMPUTE_Y", "1")  # the memory mode (opt-in; read per call)
     seg, par = MIXED
     ins = make_inputs(seg[-1], H=4, P=16, G=2, N=16, dtype=torch.bfloat16, device="cuda", roots=2, D_per_channel=True)
     oracle = as_oracle(ins)

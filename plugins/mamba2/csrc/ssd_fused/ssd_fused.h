@@ -82,7 +82,8 @@ inline bool fused_passes_suit(int64_t num_chunks, int64_t num_segments) {
 // forward kernels for it.
 Grads backward(const at::Tensor& grad_out, const Args& a, const Tables& t, const Saved& saved);
 
-// (ssd_fused_bwd.cpp) Whether the backward's post kernel will form the pre-gate y itself for these inputs (z given,
+// (ssd_fused_bwd.cpp) Whether the backward's post kernel will form the pre-gate y itself for these inputs: only in the
+// memory mode, TREE_RECURRENCE_SSD_RECOMPUTE_Y=1 (2.0 ms slower at GRPO for 0.72 GiB less; docs/kernels.md); (z given,
 // x / B / C / z of one 16-bit type, dense, the bf16 post kernel's shapes and routes): then the forward does not store
 // y (0.75 GiB at GRPO). Host-side only. A backward that finds y missing on another route (grad_out misaligned, an
 // environment variable changed in between) recomputes it with the forward kernels: correct, slower.

@@ -519,13 +519,12 @@ bool forms_y_itself(const Args& a, const Tables& t) {
   (void)a; (void)t;
   return false;
 #else
-  // TREE_RECURRENCE_SSD_SAVE_Y=1 (read once per process): the forward stores y anyway (the saved-y route of the
-  // post kernel: dz from the stored y on the warps idle during the row tail); for comparisons
-  static const bool save_y_forced = [] {
-    const char* e = std::getenv("TREE_RECURRENCE_SSD_SAVE_Y");
-    return e != nullptr && std::strcmp(e, "1") == 0;
-  }();
-  if (!a.z || save_y_forced || !tc_enabled() || v1_selected()) return false;
+  // Opt-in, TREE_RECURRENCE_SSD_RECOMPUTE_Y=1 (read per call): the memory mode. Measured on the H200 at GRPO
+  // (2026-12-04, calls 2-3): the recompute costs the post kernel 2.0 ms (9.32 ms against 7.29; flat row 17.95 ms
+  // f+b against 15.83) for 0.72 GiB less peak (5.65 GiB against 6.35): the default keeps the stored y (speed).
+  const char* rec = std::getenv("TREE_RECURRENCE_SSD_RECOMPUTE_Y");
+  if (rec == nullptr || std::strcmp(rec, "1") != 0) return false;
+  if (!a.z || !tc_enabled() || v1_selected()) return false;
   const char* pdy = std::getenv("TREE_RECURRENCE_SSD_POST_DY");
   if (pdy != nullptr && std::strcmp(pdy, "buffer") == 0) return false;
   if (a.x.dim() != 3 || a.B.dim() != 3 || t.gather.dim() != 2 || !a.x.is_cuda()) return false;
