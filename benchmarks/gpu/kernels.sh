@@ -111,7 +111,7 @@ build_step "$LOGS/build.log"
 has gdn && pytest_part gdn_fwd ${GDN_S:-130} tests/python/test_gdn_fused_gpu.py
 has gdn && pytest_part gdn_bwd ${GDN_S:-130} tests/python/test_gdn_fused_bwd_gpu.py
 has ssd && pytest_part ssd_fwd ${SSD_S:-130} tests/python/test_ssd_fused_gpu.py
-has ssd && pytest_part ssd_bwd ${SSD_S:-130} tests/python/test_ssd_fused_bwd_gpu.py
+has ssd && pytest_part ssd_bwd ${SSD_BWD_S:-200} tests/python/test_ssd_fused_bwd_gpu.py
 has ssd && pytest_part ssd_post ${SSD_POST_S:-150} tests/python/test_ssd_post_bwd_gpu.py
 if has bench; then
   for b in ${BENCH_FAMILIES:-gdn ssd}; do
