@@ -314,7 +314,7 @@ def test_y_recomputed_not_stored_and_fallback(monkeypatch):
     """Issue 20 (memory mode, TREE_RECURRENCE_SSD_RECOMPUTE_Y=1): with z on the bf16 post kernel's route the forward
     stores no pre-gate y (fused::forms_y_itself; 0.75 GiB at GRPO): the post kernel recomputes it. Checked: (1) the memory a forward leaves for its backward is one
     y smaller than under TREE_RECURRENCE_SSD_BWD_V1=1 (a route that reads y: the forward stores it); (2) the gradients
-    of the default route vs float64; (3) a forward that stored no y followed by a backward on a route that reads it
+    of the recompute route vs float64; (3) a forward that stored no y followed by a backward on a route that reads it
     (V1 set in between): y comes from the forward kernels, every gradient vs float64 and close to (1)'s."""
     from test_ssd_chunked import as_oracle, make_inputs, run_chunked, run_oracle
 
@@ -344,12 +344,12 @@ def test_y_recomputed_not_stored_and_fallback(monkeypatch):
     y_bytes = ins["x"].numel() * ins["x"].element_size()
     stored = kept_v1 - kept
     print(f"\n[y recompute] a forward keeps {kept} B (V1 route: {kept_v1} B); y is {y_bytes} B")
-    assert stored >= y_bytes and stored < y_bytes + 1024, f"the default forward kept {stored} B less than V1's, not one y"
+    assert stored >= y_bytes and stored < y_bytes + 1024, f"the memory mode's forward kept {stored} B less than V1's, not one y"
 
     def grads(y):
         return torch.autograd.grad((y * w.to(y.device, y.dtype)).sum(), [ins[n] for n in names])
 
-    got = grads(y)  # default route: the post kernel recomputes y
+    got = grads(y)  # the memory mode's route: the post kernel recomputes y
     y2, _ = forward(False)
     monkeypatch.setenv("TREE_RECURRENCE_SSD_BWD_V1", "1")  # the backward now takes post_tc, which reads y
     got_fb = grads(y2)

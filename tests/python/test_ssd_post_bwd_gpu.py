@@ -3,7 +3,7 @@ on the GPU, through the test-only op ``ssd_fused_backward_stages``.
 
 For each case the op runs three or four times: the default (the new post kernel with dy computed on the fly from
 dout / z / y, dz written in z's dtype, dD from its per-chunk partials), with z "recompute_y" (no saved y: the
-kernel recomputes y itself, the autograd route since issue 20's memory work; every output but dz the default's bits,
+kernel recomputes y itself, the autograd route of the memory mode TREE_RECURRENCE_SSD_RECOMPUTE_Y=1; every output but dz the default's bits,
 dz within STAGE_TOL of it and vs float64), TREE_RECURRENCE_SSD_POST_DY=buffer (the
 new kernel reading the gate's fp32 dy) and TREE_RECURRENCE_SSD_BWD_V1=1 (today's post_tc, split-bf16, ~fp32
 products). Printed per case (so one run tells which output of which kernel is wrong):

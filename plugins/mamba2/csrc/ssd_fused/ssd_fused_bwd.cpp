@@ -102,6 +102,13 @@ int fused_pass_mode() {
 // elementwise pass's 8 x H CTAs: there the two-kernel path keeps its parallelism (H200, 2026-12-02 evening: the flat
 // row took 20.59 ms f+b with the fused pass forced against 20.36 with the two kernels; the trie 17.33 against 18.81).
 
+// TREE_RECURRENCE_SSD_POST_DY=buffer (read per call): the bf16 post kernel reads the gate's fp32 dy instead of forming
+// dy from dout / z (switch-over check; dz / dD then come from the gate / ATen)
+bool post_dy_buffer_selected() {
+  const char* v = std::getenv("TREE_RECURRENCE_SSD_POST_DY");
+  return v != nullptr && std::strcmp(v, "buffer") == 0;
+}
+
 void check_launch(int err, const char* what) {
   TR_CHECK(err == 0, "fused SSD backward: the ", what, " kernel failed to launch: ", k::ssd_bwd_error_string(err));
 }
@@ -274,9 +281,8 @@ Stages run(const at::Tensor& grad_out, const Args& a, const Tables& t, const Sav
   // dz in z's dtype into dz_out and the (NC, H, P) fp32 partials of dD = sum_t dy x into dD_part.
   // TREE_RECURRENCE_SSD_POST_DY=buffer: the new post kernel reads the gate's fp32 dy instead (switch-over
   // check; dz / dD then come from the gate / ATen as before).
-  const char* pdy = std::getenv("TREE_RECURRENCE_SSD_POST_DY");
-  const bool post_dy_buffer = pdy != nullptr && std::strcmp(pdy, "buffer") == 0;
-  // the post kernel's support is decided once, before dz_out / dD_part are allocated: with post_dy_from_dout
+  const bool post_dy_buffer = post_dy_buffer_selected();
+  // the post kernel's support is decided before dz_out / dD_part are allocated: with post_dy_from_dout
   // set and dz_out / dy still null, ssd_bwd_post_bf16_supported checks the shapes, dtypes and the inputs'
   // alignment; the buffers allocated below are fresh (aligned), and in the dy-buffer mode the gate's dy is
   // allocated whenever post_new is false (need_gate), so the decision holds for both modes
@@ -524,14 +530,14 @@ bool forms_y_itself(const Args& a, const Tables& t) {
   // f+b against 15.83) for 0.72 GiB less peak (5.65 GiB against 6.35): the default keeps the stored y (speed).
   const char* rec = std::getenv("TREE_RECURRENCE_SSD_RECOMPUTE_Y");
   if (rec == nullptr || std::strcmp(rec, "1") != 0) return false;
-  if (!a.z || !tc_enabled() || v1_selected()) return false;
-  const char* pdy = std::getenv("TREE_RECURRENCE_SSD_POST_DY");
-  if (pdy != nullptr && std::strcmp(pdy, "buffer") == 0) return false;
+  if (!a.z || !tc_enabled() || v1_selected() || post_dy_buffer_selected()) return false;
   if (a.x.dim() != 3 || a.B.dim() != 3 || t.gather.dim() != 2 || !a.x.is_cuda()) return false;
   const at::ScalarType in = a.x.scalar_type();
-  if (a.B.scalar_type() != in || a.C.scalar_type() != in || a.z->scalar_type() != in) return false;
+  if ((in != at::kBFloat16 && in != at::kHalf) || a.B.scalar_type() != in || a.C.scalar_type() != in ||
+      a.z->scalar_type() != in)
+    return false;
   // the post kernel's support as the backward will ask it (grad_out, states, ds, the outputs: fresh, of x's type)
-  const k::BwdType ty = in == at::kBFloat16 ? k::BwdType::BFloat16 : in == at::kHalf ? k::BwdType::Float16 : k::BwdType::Float32;
+  const k::BwdType ty = bwd_type(a.x, "x");
   k::BwdParams p;
   p.tokens = a.x.size(0); p.heads = a.x.size(1); p.head_dim = a.x.size(2);
   p.groups = a.B.size(1); p.state_dim = a.B.size(2);

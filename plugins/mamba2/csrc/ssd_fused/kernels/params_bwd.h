@@ -113,11 +113,11 @@ struct BwdParams {
   // Issue 20, memory (the bf16 post kernel only):
   //   recompute_y: with z, y is not read (may be null): the post kernel recomputes it from C, s, cb, x, dt, Lam
   //     and D (needs post_dy_from_dout and version 3), so the forward need not store it (0.75 GiB at GRPO);
-  //   dB_out / dC_out (T, G, N) in B's 16-bit type, or null: the post kernel writes dB / dC there, rounded once
-  //     from fp32 (the fp32 dB / dC above unused), instead of an fp32 buffer and a cast.
-  //     y_scratch: (NC * G, L, P) in x's type, the per-CTA scratch the recomputed y passes through (L2-resident:
+  //   y_scratch: (NC * G, L, P) in x's type, the per-CTA scratch the recomputed y passes through (L2-resident:
   //     each CTA reuses its L x P for every head); required with recompute_y (the check accepts it null: a caller
   //     allocates it after deciding);
+  //   dB_out / dC_out (T, G, N) in B's 16-bit type, or null: the post kernel writes dB / dC there, rounded once
+  //     from fp32 (the fp32 dB / dC above unused), instead of an fp32 buffer and a cast.
   bool recompute_y = false;
   void* y_scratch = nullptr;
   void* dB_out = nullptr;

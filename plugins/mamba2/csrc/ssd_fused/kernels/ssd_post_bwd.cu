@@ -310,6 +310,11 @@ __device__ __forceinline__ void store_row_v3(const RowIn& r, int i, int lrow0, i
   *reinterpret_cast<uint4*>(sc + i * PT + lcc * 8) = make_uint4(scw[0], scw[1], scw[2], scw[3]);
   *reinterpret_cast<uint4*>(xs + i * PT + lcc * 8) = r.x;
 }
+// this CTA's y scratch (kRecY: L x P in T; formed where used, not held in registers over the head loop)
+template <typename T>
+__device__ __forceinline__ T* y_scratch_of(const BwdParams& p, int P) {
+  return static_cast<T*>(p.y_scratch) + static_cast<int64_t>(blockIdx.x) * kL * P;
+}
 // dz = dout y silu'(z) in z's type for the head's rows (version 1's dz pass, its expressions), 8-byte pieces e =
 // first, first + step, .. of the L x (Pp / 4) pieces (8 bytes: fewer live registers next to the dC / dB
 // accumulators): version 3 runs it on warps 1..7 during the row tail. kYScratch: y from the CTA's scratch (y_scratch_of:
@@ -320,7 +325,7 @@ __device__ __forceinline__ void dz_rows_v3(const BwdParams& p, const int* tok, i
                                            int step) {
   const T* gdo = static_cast<const T*>(p.dout);
   const T* gz = static_cast<const T*>(p.z);
-  const T* gy = static_cast<const T*>(kYScratch ? p.y_scratch : p.y);
+  const T* gy = static_cast<const T*>(p.y);
   T* gdz = static_cast<T*>(p.dz_out);
   const int cpr4 = Pp / 4;
 #pragma unroll 1
@@ -330,7 +335,7 @@ __device__ __forceinline__ void dz_rows_v3(const BwdParams& p, const int* tok, i
     if (t < 0 || cc * 4 >= P) continue;
     const int64_t off = (static_cast<int64_t>(t) * H + h) * P + cc * 4;
     const uint2 dr = __ldg(reinterpret_cast<const uint2*>(gdo + off)), zr = __ldg(reinterpret_cast<const uint2*>(gz + off)),
-                yr = kYScratch ? __ldcg(reinterpret_cast<const uint2*>(gy + (static_cast<int64_t>(blockIdx.x) * kL + i) * P + cc * 4))
+                yr = kYScratch ? __ldcg(reinterpret_cast<const uint2*>(y_scratch_of<T>(p, P) + i * P + cc * 4))
                                : __ldg(reinterpret_cast<const uint2*>(gy + off));
     const uint32_t dw4[2] = {dr.x, dr.y}, zw4[2] = {zr.x, zr.y}, yw4[2] = {yr.x, yr.y};
     uint32_t dzw[2];
@@ -498,18 +503,13 @@ __device__ __forceinline__ void dA_sum_v3(const BwdParams& p, const float* red, 
   p.dA_part[ch] = s;
 }
 
-// this CTA's y scratch (kRecY: L x P in T; formed where used, not held in registers over the head loop)
-template <typename T>
-__device__ __forceinline__ T* y_scratch_of(const BwdParams& p, int P) {
-  return static_cast<T*>(p.y_scratch) + static_cast<int64_t>(blockIdx.x) * kL * P;
-}
 // kRecY's step for the 16 x 16 block (rows r0.., columns p0..) whose C s^T is cs: y = e^Lam . cs + (M . dt) x + D x
 // in fp32, rounded to T into the CTA's y scratch (ysc: L x P, row i at i * P; pad rows skipped), which dz_rows_v3
-// reads in the row tail (after the head's block barriers: plain loads, not the read-only path). (M . dt)[i][j] =
+// reads in the row tail (after the head's block barriers, by ld.global.cg, not the read-only path). (M . dt)[i][j] =
 // cb[i][j] exp(Lam_i - Lam_j) dt_j (j <= i) is formed per lower 16 x 16 block from cb's fp32 fragments (fragment
 // order, the accumulator layout) and rounded to T as the A operand (c_to_a); x is the B operand (ldmatrix).
 template <typename T>
-__device__ __forceinline__ void recompute_y_block(const BwdParams& p, const mm::FragC (&cs)[2], const float* cbf,
+__device__ __forceinline__ void recompute_y_block(const BwdParams& p, const mm::FragC (&cs)[2], float* cbf,
                                                   const float* lam, const float* dts, const float* el, const T* xs,
                                                   const int* tok, int r0, int p0, int PT, int lane, int h, int P,
                                                   T* ysc) {
@@ -522,7 +522,7 @@ __device__ __forceinline__ void recompute_y_block(const BwdParams& p, const mm::
     mm::FragC m2[2];
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
-      const float4 cv = *frag4(const_cast<float*>(cbf), blk, nt, lane);
+      const float4 cv = *frag4(cbf, blk, nt, lane);
       const float cvs[4] = {cv.x, cv.y, cv.z, cv.w};
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
