@@ -22,6 +22,7 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/graph_task.h>
 
 #include <array>
 #include <cstdlib>
@@ -150,7 +151,11 @@ struct ScanFn : public torch::autograd::Function<ScanFn> {
       interim = false;
     }
     if (!interim) {
-      const Saved saved{sv[9], sv[10], sv[11], sv[12]};
+      // Without retain_graph no later backward reads the saved y (the engine frees this node's buffers after this
+      // call): the backward may write dz over it. Saved-tensor hooks that unpack to a fresh tensor (save_on_cpu,
+      // checkpointing) hand over a copy, which is as much ours.
+      const bool keep_graph = torch::autograd::get_current_graph_task_keep_graph();
+      const Saved saved{sv[9], sv[10], sv[11], sv[12], /*y_consumable=*/!keep_graph};
       const Grads gr = fused::backward(g.to(a.x.scalar_type()), a, t, saved);
       out[0] = gr.dx, out[1] = gr.ddt, out[2] = gr.dB, out[3] = gr.dC, out[4] = gr.dA;
       out[5] = gr.dD, out[6] = gr.ddt_bias, out[7] = gr.dz, out[8] = gr.d_initial_state;

@@ -47,6 +47,11 @@ struct Args {
 
 struct Saved {
   at::Tensor dt, Lam, states, y;  // y undefined without z
+  // y is this backward's to overwrite: no later backward reads it (the graph is not kept: autograd frees the saved
+  // buffers after this backward anyway). The bf16 post kernel then writes dz over y in place (one (T, H, P) buffer
+  // less at the backward's peak: 0.75 GiB at GRPO). Each element of y is read once, by the thread that then writes
+  // that element's dz.
+  bool y_consumable = false;
 };
 
 // Whether the fused kernels take this call: CUDA, x/B/C bf16 or fp16 alike, L in {64, 128, 256},
@@ -79,7 +84,7 @@ inline bool fused_passes_suit(int64_t num_chunks, int64_t num_segments) {
 
 // Backward kernels (ssd_fused_bwd.cpp) from the saved buffers and grad_out (T, H, P). With z and no saved y
 // (Saved::y undefined) the backward recomputes y: the bf16 post kernel forms it itself; any other route runs the
-// forward kernels for it.
+// forward kernels for it. With Saved::y_consumable the returned dz may be y's storage (written in place).
 Grads backward(const at::Tensor& grad_out, const Args& a, const Tables& t, const Saved& saved);
 
 // (ssd_fused_bwd.cpp) Whether the backward's post kernel will form the pre-gate y itself for these inputs: only in the

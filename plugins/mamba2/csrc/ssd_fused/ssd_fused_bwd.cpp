@@ -352,7 +352,13 @@ Stages run(const at::Tensor& grad_out, const Args& a, const Tables& t, const Sav
       p.dC = dC.data_ptr<float>();
     }
     if (post_new && a.z) {
-      dz_out = at::empty({T, H, P}, z.options());
+      // dz over y (in place) when y is this backward's own: the post kernel reads each y element once, in the thread
+      // that then writes its dz (L2 loads, not the read-only path), and nothing reads y after it. The saved y only
+      // without retain_graph (Saved::y_consumable); a y this backward recomputed, always. One (T, H, P) buffer less
+      // at the peak (0.75 GiB at GRPO: the post kernel's outputs are allocated next to states and ds).
+      const bool own_y = y.defined() && !p.recompute_y && (saved.y_consumable || !y.is_same(saved.y));
+      dz_out = own_y && !keep_stages && y.scalar_type() == z.scalar_type() && y.is_contiguous() ? y
+                                                                                                 : at::empty({T, H, P}, z.options());
       p.dz_out = dz_out.data_ptr();
     }
     if (post_ok && p.recompute_y) {  // the post kernel's per-CTA y scratch (NC G x L x P: 50 MB at GRPO)

@@ -214,6 +214,12 @@ __device__ __forceinline__ void store_c(const FragC (&acc)[MT][NT], Out* out, in
 __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, int src_bytes = 16) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem)), "l"(gmem), "r"(src_bytes));
 }
+// 4- or 8-byte copies (through L1: cp.async.ca, the sizes .cg does not take), for per-thread prefetch rings
+template <int Bytes>
+__device__ __forceinline__ void cp_async_ca(void* smem, const void* gmem) {
+  static_assert(Bytes == 4 || Bytes == 8 || Bytes == 16, "cp.async copies 4, 8 or 16 bytes");
+  asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(smem_addr(smem)), "l"(gmem), "n"(Bytes));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {

@@ -96,7 +96,7 @@ struct BwdParams {
   // (when z and dz_out are set); false reads the precomputed fp32 p.dy. dD_part (NC, H, P) fp32 or
   // null: per (chunk, head, p) the partial sum over the chunk's tokens of dy x (ATen sums chunks).
   bool post_dy_from_dout = false;
-  void* dz_out = nullptr;
+  void* dz_out = nullptr;  // may be y itself (dz written in place over y: each element read, then written, by one thread)
   float* dD_part = nullptr;
   // H1: set by a caller that has just evaluated ssd_bwd_post_bf16_supported(p) as true for these params (and
   // changed only what the support check allows since): ssd_bwd_post_bf16 then launches without checking again

@@ -8,6 +8,8 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <type_traits>
 
 #include "bwd_tiles.cuh"
@@ -189,6 +191,31 @@ __device__ __forceinline__ float warp_sum(float v) {  // xor butterfly: fixed or
 }
 constexpr int kWarpsPerBlock = kThreads / 32;
 
+// the gradient entering a segment's last chunk: its children's entering gradients (ws) summed in children order from
+// 0 (kKids loaded together), V elements from el of head h; zeros for a leaf or a thread past P N (on false)
+template <int V>
+__device__ __forceinline__ void children_carry(const BwdParams& p, bool on, int64_t q0, int64_t q1, int64_t H, int64_t h,
+                                               int64_t PN, int64_t el, float (&carry)[V]) {
+#pragma unroll
+  for (int i = 0; i < V; ++i) carry[i] = 0.f;
+  if (!on) return;
+  for (int64_t q = q0; q < q1; q += kKids) {
+    int64_t kid[kKids];
+#pragma unroll
+    for (int j = 0; j < kKids; ++j) kid[j] = q + j < q1 ? p.children[q + j] : 0;
+    float w[kKids][V];
+#pragma unroll
+    for (int j = 0; j < kKids; ++j)
+      if (q + j < q1) ld_vec<V>(p.ws + (kid[j] * H + h) * PN + el, w[j]);
+#pragma unroll
+    for (int j = 0; j < kKids; ++j)
+      if (q + j < q1) {
+#pragma unroll
+        for (int i = 0; i < V; ++i) carry[i] += w[j][i];
+      }
+  }
+}
+
 // Folded ddecay (p.ddecay_part set): per chunk, each warp's partial of <s[c], ds_leave[c]> over its
 // 32 V elements (fma in element order, then the xor butterfly) is written to
 // ddecay_part[(c H + h) parts + blockIdx.y warps + warp]; ssd_bwd_ddecay_finish sums them in order.
@@ -211,24 +238,7 @@ __global__ void __launch_bounds__(kThreads) state_pass_kernel(BwdParams p, int64
   const int64_t r = p.root_index[s];
 
   float carry[V];
-#pragma unroll
-  for (int i = 0; i < V; ++i) carry[i] = 0.f;
-  if (on)
-    for (int64_t q = q0; q < q1; q += kKids) {
-      int64_t kid[kKids];
-#pragma unroll
-      for (int j = 0; j < kKids; ++j) kid[j] = q + j < q1 ? p.children[q + j] : 0;
-      float w[kKids][V];
-#pragma unroll
-      for (int j = 0; j < kKids; ++j)
-        if (q + j < q1) ld_vec<V>(p.ws + (kid[j] * H + h) * PN + el, w[j]);
-#pragma unroll
-      for (int j = 0; j < kKids; ++j)
-        if (q + j < q1) {
-#pragma unroll
-          for (int i = 0; i < V; ++i) carry[i] += w[j][i];
-        }
-    }
+  children_carry<V>(p, on, q0, q1, H, h, PN, el, carry);
 
   const int64_t cstride = H * PN, lstride = H * L;
   DsT* ds = ds_base<DsT>(p) + h * PN + el;     // + c * cstride: element el of (c, h)
@@ -269,6 +279,93 @@ __global__ void __launch_bounds__(kThreads) state_pass_kernel(BwdParams p, int64
   if (!on) return;
   st_vec<V>(p.ws + (s * H + h) * PN + el, carry);
   if (r >= 0 && p.droots != nullptr) st_vec<V>(p.droots + (r * H + h) * PN + el, carry);
+}
+
+// The 16-bit state pass with the folded ddecay (the bf16 / fp16 backward's two-kernel route: long segments, e.g. one
+// flat row) with its loads deepened: each thread streams its 4 elements of ds_local and of s (8 bytes each) and its
+// warp's Lam_last (lane 0, 4 bytes) through a ring of kRing chunks in shared memory by cp.async, every slot read only
+// by the thread that filled it (no block barrier), so kRing - 1 chunks of loads stay in flight through each chunk's
+// arithmetic and stores (state_pass_kernel keeps kAhead = 4 in registers and waits for them all each 4 chunks: 2.06
+// ms for 4.8 GB at GRPO's flat row on the H200, 2.3 TB/s). The element mapping, the fmaf chain, the rounding and
+// the per-warp ddecay partials are state_pass_kernel<4, DsT>'s: bitwise equal.
+// A slot is refilled only after the chunk read from it was consumed by the arithmetic (the reads completed: the
+// refill follows in program order, after the values' uses).
+constexpr int kRing = 8;
+template <typename DsT>
+__global__ void __launch_bounds__(kThreads, 6) state_pass_ring_kernel(BwdParams p, int64_t begin) {
+  namespace mm = tree_recurrence::kernels::mma;
+  __shared__ __align__(16) uint2 ring_ds[kRing][kThreads];
+  __shared__ __align__(16) uint2 ring_s[kRing][kThreads];
+  __shared__ float ring_lam[kRing][kWarpsPerBlock];
+  const int64_t H = p.heads, PN = p.head_dim * p.state_dim, L = p.chunk;
+  const unsigned bx = blockIdx.x, hu = static_cast<unsigned>(H);
+  const int64_t k = bx / hu, h = bx % hu;
+  const int tid = static_cast<int>(threadIdx.x), lane = tid & 31, warp = tid >> 5;
+  const int64_t el = (static_cast<int64_t>(blockIdx.y) * kThreads + tid) * 4;
+  const bool on = el < PN;  // (every lane stays for the shuffles)
+  const int64_t s = p.level_segments[begin + k];
+  const int64_t c0 = p.seg_chunk_offsets[s], c1 = p.seg_chunk_offsets[s + 1], n = c1 - c0;
+  const int64_t r = p.root_index[s];
+
+  float carry[4];
+  children_carry<4>(p, on, p.child_offsets[s], p.child_offsets[s + 1], H, h, PN, el, carry);
+
+  const int64_t cstride = H * PN, lstride = H * L;
+  DsT* ds = static_cast<DsT*>(p.ds16) + h * PN + el;                          // + c * cstride
+  const DsT* st = static_cast<const DsT*>(p.states) + h * PN + el;            // + c * cstride
+  const float* lam = p.Lam + h * L + (L - 1);                                  // + c * lstride
+  const int64_t slot = static_cast<int64_t>(blockIdx.y) * kWarpsPerBlock + warp;
+  // chunk j from the segment's end (c = c1 - 1 - j) into stage j % kRing; one commit group per chunk (empty past n)
+  const auto issue = [&](int64_t j) {
+    if (j < n) {
+      const int64_t c = c1 - 1 - j;
+      const int stg = static_cast<int>(j % kRing);
+      if (on) {
+        mm::cp_async_ca<8>(&ring_ds[stg][tid], ds + c * cstride);
+        mm::cp_async_ca<8>(&ring_s[stg][tid], st + c * cstride);
+      }
+      if (lane == 0) mm::cp_async_ca<4>(&ring_lam[stg][warp], lam + c * lstride);
+    }
+    mm::cp_async_commit();
+  };
+#pragma unroll
+  for (int j = 0; j < kRing; ++j) issue(j);
+  for (int64_t j = 0; j < n; ++j) {
+    mm::cp_async_wait<kRing - 1>();  // groups 0..j complete: chunk j landed
+    const int64_t c = c1 - 1 - j;
+    const int stg = static_cast<int>(j % kRing);
+    float loc[4] = {0.f, 0.f, 0.f, 0.f}, sv[4] = {0.f, 0.f, 0.f, 0.f};
+    if (on) {
+      const uint2 wd = ring_ds[stg][tid], ws2 = ring_s[stg][tid];
+      const DsT* ed = reinterpret_cast<const DsT*>(&wd);
+      const DsT* es = reinterpret_cast<const DsT*>(&ws2);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        loc[i] = mm::Elem<DsT>::to_float(ed[i]);
+        sv[i] = mm::Elem<DsT>::to_float(es[i]);
+      }
+    }
+    const float dec = __shfl_sync(0xffffffffu, lane == 0 ? ring_lam[stg][warp] : 0.f, 0);
+    float part = 0.f;
+    if (on) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) part = fmaf(sv[i], carry[i], part);
+    }
+    part = warp_sum(part);
+    if (lane == 0) p.ddecay_part[(c * H + h) * p.ddecay_parts + slot] = part;
+    if (on) {
+      st_ds<4, DsT>(ds + c * cstride, carry);
+      const float d = expf(dec);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) carry[i] = fmaf(d, carry[i], loc[i]);
+    }
+    asm volatile("" ::: "memory");  // (the slot's shared loads stay before the refill: cp.async has no memory clobber)
+    issue(j + kRing);  // into the stage just consumed
+  }
+  mm::cp_async_wait<0>();
+  if (!on) return;
+  st_vec<4>(p.ws + (s * H + h) * PN + el, carry);
+  if (r >= 0 && p.droots != nullptr) st_vec<4>(p.droots + (r * H + h) * PN + el, carry);
 }
 
 // ---- folded ddecay: warp per (c, h), its partials summed lane-strided then by the butterfly -------
@@ -488,6 +585,12 @@ int ssd_bwd_local(const BwdParams& p, void* stream) {
   local_kernel<<<blocks_for(n, kThreads), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(p);
   return launched();
 }
+// TREE_RECURRENCE_SSD_BWD_STATE_RING=0 (read per launch): the 16-bit state pass without the cp.async ring
+// (state_pass_kernel<4>, bitwise equal), for comparisons
+bool state_pass_ring_selected() {
+  const char* v = std::getenv("TREE_RECURRENCE_SSD_BWD_STATE_RING");
+  return v == nullptr || std::strcmp(v, "0") != 0;
+}
 // V = 4 (16-byte) variant when PN % 4 == 0 and the buffers (states included: the folded ddecay reads
 // them) are 16-byte aligned, else V = 1
 static bool state_pass_vec(const BwdParams& p) {
@@ -510,6 +613,16 @@ int ssd_bwd_state_pass(const BwdParams& p, int64_t begin, int64_t count, void* s
   const dim3 grid(static_cast<unsigned>(xs), static_cast<unsigned>(ys));
   const auto st = static_cast<cudaStream_t>(stream);
   if (p.ds16 != nullptr) {  // H5: ds in the input type (the bf16 path)
+    // the ring kernel: 16-byte-aligned buffers, the folded ddecay, states in ds's type (bitwise state_pass_kernel<4>)
+    const bool ring = vec && p.ddecay_part != nullptr && p.states_type == p.ds16_type && state_pass_ring_selected();
+    if (ring && p.ds16_type == BwdType::BFloat16) {
+      state_pass_ring_kernel<__nv_bfloat16><<<grid, kThreads, 0, st>>>(p, begin);
+      return launched();
+    }
+    if (ring && p.ds16_type == BwdType::Float16) {
+      state_pass_ring_kernel<__half><<<grid, kThreads, 0, st>>>(p, begin);
+      return launched();
+    }
     if (p.ds16_type == BwdType::BFloat16) {
       if (vec)
         state_pass_kernel<4, __nv_bfloat16><<<grid, kThreads, 0, st>>>(p, begin);

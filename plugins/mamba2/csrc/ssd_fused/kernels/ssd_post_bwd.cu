@@ -336,7 +336,7 @@ __device__ __forceinline__ void dz_rows_v3(const BwdParams& p, const int* tok, i
     const int64_t off = (static_cast<int64_t>(t) * H + h) * P + cc * 4;
     const uint2 dr = __ldg(reinterpret_cast<const uint2*>(gdo + off)), zr = __ldg(reinterpret_cast<const uint2*>(gz + off)),
                 yr = kYScratch ? __ldcg(reinterpret_cast<const uint2*>(y_scratch_of<T>(p, P) + i * P + cc * 4))
-                               : __ldg(reinterpret_cast<const uint2*>(gy + off));
+                               : __ldcg(reinterpret_cast<const uint2*>(gy + off));  // (dz_out may be y: not the read-only path)
     const uint32_t dw4[2] = {dr.x, dr.y}, zw4[2] = {zr.x, zr.y}, yw4[2] = {yr.x, yr.y};
     uint32_t dzw[2];
 #pragma unroll
@@ -747,7 +747,8 @@ __global__ void __launch_bounds__(kThreads, 2) post_bf16_kernel(BwdParams p) {
             const int t = tok[i];
             if (t < 0 || lcc * 8 >= P) continue;
             const int64_t off = (static_cast<int64_t>(t) * H + h) * P + lcc * 8;
-            const uint4 dr = ld16(gdo + off), zr = ld16(gz + off), yr = ld16(gy + off);
+            // (dz_out may be y itself, written in place: y by an L2 load, not the read-only path)
+            const uint4 dr = ld16(gdo + off), zr = ld16(gz + off), yr = __ldcg(reinterpret_cast<const uint4*>(gy + off));
             const uint32_t dw4[4] = {dr.x, dr.y, dr.z, dr.w}, zw4[4] = {zr.x, zr.y, zr.z, zr.w},
                            yw4[4] = {yr.x, yr.y, yr.z, yr.w};
             uint32_t dzw[4];
