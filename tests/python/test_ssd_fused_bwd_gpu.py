@@ -416,7 +416,8 @@ def test_dz_written_over_the_saved_y(layout):
 def test_state_pass_ring_bitwise(monkeypatch, layout, dims):
     """Issue 20 (flat-row speed): the 16-bit reverse state pass of long segments through its cp.async ring
     (state_pass_ring_kernel) gives every gradient bitwise equal to state_pass_kernel<4> (TREE_RECURRENCE_SSD_BWD_STATE_RING=0,
-    read per launch), and within tolerance of float64 autograd of the token recurrence. Layouts where the segments
+    read per launch), local_bf16's 32 x 32 warp tiles bitwise its 32 x 64 ones (TREE_RECURRENCE_SSD_BWD_LOCAL_TILE=64),
+    and the defaults within tolerance of float64 autograd of the token recurrence. Layouts where the segments
     average more than 64 chunks (the two-kernel route): one flat row of 130 chunks; a root of 8,000 tokens with a child of
     4,300 (its carry through ws) and a 1-token child, per-root initial states. PN 256 leaves 192 threads of the block
     past P N (their lanes stay for the shuffles); PN 2048 fills two blocks."""
@@ -433,11 +434,15 @@ def test_state_pass_ring_bitwise(monkeypatch, layout, dims):
         return torch.autograd.grad((out * w.to("cuda", out.dtype)).sum(), [ins[n] for n in names])
 
     monkeypatch.setenv("TREE_RECURRENCE_SSD_BWD_STATE_RING", "0")
+    monkeypatch.setenv("TREE_RECURRENCE_SSD_BWD_LOCAL_TILE", "64")
     plain = grads()
     monkeypatch.delenv("TREE_RECURRENCE_SSD_BWD_STATE_RING")
-    ring = grads()
-    for n, a, b in zip(names, plain, ring):
+    ring_wide = grads()
+    monkeypatch.delenv("TREE_RECURRENCE_SSD_BWD_LOCAL_TILE")
+    ring = grads()  # the defaults: the ring pass, local_bf16's 32 x 32 warp tiles
+    for n, a, b, c in zip(names, plain, ring_wide, ring):
         assert torch.equal(a, b), f"{n}: the ring state pass differs from state_pass_kernel<4>"
+        assert torch.equal(b, c), f"{n}: local_bf16's 32 x 32 warp tiles differ from its 32 x 64 ones"
     oracle = as_oracle(ins)
     want = run_oracle(oracle, seg, par)
     wanted = torch.autograd.grad((want * w).sum(), [oracle[n] for n in names])

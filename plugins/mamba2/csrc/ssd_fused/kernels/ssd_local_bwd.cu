@@ -23,6 +23,8 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 
 #include "bwd_tiles.cuh"
 #include "params_bwd.h"
@@ -53,8 +55,13 @@ struct Plan {
   }
 };
 
-template <typename T, bool HAS_Z, bool OUT16>
-__global__ void __launch_bounds__(kThreads, 4) local_bf16_kernel(BwdParams p) {
+// TN: the warp tile's width in N (64: 32 x 64 tiles, 64 fp32 accumulators, 128 registers, 4 CTAs/SM; 32: 32 x 32 tiles,
+// twice as many per CTA, 32 accumulators, 7 CTAs/SM by the launch bound). Every output element is the same k-ordered
+// chain of MMAs either way: bitwise equal.
+template <typename T, bool HAS_Z, bool OUT16, int TN>
+__global__ void __launch_bounds__(kThreads, TN == 64 ? 4 : 7) local_bf16_kernel(BwdParams p) {
+  static_assert(TN == 32 || TN == 64, "warp tiles 32 x 32 or 32 x 64");
+  constexpr int NB = TN / 8;  // 8-column accumulator blocks per warp tile
   extern __shared__ __align__(16) unsigned char smem[];
   const int64_t H = p.heads, P = p.head_dim, N = p.state_dim, G = p.groups;
   const int64_t ch = blockIdx.x, c = ch / H, h = ch % H, g = h / (H / G);
@@ -122,17 +129,17 @@ __global__ void __launch_bounds__(kThreads, 4) local_bf16_kernel(BwdParams p) {
   mm::cp_async_wait<0>();
   __syncthreads();
 
-  const int mtiles = pl.Pp / 32, ntiles = pl.Np / 64;
+  const int mtiles = pl.Pp / 32, ntiles = pl.Np / TN;
   const int lane = tid & 31;
   for (int b = warp; b < mtiles * ntiles; b += kWarps) {
-    const int r0 = (b / ntiles) * 32, n0 = (b % ntiles) * 64;
-    mm::FragC acc[2][8];
+    const int r0 = (b / ntiles) * 32, n0 = (b % ntiles) * TN;
+    mm::FragC acc[2][NB];
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-      for (int nt = 0; nt < 8; ++nt) acc[mt][nt].zero();
+      for (int nt = 0; nt < NB; ++nt) acc[mt][nt].zero();
     // A(r = p, k = i) = dys[i][p] (stored transposed), B(k = i, n) = Cs[i][n]
-    mm::warp_gemm<T, 2, 8, kL / 16, false, true>(acc, dys + r0, pl.DP, Cs + n0, pl.CP);
+    mm::warp_gemm<T, 2, NB, kL / 16, false, true>(acc, dys + r0, pl.DP, Cs + n0, pl.CP);
     if constexpr (OUT16) {
       // rounded once (RN) to T. Column blocks nt, nt + 1 in pairs: a lane holds columns 2 tq, 2 tq + 1 of
       // both; one xor-1 shuffle gives an even lane 4 consecutive columns of block nt and its odd partner 4
@@ -142,7 +149,7 @@ __global__ void __launch_bounds__(kThreads, 4) local_bf16_kernel(BwdParams p) {
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-        for (int np = 0; np < 4; ++np) {
+        for (int np = 0; np < NB / 2; ++np) {
           const int na = n0 + np * 16, nb = na + 8;  // warp-uniform; N % 8 == 0: a block is all in or out
 #pragma unroll
           for (int hh = 0; hh < 2; ++hh) {
@@ -164,7 +171,7 @@ __global__ void __launch_bounds__(kThreads, 4) local_bf16_kernel(BwdParams p) {
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-        for (int nt = 0; nt < 8; ++nt) {
+        for (int nt = 0; nt < NB; ++nt) {
           const int n = n0 + nt * 8 + mm::c_col(lane, 0);
           if (n >= N) continue;  // N % 8 == 0: n + 1 < N as well
 #pragma unroll
@@ -182,9 +189,15 @@ __global__ void __launch_bounds__(kThreads, 4) local_bf16_kernel(BwdParams p) {
 bool aligned16(const void* q) { return reinterpret_cast<uintptr_t>(q) % 16 == 0; }
 using bwd_tiles::half_type;
 
+// TREE_RECURRENCE_SSD_BWD_LOCAL_TILE=64 (read per launch): the 32 x 64 warp tiles (4 CTAs/SM) instead of 32 x 32 (7
+// CTAs/SM; bitwise equal), for comparisons
+bool wide_tiles_selected() {
+  const char* v = std::getenv("TREE_RECURRENCE_SSD_BWD_LOCAL_TILE");
+  return v != nullptr && std::strcmp(v, "64") == 0;
+}
 template <typename T, bool HAS_Z, bool OUT16>
 int launch2(const BwdParams& p, cudaStream_t st, int bytes) {
-  auto* kern = local_bf16_kernel<T, HAS_Z, OUT16>;
+  auto* kern = wide_tiles_selected() ? local_bf16_kernel<T, HAS_Z, OUT16, 64> : local_bf16_kernel<T, HAS_Z, OUT16, 32>;
   cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   if (e != cudaSuccess) return static_cast<int>(e);
   kern<<<static_cast<unsigned>(p.num_chunks * p.heads), kThreads, bytes, st>>>(p);
