@@ -30,7 +30,7 @@ stamp "bench flat with $BEFORE_ENV"; bench ssd_bench_before.json flat $BEFORE_EN
 san() {  # tool seconds tests...
   local tool=$1 secs=$2; shift 2
   local filt=(); [ "$tool" = racecheck ] && filt=(--kernel-name kns=tree_recurrence)
-  PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "$secs" compute-sanitizer --tool "$tool" --error-exitcode 9 "${filt[@]}" \
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "$secs" compute-sanitizer --tool "$tool" --error-exitcode 9 ${filt[@]+"${filt[@]}"} \
     python3 -m pytest "$@" -q -p no:cacheprovider -rfE --tb=short >"$L/san_$tool.log" 2>&1
   echo "  $tool exit $? (0 clean, 9 sanitizer errors, 1 test failures, 124 timeout)"
   grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed" "$L/san_$tool.log" | sort | uniq -c | head -6
