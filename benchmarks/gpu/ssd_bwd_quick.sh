@@ -2,7 +2,7 @@
 # One short device run for the SSD backward (issue 20), its parts in priority order so that a run cut short
 # (a small device budget) keeps the most important results: build; the GPU tests of the newest backward changes
 # (NEW_K, a pytest -k expression); the tree / flat bench and the flat row with the previous kernels
-# (BEFORE_ENV, variables set for that run only); memcheck and racecheck on NEW_SAN tests; the whole SSD
+# (BEFORE_ENV, variables set for that run only) and with one of them (ONE_ENV); memcheck and racecheck on NEW_SAN tests; the whole SSD
 # backward and post test files; the chains / forest bench. Logs under /tmp/ssd-quick, packed into
 # $OUT/logs.tgz after every part; bench JSONs in $OUT.
 #   NEW_K="dz_written or ring" BEFORE_ENV="TREE_RECURRENCE_SSD_BWD_STATE_RING=0" bash benchmarks/gpu/ssd_bwd_quick.sh
@@ -26,7 +26,9 @@ stamp "new tests: -k '$NEW_K'"
 timeout 150 python3 -m pytest "$T" -k "$NEW_K" -q -s -p no:cacheprovider -rfE --tb=short >"$L/new.log" 2>&1
 echo "  pytest exit $?"; grep -E "passed|failed|FAILED|dz over y|state pass ring|Error" "$L/new.log" | cut -c1-240; pack
 stamp "bench tree, flat"; bench ssd_bench.json tree,flat
-stamp "bench flat with $BEFORE_ENV"; bench ssd_bench_before.json flat $BEFORE_ENV; pack
+stamp "bench flat with $BEFORE_ENV"; bench ssd_bench_before.json flat $BEFORE_ENV
+[ -n "${ONE_ENV:-TREE_RECURRENCE_SSD_BWD_LOCAL_TILE=64}" ] && { stamp "bench flat with ${ONE_ENV:-TREE_RECURRENCE_SSD_BWD_LOCAL_TILE=64}"
+  bench ssd_bench_one.json flat ${ONE_ENV:-TREE_RECURRENCE_SSD_BWD_LOCAL_TILE=64}; }; pack
 san() {  # tool seconds tests...
   local tool=$1 secs=$2; shift 2
   local filt=(); [ "$tool" = racecheck ] && filt=(--kernel-name kns=tree_recurrence)
