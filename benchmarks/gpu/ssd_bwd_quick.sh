@@ -27,8 +27,8 @@ timeout 150 python3 -m pytest "$T" -k "$NEW_K" -q -s -p no:cacheprovider -rfE --
 echo "  pytest exit $?"; grep -E "passed|failed|FAILED|dz over y|state pass ring|Error" "$L/new.log" | cut -c1-240; pack
 stamp "bench tree, flat"; bench ssd_bench.json tree,flat
 stamp "bench flat with $BEFORE_ENV"; bench ssd_bench_before.json flat $BEFORE_ENV
-[ -n "${ONE_ENV:-TREE_RECURRENCE_SSD_BWD_LOCAL_TILE=64}" ] && { stamp "bench flat with ${ONE_ENV:-TREE_RECURRENCE_SSD_BWD_LOCAL_TILE=64}"
-  bench ssd_bench_one.json flat ${ONE_ENV:-TREE_RECURRENCE_SSD_BWD_LOCAL_TILE=64}; }; pack
+[ -n "${ONE_ENV-TREE_RECURRENCE_SSD_BWD_LOCAL_TILE=64}" ] && { stamp "bench flat with ${ONE_ENV-TREE_RECURRENCE_SSD_BWD_LOCAL_TILE=64}"
+  bench ssd_bench_one.json flat ${ONE_ENV-TREE_RECURRENCE_SSD_BWD_LOCAL_TILE=64}; }; pack
 san() {  # tool seconds tests...
   local tool=$1 secs=$2; shift 2
   local filt=(); [ "$tool" = racecheck ] && filt=(--kernel-name kns=tree_recurrence)
