@@ -11,6 +11,7 @@
 #                  only: --kernel-name kns=tree_recurrence) on a few small cases of the four fused GPU
 #                  test files, one sanitizer run per family and tool (SAN_S seconds each, default 150)
 #   Order: fused tests, bench, large, profile, models, ncu, sanitize_py (later parts get the time left).
+#   "chunks" times the SSD flat row at chunk 128 and 256 (CHUNKS), beside the bench's chunk 64.
 #   "abi" runs benchmarks/gpu/diag_abi.sh (where a thrown number-formatting error crashes);
 #   BENCH_FAMILIES (default "gdn ssd") and BENCH_ARGS (extra arguments, e.g. "--peers off --cases tree,flat")
 #   pick the benchmarks' rows.
@@ -123,6 +124,15 @@ if has bench; then
     stamp "$b bench"
     timeout $(( l < ${BENCH_S:-150} ? l : ${BENCH_S:-150} )) python3 benchmarks/${b}_bench.py --budget-s ${BENCH_BUDGET_S:-400} --out "$OUT/${b}_bench.json" ${BENCH_ARGS:-} >"$LOGS/${b}_bench.txt" 2>&1
     echo "  bench exit $?"; cut -c1-200 "$LOGS/${b}_bench.txt" | tail -${BENCH_TAIL:-24}
+  done
+fi
+if has chunks; then  # issue 20 item 2: the flat row at the other chunk sizes (the speed behind the fixed chunk 64)
+  for c in ${CHUNKS:-128 256}; do
+    l=$(left); [ "$l" -lt 40 ] && { stamp "ssd chunk $c skipped"; continue; }
+    stamp "ssd bench, flat row, chunk $c"
+    timeout $(( l < 120 ? l : 120 )) python3 benchmarks/ssd_bench.py --peers off --cases flat --chunk "$c" \
+      --out "$OUT/ssd_bench_chunk$c.json" >"$LOGS/ssd_bench_chunk$c.txt" 2>&1
+    echo "  bench exit $?"; cut -c1-200 "$LOGS/ssd_bench_chunk$c.txt" | tail -6
   done
 fi
 if has large; then
