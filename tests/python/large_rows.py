@@ -31,20 +31,20 @@ def spec(a, b1, b2):
     return [(-1, a), (0, b1), (1, b2), (0, 100), (-1, 130), (4, 70), (5, 200), (0, 200)]
 
 
-def _large_ok():
+def _large_ok(min_free_gib):
     if os.environ.get("TREE_RECURRENCE_LARGE_TESTS") != "1":
         return False, "set TREE_RECURRENCE_LARGE_TESTS=1 to run the 2^31-element rows"
     if not torch.cuda.is_available():
         return False, "needs CUDA"
     free, _ = torch.cuda.mem_get_info()
-    if free < 80 * 2**30:
-        return False, f"needs >= 80 GB free GPU memory, {free / 2**30:.1f} GiB free"
+    if free < min_free_gib * 2**30:
+        return False, f"needs >= {min_free_gib} GiB free GPU memory, {free / 2**30:.1f} GiB free"
     return True, ""
 
 
-def large_mark(module_name):
-    """The module's pytestmark: runs only with TREE_RECURRENCE_LARGE_TESTS=1 on a GPU with >= 80 GB free."""
-    ok, why = _large_ok()
+def large_mark(module_name, min_free_gib=80):
+    """The module's pytestmark: runs only with TREE_RECURRENCE_LARGE_TESTS=1 on a GPU with >= min_free_gib GiB free."""
+    ok, why = _large_ok(min_free_gib)
     if not ok and os.environ.get("TREE_RECURRENCE_LARGE_TESTS") == "1":
         print(f"\n{module_name}: skipped: {why}")  # (the device log shows why)
     return pytest.mark.skipif(not ok, reason=why)

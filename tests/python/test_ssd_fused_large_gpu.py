@@ -23,7 +23,9 @@ rel RMS, test_ssd_fused_gpu's TOL). Backward smoke: the big row's gradients are 
 P-chain's per-token gradients and d h0[1] equal R1's under the same output gradient (dA, dD,
 d dt_bias sum over every token: finite only).
 
-Runs only with TREE_RECURRENCE_LARGE_TESTS=1 on a GPU with >= 80 GB free (the device run sets it):
+Runs only with TREE_RECURRENCE_LARGE_TESTS=1 on a GPU with >= 75 GiB free (the device run sets it; 75 so that
+an H100's 79 GiB take it; the GDN row asks 80, its peak was 89.9 GiB. Forward peak 24.6 GiB (2026-12-03); the
+backward test prints its peak, and skips with it when the card runs out of memory):
   TREE_RECURRENCE_LARGE_TESTS=1 python3 -m pytest tests/python/test_ssd_fused_large_gpu.py -q -s
 """
 
@@ -45,7 +47,7 @@ DEVICE, DTYPE = "cuda", torch.bfloat16  # (a CPU dry run of the logic swaps thes
 TOKEN = ("x", "dt", "B", "C", "z")
 PARAMS = ("A", "D", "dt_bias")
 
-pytestmark = large_mark(__name__)
+pytestmark = large_mark(__name__, min_free_gib=75)
 
 
 def make_inputs(T, roots, seed=0, device=None, dtype=None):
