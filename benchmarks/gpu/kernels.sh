@@ -10,7 +10,7 @@
 #                  allocation, so an access past a tensor's end is caught) and racecheck (our kernels
 #                  only: --kernel-name kns=tree_recurrence) on a few small cases of the four fused GPU
 #                  test files, one sanitizer run per family and tool (SAN_S seconds each, default 150)
-#   Order: fused tests, bench, large, profile, models, ncu, sanitize_py (later parts get the time left).
+#   Order: fused tests, bench, chunks, large, profile, models, ncu, sanitize_py (later parts get the time left).
 #   "chunks" times the SSD flat row at chunk 128 and 256 (CHUNKS), beside the bench's chunk 64.
 #   "abi" runs benchmarks/gpu/diag_abi.sh (where a thrown number-formatting error crashes);
 #   BENCH_FAMILIES (default "gdn ssd") and BENCH_ARGS (extra arguments, e.g. "--peers off --cases tree,flat")
