@@ -5,13 +5,13 @@
 #   PARTS="mma state gdn ssd models bench sanitize" (default all) picks the parts; opt-in parts
 #   (not in the default, each wants most of a run of its own):
 #     large        the 2^31-element rows (test_{gdn,ssd}_fused_large_gpu.py; TREE_RECURRENCE_LARGE_TESTS=1,
-#                  >= 80 GB free), e.g. PARTS="large"
+#                  GDN >= 80 GiB free, SSD >= 75), e.g. PARTS="large"
+#     chunks       the SSD flat row at chunk 128 and 256 (CHUNKS), beside the bench's chunk 64
 #     sanitize_py  compute-sanitizer memcheck (PYTORCH_NO_CUDA_MEMORY_CACHING=1: every tensor its own
 #                  allocation, so an access past a tensor's end is caught) and racecheck (our kernels
 #                  only: --kernel-name kns=tree_recurrence) on a few small cases of the four fused GPU
 #                  test files, one sanitizer run per family and tool (SAN_S seconds each, default 150)
 #   Order: fused tests, bench, chunks, large, profile, models, ncu, sanitize_py (later parts get the time left).
-#   "chunks" times the SSD flat row at chunk 128 and 256 (CHUNKS), beside the bench's chunk 64.
 #   "abi" runs benchmarks/gpu/diag_abi.sh (where a thrown number-formatting error crashes);
 #   BENCH_FAMILIES (default "gdn ssd") and BENCH_ARGS (extra arguments, e.g. "--peers off --cases tree,flat")
 #   pick the benchmarks' rows.

@@ -265,7 +265,7 @@ Stages run(const at::Tensor& grad_out, const Args& a, const Tables& t, const Sav
   if (!tc && L > 64 && tc_enabled())
     TORCH_WARN_ONCE(::tree_recurrence::sdk::message::str(
         "ssd_tree_scan: the fused backward's tensor-core kernels take chunk 64 only; these chunk-", L,
-        " tables run its fp32 CUDA-core kernels, about 85x slower at the GRPO shape. Build the chunk tables at 64 "
+        " tables run its fp32 CUDA-core kernels, 85-120x slower at the GRPO shape. Build the chunk tables at 64 "
         "(TreePlan.chunk_tables(64)): the results agree to rounding."));
   at::Tensor dyx, dx, dB, dC;
   if (!tc) {
