@@ -24,9 +24,9 @@ P-chain's per-token gradients and d h0[1] equal R1's under the same output gradi
 d dt_bias sum over every token: finite only).
 
 Runs only with TREE_RECURRENCE_LARGE_TESTS=1 on a GPU with >= 75 GiB free (the device run sets it; 75 so that
-an H100's 79 GiB take it; the GDN row asks 80, its peak 71.6 GiB (89.9 before 2026-12-03). Peaks on an H100, 2026-12-07: forward
-24.6 GiB, forward + backward 68.9 GiB; the backward test prints its peak, and skips with it when the card runs
-out of memory):
+an H100's 79 GiB take it; the GDN row asks 80, its peak 71.6 GiB, 89.9 before 2026-12-03). Peaks on an H100,
+2026-12-07: forward 24.6 GiB, forward + backward 68.9 GiB; the backward test prints its peak, and skips with it
+when the card runs out of memory:
   TREE_RECURRENCE_LARGE_TESTS=1 python3 -m pytest tests/python/test_ssd_fused_large_gpu.py -q -s
 """
 

@@ -262,9 +262,9 @@ Stages run(const at::Tensor& grad_out, const Args& a, const Tables& t, const Sav
   // Chunk 128 / 256 tables are correct but slow here (issue 20 item 2): the fused bf16 flat row at the GRPO shape
   // took 15.1 ms forward + backward at chunk 64, 1,300 ms at 128 and 1,775 ms at 256 (H100, 2026-12-07). The
   // family adapters build chunk-64 tables; a direct caller with wider tables is told once.
-  if (!tc && L > 64 && tc_enabled())
+  if (!tc && L > k::kTcBwdChunk && tc_enabled())
     TORCH_WARN_ONCE(::tree_recurrence::sdk::message::str(
-        "ssd_tree_scan: the fused backward's tensor-core kernels take chunk 64 only; these chunk-", L,
+        "ssd_tree_scan: the fused backward's tensor-core kernels take chunk ", k::kTcBwdChunk, " only; these chunk-", L,
         " tables run its fp32 CUDA-core kernels, 85-120x slower at the GRPO shape. Build the chunk tables at 64 "
         "(TreePlan.chunk_tables(64)): the results agree to rounding."));
   at::Tensor dyx, dx, dB, dC;

@@ -125,6 +125,8 @@ struct BwdParams {
 };
 
 constexpr int64_t kBwdMaxChunk = 256;
+// The one chunk the tensor-core backward takes (ssd_bwd_tc_supported); wider tables run the fp32 CUDA-core kernels.
+constexpr int kTcBwdChunk = 64;
 
 // In launch order (ssd_fused_bwd.cpp):
 int ssd_bwd_gate(const BwdParams& p, void* stream);        // dy, dz

@@ -28,7 +28,7 @@ namespace {
 
 namespace mm = tree_recurrence::kernels::mma;
 
-constexpr int kL = 64;                 // the chunk of the tensor-core path
+constexpr int kL = kTcBwdChunk;       // the chunk of the tensor-core path (params_bwd.h)
 constexpr int kLP = kL + 4;            // pitch of L x L tiles (floats)
 constexpr int kPostWarps = 8, kPostThreads = kPostWarps * 32;
 constexpr int kLocalWarps = 4, kLocalThreads = kLocalWarps * 32;
