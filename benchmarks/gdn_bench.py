@@ -13,10 +13,15 @@ completion 512 (49,152 unique tokens, 163,840 sample tokens). Cases (--cases pic
                     backward goes through both levels
   fla_chains        FLA on the 64 samples as varlen chains (cu_seqlens, batch 1): 163,840 tokens
   fla_flat          FLA on the flat row of 49,152 tokens (batch 1, no cu_seqlens)
+  qla_fork, qla_chains, qla_flat
+                    the same three with FLA handing the call to FlashQLA (flash-qla installed, FLA_FLASH_QLA
+                    on: what FLA >= 0.5.2 does by default where flash_qla imports); the fla_* rows run with
+                    FLA_FLASH_QLA=0 (FLA's Triton forward, its tilelang backward where tilelang imports)
   chains            ours on the 64 samples as chains (64 roots of 2,560: 163,840 tokens)
   forest            ours on the no-sharing forest: each sample a prompt root with its one completion
                     child (128 segments, nothing shared)
   flat_all          ours on one row of the 163,840 tokens (the chains without resets)
+Every FLA row records the backends FLA's dispatch really ran (peers.FlaDispatch), per mode.
 FLA takes the grouped heads as they are (GVA: q, k with HK heads). Its backward on Hopper needs tilelang or
 Triton >= 3.7.1; when its guard refuses, the guard is bypassed for timing only and the FLA rows say
 "proxy" (gradients wrong there, speed within 3% of the correct backward: shared/FACTS.md).
@@ -76,13 +81,16 @@ def ours(layout, dims, dtype, device):
 
 
 class Fla:
-    """FLA's chunk_gated_delta_rule on time-major (1, T, H, D) tensors; ``proxy`` once its Hopper guard
-    had to be bypassed (then every later FLA backward is the proxy too)."""
+    """FLA's chunk_gated_delta_rule on time-major (1, T, H, D) tensors, with FlashQLA allowed (``qla``) or
+    not; ``proxy`` once its Hopper guard had to be bypassed (then every later FLA backward is the proxy
+    too). ``dispatch`` (peers.FlaDispatch) records the backends that ran."""
 
-    def __init__(self, fn, info):
-        self.fn, self.info, self.proxy = fn, info, None
+    def __init__(self, fn, info, dispatch, qla=False):
+        self.fn, self.info, self.dispatch, self.qla, self.proxy = fn, info, dispatch, qla, None
+        self.label = f"FLA {info.get('fla')}" + (f" + FlashQLA {info.get('flash_qla')}" if qla else "")
 
     def call(self, ins, cu=None, h0=None, final=False):
+        peers.set_flash_qla(self.qla)
         return self.fn(ins["q"], ins["k"], ins["v"], ins["g"], ins["beta"], initial_state=h0, output_final_state=final,
                        use_qk_l2norm_in_kernel=True, cu_seqlens=cu, cu_seqlens_cpu=None if cu is None else cu.cpu())
 
@@ -102,7 +110,11 @@ class Fla:
         return run
 
     def note(self):
-        return {"proxy": self.proxy is not None, "note": "proxy: FLA's Hopper guard bypassed" if self.proxy else ""}
+        return {"proxy": self.proxy is not None, "note": "proxy: FLA's Hopper guard bypassed" if self.proxy else "",
+                **self.dispatch.take()}
+
+    def ran(self):
+        return self.dispatch.take()
 
     def tensors(self, T, dims, dtype, device, seed):
         HK, HV, K, V = dims
@@ -117,8 +129,9 @@ class Fla:
         cu = cu_seqlens(lengths, device) if varlen else None
 
         m = peer_modes(lambda: self.call(ins, cu)[0], leaves, w)
-        info = {"tokens": T, "segments": len(lengths), "impl": f"FLA {self.info.get('fla')}"}
-        return info, {"fwd": m["fwd"], "fwd_bwd": (self.guarded(m["fwd_bwd"]), self.note)}
+        self.dispatch.take()
+        info = {"tokens": T, "segments": len(lengths), "impl": self.label}
+        return info, {"fwd": (m["fwd"], self.ran), "fwd_bwd": (self.guarded(m["fwd_bwd"]), self.note)}
 
     def fork(self, shape: Shape, dims, dtype, device):
         """FLA forked level by level on the GRPO trie: roots, then children from their parent's final state."""
@@ -134,9 +147,10 @@ class Fla:
             return o_r, o_c
 
         m = peer_modes(run, r_leaves + c_leaves, (r_w, c_w))
+        self.dispatch.take()
         info = {"tokens": sum(roots) + sum(children), "segments": len(roots) + len(children),
-                "impl": f"FLA {self.info.get('fla')}, 2 launches of the whole chunk pipeline (one per trie level)"}
-        return info, {"fwd": m["fwd"], "fwd_bwd": (self.guarded(m["fwd_bwd"]), self.note)}
+                "impl": f"{self.label}, 2 calls (one per trie level)"}
+        return info, {"fwd": (m["fwd"], self.ran), "fwd_bwd": (self.guarded(m["fwd_bwd"]), self.note)}
 
 
 def summarize(result):
@@ -144,6 +158,12 @@ def summarize(result):
     tok = lambda name, mode: tokens_per_ms(c, name, mode)  # noqa: E731
     pr = lambda a, b: peak_ratio(c, a, b)  # noqa: E731
     result["summary"] = {
+        "tree / FLA+FlashQLA fork": target(ratio(c, "tree", "qla_fork"), 0.8, "<="),
+        "flat / FLA+FlashQLA flat": target(ratio(c, "flat", "qla_flat"), 1.0, "<="),
+        "chains / FLA+FlashQLA chains": target(ratio(c, "chains", "qla_chains"), 1.0, "<="),
+        "peak: tree / FLA+FlashQLA fork": target(pr("tree", "qla_fork"), 1.0, "<="),
+        "peak: flat / FLA+FlashQLA flat": target(pr("flat", "qla_flat"), 1.0, "<="),
+        "peak: chains / FLA+FlashQLA chains": target(pr("chains", "qla_chains"), 1.0, "<="),
         "tree / FLA fork": target(ratio(c, "tree", "fla_fork"), 1.0, "<="),
         "tree / FLA chains": target(ratio(c, "tree", "fla_chains"), round(1 / 3, 3), "<="),
         "flat tokens/ms": target(tok("flat", "fwd_bwd"), 4000, ">="),
@@ -166,11 +186,16 @@ def main():
     dtype = getattr(torch, args.dtype)
     result = bench_result("GDN core (gdn_tree_scan) beside FLA", device, args, shape,
                           dict(zip(("HK", "HV", "dk", "dv"), dims)), chunk=CHUNK, l2norm_in_kernel=True)
-    fla = None
+    fla = qla = None
     if use_peers:
         fn, info = peers.fla_gdn()
         result["fla"] = info
-        fla = Fla(fn, info) if fn is not None else None
+        if fn is not None:
+            dispatch = peers.FlaDispatch()
+            fla = Fla(fn, info, dispatch)
+            qla = Fla(fn, info, dispatch, qla=True) if info.get("flash_qla") else None
+            if qla is None:
+                result["flash_qla"] = {"skipped": "flash_qla does not import"}
     else:
         result["fla"] = peer_skipped(args)
     print("FLA:", result["fla"], flush=True)
@@ -178,6 +203,10 @@ def main():
     L = shape.layouts()
     runner.run("tree", lambda: ours(L["trie"], dims, dtype, device))
     runner.run("flat", lambda: ours(L["flat"], dims, dtype, device))
+    if qla is not None:
+        runner.run("qla_fork", lambda: qla.fork(shape, dims, dtype, device))
+        runner.run("qla_flat", lambda: qla.rows(L["flat"][0], dims, dtype, device, varlen=False))
+        runner.run("qla_chains", lambda: qla.rows(L["chains"][0], dims, dtype, device, varlen=True))
     if fla is not None:
         runner.run("fla_fork", lambda: fla.fork(shape, dims, dtype, device))
         runner.run("fla_chains", lambda: fla.rows(L["chains"][0], dims, dtype, device, varlen=True))

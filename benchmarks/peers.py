@@ -44,8 +44,8 @@ def _import(module):
 def _version(package: str) -> str:
     try:
         return getattr(importlib.import_module(package), "__version__", "?")
-    except ImportError:
-        return "?"
+    except Exception as e:  # noqa: BLE001  (flash_qla raises ValueError on a GPU it has no kernels for)
+        return f"? (import failed: {type(e).__name__})"
 
 
 def fla_gdn():
@@ -54,7 +54,8 @@ def fla_gdn():
     if mod is None:
         return None, {"skipped": err}
     info = {"fla": _version("fla"), "fla_path": os.path.dirname(getattr(mod, "__file__", "") or ""),
-            "tilelang": importlib.util.find_spec("tilelang") is not None,
+            "tilelang": _version("tilelang") if importlib.util.find_spec("tilelang") else None,
+            "flash_qla": _version("flash_qla") if importlib.util.find_spec("flash_qla") else None,
             "backward": "FLA's own (tilelang on Hopper, or Triton >= 3.7.1)"}
     try:
         import triton
@@ -63,6 +64,56 @@ def fla_gdn():
     except ImportError:
         pass
     return mod.chunk_gated_delta_rule, info
+
+
+def set_flash_qla(on: bool) -> None:
+    """Lets FLA hand chunk_gated_delta_rule to FlashQLA (``on``) or keeps it on FLA's own kernels. FLA reads
+    FLA_FLASH_QLA at every call (fla/backends.py BaseBackend.is_enabled), so one process times both."""
+    os.environ["FLA_FLASH_QLA"] = "1" if on else "0"
+
+
+class FlaDispatch:
+    """Records which backend FLA's dispatch actually ran: every backend registered in FLA's operation
+    registries (fla.backends) has its implementation wrapped, so a call records "op.function -> backend";
+    a dispatched call no backend took runs FLA's own (Triton) function and records nothing. ``take()``
+    returns what ran since the last take. FLA internals (0.5.2 - 0.6.0): where they differ, ``error`` says
+    so and nothing is recorded."""
+
+    def __init__(self):
+        self.seen, self.error = set(), None
+        try:
+            from fla import backends
+
+            for op, registry in backends._operation_registries.items():
+                for backend in registry._backends.values():
+                    self._wrap(op, backend)
+        except Exception as e:  # noqa: BLE001
+            self.error = f"FLA's backend registry not readable: {type(e).__name__}: {e}"
+
+    def _wrap(self, op, backend):
+        original = backend.get_implementation
+
+        def get_implementation(function_name):
+            impl = original(function_name)
+            if impl is None:
+                return None
+
+            def recorded(*args, **kwargs):
+                self.seen.add(f"{op}.{function_name} -> {backend.backend_type}")
+                return impl(*args, **kwargs)
+            return recorded
+
+        backend.get_implementation = get_implementation
+
+    def take(self) -> dict:
+        """{"backends": what ran since the last take}; the GDN call without a backend entry ran FLA's Triton."""
+        ran = sorted(self.seen)
+        self.seen.clear()
+        if self.error:
+            return {"backends": None, "backends_error": self.error}
+        if not any(r.startswith("gated_delta_rule.") for r in ran):
+            ran.insert(0, "gated_delta_rule.chunk_gated_delta_rule -> FLA's own Triton kernels")
+        return {"backends": ran}
 
 
 def is_fla_hopper_guard(e: BaseException) -> bool:
