@@ -320,7 +320,7 @@ def test_doctor_says_which_route_auto_takes_on_the_h200(tmp_path):
     assert rows[("mamba2", "flat", "fwd_bwd")]["route"] == "rescan"  # mamba-ssm's flat row 15.8 ms, ours 15.96
     text = doctor("--gpu", "NVIDIA H200", env=env).stdout
     assert "auto's route on NVIDIA H200:" in text
-    assert "tree     49152 tokens fwd_bwd -> native (fla): gated_delta_net: measured on NVIDIA H200" in text
+    assert "tree     49152 tokens fwd_bwd -> native (fla on triton): gated_delta_net: measured on NVIDIA H200" in text
 
 
 def test_doctor_without_the_peer_library_says_native():
@@ -336,8 +336,8 @@ def test_doctor_on_an_unknown_gpu_and_without_a_gpu():
     report = json.loads(doctor("--json", "--gpu", "Some Other GPU").stdout)
     gdn = next(p for p in report["plugins"] if p["family"] == GDN)
     assert gdn["routes"] == [{"family": GDN, "route": None, "reason":
-                              f"{GDN}: no measured routes for GPU 'Some Other GPU' (measured: NVIDIA H200): "
-                              "the policy's rule (native when available)"}]
+                              f"{GDN}: no measured routes for GPU 'Some Other GPU' with fla on triton (measured: "
+                              "NVIDIA H200 (fla on triton)): the policy's rule (native when available)"}]
     short = next(p for p in report["plugins"] if p["family"] == "short_conv")
     assert short["routes"] == []  # no native scan: nothing to route
     text = doctor().stdout

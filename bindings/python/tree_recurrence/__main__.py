@@ -87,7 +87,8 @@ def print_doctor(report: dict) -> None:
                 if "shape" not in row:
                     print(f"      rule: {row['reason']}")
                     continue
-                peer = row["library"] + ("" if row["library_installed"] else " not installed") + \
+                peer = row["library"] + (f" on {row['backend']}" if row.get("backend") else "") + \
+                    ("" if row["library_installed"] else " not installed") + \
                     ("" if row["backward_usable"] or row["phase"] == "fwd" else ", its backward unusable here")
                 print(f"      {row['shape']:<6} {row['tokens']:>7} tokens {row['phase']:<7} -> "
                       f"{row['route'] or 'rule'} ({peer}): {row['reason']}")

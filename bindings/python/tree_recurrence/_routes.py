@@ -9,6 +9,11 @@ mamba-ssm). When the policy is ``auto`` and the backend ``auto``, a seam call wh
 available and whose bound kernel is that library's picks the fastest measured route among those it can
 take (``choose``); the reason names the numbers and where they come from.
 
+* A GPU table may name the peer's ``backend`` (FLA: ``triton``, its own kernels, or ``flash_qla``, which FLA
+  >= 0.5.2 hands ``chunk_gated_delta_rule`` to whenever the ``flash_qla`` package imports): it decides only
+  when the bound library would dispatch to that backend (``bound_backend``), so numbers measured on FLA's
+  Triton kernels never route a call that FLA runs on FlashQLA; without a table for the bound backend the
+  timed trial (or the policy's rule) decides.
 * No peer library bound (transformers' torch fallback, another kernel): native, nothing to compare.
 * A GPU the table does not name, a dtype or shape class it has no numbers for, the CPU: the policy's
   rule (``Policy.choose``), the reason says why the table did not decide.
@@ -33,6 +38,8 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from ._peer_libraries import bound_backend, bound_library, requirement_met
+
 ROUTES = ("native", "fork", "rescan")
 PEER_ROUTES = ("fork", "rescan")
 SHAPES = ("tree", "flat", "chains")
@@ -40,7 +47,7 @@ PHASES = ("fwd", "fwd_bwd")
 MAX_TOKEN_RATIO = 16.0  # a measured class further than this from the call's tokens does not decide
 TRIAL_ENV = "TREE_RECURRENCE_ROUTE_TRIAL"
 _TABLE_KEYS = ("library", "gpus")
-_GPU_KEYS = ("gpu", "source", "dtypes", "dims", "backward_needs", "classes")
+_GPU_KEYS = ("gpu", "backend", "source", "dtypes", "dims", "backward_needs", "classes")
 _CLASS_KEYS = ("shape", "tokens", "note") + ROUTES
 
 trials: dict[tuple, tuple[str, dict]] = {}  # trial key -> (fastest strategy, {strategy: ms or error})
@@ -61,6 +68,7 @@ class Measured:
 @dataclasses.dataclass(frozen=True)
 class GpuTable:
     gpu: str
+    backend: str  # the peer library's backend the numbers were measured on ("": the library's only one)
     source: str
     dtypes: tuple[str, ...]
     dims: str
@@ -73,8 +81,10 @@ class Table:
     library: str
     gpus: tuple[GpuTable, ...]
 
-    def for_gpu(self, name: str) -> GpuTable | None:
-        return next((g for g in self.gpus if g.gpu == name), None)
+    def for_gpu(self, name: str, backend: str = "") -> GpuTable | None:
+        """The table measured on GPU ``name`` with the peer on ``backend`` (a table naming no backend serves
+        any)."""
+        return next((g for g in self.gpus if g.gpu == name and (not g.backend or g.backend == backend)), None)
 
 
 def parse(source: str, value: Any) -> Table | None:
@@ -110,6 +120,9 @@ def parse(source: str, value: Any) -> Table | None:
         name = gpu.get("gpu")
         if not isinstance(name, str) or not name:
             fail(f"{where}.gpu", f"expected the GPU's name as torch.cuda.get_device_name() gives it, got {name!r}")
+        backend = gpu.get("backend", "")
+        if not isinstance(backend, str) or (backend and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", backend)):
+            fail(f"{where}.backend", f"expected the peer backend's name (e.g. triton, flash_qla), got {backend!r}")
         strings = {}
         for key in ("dtypes", "backward_needs"):
             items = gpu.get(key, [])
@@ -146,7 +159,7 @@ def parse(source: str, value: Any) -> Table | None:
             if "native" not in times:
                 fail(f"{at}.native", "missing: a class compares the native kernel against the peer's routes")
             measured.append(Measured(shape, tokens, times, str(entry.get("note", ""))))
-        parsed.append(GpuTable(name, str(gpu.get("source", "")), strings["dtypes"], str(gpu.get("dims", "")),
+        parsed.append(GpuTable(name, backend, str(gpu.get("source", "")), strings["dtypes"], str(gpu.get("dims", "")),
                                strings["backward_needs"], tuple(measured)))
     return Table(library, tuple(parsed))
 
@@ -197,34 +210,6 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _version_tuple(text: str) -> tuple:
-    return tuple(int(p) for p in re.findall(r"\d+", text.split("+")[0])[:4])
-
-
-def requirement_met(need: str) -> bool:
-    """``module`` importable, or ``package>=version`` installed at that version or later."""
-    name, _, version = need.partition(">=")
-    try:
-        if importlib.util.find_spec(name) is None:
-            return False
-    except (ImportError, ValueError):
-        return False
-    if not version:
-        return True
-    try:
-        from importlib.metadata import version as installed
-
-        return _version_tuple(installed(name)) >= _version_tuple(version)
-    except Exception:  # noqa: BLE001 -- a package without metadata: its version is unknown
-        return False
-
-
-def bound_library(implementation: Any) -> str:
-    """The top-level package the bound implementation comes from ("" when unknown)."""
-    module = getattr(implementation, "__module__", None) or ""
-    return module.split(".")[0]
-
-
 # --------------------------------------------------------------------------------------------
 # the choice
 # --------------------------------------------------------------------------------------------
@@ -235,7 +220,7 @@ def _fmt(ms: float) -> str:
 
 
 def choose(table: Table | None, gpu: str | None, shape: str, tokens: int, dtype: str, phase_name: str,
-           available: Mapping[str, bool], family: str = "") -> tuple[str | None, str]:
+           available: Mapping[str, bool], family: str = "", backend: str = "") -> tuple[str | None, str]:
     """(strategy, reason) from the table, or (None, why the table does not decide).
 
     ``available``: route -> whether this call can take it (native: the kernel is there; fork / rescan:
@@ -246,10 +231,11 @@ def choose(table: Table | None, gpu: str | None, shape: str, tokens: int, dtype:
         return None, f"{what}no measured routes in the manifest"
     if gpu is None:
         return None, f"{what}not on a GPU: measured routes are per GPU name"
-    entry = table.for_gpu(gpu)
+    entry = table.for_gpu(gpu, backend)
     if entry is None:
-        known = ", ".join(g.gpu for g in table.gpus) or "none"
-        return None, f"{what}no measured routes for GPU '{gpu}' (measured: {known})"
+        known = ", ".join(g.gpu + (f" ({table.library} on {g.backend})" if g.backend else "") for g in table.gpus) or "none"
+        on = f" with {table.library} on {backend}" if backend else ""
+        return None, f"{what}no measured routes for GPU '{gpu}'{on} (measured: {known})"
     if entry.dtypes and dtype not in entry.dtypes:
         return None, f"{what}routes on {gpu} measured for {'/'.join(entry.dtypes)}, not {dtype}"
     candidates = [m for m in entry.classes if m.shape == shape]
@@ -269,7 +255,8 @@ def choose(table: Table | None, gpu: str | None, shape: str, tokens: int, dtype:
     pick = min(usable, key=lambda r: (usable[r], ROUTES.index(r)))  # ties: native first
     ranking = " < ".join(f"{r} {_fmt(usable[r])}" for r in sorted(usable, key=lambda r: (usable[r], ROUTES.index(r))))
     left = [f"{r} {_fmt(ms)} (not available)" for r, ms in times.items() if r not in usable]
-    reason = (f"{what}measured on {gpu} ({shape}, {best.tokens} tokens, {phase_name}, {dtype}): {ranking}"
+    peer = f", {table.library} on {entry.backend}" if entry.backend else ""
+    reason = (f"{what}measured on {gpu} ({shape}, {best.tokens} tokens, {phase_name}, {dtype}{peer}): {ranking}"
               + (f"; {', '.join(left)}" if left else "") + (f" [{entry.source}]" if entry.source else ""))
     return pick, reason
 
@@ -283,7 +270,7 @@ def peer_available(table: Table | None, gpu: str | None, implementation: Any, is
     if library != table.library:
         bound = library or "transformers' torch fallback"
         return False, f"bound kernel is {bound}, not {table.library}: native"
-    entry = table.for_gpu(gpu) if gpu else None
+    entry = table.for_gpu(gpu, bound_backend(table.library)) if gpu else None
     needs = entry.backward_needs if entry else ()
     if phase_name == "fwd_bwd" and needs and not any(requirement_met(n) for n in needs):
         return False, f"{table.library}'s backward on {gpu} needs one of {list(needs)}: none installed"
@@ -309,12 +296,13 @@ def decide(family: str, record: Any, plan, device: torch.device, dtype: torch.dt
         return "native", f"{family}: {why}"
     available = {"native": True, **{r: ok and bool(peers.get(r)) for r in PEER_ROUTES}}
     shape, dname = shape_class(plan), dtype_name(dtype)
-    strategy, reason = choose(table, gpu, shape, plan.num_tokens, dname, phase_name, available, family)
+    backend = bound_backend(table.library) if table is not None else ""
+    strategy, reason = choose(table, gpu, shape, plan.num_tokens, dname, phase_name, available, family, backend)
     if strategy is not None or trial is None or not _trial_enabled(device):
         return strategy, reason
     if table is None:  # a trial compares against a peer: only with a table naming the library
         return None, reason
-    key = (family, seam, str(device), shape, dname, phase_name, max(plan.num_tokens, 1).bit_length())
+    key = (family, seam, str(device), shape, dname, phase_name, max(plan.num_tokens, 1).bit_length(), backend)
     if key not in trials:
         times: dict[str, Any] = {}
         for route in ROUTES:
@@ -375,9 +363,10 @@ def report(record: Any, device_gpu: str | None, dtype: str = "bfloat16") -> list
         return [{"family": family, "route": None, "reason": str(error)}]
     if table is None:
         return [{"family": family, "route": None, "reason": "no measured routes in the manifest: the policy's rule"}]
-    entry = table.for_gpu(device_gpu) if device_gpu else None
+    backend = bound_backend(table.library)
+    entry = table.for_gpu(device_gpu, backend) if device_gpu else None
     if entry is None:
-        _, reason = choose(table, device_gpu, "tree", 1, dtype, "fwd_bwd", {"native": True}, family)
+        _, reason = choose(table, device_gpu, "tree", 1, dtype, "fwd_bwd", {"native": True}, family, backend)
         return [{"family": family, "route": None, "reason": reason + ": the policy's rule (native when available)"}]
     rows = []
     backward = not entry.backward_needs or any(requirement_met(n) for n in entry.backward_needs)
@@ -386,8 +375,9 @@ def report(record: Any, device_gpu: str | None, dtype: str = "bfloat16") -> list
         for phase_name in PHASES:
             peer = installed and (backward or phase_name == "fwd")
             available = {"native": True, "fork": peer, "rescan": peer}
-            route, reason = choose(table, device_gpu, m.shape, m.tokens, dtype, phase_name, available, family)
+            route, reason = choose(table, device_gpu, m.shape, m.tokens, dtype, phase_name, available, family, backend)
             rows.append({"family": family, "shape": m.shape, "tokens": m.tokens, "phase": phase_name,
-                         "library": table.library, "library_installed": installed, "backward_usable": backward,
+                         "library": table.library, "backend": backend, "library_installed": installed,
+                         "backward_usable": backward,
                          "route": route, "reason": reason})
     return rows
