@@ -83,8 +83,9 @@ class Table:
 
     def for_gpu(self, name: str, backend: str = "") -> GpuTable | None:
         """The table measured on GPU ``name`` with the peer on ``backend`` (a table naming no backend serves
-        any)."""
-        return next((g for g in self.gpus if g.gpu == name and (not g.backend or g.backend == backend)), None)
+        any; ``backend`` "": the first table of that GPU)."""
+        return next((g for g in self.gpus if g.gpu == name and (not g.backend or not backend or g.backend == backend)),
+                    None)
 
 
 def parse(source: str, value: Any) -> Table | None:
