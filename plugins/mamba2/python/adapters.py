@@ -11,8 +11,39 @@ channels, ``norm_before_gate`` as mamba-ssm), the swiglu of the non-SSM part, th
 
 Without native kernels for the device, or on another backend than auto/native, it rescans: the
 bound fused kernel over every root-to-leaf path as a right-padded batch (exact; prefixes computed
-once per path). It declines (the mixer takes its split path) only when the bound implementation is
-transformers' torch fallback (which answers None, so the samples alone take the split path too).
+once per path).
+
+A tree row computes what the samples alone compute with the kernels the user bound, so the native
+fused semantics run only where the samples alone would run a fused kernel. The mixers call the
+fused seam and take their split path (conv seam, scan seam, their own gated norm, ``out_proj``)
+when it answers None; so does the tree row, whose split seams then follow the trie. The adapter
+declines (answers None) where the bound kernel declines:
+
+* bound to transformers' torch fallback (it always answers None): declined without a call, decided
+  once per plan with the route (``driver.decide_route``);
+* a library kernel on the native route: the tree row never calls it, so the adapter asks it: the
+  bound kernel, called the way the model called the seam, on a probe under ``torch.no_grad``,
+  declines when it answers None (``_declines``). The probe is the first sample's opening tokens,
+  as that sample alone sends them (batch 1, its first ``min(length, chunk_size)`` tokens, the
+  mixer's own chunk size): a library kernel declines by the layer and its configuration (a
+  quantized ``out_proj``, a dtype, an option it lacks), not by the tokens' values, and a causal
+  kernel on a sample's opening tokens is that sample cut short. The answer is cached on the plan
+  per layer: one plan serves every layer, and one layer's kernel may decline while another's does
+  not, so the key is the call's signature (``_signature``): every parameter among the arguments
+  (or the parameter a view is of: the conv weight) by identity, every other tensor by type, dtype,
+  device and shape, every other argument by value. A checkpoint replay and any later forward of the
+  same row on unchanged weights reuse the answer (the same route in the replay); a weight written
+  in place (an optimizer step) asks again. Cost: one forward of the bound kernel over at most
+  ``chunk_size`` tokens (128 or 256 in released configs), no autograd, once per layer per plan:
+  about ``chunk_size / N`` of the layer's forward over an N-token row (0.5% at N = 49,152 and chunk
+  256) plus the kernel's launches; per call, the signature (some twenty arguments) and a dictionary
+  lookup;
+* the rescan route calls the bound kernel over every path: when it answers None, the adapter
+  declines too (no probe needed).
+
+The bound kernel is taken to decline all of a layer's calls or none (by the layer, not by its
+tokens); a kernel that answered None for some samples of a layer and not for others would split
+the samples alone between two paths, which one tree row of that layer cannot follow.
 """
 
 from __future__ import annotations
@@ -21,26 +52,79 @@ import torch
 import torch.nn.functional as F
 
 from tree_recurrence import _routes, driver, plugins
+from tree_recurrence._bound_kernels import instance_forward
 
 from .stand_ins import rms_norm_gated
 
 __all__ = ["split_conv1d_scan", "rms_norm_gated"]
 
 
-def _rescan(call, zxbcdt: torch.Tensor) -> torch.Tensor:
+def _rescan(call, zxbcdt: torch.Tensor) -> torch.Tensor | None:
     """The bound fused kernel over every root-to-leaf path, as the rows of a right-padded batch: its
     conv and scan are causal and the rest acts token by token, so the padding at a row's end never
-    reaches a real token (exact, but the shared prefixes are computed once per path)."""
+    reaches a real token (exact, but the shared prefixes are computed once per path). None when the
+    kernel answers None (it declines: the samples alone take the split path too)."""
     rows, source = call.path_rows(zxbcdt, 1)  # (paths, Lmax, d)
     out = call.call_original({"zxbcdt": rows})
+    if out is None:
+        return None
     out = out[0] if isinstance(out, (tuple, list)) else out
     return out.reshape(-1, out.shape[-1])[source].unsqueeze(0)
 
 
+_SCALARS = (bool, int, float, str, torch.dtype, torch.device)
+
+
+def _signature(value, held: list):
+    """``value`` as part of a hashable key: a parameter (or a view of one: the conv weight's squeeze)
+    by identity (appended to ``held``, which keeps it alive and its id unreused while the key is
+    cached), another tensor by type, dtype, device and shape, a sequence or mapping item by item, a
+    scalar by value, anything else by identity (held too)."""
+    if isinstance(value, torch.Tensor):
+        base = value if isinstance(value, torch.nn.Parameter) else value._base
+        shape = (type(value), value.dtype, value.device, tuple(value.shape))
+        if isinstance(base, torch.nn.Parameter):
+            held.append(base)
+            return ("parameter", id(base)) + shape
+        return ("tensor",) + shape
+    if value is None or isinstance(value, _SCALARS):
+        return value
+    if isinstance(value, (list, tuple)):
+        return (type(value),) + tuple(_signature(v, held) for v in value)
+    if isinstance(value, dict):
+        return (dict,) + tuple((k, _signature(v, held)) for k, v in sorted(value.items(), key=lambda kv: str(kv[0])))
+    held.append(value)
+    return ("object", type(value), id(value))
+
+
+def _declines(call) -> bool:
+    """Whether the bound library kernel declines this layer's call (answers None on a probe; see the
+    module's docstring): cached on the plan per call signature, so per layer."""
+    held: list = []
+    arguments = {**call.named, **call.rest}
+    key = tuple((name, _signature(arguments[name], held)) for name in sorted(arguments))
+    return call.plan.cached(("fused declines", call.family, call.seam, key), lambda: _probe(call),
+                            depends=(call.original, instance_forward(call.original), *held))
+
+
+def _probe(call) -> bool:
+    """Calls the bound kernel on the first sample's opening tokens (at most the call's chunk size) the
+    way the model called the seam, without autograd; True when it answers None."""
+    zxbcdt, plan = call.named["zxbcdt"], call.plan
+    length = int(plan.array("path_offsets")[1])  # the first sample's tokens
+    chunk = call.named.get("chunk_size")
+    count = min(length, int(chunk) if isinstance(chunk, int) and chunk > 0 else 64)
+    tokens = plan.cached(("fused probe tokens", count, zxbcdt.device),
+                         lambda: plan.array("path_tokens")[:count].to(zxbcdt.device))
+    with torch.no_grad():
+        return call.call_original({"zxbcdt": zxbcdt.index_select(1, tokens)}) is None
+
+
 def _decide(call, backend: str, policy, device: torch.device) -> driver.Route:
-    """The fused seam's route (``driver.decide_route`` caches it on the plan): decline when the bound
-    implementation is transformers' torch fallback, native with the family's kernels on ``device``
-    (backend auto / native), else rescan."""
+    """The fused seam's route (``driver.decide_route`` caches it on the plan, one for every layer):
+    decline when the bound implementation is transformers' torch fallback, native with the family's
+    kernels on ``device`` (backend auto / native; a layer whose bound kernel declines still declines:
+    ``_declines``), else rescan."""
     implementation, _, is_library = driver.bound_implementation(call.original)
     if not is_library:
         return driver.Route("decline", "fused seam bound to transformers' torch fallback (None): the mixer takes "
@@ -77,8 +161,15 @@ def split_conv1d_scan(call, backend: str, policy):
     call.check_row(zxbcdt, 1, "zxbcdt")
     if route.strategy == "rescan":
         out = _rescan(call, zxbcdt)
+        if out is None:
+            call.record("decline", "the bound fused kernel answered None over every path: the mixer takes its split path")
+            return call.spec.extra.get("declined")
         call.record(route.strategy, route.reason)
         return out
+    if _declines(call):
+        call.record("decline", "the bound fused kernel declines this layer (None on a probe): the mixer takes its "
+                               "split path")
+        return call.spec.extra.get("declined")
 
     weight, bias, dt_bias, A, D = (named.get(k) for k in ("conv1d_weight", "conv1d_bias", "dt_bias", "A", "D"))
     activation = rest.get("activation", "silu")
