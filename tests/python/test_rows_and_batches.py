@@ -136,8 +136,10 @@ def _level_sizes(tree) -> torch.Tensor:
     return torch.bincount(tree.depths)
 
 
-@pytest.mark.parametrize("name", ["tree_level_sizes", "tree_sizes"])
-def test_level_sizes_are_read_and_checked_against_the_key_paths(name):
+def test_level_sizes_are_read_and_checked_against_the_key_paths():
+    """tree_level_sizes: the level sizes alone (tree_sizes, with its header, and tree_n_chunks, a chunk count
+    that never cuts them: test_formats_7686_and_padding.py)."""
+    name = "tree_level_sizes"
     tree = M.pack_forest("mixed")
     sizes = _level_sizes(tree)
     kwargs = {**tree.rich_kwargs(), name: sizes.clone()}
@@ -146,8 +148,8 @@ def test_level_sizes_are_read_and_checked_against_the_key_paths(name):
     assert (offsets[1:] - offsets[:-1]).tolist() == sizes.tolist()
     padded = {**tree.rich_kwargs(), name: torch.cat([sizes, torch.zeros(4, dtype=sizes.dtype)])}
     _same_plan(tr.tree_plan(padded), plan)
-    counted = {**tree.rich_kwargs(), name: torch.cat([sizes, torch.full((2,), 7)]), "tree_n_chunks": len(sizes)}
-    _same_plan(tr.tree_plan(counted), plan)
+    with pytest.raises(ValueError, match=rf"{name}: entry {len(sizes)} is 7 after the tree's {len(sizes)} levels"):
+        tr.tree_plan({**tree.rich_kwargs(), name: torch.cat([sizes, torch.full((2,), 7)]), "tree_n_chunks": len(sizes)})
 
     wrong = sizes.clone()
     wrong[1] += 1
@@ -156,8 +158,6 @@ def test_level_sizes_are_read_and_checked_against_the_key_paths(name):
         tr.tree_plan({**tree.rich_kwargs(), name: wrong})
     with pytest.raises(ValueError, match=rf"{name}: {len(sizes) - 1} levels"):
         tr.tree_plan({**tree.trl_kwargs(), name: sizes[:-1].clone()})
-    with pytest.raises(ValueError, match="tree_n_chunks: 99, but"):
-        tr.tree_plan({**tree.rich_kwargs(), name: sizes.clone(), "tree_n_chunks": 99})
 
 
 def test_7686_format_runs_like_trls_format():

@@ -1,7 +1,7 @@
 """A forward's ``tree_*`` kwargs -> its TreePlan (``tree_plan``), built once and cached on
 ``tree_cu_seqlens_q``: TRL's tree formats (TRL 1.16's key paths, segment parents / depths,
-huggingface/trl#7686's level sizes), fields given as tensors or int sequences, and a collated row's
-padding, which must be exactly padding."""
+huggingface/trl#7686's level sizes, size header and chunk count), fields given as tensors or int
+sequences, and a collated row's padding, which must be exactly padding."""
 
 from __future__ import annotations
 
@@ -21,10 +21,20 @@ CU_SEQLENS_K = "tree_cu_seqlens_k"
 SEGMENT_PARENTS = "tree_segment_parents"
 SEGMENT_DEPTHS = "tree_segment_depths"
 TREE_FIELDS = (CU_SEQLENS_Q, KV_INDEX, CU_SEQLENS_K, SEGMENT_PARENTS, SEGMENT_DEPTHS)
-# huggingface/trl#7686's level sizes: segments per trie level (root level first), under either name;
-# ``tree_n_chunks`` (an int) says how many of its entries are real (the rest is a collator's padding).
-LEVEL_SIZES, LEVEL_SIZES_ALIAS, LEVEL_COUNT = "tree_level_sizes", "tree_sizes", "tree_n_chunks"
-LEVEL_FIELDS = (LEVEL_SIZES, LEVEL_SIZES_ALIAS)
+# huggingface/trl#7686's fields (docs/tree-format.md): ``tree_level_sizes``, segments per trie level
+# (root level first); ``tree_sizes``, ``[max_q, max_k, n_kv, n_chunks, *level sizes]``; both zero-padded
+# after the levels by its collator and checked against the plan. ``tree_n_chunks`` (an int) is how many
+# chunks its kernel splits the row into: checked to be a non-negative integer, and not used otherwise.
+LEVEL_SIZES, SIZES, N_CHUNKS = "tree_level_sizes", "tree_sizes", "tree_n_chunks"
+LEVEL_FIELDS = (LEVEL_SIZES, SIZES)
+LEVEL_SIZES_ALIAS, LEVEL_COUNT = SIZES, N_CHUNKS  # the names _plan.py re-exports
+# tree_sizes' header: (name, what it is, the plan's value), before the level sizes.
+_SIZES_HEADER = (("max_q", "longest segment (tree_max_seqlen_q)", lambda plan: plan.max_segment_length),
+                 ("max_k", "longest key path, root to a segment's end (tree_max_seqlen_k)",
+                  lambda plan: plan.max_path_length),
+                 ("n_kv", "key-index length, every segment's key path end to end (tree_cu_seqlens_k[-1])",
+                  lambda plan: int((plan.array("segment_start") + plan.array("seg_lengths")).sum())),
+                 ("n_chunks", None, None))
 
 _CACHE_ATTR = "_tree_recurrence_plan"
 
@@ -180,49 +190,77 @@ def _strip_padding(parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return parts
 
 
-def _level_count(kwargs: Mapping[str, Any]) -> int | None:
-    value = kwargs.get(LEVEL_COUNT)
+def _chunk_count(kwargs: Mapping[str, Any]) -> int | None:
+    """huggingface/trl#7686's ``tree_n_chunks``: the chunks its kernel splits the row into (a function of
+    that kernel's chunk size; it says nothing about the tree's levels). One non-negative integer, else a
+    ValueError; the plan does not use it."""
+    value = kwargs.get(N_CHUNKS)
     if value is None:
         return None
     if isinstance(value, torch.Tensor):
-        if value.numel() != 1 or value.is_floating_point() or value.is_meta:
-            raise ValueError(f"{LEVEL_COUNT}: expected one integer (how many entries of {LEVEL_SIZES} are real), "
-                             f"got a tensor of shape {tuple(value.shape)} and dtype {value.dtype}")
+        if value.numel() != 1 or value.is_meta or value.dtype == torch.bool or value.is_floating_point() or \
+                value.is_complex():
+            raise ValueError(f"{N_CHUNKS}: expected one non-negative integer (the chunks huggingface/trl#7686's "
+                             f"kernel splits the row into), got a tensor of shape {tuple(value.shape)} and dtype "
+                             f"{value.dtype}")
         value = value.item()
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{LEVEL_COUNT}: expected a positive integer (how many entries of {LEVEL_SIZES} are real), "
-                         f"got {value!r}")
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        value = operator.index(value)  # numpy's integers pass
+    except TypeError:
+        raise ValueError(f"{N_CHUNKS}: expected a non-negative integer, got {value!r}") from None
+    if value < 0:
+        raise ValueError(f"{N_CHUNKS}: expected a non-negative integer, got {value}")
     return value
 
 
-def _check_level_sizes(plan: "TreePlan", parts: Mapping[str, torch.Tensor], count: int | None) -> None:
-    """huggingface/trl#7686's level sizes, checked against the levels the key paths (or parents) give."""
-    given = [name for name in LEVEL_FIELDS if name in parts]
-    if not given:
-        if count is not None:
-            raise ValueError(f"{LEVEL_COUNT}: given ({count}) without {LEVEL_SIZES} / {LEVEL_SIZES_ALIAS}")
-        return
-    if len(given) == 2 and not torch.equal(parts[LEVEL_SIZES], parts[LEVEL_SIZES_ALIAS]):
-        raise ValueError(f"{LEVEL_SIZES}: {parts[LEVEL_SIZES].tolist()[:8]} but {LEVEL_SIZES_ALIAS}: "
-                         f"{parts[LEVEL_SIZES_ALIAS].tolist()[:8]}; give one, or the same")
-    name = given[0]
-    sizes = parts[name]
-    if count is not None:
-        if count > sizes.numel():
-            raise ValueError(f"{LEVEL_COUNT}: {count}, but {name} has {sizes.numel()} entries")
-        sizes = sizes[:count]
-    else:
-        sizes = _strip_tail(name, sizes, plan.num_levels, f"after the tree's {plan.num_levels} levels")  # 0 / -1
+def _levels_of(name: str, values: torch.Tensor, start: int, levels: int) -> torch.Tensor:
+    """Entries ``start``... of ``name`` cut to the tree's ``levels`` level sizes; the rest must be one pad
+    value (0 or -1) repeated, else a ValueError naming the entry."""
+    if values.numel() > start + levels:
+        _check_padding(name, values[start + levels:], start + levels, _PAD_VALUES, f"after the tree's {levels} levels")
+    return values[start: start + levels]
+
+
+def _check_level_sizes(plan: "TreePlan", parts: Mapping[str, torch.Tensor]) -> None:
+    """huggingface/trl#7686's ``tree_level_sizes`` and ``tree_sizes``, checked against the plan the key
+    paths (or parents) give: the header of ``tree_sizes`` against the plan's sizes, the level sizes of
+    either against its levels (and against each other when both are given)."""
+    levels = {}
+    if LEVEL_SIZES in parts:
+        levels[LEVEL_SIZES] = _levels_of(LEVEL_SIZES, parts[LEVEL_SIZES], 0, plan.num_levels)
+    if SIZES in parts:
+        sizes = parts[SIZES]
+        if sizes.numel() < len(_SIZES_HEADER):
+            raise ValueError(f"{SIZES}: {sizes.numel()} entries {sizes.tolist()}, but huggingface/trl#7686's layout is "
+                             "[max_q, max_k, n_kv, n_chunks, *level sizes]")
+        for entry, ((what, meaning, planned), given) in enumerate(zip(_SIZES_HEADER, sizes.tolist())):
+            # n_chunks is accepted unchecked (beyond >= 0): it depends on the chunk size of #7686's kernel,
+            # which the plan does not know, and nothing here uses it. Nor is it compared with tree_n_chunks: a
+            # collated batch may carry that one per batch rather than per row, and refusing a valid row over a
+            # count no computation reads would be the wrong way to fail.
+            if planned is None:
+                if given < 0:
+                    raise ValueError(f"{SIZES}: {what} (entry {entry}) is {given}, expected a non-negative integer")
+            elif given != planned(plan):
+                raise ValueError(f"{SIZES}: {what} (entry {entry}) is {given}, but the tree's {meaning} is "
+                                 f"{planned(plan)}; do the fields describe the same row?")
+        levels[SIZES] = _levels_of(SIZES, sizes, len(_SIZES_HEADER), plan.num_levels)
+    if len(levels) == 2 and not torch.equal(levels[LEVEL_SIZES], levels[SIZES]):
+        raise ValueError(f"{LEVEL_SIZES}: {levels[LEVEL_SIZES].tolist()[:8]} but {SIZES} gives the level sizes "
+                         f"{levels[SIZES].tolist()[:8]} (its entries 4...); give one, or the same")
     offsets = plan.array("level_offsets")
     expected = (offsets[1:] - offsets[:-1]).tolist()
-    got = sizes.tolist()
-    if len(got) != len(expected):
-        raise ValueError(f"{name}: {len(got)} levels {got[:8]}, but the key paths give the tree {len(expected)} "
-                         f"levels ({expected[:8]} segments per level)")
-    for level, (g, e) in enumerate(zip(got, expected)):
-        if g != e:
-            raise ValueError(f"{name}: level {level}: {g} segments, but the key paths put {e} segments at level "
-                             f"{level}")
+    for name, sizes in levels.items():
+        got = sizes.tolist()
+        if len(got) != len(expected):
+            raise ValueError(f"{name}: {len(got)} levels {got[:8]}, but the key paths give the tree {len(expected)} "
+                             f"levels ({expected[:8]} segments per level)")
+        for level, (g, e) in enumerate(zip(got, expected)):
+            if g != e:
+                raise ValueError(f"{name}: level {level}: {g} segments, but the key paths put {e} segments at level "
+                                 f"{level}")
 
 
 def has_tree(kwargs: Mapping[str, Any]) -> bool:
@@ -271,7 +309,7 @@ def tree_plan(kwargs: Mapping[str, Any], num_tokens: int | None = None) -> TreeP
     fields = TREE_FIELDS + LEVEL_FIELDS
     given = [name for name in fields if kwargs.get(name) is not None]
     key = tuple((name, id(kwargs[name]), tensor_version(kwargs[name])) for name in given)
-    key += ((LEVEL_COUNT, _level_count(kwargs)),)
+    key += ((N_CHUNKS, _chunk_count(kwargs)),)
     values = tuple(_snapshot(kwargs[name]) for name in given if not isinstance(kwargs[name], torch.Tensor))
     fast = _fast_key(kwargs, given, values)  # versions read with the key's, before the values are copied
     cached = getattr(cu_q, _CACHE_ATTR, None) if isinstance(cu_q, torch.Tensor) else _sequence_plans.get(id(cu_q))
@@ -290,7 +328,7 @@ def tree_plan(kwargs: Mapping[str, Any], num_tokens: int | None = None) -> TreeP
     parts = _strip_padding(dict(zip(present, torch.split(host, sizes))))  # a collated row's padding ignored
 
     plan = TreePlan.build(parts, num_tokens, device)
-    _check_level_sizes(plan, parts, _level_count(kwargs))
+    _check_level_sizes(plan, parts)
     # The companions are kept alive with the entry so their ids cannot be reused while it is cached.
     entry = (plan, key, [kwargs[name] for name in given], values, fast)
     if isinstance(cu_q, torch.Tensor):
@@ -308,15 +346,15 @@ _KEY_FIELDS = TREE_FIELDS + LEVEL_FIELDS
 
 def _fast_key(kwargs: Mapping[str, Any], given: list, values: tuple) -> tuple | None:
     """What ``_unchanged`` compares on the hot path: every tree field's object (None when absent) and
-    version (None for inference tensors: identity only), and the level count when it is None or an int;
-    None (the full key decides) when a field is an int sequence or the level count is a tensor."""
-    count = kwargs.get(LEVEL_COUNT)
+    version (None for inference tensors: identity only), and the chunk count when it is None or an int;
+    None (the full key decides) when a field is an int sequence or the chunk count is a tensor."""
+    count = kwargs.get(N_CHUNKS)
     if values or not (count is None or type(count) is int):
         return None
     fast = [(name, kwargs.get(name), None if kwargs.get(name) is None else tensor_version(kwargs[name]))
             for name in _KEY_FIELDS]
     return tuple((name, obj, version if isinstance(version, int) else None) for name, obj, version in fast) + \
-        ((LEVEL_COUNT, count, None),)
+        ((N_CHUNKS, count, None),)
 
 
 def _unchanged(fast: tuple, kwargs: Mapping[str, Any]) -> bool:

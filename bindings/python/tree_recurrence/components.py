@@ -133,20 +133,36 @@ def tree_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     x (1, C, N) channels-first, as ``causal_conv1d_fn`` takes it; weight (C, W) or (C, 1, W); bias (C)
     or None; activation None, "silu" or "swish". Returns (1, C, N) in x's dtype (computed in fp32,
     activation before the single rounding). ``family``: whose native ``tree_conv`` op to use (default:
-    any loaded family with one for x's device); without one, a PyTorch gather does the same."""
+    any loaded family with one for x's device); without one, a PyTorch gather does the same. An ``x``
+    longer than the plan (a collator's padding after the tree's tokens) gets zeros at the padding
+    tokens, whose inputs get zero gradient; a shorter one is a ValueError."""
     driver.check_activation("tree_conv", activation)
     plan = _require_plan(plan, "tree_conv")
-    if x.dim() != 3 or x.shape[0] != 1 or x.shape[2] != plan.num_tokens:
-        raise ValueError(f"tree_conv: x must be (1, channels, {plan.num_tokens}) (one tree-packed row, channels first), "
-                         f"got {tuple(x.shape)}")
+    n = plan.num_tokens
+    if x.dim() != 3 or x.shape[0] != 1 or x.shape[2] < n:
+        raise ValueError(f"tree_conv: x must be (1, channels, {n}) (one tree-packed row, channels first; longer rows "
+                         f"are padding after the tree's tokens), got {tuple(x.shape)}")
     weight = weight.reshape(weight.shape[0], weight.shape[-1])
     if family is None:
         family = _family_with_kernel("tree_conv", x.device)
     elif not plugins.families()[family].has_kernel("tree_conv", x.device.type):
         raise ValueError(f"tree_conv: family '{family}' has no tree_conv kernel for {x.device.type} in this build")
+    row = x.shape[2]
+    x = x.narrow(2, 0, n)  # a row padded past the plan: the conv runs on the tree's tokens (see _pad_row)
     if family is not None:
-        return driver.tree_conv(family, x, weight, bias, activation, plan)
-    return _tree_conv_torch(x, weight, bias, activation is not None, plan)
+        return _pad_row(driver.tree_conv(family, x, weight, bias, activation, plan), 2, row)
+    return _pad_row(_tree_conv_torch(x, weight, bias, activation is not None, plan), 2, row)
+
+
+def _pad_row(y: torch.Tensor, dim: int, row: int) -> torch.Tensor:
+    """``y`` (the plan's tokens along ``dim``) back to a collator's padded row of ``row`` tokens: zeros for
+    the padding tokens, as the seams give them (``driver.SeamCall.pad_row``). Their inputs were cut off
+    before the computation, so they get zero gradient and real tokens nothing from them."""
+    if y.shape[dim] == row:
+        return y
+    shape = list(y.shape)
+    shape[dim] = row - y.shape[dim]
+    return torch.cat([y, y.new_zeros(shape)], dim)
 
 
 def short_convolution(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -184,7 +200,9 @@ def tree_scan(kernel: Callable, *args, plan: TreePlan | None = None, spec: SeamS
     ``spec`` is a seam spec with the manifest's keys (docs/plugins.md), or ``family`` + ``seam`` name a
     loaded family's seam whose spec to use. With ``family``, its ``native`` op may run (``backend``
     "auto" or "native", as the policy chooses); without one, fork or rescan over ``kernel``.
-    Returns what the seam returns: the output, or (output, None, ...) when the spec says ``returns: n``."""
+    Returns what the seam returns: the output, or (output, None, ...) when the spec says ``returns: n``.
+    Inputs longer than the plan (a collator's padding after the tree's tokens) are cut to the plan's
+    tokens; the output's padding tokens are zeros, and their inputs get zero gradient."""
     plan = _require_plan(plan, "tree_scan")
     if spec is None:
         if family is None or seam is None:
@@ -198,7 +216,8 @@ def tree_scan(kernel: Callable, *args, plan: TreePlan | None = None, spec: SeamS
         raise ValueError("tree_scan: backend 'native' needs family= (whose native op to run)")
     # without a family: fork or rescan over the caller's kernel (its spec's native op is not looked up)
     call = driver.SeamCall.bind(family or driver.PYTHON_FAMILY, name, spec, kernel, plan, args, kwargs)
-    return driver.run_scan(call, backend, policy)
+    call.trim_row()  # a row padded past the plan: the scan runs on the tree's tokens, the padding gets zeros
+    return call.pad_row(driver.run_scan(call, backend, policy))
 
 
 def _first_output(result):

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from .._plan import index_tensor, tree_plan
+from .._tree_kwargs import LEVEL_SIZES, N_CHUNKS, SIZES, _chunk_count
 
 __all__ = ["tree_kwargs_from_batch"]
 
@@ -51,10 +52,11 @@ def tree_kwargs_from_batch(batch: Mapping[str, Any], row: int | None = None) -> 
     tree fields padded with -1, an ``attention_mask``), or one unpadded row (``TreeRow.pack()``'s 1-D
     fields). Either tree format: TRL 1.16's ``tree_kv_index`` / ``tree_cu_seqlens_q`` /
     ``tree_cu_seqlens_k``, with or without ``tree_segment_parents`` / ``tree_segment_depths`` (also
-    the smallest form, ``tree_cu_seqlens_q`` + ``tree_segment_parents``), and huggingface/trl#7686's level
-    sizes ``tree_level_sizes`` / ``tree_sizes`` (cut at ``tree_n_chunks`` when given, else where their
-    0 / -1 padding starts; ``tree_plan`` checks them against the key paths). ``row``: which row to take;
-    needed when the batch holds several (one per data-parallel rank).
+    the smallest form, ``tree_cu_seqlens_q`` + ``tree_segment_parents``), and huggingface/trl#7686's
+    ``tree_level_sizes`` (level sizes) / ``tree_sizes`` (``[max_q, max_k, n_kv, n_chunks, *level sizes]``),
+    cut where the 0 / -1 padding after the level sizes starts (``tree_plan`` checks them against the key
+    paths), and ``tree_n_chunks`` (per row or per batch; the row's passed on as an int). ``row``: which row
+    to take; needed when the batch holds several (one per data-parallel rank).
 
     Returns ``input_ids`` and ``position_ids`` ``(1, N)`` (``position_ids`` is each token's depth; taken
     from the plan when the batch lacks it), ``shift_labels`` ``(1, N)`` when the batch has them, the
@@ -112,25 +114,32 @@ def tree_kwargs_from_batch(batch: Mapping[str, Any], row: int | None = None) -> 
                              f"segments of tree_cu_seqlens_q come {tail.tolist()[:8]}, not a run of 0 or -1 (do the "
                              "fields describe the same tree?)")
         out[key] = vector[:segments]
-    # huggingface/trl#7686's level sizes (segments per level; either name), padded with 0 by its collator:
-    # cut at the row's tree_n_chunks when given, else where the padding starts (no level is empty)
-    counts = batch.get("tree_n_chunks")
-    if counts is not None:
-        counts = torch.as_tensor(counts).reshape(-1)
-        count = int(counts[row] if counts.numel() == rows else counts[0])
-        out["tree_n_chunks"] = count
-    for key in ("tree_level_sizes", "tree_sizes"):
+    # huggingface/trl#7686's fields, padded with 0 by its collator. tree_n_chunks (the chunks its kernel
+    # splits a row into: one per row, or one for the batch) is passed on as an int, checked, never used to
+    # cut a field. tree_level_sizes (segments per level) and tree_sizes ([max_q, max_k, n_kv, n_chunks,
+    # *level sizes]) are cut where the padding after the level sizes starts (no level is empty);
+    # tree_plan checks them against the key paths.
+    if batch.get(N_CHUNKS) is not None:
+        counts = batch[N_CHUNKS]
+        counts = (counts if isinstance(counts, torch.Tensor) else torch.as_tensor(counts)).reshape(-1)
+        if counts.numel() not in (1, rows):
+            raise ValueError(f"tree_kwargs_from_batch: {N_CHUNKS} has {counts.numel()} entries, expected one per row "
+                             f"({rows}) or one for the batch")
+        out[N_CHUNKS] = _chunk_count({N_CHUNKS: counts[row if counts.numel() == rows else 0]})
+    for key, header in ((LEVEL_SIZES, 0), (SIZES, 4)):
         if batch.get(key) is None:
             continue
         vector = _row_vector(batch, key, row, rows)
-        if counts is not None:
-            out[key] = vector[:count]
-            continue
-        real = int((vector > 0).sum())
-        if bool((vector[real:] > 0).any()) or not bool((vector[:real] > 0).all()):
-            raise ValueError(f"tree_kwargs_from_batch: {key}: row {row}: malformed padding: {vector.tolist()[:8]} is "
-                             "not the level sizes (all > 0) followed by 0 or -1")
-        out[key] = vector[:real]
+        if vector.numel() < header:
+            raise ValueError(f"tree_kwargs_from_batch: {key}: row {row}: {vector.numel()} entries, but its layout is "
+                             "[max_q, max_k, n_kv, n_chunks, *level sizes]")
+        levels = vector[header:]
+        real = int((levels > 0).sum())
+        if bool((levels[real:] > 0).any()) or not bool((levels[:real] > 0).all()):
+            raise ValueError(f"tree_kwargs_from_batch: {key}: row {row}: malformed padding: {levels.tolist()[:8]} "
+                             + (f"(entries {header}...) " if header else "")
+                             + "is not the level sizes (all > 0) followed by 0 or -1")
+        out[key] = vector[: header + real]
 
     # the row's tokens: the attention_mask (1s then 0s) when there is one, else the segment bounds
     if batch.get("attention_mask") is not None:
