@@ -25,7 +25,7 @@ import torch
 import models as M
 import tree_recurrence as tr
 from test_mamba2_models import CONV, FAMILY, FUSED, GROUPS_KEY, MAMBA2, SCAN
-from tree_recurrence import stand_ins
+from tree_recurrence import driver, stand_ins
 
 MODEL_TYPES = ["mamba2", "nemotron_h", "bamba", "granitemoehybrid"]
 REQUIRED = ("A_log", "dt_bias", ".D", "conv1d.weight")
@@ -169,3 +169,30 @@ def test_decline_answer_follows_a_replaced_weight_on_the_same_row(env, decisions
     out_proj.weight = marked
     assert forward() == [(FUSED, "native"), (FUSED, "decline")]
     assert [declined for _, _, declined in fused.calls] == [True]
+
+
+@pytest.mark.parametrize("fused_binding", ["torch", "declining"])
+def test_backend_stand_ins_declines_where_the_bound_kernel_declines(fused_binding, env, decisions):
+    """Backend ``stand_ins`` runs the library stand-ins in the bound kernels' place, but the samples
+    alone call the bound fused kernel: bound to transformers' torch fallback, or to a library kernel
+    that declines, they take the split path. So does the tree row (the fused stand-in, which never
+    declines, does not run): the split seams over the conv and scan stand-ins."""
+    tree = M.pack_forest(FOREST)
+    module = MAMBA2.module("mamba2")
+    fused = bind(env, "mamba2", always=True) if fused_binding == "declining" else None
+    model = MAMBA2.make_model("mamba2")
+    weights = M.loss_weights(tree.samples)
+    alone = M.run_alone(model, tree.samples, weights)
+    env.install(model, policy=tr.Policy(strategy="rescan"), backends={FAMILY: "stand_ins"})
+    if fused is not None:
+        fused.calls.clear()
+    decisions.clear()
+    kwargs = tree.trl_kwargs()
+    result = M.run_tree(model, tree, weights, kwargs)
+    M.assert_matches(result, alone, model, what=f"mamba2: backend stand_ins, fused {fused_binding}", required=REQUIRED)
+    got = sorted((d[1], d[2]) for d in decisions if d[0] == FAMILY)
+    assert got == per_layer([[(FUSED, "decline"), (CONV, "rescan"), (SCAN, "rescan")]] * 2, 1), got
+    if fused is not None:  # asked once per layer, on a probe
+        assert fused.calls == [(1, probe_tokens(tr.tree_plan(kwargs)), True)] * 2, fused.calls
+    else:  # the seam is transformers' own: its torch fallback
+        assert not driver.bound_implementation(getattr(module, FUSED).__tree_recurrence_original__)[2]

@@ -80,6 +80,7 @@ class SeamCall:
     rest: dict  # other keywords, tree_* removed
     positional: int  # how many of the manifest's arguments the model passed positionally
     row: int | None = field(default=None)  # the row's length when it was longer than the plan (trimmed)
+    bound: Callable | None = field(default=None)  # the seam's own kernel where backend "stand_ins" replaced it
 
     @classmethod
     def bind(cls, family, seam, spec, original, plan, args, kwargs) -> "SeamCall":
@@ -179,13 +180,12 @@ class SeamCall:
 def run(family: str, seam: str, spec: SeamSpec, kernel: Callable, plan: TreePlan, args: tuple, kwargs: dict,
         backend: str, policy: Policy):
     """One seam call over the trie, as the seam wrappers make it: ``kernel`` is what the seam replaced
-    (backend ``"stand_ins"``: the family's library stand-in in its place, when it has one); the row
-    is trimmed to the plan's tokens, the manifest's adapter runs, and the result is padded back."""
+    (backend ``"stand_ins"``: the family's library stand-in in its place where it has one, ``kernel`` kept as
+    ``SeamCall.bound``); the row is trimmed to the plan's tokens, the adapter runs, the result is padded back."""
+    call = SeamCall.bind(family, seam, spec, kernel, plan, args, kwargs)
     if backend == "stand_ins":
         from .stand_ins import stand_in_seam
-
-        kernel = stand_in_seam(family, seam, kernel) or kernel
-    call = SeamCall.bind(family, seam, spec, kernel, plan, args, kwargs)
+        call.original, call.bound = stand_in_seam(family, seam, kernel) or kernel, kernel
     call.trim_row()
     return call.pad_row(ADAPTERS[call.spec.adapter](call, backend, policy))
 

@@ -17,29 +17,31 @@ A tree row computes what the samples alone compute with the kernels the user bou
 fused semantics run only where the samples alone would run a fused kernel. The mixers call the
 fused seam and take their split path (conv seam, scan seam, their own gated norm, ``out_proj``)
 when it answers None; so does the tree row, whose split seams then follow the trie. The adapter
-declines (answers None) where the bound kernel declines:
+declines (answers None) where the bound kernel -- the one the samples alone call, the seam's own
+(``SeamCall.bound`` where backend ``stand_ins`` put a stand-in in its place) -- declines:
 
-* bound to transformers' torch fallback (it always answers None): declined without a call, decided
-  once per plan with the route (``driver.decide_route``);
-* a library kernel on the native route: the tree row never calls it, so the adapter asks it: the
-  bound kernel, called the way the model called the seam, on a probe under ``torch.no_grad``,
-  declines when it answers None (``_declines``). The probe is the first sample's opening tokens,
-  as that sample alone sends them (batch 1, its first ``min(length, chunk_size)`` tokens, the
-  mixer's own chunk size): a library kernel declines by the layer and its configuration (a
-  quantized ``out_proj``, a dtype, an option it lacks), not by the tokens' values, and a causal
-  kernel on a sample's opening tokens is that sample cut short. The answer is cached on the plan
-  per layer: one plan serves every layer, and one layer's kernel may decline while another's does
-  not, so the key is the call's signature (``_signature``): every parameter among the arguments
-  (or the parameter a view is of: the conv weight) by identity, every other tensor by type, dtype,
-  device and shape, every other argument by value. A checkpoint replay and any later forward of the
-  same row on unchanged weights reuse the answer (the same route in the replay); a weight written
-  in place (an optimizer step) asks again. Cost: one forward of the bound kernel over at most
-  ``chunk_size`` tokens (128 or 256 in released configs), no autograd, once per layer per plan:
-  about ``chunk_size / N`` of the layer's forward over an N-token row (0.5% at N = 49,152 and chunk
-  256) plus the kernel's launches; per call, the signature (some twenty arguments) and a dictionary
-  lookup;
+* transformers' torch fallback (it always answers None): declined without a call (the seam's
+  binding is read per call, cached per seam object: ``driver.bound_implementation``);
+* a library kernel, where the row does not call it (the native route; backend ``stand_ins``, whose
+  stand-in never declines): the adapter asks it. The bound kernel, called the way the model called
+  the seam on a probe under ``torch.no_grad``, declines when it answers None (``_declines``). The
+  probe is the first sample's opening tokens, as that sample alone sends them (batch 1, its first
+  ``min(length, chunk_size)`` tokens, the mixer's own chunk size): a library kernel declines by
+  the layer and its configuration (a quantized ``out_proj``, a dtype, an option it lacks), not by
+  the tokens' values, and a causal kernel on a sample's opening tokens is that sample cut short.
+  The answer is cached on the plan per layer: one plan serves every layer (its route,
+  ``driver.decide_route``, is one for all of them), and one layer's kernel may decline while
+  another's does not, so the key is the call's signature (``_signature``): every parameter among
+  the arguments (or the parameter a view is of: the conv weight) by identity, every other tensor by
+  type, dtype, device and shape, every other argument by value. A checkpoint replay and any later
+  forward of the same row on unchanged weights reuse the answer (the replay takes the same route);
+  a weight replaced (a layer quantized) or written in place (an optimizer step) asks again. Cost:
+  one forward of the bound kernel over at most ``chunk_size`` tokens (128 or 256 in released
+  configs), no autograd, once per layer per plan: about ``chunk_size / N`` of the layer's forward
+  over an N-token row (0.5% at N = 49,152 and chunk 256) plus the kernel's launches; per call, the
+  signature (some twenty arguments) and a dictionary lookup;
 * the rescan route calls the bound kernel over every path: when it answers None, the adapter
-  declines too (no probe needed).
+  declines too (no probe).
 
 The bound kernel is taken to decline all of a layer's calls or none (by the layer, not by its
 tokens); a kernel that answered None for some samples of a layer and not for others would split
@@ -47,6 +49,8 @@ the samples alone between two paths, which one tree row of that layer cannot fol
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import torch.nn.functional as F
@@ -97,18 +101,20 @@ def _signature(value, held: list):
     return ("object", type(value), id(value))
 
 
-def _declines(call) -> bool:
-    """Whether the bound library kernel declines this layer's call (answers None on a probe; see the
-    module's docstring): cached on the plan per call signature, so per layer."""
+def _declines(call, bound) -> bool:
+    """Whether ``bound``, the library kernel the model's seam is bound to, declines this layer's call
+    (answers None on a probe; see the module's docstring): cached on the plan per call signature, so
+    per layer."""
     held: list = []
     arguments = {**call.named, **call.rest}
     key = tuple((name, _signature(arguments[name], held)) for name in sorted(arguments))
-    return call.plan.cached(("fused declines", call.family, call.seam, key), lambda: _probe(call),
-                            depends=(call.original, instance_forward(call.original), *held))
+    return call.plan.cached(("fused declines", call.family, call.seam, key),
+                            lambda: _probe(dataclasses.replace(call, original=bound)),
+                            depends=(bound, instance_forward(bound), *held))
 
 
 def _probe(call) -> bool:
-    """Calls the bound kernel on the first sample's opening tokens (at most the call's chunk size) the
+    """Calls the call's kernel on the first sample's opening tokens (at most the call's chunk size) the
     way the model called the seam, without autograd; True when it answers None."""
     zxbcdt, plan = call.named["zxbcdt"], call.plan
     length = int(plan.array("path_offsets")[1])  # the first sample's tokens
@@ -120,15 +126,17 @@ def _probe(call) -> bool:
         return call.call_original({"zxbcdt": zxbcdt.index_select(1, tokens)}) is None
 
 
+def _decline(call, reason: str):
+    """The fused seam declined (the manifest's ``declined``, None): the mixer takes its split path."""
+    call.record("decline", f"{reason}: the mixer takes its split path")
+    return call.spec.extra.get("declined")
+
+
 def _decide(call, backend: str, policy, device: torch.device) -> driver.Route:
-    """The fused seam's route (``driver.decide_route`` caches it on the plan, one for every layer):
-    decline when the bound implementation is transformers' torch fallback, native with the family's
-    kernels on ``device`` (backend auto / native; a layer whose bound kernel declines still declines:
-    ``_declines``), else rescan."""
+    """The fused seam's route for a library kernel (``driver.decide_route`` caches it on the plan, one
+    for every layer; whether a layer's bound kernel declines is ``_declines``, per layer): native with
+    the family's kernels on ``device`` (backend auto / native), else rescan."""
     implementation, _, is_library = driver.bound_implementation(call.original)
-    if not is_library:
-        return driver.Route("decline", "fused seam bound to transformers' torch fallback (None): the mixer takes "
-                                       "its split path")
     record = plugins.families()[call.family]
     native = all(plugins.has_kernel(record, k, device) for k in ("tree_conv", "ssd_tree_scan"))
     if backend == "native" and not native:
@@ -154,22 +162,20 @@ def split_conv1d_scan(call, backend: str, policy):
                          "call the model with use_cache=False")
     if rest.get("initial_states") is not None:
         raise ValueError(f"{call.seam}: initial_states on a tree-packed row are not supported by the fused seam")
+    bound = call.bound if call.bound is not None else call.original  # what the samples alone call
+    if not driver.bound_implementation(bound)[2]:
+        return _decline(call, "fused seam bound to transformers' torch fallback (None)")
     route = driver.decide_route(call, backend, policy, zxbcdt.device, _decide)
-    if route.strategy == "decline":
-        call.record(route.strategy, route.reason)
-        return call.spec.extra.get("declined")
     call.check_row(zxbcdt, 1, "zxbcdt")
+    # the row calls no bound kernel on the native route, and a stand-in in its place under backend stand_ins
+    if (route.strategy == "native" or bound is not call.original) and _declines(call, bound):
+        return _decline(call, "the bound fused kernel declines this layer (None on a probe)")
     if route.strategy == "rescan":
         out = _rescan(call, zxbcdt)
         if out is None:
-            call.record("decline", "the bound fused kernel answered None over every path: the mixer takes its split path")
-            return call.spec.extra.get("declined")
+            return _decline(call, "the bound fused kernel answered None over every path")
         call.record(route.strategy, route.reason)
         return out
-    if _declines(call):
-        call.record("decline", "the bound fused kernel declines this layer (None on a probe): the mixer takes its "
-                               "split path")
-        return call.spec.extra.get("declined")
 
     weight, bias, dt_bias, A, D = (named.get(k) for k in ("conv1d_weight", "conv1d_bias", "dt_bias", "A", "D"))
     activation = rest.get("activation", "silu")
