@@ -1,9 +1,13 @@
 """What install reads from a model: its text config and ``layer_types``, the plain module descriptions
 the family plugins' detectors (C++, ``sdk/detectors.h``) judge, which mixers they claim and which
-recurrent layers no family covers, and whether a mixer's instance forward bypasses its seams."""
+recurrent layers no family covers, whether a mixer's instance forward bypasses its seams, and whether
+its class forward calls them."""
 
 from __future__ import annotations
 
+import functools
+import types
+import weakref
 from typing import Any
 
 import torch
@@ -76,6 +80,125 @@ def instance_forward_bypass(mixer: torch.nn.Module) -> str | None:
     return f"its forward was replaced on the instance (by {what}), which bypasses the module's seams"
 
 
+# ------------------------------------------------------------------------------------------------
+# whether a mixer's forward calls its modeling module's seams
+# ------------------------------------------------------------------------------------------------
+
+# Adapters of the seams that carry a mixer's token mixing (a conv, a scan): its forward must reach every
+# one its modeling module defines. A fused seam ("family", "decline") stands beside a split path the
+# forward reaches too (a fused conv + scan beside the split conv and scan), so it is not required; a
+# family without conv or scan seams needs one of its other seams reached.
+MIXING_ADAPTERS = ("conv", "scan")
+_MAX_FUNCTIONS = 256  # Python functions followed from one forward
+_MODULE_BASES = frozenset(torch.nn.Module.__mro__)  # nn.Module's own methods are never followed
+# class -> (modeling module, [(name, the class attributes it resolved to)], names of the module reached)
+_reach_cache: "weakref.WeakKeyDictionary[type, tuple]" = weakref.WeakKeyDictionary()
+
+
+def _code_names(code: types.CodeType) -> set[str]:
+    """The global and attribute names ``code`` and the code nested in it (closures, comprehensions) use."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _code_names(const)
+    return names
+
+
+def _class_attrs(cls: type, name: str) -> tuple:
+    """``name`` on ``cls`` and on each base below nn.Module (``super().name(...)`` reaches those too)."""
+    return tuple(k.__dict__[name] for k in cls.__mro__ if k not in _MODULE_BASES and name in k.__dict__)
+
+
+def _is_python(obj: Any) -> bool:
+    """Whether ``obj`` (a forward) leads to Python code: through bound methods, partials, ``__wrapped__``
+    and a Python ``__call__``."""
+    for _ in range(16):
+        if isinstance(obj, types.FunctionType):
+            return True
+        call = getattr(type(obj), "__call__", None)
+        obj = getattr(obj, "__func__", None) or getattr(obj, "func", None) or getattr(obj, "__wrapped__", None) or \
+            (call if isinstance(call, types.FunctionType) else None)
+        if obj is None:
+            return False
+    return False
+
+
+def _reach(cls: type, module: Any) -> tuple[list, frozenset[str]]:
+    """The names of ``module``'s globals that ``cls.forward`` reaches (with the class lookups made):
+    its wrappers (``__wrapped__``, closure cells, partials, bound methods), the code nested in each
+    function, and the class's methods it names (``self.torch_forward(...)``, ``super().forward``). A
+    function counts when its globals are the module's (or it names the module): a copy of a seam
+    imported into another module is not the seam."""
+    namespace, reached, lookups, seen = vars(module), set(), [], set()
+    frontier = list(_class_attrs(cls, "forward")[:1])
+    lookups.append(("forward", _class_attrs(cls, "forward")))
+    while frontier and len(seen) < _MAX_FUNCTIONS:
+        item = frontier.pop()
+        if item is None or isinstance(item, type) or id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, (staticmethod, classmethod, types.MethodType)):
+            frontier.append(item.__func__)
+        elif isinstance(item, functools.partial):
+            frontier.append(item.func)
+        elif isinstance(item, types.FunctionType):
+            names = _code_names(item.__code__)
+            if item.__globals__ is namespace or any(item.__globals__.get(n) is module for n in names):
+                reached |= names
+            frontier.append(getattr(item, "__wrapped__", None))
+            for cell in item.__closure__ or ():
+                try:
+                    frontier.append(cell.cell_contents)
+                except ValueError:  # an empty cell
+                    pass
+            for name in names:
+                found = _class_attrs(cls, name)
+                if found:
+                    lookups.append((name, found))
+                    frontier.extend(found)
+        elif getattr(item, "__wrapped__", None) is not None:
+            frontier.append(item.__wrapped__)
+    return lookups, frozenset(reached)
+
+
+def _reached(cls: type, module: Any) -> frozenset[str]:
+    """``_reach``, cached per class while the class attributes it looked up are the same objects."""
+    cached = _reach_cache.get(cls)
+    if cached is not None and cached[0] is module and \
+            all(len(now := _class_attrs(cls, name)) == len(was) and all(a is b for a, b in zip(now, was))
+                for name, was in cached[1]):
+        return cached[2]
+    lookups, reached = _reach(cls, module)
+    _reach_cache[cls] = (module, lookups, reached)
+    return reached
+
+
+def forward_seam_gap(mixer: torch.nn.Module, module: Any, family: str, seams: dict) -> str | None:
+    """Why ``mixer``'s class ``forward`` would bypass the seams of ``module`` (its modeling module) that
+    ``family`` hooks, or None: it must reach every conv / scan seam the module defines (see
+    ``MIXING_ADAPTERS``), as Python code this function can read. A forward marked with
+    ``mark_tree_forward`` follows trees in its own code and needs no seam."""
+    cls = type(mixer)
+    forward = getattr(cls, "forward", None)
+    if hasattr(forward, "__tree_recurrence_forward__"):
+        return None
+    present = {seam: spec.adapter for seam, spec in seams.items()
+               if hasattr(module, seam) and spec.adapter != "decline"}
+    required = [seam for seam, adapter in present.items() if adapter in MIXING_ADAPTERS]
+    if not present:
+        return None
+    what = f"{cls.__name__}.forward"
+    if not _is_python(forward):
+        return (f"its forward ({what} = {forward!r:.100}) is not Python code, so install cannot tell whether it calls "
+                f"the seam(s) {required or sorted(present)} of {module.__name__} that family '{family}' hooks; "
+                "it may mix the packed samples")
+    reached = _reached(cls, module)
+    missing = [seam for seam in required if seam not in reached]
+    if missing or not reached & set(present):
+        qualname = getattr(getattr(forward, "__wrapped__", forward), "__qualname__", what)
+        return (f"its forward ({qualname}) does not call the seam(s) {missing or sorted(present)} of {module.__name__} "
+                f"that family '{family}' hooks: it would mix the packed samples")
+    return None
 
 
 def claim(model: torch.nn.Module, families: dict, config: Any, model_type: str) -> tuple[dict, list[str]]:

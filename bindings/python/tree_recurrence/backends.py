@@ -6,11 +6,22 @@ policy chooses native / fork / rescan), ``"native"`` (the family's own tree kern
 library stand-ins, bound as libraries; ``RENAMED``: ``"reference"`` is its deprecated name), and
 those integrations register (``register_backend``: ``integrations.trl`` adds ``"trl"``, a hand-off
 backend: the family's modeling modules go to TRL's own tree kernel). A backend whose check says no
-is refused with its reason, or replaced by its fallback."""
+is refused with its reason, or replaced by its fallback.
+
+Re-routing an installed model (``route``, ``conflict``): installing it again with a hand-off backend
+releases this package's hooks on a modeling module only it uses and hands the module over
+(``hand_off`` records every attribute the library changed there); installing it again with one of
+this package's backends takes such a module back (``take_back`` restores those attributes and removes
+the module from the library's patched set), and so does uninstalling the last model that used it. A
+module another installed model still uses is refused (``conflict`` names that model); one the library
+patched on its own, not through install, stays the library's."""
 
 from __future__ import annotations
 
+import sys
 import warnings
+import weakref
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from . import seams
@@ -99,3 +110,142 @@ def check_backends(backends: dict[str, str] | None, families: dict) -> dict[str,
             raise ValueError(f"backends: backend '{backend}' is not available for family '{family}': {why}. "
                              f"Available backends: {usable}")
     return backends
+
+
+# ------------------------------------------------------------------------------------------------
+# modules handed to a library by install, and taken back
+# ------------------------------------------------------------------------------------------------
+
+_ABSENT = object()
+
+
+@dataclass(eq=False)
+class HandOff:
+    """A modeling module install handed to a hand-off backend's library: what the library changed
+    there (target, attribute, the object before or ``_ABSENT``, the object it put), and for which
+    installed models (held weakly)."""
+
+    backend: str
+    family: str
+    changes: list[tuple[Any, str, Any, Any]] = field(default_factory=list)
+    models: dict[int, weakref.ref] = field(default_factory=dict)
+
+
+handoffs: dict[str, HandOff] = {}  # module name -> its hand-off (guarded by seams.lock)
+
+
+def _snapshot(module_name: str) -> dict:
+    """(target, attribute) -> object, for the module and every class it defines: what a library's
+    patcher may replace."""
+    module = sys.modules.get(module_name)
+    if module is None:
+        return {}
+    found = {(module, key): value for key, value in vars(module).items() if key != "__warningregistry__"}
+    for value in list(vars(module).values()):
+        if isinstance(value, type) and value.__module__ == module_name:
+            found.update({(value, key): item for key, item in vars(value).items()})
+    return found
+
+
+def _changes(before: dict, after: dict) -> list[tuple[Any, str, Any, Any]]:
+    return [(target, key, before.get((target, key), _ABSENT), after.get((target, key), _ABSENT))
+            for target, key in {**before, **after}
+            if before.get((target, key), _ABSENT) is not after.get((target, key), _ABSENT)]
+
+
+def _restore(changes: list[tuple[Any, str, Any, Any]]) -> None:
+    """Puts back every changed attribute that still holds what the library put there."""
+    for target, key, before, after in reversed(changes):
+        if vars(target).get(key, _ABSENT) is not after:
+            continue  # changed again since: that change stays
+        if before is _ABSENT:
+            delattr(target, key)
+        else:
+            setattr(target, key, before)
+
+
+def _others(models: dict[int, weakref.ref], model: Any) -> list[str]:
+    return [type(m).__name__ for key, ref in models.items() if key != id(model) and (m := ref()) is not None]
+
+
+def conflict(module_name: str, family: str, requested: str | None, model: Any) -> str | None:
+    """Why ``model`` cannot be (re-)installed with backend ``requested`` for ``module_name``, or None: the
+    module must change hands (between this package's hooks and a hand-off library) while another
+    installed model still uses it, or what the library put there was replaced since."""
+    owner, handed = seams.owners.get(module_name), handoffs.get(module_name)
+    if requested in HANDOFF_BACKENDS and owner is not None and _others(owner.models, model):
+        return (f"backends: {module_name} is already hooked by tree_recurrence (family '{owner.family}', backend "
+                f"'{owner.backend}') for another installed model ({', '.join(_others(owner.models, model))}); "
+                f"uninstall that model before handing the module to backend '{requested}'")
+    if handed is None or requested is None or requested == handed.backend:
+        return None
+    if _others(handed.models, model):
+        return (f"backends: {module_name} is handed to backend '{handed.backend}' for another installed model "
+                f"({', '.join(_others(handed.models, model))}); uninstall that model before installing with backend "
+                f"'{requested}'")
+    replaced = [key for target, key, _, after in handed.changes if vars(target).get(key, _ABSENT) is not after]
+    if replaced:
+        return (f"backends: {module_name} was handed to backend '{handed.backend}', and what it put there "
+                f"({replaced}) was replaced since by something else, so it cannot be taken back for backend "
+                f"'{requested}'; keep backend '{handed.backend}'")
+    return None
+
+
+def route(module_name: str, family: str, requested: str | None, model: Any) -> str:
+    """The backend that serves ``model``'s layers in ``module_name`` (``requested``, else the module's
+    current one), after moving the module to it: this package's hooks released before a hand-off, a
+    module handed off taken back for one of this package's backends (``conflict`` said yes)."""
+    if requested in HANDOFF_BACKENDS and module_name in seams.owners:
+        seams.release_model(module_name, id(model))  # only this model used it: the module is restored
+    owner, handed = seams.owners.get(module_name), handoffs.get(module_name)
+    if owner is not None:
+        return requested or owner.backend
+    if handed is not None:
+        if requested is None or requested == handed.backend:
+            return handed.backend
+        take_back(module_name)
+    if requested in HANDOFF_BACKENDS:
+        return requested
+    return owned_elsewhere(module_name, family) or requested or "auto"  # a library patched it first: it stays its
+
+
+def hand_off(backend: str, model: Any, family: str, module_names: list[str]) -> None:
+    """Gives the library of hand-off ``backend`` the model's modules of ``family`` (its action), recording
+    what it changed in each; what it changed is undone if it raises."""
+    before = {name: _snapshot(name) for name in module_names}
+    try:
+        if backend in HANDOFF_ACTIONS:
+            HANDOFF_ACTIONS[backend](model, family, module_names)
+    except BaseException:
+        for name in module_names:
+            _restore(_changes(before[name], _snapshot(name)))
+        raise
+    for name in module_names:
+        changes = _changes(before[name], _snapshot(name))
+        record = handoffs.get(name)
+        if record is None and changes:
+            record = handoffs[name] = HandOff(backend, family)
+        if record is not None:
+            record.changes += changes
+            record.models[id(model)] = weakref.ref(model)
+
+
+def take_back(module_name: str) -> None:
+    """Undoes a hand-off: every attribute the library changed that still holds its object gets the one it
+    replaced, and the library forgets the module (its patched set)."""
+    record = handoffs.pop(module_name, None)
+    if record is None:
+        return
+    _restore(record.changes)
+    note = _NOTES.get(record.backend)
+    if note is not None:
+        note(module_name, record.family, False)
+
+
+def release_handoffs(model_id: int) -> None:
+    """Removes a model's claim on the modules handed off for it; a module no installed model uses any
+    more is taken back."""
+    for name, record in list(handoffs.items()):
+        record.models.pop(model_id, None)
+        if not any(ref() is not None for ref in record.models.values()):
+            take_back(name)

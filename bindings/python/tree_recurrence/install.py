@@ -22,15 +22,20 @@ name ``"reference"`` is accepted with a DeprecationWarning), ``"trl"``
 the family, ``FALLBACKS``). A backend whose check says it is unusable is refused with the check's
 reason (or replaced by its fallback); a hand-off backend (``HANDOFF_BACKENDS``) leaves the modeling
 module unpatched for the library that owns it. A module TRL patched first stays TRL's; one hooked
-here is recorded in TRL's patched set. What install reads from the model (descriptions for the
-detectors, ``layer_types``, instance forwards) is ``_detection.py``.
+here is recorded in TRL's patched set. Installing a model again with other backends re-routes its
+modules (``backends.route``): our hooks released and the module handed over, or a module handed off
+taken back, unless another installed model still uses it (a ``ValueError`` names it). What install
+reads from the model (descriptions for the detectors, ``layer_types``, instance and class forwards)
+is ``_detection.py``.
 
 Ownership (docs/architecture.md, "Who owns a seam"): install and uninstall are serialized by
 ``seams.locked()``; installed models are held weakly (a collected model releases its modules);
 uninstall restores only attributes that still hold our wrappers. Also refused (``"none"``): a
 modeling module lacking a seam its family needs, a mixer whose instance ``forward`` bypasses the
-seams, an unmarked mixer of a Python-registered family without seams, and ``layer_types`` whose
-family's mixer classes the model lacks. A tree row that does not say ``use_cache`` runs without one.
+seams or whose class ``forward`` does not call them (or is not Python code), an unmarked mixer of a
+Python-registered family without seams that follows trees (one that follows chains needs no mark),
+and ``layer_types`` whose family's mixer classes the model lacks. A tree row that does not say
+``use_cache`` runs without one.
 """
 
 from __future__ import annotations
@@ -44,11 +49,11 @@ from typing import Callable
 import torch
 
 from . import driver, plugins, seams
-from ._detection import claim, instance_forward_bypass, text_config
+from ._detection import claim, forward_seam_gap, instance_forward_bypass, text_config
 from ._detection import layer_types as _layer_types  # noqa: F401  (tests read it here)
 from ._plan import is_meta_tree, tree_plan
-from .backends import (BACKENDS, FALLBACKS, HANDOFF_ACTIONS, HANDOFF_BACKENDS, check_backends, owned_elsewhere,  # noqa: F401
-                       register_backend, tell_libraries)
+from .backends import (BACKENDS, FALLBACKS, HANDOFF_ACTIONS, HANDOFF_BACKENDS, check_backends, conflict,  # noqa: F401
+                       hand_off, owned_elsewhere, register_backend, release_handoffs, route, tell_libraries)
 from .policy import Policy
 
 # the name install's callers knew it by (integrations.trl imports _check_backends)
@@ -120,6 +125,7 @@ def _forget_collected(model_id: int) -> None:
         _installed.pop(model_id, None)
         _guards.pop(model_id, None)  # the hooks died with the model's modules
         _cache_hooks.pop(model_id, None)
+        release_handoffs(model_id)
 
 
 seams._release_hooks.append(_forget_collected)
@@ -163,7 +169,7 @@ def _install(model: torch.nn.Module, policy: Policy | None, backends: dict[str, 
     claimed, leftovers = claim(model, families, config, model_type)
     if leftovers:
         return Support(mode="none", reason="; ".join(dict.fromkeys(leftovers)))
-    entries = _resolve(claimed, families, backends)  # before patching anything: a refusal patches nothing
+    entries = _resolve(model, claimed, families, backends)  # before patching anything: a refusal patches nothing
     if isinstance(entries, str):
         return Support(mode="none", reason=entries)
     chains = [f"{path} ({type(mixer).__name__}, family '{family}')" for path, (family, mixer) in claimed.items()
@@ -184,8 +190,9 @@ def _install(model: torch.nn.Module, policy: Policy | None, backends: dict[str, 
     return support
 
 
-def _resolve(claimed: dict, families: dict, backends: dict[str, str]) -> dict | str:
-    """Every claimed mixer's (manifest entry, follows), path by path, or why install refuses the model."""
+def _resolve(model: torch.nn.Module, claimed: dict, families: dict, backends: dict[str, str]) -> dict | str:
+    """Every claimed mixer's (manifest entry, follows), path by path, or why install refuses the model
+    (raises when the backends asked for would take a module from another installed model)."""
     for family in sorted({f for f, _ in claimed.values()}):
         missing = {seam: spec.adapter for seam, spec in families[family].seams.items()
                    if spec.adapter not in driver.ADAPTERS}
@@ -204,22 +211,22 @@ def _resolve(claimed: dict, families: dict, backends: dict[str, str]) -> dict | 
                   if spec.adapter != "decline" and not hasattr(module, seam)]
         if needed:
             return f"{path} ({name}): its modeling module {module_name} lacks the seam(s) {needed} family '{family}' needs"
-        bypass = instance_forward_bypass(mixer)
+        bypass = instance_forward_bypass(mixer) or forward_seam_gap(mixer, module, family, families[family].seams)
         if bypass:
             return f"{path} ({name}): {bypass}"
-        if families[family].python and not families[family].seams and \
-                not hasattr(getattr(type(mixer), "forward", None), "__tree_recurrence_forward__"):
-            return (f"{path} ({name}): family '{family}' (registered from Python, no seams) claims mixers whose "
-                    f"forward follows trees, but {name}.forward is not marked with mark_tree_forward")
         follows = entry.get("follows", "tree")
         if follows not in FOLLOWS:
             return (f"{path} ({name}): the '{family}' manifest says it follows {follows!r}, which this version does "
                     f"not know (known: {list(FOLLOWS)})")
-        owner = seams.owners.get(module_name)
-        if backends.get(family) in HANDOFF_BACKENDS and owner is not None:
-            raise ValueError(f"backends: {module_name} is already hooked by tree_recurrence (family '{owner.family}', "
-                             f"backend '{owner.backend}') for another model; uninstall that model before handing the "
-                             f"module to backend '{backends[family]}'")
+        # a family that follows trees without seams does so in the mixer's own forward (marked); one that
+        # follows chains reads the row's sample boundaries itself
+        if follows == "tree" and families[family].python and not families[family].seams and \
+                not hasattr(getattr(type(mixer), "forward", None), "__tree_recurrence_forward__"):
+            return (f"{path} ({name}): family '{family}' (registered from Python, no seams) claims mixers whose "
+                    f"forward follows trees, but {name}.forward is not marked with mark_tree_forward")
+        refused = conflict(module_name, family, backends.get(family), model)
+        if refused:
+            raise ValueError(refused)
         entries[path] = (entry, follows)
     return entries
 
@@ -233,9 +240,7 @@ def _hook(model: torch.nn.Module, claimed: dict, entries: dict, families: dict, 
     for path, (family, mixer) in claimed.items():
         module_name = type(mixer).__module__
         entry, follows = entries[path]
-        backend = backends.get(family, seams.owners[module_name].backend if module_name in seams.owners else "auto")
-        if backend not in HANDOFF_BACKENDS and module_name not in seams.owners:
-            backend = owned_elsewhere(module_name, family) or backend  # a library patched it first: it stays its
+        backend = route(module_name, family, backends.get(family), model)
         if backend in HANDOFF_BACKENDS:
             names = handoffs.setdefault((backend, family), [])
             if module_name not in names:
@@ -257,12 +262,9 @@ def _hook(model: torch.nn.Module, claimed: dict, entries: dict, families: dict, 
         support.families[family] = backend
     try:
         for (backend, family), names in handoffs.items():
-            if backend in HANDOFF_ACTIONS:
-                HANDOFF_ACTIONS[backend](model, family, names)
+            hand_off(backend, model, family, names)
     except BaseException:
-        _remove_guards(id(model))
-        for name in support.modules:
-            seams.release_model(name, id(model))
+        _release(model, support)  # a re-install that fails leaves the model uninstalled
         raise
 
 
@@ -274,12 +276,22 @@ def uninstall(model: torch.nn.Module) -> None:
         support = _support_of(model)
         if support is None:
             return
-        del _installed[id(model)], _installed_refs[id(model)]
-        _remove_guards(id(model))
-        for name in support.modules:
-            seams.release_model(name, id(model))
-    if getattr(model, "_tree_recurrence_support", None) is support:
-        del model._tree_recurrence_support
+        _release(model, support)
+
+
+def _release(model: torch.nn.Module, support: Support) -> None:
+    """Drops every claim of ``model`` (``support``'s and an earlier install's): guards, hooked modules,
+    modules handed off for it (taken back when no installed model uses them)."""
+    earlier = _support_of(model)
+    _installed.pop(id(model), None)
+    _installed_refs.pop(id(model), None)
+    _remove_guards(id(model))
+    for name in dict.fromkeys(support.modules + (earlier.modules if earlier is not None else [])):
+        seams.release_model(name, id(model))
+    release_handoffs(id(model))
+    for done in (support, earlier):
+        if done is not None and getattr(model, "_tree_recurrence_support", None) is done:
+            del model._tree_recurrence_support
 
 
 def set_backend(model: torch.nn.Module, family: str, backend: str) -> None:
@@ -293,7 +305,7 @@ def set_backend(model: torch.nn.Module, family: str, backend: str) -> None:
     if backend in HANDOFF_BACKENDS or support.families[family] in HANDOFF_BACKENDS:
         raise ValueError(f"set_backend: backend '{backend if backend in HANDOFF_BACKENDS else support.families[family]}' "
                          f"hands the modeling modules to another library; choose it at install "
-                         f"(uninstall, then install(model, backends={{'{family}': ...}}))")
+                         f"(install(model, backends={{'{family}': ...}}) again re-routes the model's modules)")
     for name in support.modules:
         owner = seams.owners[name]
         if owner.family == family:
