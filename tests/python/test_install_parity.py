@@ -9,6 +9,7 @@ Python-registered family that follows chains needs no marked forward.
 from __future__ import annotations
 
 import functools
+import gc
 import importlib
 import sys
 import textwrap
@@ -217,6 +218,17 @@ def fake_trl(monkeypatch):
             setattr(sys.modules[name], SCAN, original)
 
 
+@pytest.fixture(autouse=True)
+def no_handoff_left():
+    """Every test leaves no module recorded as handed off (a leak would change later tests' routing)."""
+    from tree_recurrence import backends
+
+    yield
+    left = sorted(backends.handoffs)
+    backends.handoffs.clear()
+    assert not left, f"test left modules handed off: {left}"
+
+
 def _pristine() -> dict:
     """transformers' own seam objects of the module, captured before any test ran (conftest)."""
     return pristine_seams(MODEL_TYPE)
@@ -267,6 +279,19 @@ def test_uninstalling_a_model_handed_to_trl_restores_transformers_objects(fake_t
     assert installed(model, backends={FAMILY: "kernel"}).families == {FAMILY: "kernel"}
     tr.uninstall(model)
     assert all(getattr(module, s) is pristine[s] for s in SEAMS) and NAME not in seams.owners
+
+
+def test_collected_model_handed_to_trl_gives_the_module_back(fake_trl):
+    module = _module()
+    pristine = _pristine()
+    model = M.make_model(MODEL_TYPE)
+    tr.install(model, backends={FAMILY: "trl"})
+    assert getattr(module, SCAN).__name__ == "trl_tree_kernel"
+    fake_trl.calls.clear()  # the fake's record of the model
+    del model
+    gc.collect()
+    seams.sweep()
+    assert all(getattr(module, s) is pristine[s] for s in SEAMS) and NAME not in fake_trl._PATCHED_MODULES
 
 
 def test_reinstall_is_refused_while_another_model_uses_the_module(fake_trl, installed):
