@@ -15,6 +15,78 @@ using namespace tree_recurrence;
 
 namespace {
 
+// Strings leave C++ for Python only through text() and path_text(), and exceptions through the
+// translator the module registers (translate): strings here carry bytes from files anyone who can
+// write to a plugin folder chooses (manifest text that yaml-cpp quotes in its errors, file names,
+// manifest values, what plugins return), and pybind11's own conversions decode strict UTF-8, so one
+// invalid byte would raise UnicodeDecodeError out of plugin discovery.
+
+// `s` as Python text; bytes that are not UTF-8 become \xNN escapes (Python's "backslashreplace").
+py::str text(const std::string& s) {
+  PyObject* out = PyUnicode_DecodeUTF8(s.data(), static_cast<Py_ssize_t>(s.size()), "backslashreplace");
+  if (!out) throw py::error_already_set();
+  return py::reinterpret_steal<py::str>(out);
+}
+
+// A file system path (std::filesystem::path::string(): the bytes the file system holds, on POSIX never
+// converted) as os.fsdecode makes it: bytes that are not UTF-8 become surrogates, so the str still names
+// the same file (os.fsencode gives the bytes back).
+py::str path_text(const std::string& s) {
+  PyObject* out = PyUnicode_DecodeFSDefaultAndSize(s.data(), static_cast<Py_ssize_t>(s.size()));
+  if (!out) throw py::error_already_set();
+  return py::reinterpret_steal<py::str>(out);
+}
+
+// A path from Python (str, bytes or os.PathLike) as the bytes the file system sees (os.fsencode): a str
+// holding surrogates (a name that is not UTF-8, as os.environ and os.listdir give it) is a valid path
+// that pybind11's own str conversion refuses. A NUL byte is refused as Python's os functions refuse it
+// (the file system would see the name cut there).
+std::string fs_bytes(const py::handle& path) {
+  std::string bytes = py::module_::import("os").attr("fsencode")(path).cast<std::string>();
+  if (const size_t nul = bytes.find('\0'); nul != std::string::npos)
+    throw py::value_error("embedded null byte in path '" + clip(bytes.substr(0, nul), 300) + "\\0...'");
+  return bytes;
+}
+
+// Sets the Python error `type` with `message` as text: what() of an exception thrown here may quote
+// file content (yaml-cpp's messages carry the offending byte).
+void raise_text(PyObject* type, const char* message) { PyErr_SetObject(type, text(message).ptr()); }
+
+// pybind11's translation of C++ exceptions (the same Python types), with what() decoded by text().
+void translate(std::exception_ptr thrown) {
+  try {
+    if (thrown) std::rethrow_exception(thrown);
+  } catch (const py::error_already_set&) {
+    throw;  // already a Python error: pybind11 restores it
+  } catch (const py::key_error& e) {
+    raise_text(PyExc_KeyError, e.what());
+  } catch (const py::value_error& e) {
+    raise_text(PyExc_ValueError, e.what());
+  } catch (const py::type_error& e) {
+    raise_text(PyExc_TypeError, e.what());
+  } catch (const py::index_error& e) {
+    raise_text(PyExc_IndexError, e.what());
+  } catch (const py::builtin_exception&) {
+    throw;  // pybind11's own (cast errors, stop_iteration, ...): its messages name C++ types
+  } catch (const std::bad_alloc&) {
+    throw;
+  } catch (const std::invalid_argument& e) {
+    raise_text(PyExc_ValueError, e.what());
+  } catch (const std::domain_error& e) {
+    raise_text(PyExc_ValueError, e.what());
+  } catch (const std::length_error& e) {
+    raise_text(PyExc_ValueError, e.what());
+  } catch (const std::range_error& e) {
+    raise_text(PyExc_ValueError, e.what());
+  } catch (const std::out_of_range& e) {
+    raise_text(PyExc_IndexError, e.what());
+  } catch (const std::overflow_error& e) {
+    raise_text(PyExc_OverflowError, e.what());
+  } catch (const std::exception& e) {
+    raise_text(PyExc_RuntimeError, e.what());
+  }
+}
+
 // A copy of one plan array, as a bytearray of native int64 values.
 py::bytearray copy_out(const IndexVector& values) {
   return py::bytearray(reinterpret_cast<const char*>(values.data()), values.size() * sizeof(Index));
@@ -43,7 +115,9 @@ py::object yaml_to_python(const YAML::Node& node) {
   switch (node.Type()) {
     case YAML::NodeType::Map: {
       py::dict out;
-      for (const auto& item : node) out[py::str(item.first.as<std::string>())] = yaml_to_python(item.second);
+      // a key that is not a scalar (YAML allows `? [a, b]: x` and an empty key) is kept as its YAML text
+      for (const auto& item : node)
+        out[text(item.first.IsScalar() ? item.first.Scalar() : YAML::Dump(item.first))] = yaml_to_python(item.second);
       return out;
     }
     case YAML::NodeType::Sequence: {
@@ -52,24 +126,24 @@ py::object yaml_to_python(const YAML::Node& node) {
       return out;
     }
     case YAML::NodeType::Scalar: {
-      const std::string text = node.as<std::string>();
+      const std::string scalar = node.Scalar();
       if (node.Tag() != "!") {  // plain scalars: YAML's usual typing
-        if (text == "true" || text == "false") return py::bool_(text == "true");
-        if (text == "null" || text == "~") return py::none();
+        if (scalar == "true" || scalar == "false") return py::bool_(scalar == "true");
+        if (scalar == "null" || scalar == "~") return py::none();
         try {
           size_t used = 0;
-          const long long value = std::stoll(text, &used);
-          if (used == text.size()) return py::int_(value);
+          const long long value = std::stoll(scalar, &used);
+          if (used == scalar.size()) return py::int_(value);
         } catch (const std::exception&) {
         }
         try {
           size_t used = 0;
-          const double value = std::stod(text, &used);
-          if (used == text.size()) return py::float_(value);
+          const double value = std::stod(scalar, &used);
+          if (used == scalar.size()) return py::float_(value);
         } catch (const std::exception&) {
         }
       }
-      return py::str(text);
+      return text(scalar);
     }
     default: return py::none();
   }
@@ -79,20 +153,20 @@ py::dict record_to_python(const PluginRecord& r) {
   py::dict out;
   // Fields come from files anyone with write access to a plugin folder controls: bounded here
   // (the registry already bounds the messages it writes), so doctor never prints megabytes.
-  out["family"] = clip(r.family, 100);
-  out["version"] = clip(r.version, 100);
-  out["library_version"] = r.library_version;
-  out["op_namespace"] = r.manifest.op_namespace;
+  out["family"] = text(clip(r.family, 100));
+  out["version"] = text(clip(r.version, 100));
+  out["library_version"] = text(r.library_version);
+  out["op_namespace"] = text(r.manifest.op_namespace);
   // A loaded plugin's paths resolved (at most PATH_MAX) and are used as paths: kept whole.
-  out["manifest_path"] = r.loaded ? r.manifest_path : clip(r.manifest_path, 1000);
-  out["library_path"] = r.loaded ? r.library_path : clip(r.library_path, 1000);
+  out["manifest_path"] = path_text(r.loaded ? r.manifest_path : clip(r.manifest_path, 1000));
+  out["library_path"] = path_text(r.loaded ? r.library_path : clip(r.library_path, 1000));
   out["loaded"] = r.loaded;
-  out["error"] = clip(r.error, 2000);
-  out["fingerprint"] = r.fingerprint;
+  out["error"] = text(clip(r.error, 2000));
+  out["fingerprint"] = text(r.fingerprint);
   out["manifest"] = r.loaded ? yaml_to_python(r.manifest_node) : py::object(py::none());
   py::list kernels;
   if (r.loaded)
-    for (const auto& k : r.family_object->kernels()) kernels.append(py::make_tuple(k.name, k.device, k.available));
+    for (const auto& k : r.family_object->kernels()) kernels.append(py::make_tuple(text(k.name), text(k.device), k.available));
   out["kernels"] = kernels;
   return out;
 }
@@ -126,7 +200,8 @@ ModuleDescription describe_module(const py::dict& d) {
 PYBIND11_MODULE(_core, m) {
   m.doc() = "tree-recurrence core: TreePlan, Policy, plugin registry";
   m.attr("ABI_VERSION") = TREE_RECURRENCE_ABI_VERSION;
-  m.def("core_fingerprint", &core_fingerprint);
+  py::register_local_exception_translator(translate);
+  m.def("core_fingerprint", [] { return text(core_fingerprint()); });
 
   py::class_<TreePlan, std::shared_ptr<TreePlan>>(m, "TreePlan")
       .def_static(
@@ -194,8 +269,10 @@ PYBIND11_MODULE(_core, m) {
           "strategy", [](const Policy& p) { return to_string(p.strategy); },
           [](Policy& p, const std::string& s) { p.strategy = strategy_from_string(s); })
       .def_readwrite("prefer_native", &Policy::prefer_native)
-      .def_static("from_yaml_file", py::overload_cast<const std::string&, Policy>(&Policy::from_yaml_file), py::arg("path"),
-                  py::arg("base"))
+      .def_static(
+          "from_yaml_file",
+          [](const py::object& path, Policy base) { return Policy::from_yaml_file(fs_bytes(path), base); },
+          py::arg("path"), py::arg("base"))
       .def_static("from_yaml_text", py::overload_cast<const std::string&, Policy, const std::string&>(&Policy::from_yaml_text),
                   py::arg("text"), py::arg("base"), py::arg("origin") = "<string>")
       .def_static("from_environment", py::overload_cast<Policy>(&Policy::from_environment), py::arg("base"))
@@ -203,16 +280,21 @@ PYBIND11_MODULE(_core, m) {
       .def("choose",
            [](const Policy& p, const TreePlan& plan, bool native_available, bool fork_available) {
              Decision d = p.choose(plan, native_available, fork_available);
-             return py::make_tuple(to_string(d.strategy), d.reason);
+             return py::make_tuple(to_string(d.strategy), text(d.reason));
            })
       .def("__repr__", [](const Policy& p) {
         return "Policy(fork_min_saved_tokens=" + std::to_string(p.fork_min_saved_tokens) + ", strategy='" +
                to_string(p.strategy) + "', prefer_native=" + (p.prefer_native ? "True" : "False") + ")";
       });
 
-  m.def("discover_plugins", [](const std::vector<std::string>& folders) {
+  // folders: str, bytes or os.PathLike each (a str from os.fsdecode of a name that is not UTF-8 included)
+  m.def("discover_plugins", [](const py::iterable& folders) {
+    if (py::isinstance<py::str>(folders) || py::isinstance<py::bytes>(folders))
+      throw py::type_error("discover_plugins: expected a list of folders, got one path");
+    std::vector<std::string> paths;
+    for (const auto& folder : folders) paths.push_back(fs_bytes(folder));
     py::list out;
-    for (const PluginRecord* r : Registry::instance().discover(folders)) out.append(record_to_python(*r));
+    for (const PluginRecord* r : Registry::instance().discover(paths)) out.append(record_to_python(*r));
     return out;
   });
   m.def("plugin_records", []() {
@@ -222,17 +304,17 @@ PYBIND11_MODULE(_core, m) {
   });
   m.def("detect", [](const std::string& family, const py::dict& module) {
     Claim c = loaded(family).family_object->detect(describe_module(module));
-    return py::make_tuple(c.claimed, c.role, c.reason);
+    return py::make_tuple(c.claimed, text(c.role), text(c.reason));
   });
   // The fallback for a module no loaded family recognises: the SDK's detectors (sdk/detectors.h, the
   // ones the families ship) in their order; why it mixes tokens like a recurrent layer, or None.
-  m.def("generic_leftover", [](const py::dict& module) -> std::optional<std::string> {
+  m.def("generic_leftover", [](const py::dict& module) -> py::object {
     namespace d = tree_recurrence::detectors;
     const ModuleDescription desc = describe_module(module);
     for (const d::Detector& detector : {d::kStateSpaceDecay, d::kCausalDepthwiseConv}) {
       const std::string why = detector.why(desc);
-      if (!why.empty()) return why + " [generic fallback detector: no loaded family recognises it]";
+      if (!why.empty()) return text(why + " [generic fallback detector: no loaded family recognises it]");
     }
-    return std::nullopt;
+    return py::none();
   });
 }

@@ -108,7 +108,12 @@ std::string core_fingerprint() { return describe(own_fingerprint()); }
 
 std::string clip(const std::string& text, size_t limit) {
   if (text.size() <= limit) return text;
-  return text.substr(0, limit) + "... (" + std::to_string(text.size()) + " bytes)";
+  // A UTF-8 character the limit would split is cut whole, before its lead byte (at most 3 bytes back;
+  // a longer run of continuation bytes is not UTF-8 and is cut at the limit).
+  size_t cut = limit;
+  for (size_t back = 0; back < 3 && cut > 0 && (static_cast<unsigned char>(text[cut]) & 0xC0) == 0x80; ++back) --cut;
+  if ((static_cast<unsigned char>(text[cut]) & 0xC0) == 0x80) cut = limit;
+  return text.substr(0, cut) + "... (" + std::to_string(text.size()) + " bytes)";
 }
 
 Registry& Registry::instance() {
@@ -133,7 +138,9 @@ std::vector<const PluginRecord*> Registry::discover(const std::vector<std::strin
       auto record = std::make_unique<PluginRecord>();
       record->manifest_path = canonical;
       record->folder = canonical_folder.string();
-      record->family = clip(entry.path.stem().string(), 100);
+      // a file name is at most 255 bytes: cut at 84, with clip's note it stays within the 100 bytes the
+      // Python binding shows (else that cut would clip the note)
+      record->family = clip(entry.path.stem().string(), 84);
       if (entry.error.empty())
         load(*record, entry.path);
       else
@@ -271,6 +278,7 @@ void Registry::load(PluginRecord& record, const fs::path& manifest) {
   char message[512] = {0};
   void* object = nullptr;
   if (info->create_family(&object, message, sizeof(message)) != 0 || !object) {
+    message[sizeof(message) - 1] = '\0';  // a factory that filled the buffer to the end
     record.error = "library " + record.library_path + ": family factory failed: " + message;
     return;
   }

@@ -65,36 +65,48 @@ def _has_native_scan(family: plugins.Family) -> bool:
     return any(spec.native is not None for spec in family.seams.values())
 
 
+def shown(text: str) -> str:
+    """``text`` printable on a strict UTF-8 stream: bytes of a name that is not UTF-8, which paths carry as
+    surrogates (``os.fsdecode``), become ``\\xNN`` escapes, as the registry's messages show them."""
+    try:
+        return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:  # a surrogate no file name decodes to
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def print_doctor(report: dict) -> None:
-    print(f"tree-recurrence {report['version']} (plugin ABI {report['abi_version']})")
-    print(f"  core built for: {report['core_fingerprint']}")
+    def out(line: str = "") -> None:
+        print(shown(line))
+
+    out(f"tree-recurrence {report['version']} (plugin ABI {report['abi_version']})")
+    out(f"  core built for: {report['core_fingerprint']}")
     t = report["torch"]
-    print(f"  running torch {t['version']} (cxx11_abi {int(t['cxx11_abi'])}, cuda {t['cuda']}, gpu {t['gpu'] or 'none'})")
-    print("  plugin folders: " + ", ".join(report["plugin_folders"]))
-    print(f"\nplugins loaded: {len(report['plugins'])}")
+    out(f"  running torch {t['version']} (cxx11_abi {int(t['cxx11_abi'])}, cuda {t['cuda']}, gpu {t['gpu'] or 'none'})")
+    out("  plugin folders: " + ", ".join(report["plugin_folders"]))
+    out(f"\nplugins loaded: {len(report['plugins'])}")
     for p in report["plugins"]:
-        print(f"  {p['family']} {p['version']} (manifest; library {p['library_version'] or '?'})  [{p['fingerprint']}]")
-        print(f"    library: {p['library']}")
+        out(f"  {p['family']} {p['version']} (manifest; library {p['library_version'] or '?'})  [{p['fingerprint']}]")
+        out(f"    library: {p['library']}")
         kernels = ", ".join(f"{k['name']}:{k['device']}" + ("" if k["available"] else " (not built)") for k in p["kernels"])
-        print(f"    kernels: {kernels}")
-        print(f"    seams: {', '.join(p['seams'])}")
+        out(f"    kernels: {kernels}")
+        out(f"    seams: {', '.join(p['seams'])}")
         for m in p["models"]:
             state = "covered" if m["installed"] else "not in this transformers"
-            print(f"    {m['model_type']:<20} {'/'.join(m['mixers']):<28} layer_types {m['layer_types']}  ({state})")
+            out(f"    {m['model_type']:<20} {'/'.join(m['mixers']):<28} layer_types {m['layer_types']}  ({state})")
         if p.get("routes"):
-            print(f"    auto's route on {report.get('routes_gpu') or 'this machine (no GPU)'}:")
+            out(f"    auto's route on {report.get('routes_gpu') or 'this machine (no GPU)'}:")
             for row in p["routes"]:
                 if "shape" not in row:
-                    print(f"      rule: {row['reason']}")
+                    out(f"      rule: {row['reason']}")
                     continue
                 peer = row["library"] + (f" on {row['backend']}" if row.get("backend") else "") + \
                     ("" if row["library_installed"] else " not installed") + \
                     ("" if row["backward_usable"] or row["phase"] == "fwd" else ", its backward unusable here")
-                print(f"      {row['shape']:<6} {row['tokens']:>7} tokens {row['phase']:<7} -> "
-                      f"{row['route'] or 'rule'} ({peer}): {row['reason']}")
-    print(f"\nplugins refused: {len(report['refused'])}")
+                out(f"      {row['shape']:<6} {row['tokens']:>7} tokens {row['phase']:<7} -> "
+                    f"{row['route'] or 'rule'} ({peer}): {row['reason']}")
+    out(f"\nplugins refused: {len(report['refused'])}")
     for r in report["refused"]:
-        print(f"  {r['family']}: {r['reason']}")
+        out(f"  {r['family']}: {r['reason']}")
 
 
 def sdk_dir(kind: str) -> Path:

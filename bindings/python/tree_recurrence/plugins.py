@@ -8,6 +8,10 @@ Folders searched, in order: the package's own ``plugins`` folder, every folder o
 TREE_RECURRENCE_PLUGIN_PATH (os.pathsep-separated), then folders given to ``add_plugin_path``.
 A refused plugin is listed with its reason (``doctor``) and never loaded into a crash.
 
+Records' text fields (family, version, error, manifest values, ...) are ``str`` whatever bytes the files
+hold: bytes that are not UTF-8 are shown as ``\\xNN`` escapes. Their paths (manifest_path, library_path)
+are decoded as ``os.fsdecode`` does (such bytes as surrogates), so each still names its file.
+
 TREE_RECURRENCE_DISABLE_FAMILIES (comma- or os.pathsep-separated family names) makes those families
 absent: they are listed as refused ("disabled by ...") and ``install`` treats their models as it
 would without the plugin. The package folder is always searched, so this is the way to run without
@@ -40,10 +44,11 @@ def plugin_folders() -> list[str]:
     return folders + _extra_folders
 
 
-def add_plugin_path(folder: str | os.PathLike) -> list[dict[str, Any]]:
-    """Registers a plugin folder and loads what is new there; returns the new records."""
+def add_plugin_path(folder: str | bytes | os.PathLike) -> list[dict[str, Any]]:
+    """Registers a plugin folder and loads what is new there; returns the new records. A name that is not
+    UTF-8 is kept as ``os.fsdecode`` makes it (the registry gets its bytes back, ``os.fsencode``)."""
     global _scan
-    folder = os.fspath(folder)
+    folder = os.fsdecode(folder)
     _load_shared_ops()
     if folder not in _extra_folders:
         _extra_folders.append(folder)
