@@ -117,3 +117,17 @@ def test_doctor_names_the_backend(tmp_path):
             assert row["backend"] == "flash_qla" and "fla on flash_qla" in row["reason"], row
         else:
             assert row["route"] is None and "with fla on flash_qla" in row["reason"], row
+
+
+@pytest.mark.parametrize("backend,shape,expected", [("flash_qla", "tree", "fork"), ("flash_qla", "chains", "fork"),
+                                                    ("triton", "tree", "native"), ("triton", "chains", "native")])
+def test_shipped_h100_tables_route_by_the_bound_backend(backend, shape, expected):
+    """The H100 runs of benchmarks/gdn_bench.py (results gdn_bench_h100_flashqla_{a,b}.json): FLA forked per
+    level on FlashQLA (6.91 ms) beats our tree (12.1 ms), FLA forked on its own Triton kernels (15.6 ms)
+    does not; so auto forks over the bound FLA exactly when FLA would run FlashQLA."""
+    table = _routes.family_table(plugins.families()[GDN])
+    tokens = 163840 if shape == "chains" else 49152
+    strategy, reason = _routes.choose(table, "NVIDIA H100 80GB HBM3", shape, tokens, "bfloat16", "fwd_bwd", ALL, GDN,
+                                      backend)
+    assert strategy == expected, reason
+    assert f"fla on {backend}" in reason and "gdn_bench_h100_flashqla" in reason
