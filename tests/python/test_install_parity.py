@@ -106,6 +106,31 @@ def test_seams_copied_into_another_namespace_are_not_the_seams(installed, monkey
     assert support.mode == "none" and f"does not call the seam(s) {list(SEAMS)}" in support.reason, support.reason
 
 
+def test_forward_reaching_the_seams_through_a_module_level_helper(installed, monkeypatch):
+    """The modeling module's own functions the forward calls are followed (not a seam's body), and a
+    helper replaced since is read again."""
+    module = _module()
+    functions = _functions("""
+        def _parity_helper(self, x):
+            x = causal_conv1d_fn(x.transpose(1, 2), self.conv1d.weight.squeeze(1), self.conv1d.bias)
+            return torch_chunk_gated_delta_rule(x, x, x, x, x)
+
+        def _parity_helper_without_the_scan(self, x):
+            return causal_conv1d_fn(x.transpose(1, 2), self.conv1d.weight.squeeze(1), self.conv1d.bias)
+
+        def forward(self, hidden_states, **kwargs):
+            return self.out_proj(_parity_helper(self, hidden_states)[0])
+        """, vars(module))
+    monkeypatch.setattr(module, "_parity_helper", functions["_parity_helper"], raising=False)
+    monkeypatch.setattr(module.Qwen3_5GatedDeltaNet, "forward", functions["forward"])
+    model = M.make_model(MODEL_TYPE)
+    assert installed(model).mode == "tree"
+    tr.uninstall(model)
+    monkeypatch.setattr(module, "_parity_helper", functions["_parity_helper_without_the_scan"])
+    support = installed(model)
+    assert support.mode == "none" and f"does not call the seam(s) {[SCAN]}" in support.reason, support.reason
+
+
 @pytest.mark.parametrize("forward", [
     pytest.param(lambda: functools.partial(torch.add, alpha=1), id="partial_of_a_builtin"),
     pytest.param(lambda: torch.relu, id="c_function"),

@@ -91,7 +91,7 @@ def instance_forward_bypass(mixer: torch.nn.Module) -> str | None:
 MIXING_ADAPTERS = ("conv", "scan")
 _MAX_FUNCTIONS = 256  # Python functions followed from one forward
 _MODULE_BASES = frozenset(torch.nn.Module.__mro__)  # nn.Module's own methods are never followed
-# class -> (modeling module, [(name, the class attributes it resolved to)], names of the module reached)
+# class -> (modeling module, seams, [(class or module, name, what it resolved to)], names of the module reached)
 _reach_cache: "weakref.WeakKeyDictionary[type, tuple]" = weakref.WeakKeyDictionary()
 
 
@@ -123,15 +123,25 @@ def _is_python(obj: Any) -> bool:
     return False
 
 
-def _reach(cls: type, module: Any) -> tuple[list, frozenset[str]]:
-    """The names of ``module``'s globals that ``cls.forward`` reaches (with the class lookups made):
-    its wrappers (``__wrapped__``, closure cells, partials, bound methods), the code nested in each
-    function, and the class's methods it names (``self.torch_forward(...)``, ``super().forward``). A
-    function counts when its globals are the module's (or it names the module): a copy of a seam
-    imported into another module is not the seam."""
+def _lookup(holder: Any, name: str) -> tuple:
+    """What ``_reach`` follows for ``name``: the class's attributes of that name (``_class_attrs``), or
+    for the modeling module a function of its own (a module-level helper)."""
+    if isinstance(holder, type):
+        return _class_attrs(holder, name)
+    value = vars(holder).get(name)
+    return (value,) if isinstance(value, types.FunctionType) and value.__globals__ is vars(holder) else ()
+
+
+def _reach(cls: type, module: Any, seams: frozenset[str]) -> tuple[list, frozenset[str]]:
+    """The names of ``module``'s globals that ``cls.forward`` reaches (with the lookups made): its
+    wrappers (``__wrapped__``, closure cells, partials, bound methods), the code nested in each
+    function, the class's methods it names (``self.torch_forward(...)``, ``super().forward``) and the
+    module's own functions it calls (helpers; not ``seams``, whose bodies the hooks replace). A function
+    counts when its globals are the module's (or it names the module): a copy of a seam imported into
+    another module is not the seam."""
     namespace, reached, lookups, seen = vars(module), set(), [], set()
     frontier = list(_class_attrs(cls, "forward")[:1])
-    lookups.append(("forward", _class_attrs(cls, "forward")))
+    lookups.append((cls, "forward", _class_attrs(cls, "forward")))
     while frontier and len(seen) < _MAX_FUNCTIONS:
         item = frontier.pop()
         if item is None or isinstance(item, type) or id(item) in seen:
@@ -143,7 +153,8 @@ def _reach(cls: type, module: Any) -> tuple[list, frozenset[str]]:
             frontier.append(item.func)
         elif isinstance(item, types.FunctionType):
             names = _code_names(item.__code__)
-            if item.__globals__ is namespace or any(item.__globals__.get(n) is module for n in names):
+            own = item.__globals__ is namespace
+            if own or any(item.__globals__.get(n) is module for n in names):
                 reached |= names
             frontier.append(getattr(item, "__wrapped__", None))
             for cell in item.__closure__ or ():
@@ -152,24 +163,25 @@ def _reach(cls: type, module: Any) -> tuple[list, frozenset[str]]:
                 except ValueError:  # an empty cell
                     pass
             for name in names:
-                found = _class_attrs(cls, name)
-                if found:
-                    lookups.append((name, found))
-                    frontier.extend(found)
+                for holder in (cls, module) if own and name not in seams else (cls,):
+                    found = _lookup(holder, name)
+                    if found:
+                        lookups.append((holder, name, found))
+                        frontier.extend(found)
         elif getattr(item, "__wrapped__", None) is not None:
             frontier.append(item.__wrapped__)
     return lookups, frozenset(reached)
 
 
-def _reached(cls: type, module: Any) -> frozenset[str]:
-    """``_reach``, cached per class while the class attributes it looked up are the same objects."""
+def _reached(cls: type, module: Any, seams: frozenset[str]) -> frozenset[str]:
+    """``_reach``, cached per class while every attribute it looked up is the same object."""
     cached = _reach_cache.get(cls)
-    if cached is not None and cached[0] is module and \
-            all(len(now := _class_attrs(cls, name)) == len(was) and all(a is b for a, b in zip(now, was))
-                for name, was in cached[1]):
-        return cached[2]
-    lookups, reached = _reach(cls, module)
-    _reach_cache[cls] = (module, lookups, reached)
+    if cached is not None and cached[0] is module and cached[1] == seams and \
+            all(len(now := _lookup(holder, name)) == len(was) and all(a is b for a, b in zip(now, was))
+                for holder, name, was in cached[2]):
+        return cached[3]
+    lookups, reached = _reach(cls, module, seams)
+    _reach_cache[cls] = (module, seams, lookups, reached)
     return reached
 
 
@@ -192,7 +204,7 @@ def forward_seam_gap(mixer: torch.nn.Module, module: Any, family: str, seams: di
         return (f"its forward ({what} = {forward!r:.100}) is not Python code, so install cannot tell whether it calls "
                 f"the seam(s) {required or sorted(present)} of {module.__name__} that family '{family}' hooks; "
                 "it may mix the packed samples")
-    reached = _reached(cls, module)
+    reached = _reached(cls, module, frozenset(seams))
     missing = [seam for seam in required if seam not in reached]
     if missing or not reached & set(present):
         qualname = getattr(getattr(forward, "__wrapped__", forward), "__qualname__", what)
