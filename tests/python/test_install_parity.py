@@ -1,10 +1,8 @@
 """install() answers what the model really does: a mixer's class forward must call the seams its family
-hooks (a forward that calls none, or only some, or is not Python code, answers "none"; Mamba2-style
-forwards reach them through helper methods); re-installing a model with other backends re-routes its
-modules between this package's hooks and TRL's own tree kernel (faked: huggingface/trl#7686's
-``patch_tree_gdn``), leaving the modules exactly as transformers made them once uninstalled; and a
-Python-registered family that follows chains needs no marked forward.
-"""
+hooks (through helpers too), else "none"; re-installing a model with other backends re-routes its modules
+between this package's hooks and TRL's own tree kernel (faked: huggingface/trl#7686's ``patch_tree_gdn``)
+and back, leaving them as transformers made them once uninstalled; a Python family that follows chains
+needs no marked forward."""
 
 from __future__ import annotations
 
@@ -40,8 +38,7 @@ def _module():
 
 
 def _functions(source: str, namespace: dict) -> dict:
-    """The functions ``source`` defines, with ``namespace`` as their globals (a modeling module's own
-    namespace: as if transformers' file said so)."""
+    """The functions ``source`` defines, with ``namespace`` (a modeling module's, say) as their globals."""
     found: dict = {}
     exec(textwrap.dedent(source), namespace, found)  # noqa: S102 -- test code, fixed source
     return found
@@ -62,25 +59,32 @@ _GDN_FORWARDS = {
     "calls_no_seam": ("""
         def forward(self, hidden_states, **kwargs):
             return self.out_proj(torch.cumsum(hidden_states, dim=1))
-        """, SEAMS),
+        """, SEAMS, True),
     # the conv through the seam, the scan straight from a library
     "calls_only_the_conv": ("""
         def forward(self, hidden_states, **kwargs):
             x = causal_conv1d_fn(hidden_states.transpose(1, 2), self.conv1d.weight.squeeze(1), self.conv1d.bias)
             return self.out_proj(torch.cumsum(x.transpose(1, 2), dim=1))
-        """, (SCAN,)),
+        """, (SCAN,), True),
+    # the seams' names, but another module's globals (``from modeling import causal_conv1d_fn`` there):
+    # it calls the objects it copied, which install does not hook
+    "calls_copies_of_the_seams": ("""
+        def forward(self, hidden_states, **kwargs):
+            x = causal_conv1d_fn(hidden_states.transpose(1, 2), self.conv1d.weight.squeeze(1), self.conv1d.bias)
+            return torch_chunk_gated_delta_rule(x, x, x, x, x)
+        """, SEAMS, False),
 }
 
 
 @pytest.mark.parametrize("case", sorted(_GDN_FORWARDS))
 def test_class_forward_that_misses_a_seam_is_none(installed, monkeypatch, case):
-    source, missing = _GDN_FORWARDS[case]
+    source, missing, own_globals = _GDN_FORWARDS[case]
     module = _module()
-    cls = module.Qwen3_5GatedDeltaNet
+    namespace = vars(module) if own_globals else {"__builtins__": __builtins__, **{s: getattr(module, s) for s in SEAMS}}
     model = M.make_model(MODEL_TYPE)
     assert installed(model).mode == "tree"  # transformers' own forward (and the answer is not kept past a change)
     tr.uninstall(model)
-    monkeypatch.setattr(cls, "forward", _functions(source, vars(module))["forward"])
+    monkeypatch.setattr(module.Qwen3_5GatedDeltaNet, "forward", _functions(source, namespace)["forward"])
     support = installed(model)
     assert support.mode == "none", support.reason
     assert "model.layers.0.linear_attn (Qwen3_5GatedDeltaNet)" in support.reason and NAME in support.reason
@@ -88,22 +92,6 @@ def test_class_forward_that_misses_a_seam_is_none(installed, monkeypatch, case):
     assert NAME not in seams.owners  # a refusal patches nothing
     monkeypatch.undo()
     assert installed(model).mode == "tree"
-
-
-def test_seams_copied_into_another_namespace_are_not_the_seams(installed, monkeypatch):
-    """A forward whose names say causal_conv1d_fn / torch_chunk_gated_delta_rule but whose globals are
-    another module's (``from modeling import causal_conv1d_fn`` there) calls the objects it copied, which
-    install does not hook."""
-    module = _module()
-    elsewhere = {"__builtins__": __builtins__, **{s: getattr(module, s) for s in SEAMS}}
-    forward = _functions("""
-        def forward(self, hidden_states, **kwargs):
-            x = causal_conv1d_fn(hidden_states.transpose(1, 2), self.conv1d.weight.squeeze(1), self.conv1d.bias)
-            return torch_chunk_gated_delta_rule(x, x, x, x, x)
-        """, elsewhere)["forward"]
-    monkeypatch.setattr(module.Qwen3_5GatedDeltaNet, "forward", forward)
-    support = installed(M.make_model(MODEL_TYPE))
-    assert support.mode == "none" and f"does not call the seam(s) {list(SEAMS)}" in support.reason, support.reason
 
 
 def test_forward_reaching_the_seams_through_a_module_level_helper(installed, monkeypatch):
@@ -166,8 +154,7 @@ _MAMBA2_HELPERS = """
         return self.torch_forward(hidden_states, cache_params, attention_mask, **kwargs)
 
     def cuda_kernels_forward(self, hidden_states, **kwargs):
-        return mamba2_split_conv1d_scan_combined(self.in_proj(hidden_states), self.conv1d.weight.squeeze(1),
-                                                 self.conv1d.bias, self.dt_bias, -torch.exp(self.A_log), **kwargs)
+        FUSED_CALL
 
     def torch_forward(self, hidden_states, cache_params=None, attention_mask=None, **kwargs):
         x = causal_conv1d_fn(self.in_proj(hidden_states).transpose(1, 2), self.conv1d.weight.squeeze(1))
@@ -175,24 +162,21 @@ _MAMBA2_HELPERS = """
         return self.out_proj(x)
 """
 _SCAN_CALL = "x = mamba2_chunk_scan(x, x, self.A_log, x, x, chunk_size=self.chunk_size)"
+_FUSED_CALL = "return mamba2_split_conv1d_scan_combined(self.in_proj(hidden_states), self.conv1d.weight, self.A_log)"
 MAMBA2_CONFIG = dict(vocab_size=M.VOCAB, hidden_size=64, num_hidden_layers=2, num_heads=4, head_dim=32, expand=2,
                      state_size=16, n_groups=2, chunk_size=8)
 
 
-@pytest.mark.parametrize("scan_call,fused,expected", [
-    pytest.param(_SCAN_CALL, True, None, id="fused_and_split"),
-    pytest.param(_SCAN_CALL, False, None, id="split_only"),
-    pytest.param("pass", True, "mamba2_chunk_scan", id="split_without_the_scan"),
+@pytest.mark.parametrize("fused_call,scan_call,expected", [
+    pytest.param(_FUSED_CALL, _SCAN_CALL, None, id="fused_and_split"),
+    pytest.param("return None", _SCAN_CALL, None, id="split_only"),
+    pytest.param(_FUSED_CALL, "pass", "mamba2_chunk_scan", id="split_without_the_scan"),
 ])
-def test_mamba2_forward_reaching_the_seams_through_helper_methods(installed, monkeypatch, scan_call, fused, expected):
+def test_mamba2_forward_reaching_the_seams_through_helper_methods(installed, monkeypatch, fused_call, scan_call,
+                                                                   expected):
     module = importlib.import_module("transformers.models.mamba2.modeling_mamba2")
-    functions = _functions(_MAMBA2_HELPERS.replace("SCAN_CALL", scan_call), vars(module))
-    if not fused:
-        functions["cuda_kernels_forward"] = _functions("""
-            def cuda_kernels_forward(self, hidden_states, **kwargs):
-                return None
-            """, vars(module))["cuda_kernels_forward"]
-    for name, function in functions.items():
+    source = _MAMBA2_HELPERS.replace("FUSED_CALL", fused_call).replace("SCAN_CALL", scan_call)
+    for name, function in _functions(source, vars(module)).items():
         monkeypatch.setattr(module.Mamba2Mixer, name, function, raising=False)
     support = installed(M.make_tiny_model("mamba2", MAMBA2_CONFIG, attention=False))
     if expected is None:
@@ -210,8 +194,7 @@ def test_mamba2_forward_reaching_the_seams_through_helper_methods(installed, mon
 @pytest.fixture
 def fake_trl(monkeypatch):
     """A TRL with #7686's API (as test_hooks_behaviour fakes it): ``patch_tree_gdn(model)`` wraps the GDN
-    modeling modules' scan with its own kernel, once per module, recording each in its patched set and
-    what it wrapped in ``wrapped``. ``fail = True``: it raises after replacing the scan."""
+    modules' scan once per module (``wrapped``: what it wrapped); ``fail = True``: it raises after that."""
     import trl.experimental.async_grpo  # noqa: F401 -- the parent package
 
     fake = types.ModuleType("trl.experimental.async_grpo.tree_gdn")
@@ -359,43 +342,28 @@ def test_failed_hand_off_leaves_the_model_uninstalled_and_the_module_pristine(fa
 # ------------------------------------------------------------------------------------------------
 
 
-class UnmarkedChainDecay(torch.nn.Module):
-    """A decayed running sum restarted at every segment start of the row (``tree_cu_seqlens_q``): it
-    reads the sample boundaries in its own code, without mark_tree_forward."""
-
-    def __init__(self, dim=8):
-        super().__init__()
-        self.A_log = torch.nn.Parameter(torch.linspace(-1.0, 1.0, dim))
-        self.proj = torch.nn.Linear(dim, dim)
+class UnmarkedChainSum(torch.nn.Module):
+    """A running sum restarted at every segment start of the row (``tree_cu_seqlens_q``): it reads the
+    sample boundaries in its own code, without mark_tree_forward."""
 
     def forward(self, x, **kwargs):
         plan = tree_plan(kwargs)
         bounds = plan.array("seg_offsets").tolist() if plan is not None else [0, x.shape[1]]
-        decay = torch.exp(-torch.exp(self.A_log))
-        outs = []
-        for start, end in zip(bounds[:-1], bounds[1:]):
-            state = torch.zeros_like(x[:, 0])
-            for t in range(start, end):
-                state = decay * state + x[:, t]
-                outs.append(state)
-        return self.proj(torch.stack(outs, 1))
+        return torch.cat([x[:, a:b].cumsum(1) for a, b in zip(bounds[:-1], bounds[1:])], 1)
 
 
 class UnmarkedChainLM(torch.nn.Module):
     def __init__(self, dim=8):
         super().__init__()
-        torch.manual_seed(3)
-        self.embed = torch.nn.Embedding(M.VOCAB, dim)
-        self.mixer = UnmarkedChainDecay(dim)
-        self.head = torch.nn.Linear(dim, M.VOCAB)
+        self.embed, self.mixer, self.head = torch.nn.Embedding(M.VOCAB, dim), UnmarkedChainSum(), torch.nn.Linear(dim, 4)
 
-    def forward(self, input_ids, position_ids=None, **kwargs):
+    def forward(self, input_ids, **kwargs):
         return self.head(self.mixer(self.embed(input_ids), **kwargs))
 
 
 @pytest.fixture
 def unmarked_family():
-    record = tr.register_family("test_unmarked_chains", model_types=["chain_lm"], mixer_classes=[UnmarkedChainDecay],
+    record = tr.register_family("test_unmarked_chains", model_types=["chain_lm"], mixer_classes=[UnmarkedChainSum],
                                 layer_types=["linear_attention"])
     yield record
     tr.unregister_family("test_unmarked_chains")
@@ -418,14 +386,13 @@ def test_python_chains_family_needs_no_marked_forward(installed, unmarked_family
         row.add({"input_ids": s, "completion_mask": torch.ones_like(s), "old_log_probs": torch.zeros(len(s)),
                  "advantage": 0.0, "group_id": 0})
     packed = row.pack()
-    kwargs = {k: packed[k] for k in ("tree_kv_index", "tree_cu_seqlens_q", "tree_cu_seqlens_k")}
     with torch.no_grad():
-        out = model(packed["input_ids"][None], **kwargs)[0]
+        out = model(packed["input_ids"][None], **{k: v for k, v in packed.items() if k.startswith("tree_")})[0]
         start = 0
         for s in samples:  # the chain row equals every sample alone
             assert torch.allclose(out[start:start + len(s)], model(s[None])[0], atol=1e-6)
             start += len(s)
         tree = M.pack_forest("fan")
-        with pytest.raises(ValueError, match=r"mixer \(UnmarkedChainDecay, family 'test_unmarked_chains'\) follows "
+        with pytest.raises(ValueError, match=r"mixer \(UnmarkedChainSum, family 'test_unmarked_chains'\) follows "
                                              r"packed samples only as separate chains"):
             model(tree.input_ids, **tree.trl_kwargs())
