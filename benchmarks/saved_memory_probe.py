@@ -2,8 +2,8 @@
 
     python benchmarks/saved_memory_probe.py --model qwen3_5 [--mode tree|chains|flat] [--groups 2 --rollouts 2]
 
-Builds a model of benchmarks/bench_models.json at its realistic width (random init), hooks it with
-tree_recurrence.install, runs one forward of a GRPO-shaped row under torch.autograd's
+Builds a model of bench's table (tree_recurrence/bench_models.json) at its realistic width (random
+init), hooks it with tree_recurrence.install, runs one forward of a GRPO-shaped row under torch.autograd's
 saved_tensors_hooks and sums the storage bytes of every distinct tensor saved for backward
 (parameters left out), grouped by shape and dtype: the largest groups name the activations that
 make the peak. Also prints the CUDA peak of forward + backward when on the GPU.
@@ -32,7 +32,7 @@ def main() -> None:
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    table = load_table("benchmarks/bench_models.json")
+    table = load_table()  # the package's own table
     model = build_model(table[args.model], False, dtype, device, "tree_flex" if device.type == "cuda" else "tree_sdpa")
     tr.install(model)
     row, weights, _ = grpo_rows(args.groups, args.rollouts, args.prompt, args.completion,

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-TABLE = ROOT / "benchmarks" / "bench_models.json"
+TABLE = ROOT / "bindings" / "python" / "tree_recurrence" / "bench_models.json"
 
 
 def test_bench_tiny_writes_json_and_plot_and_tree_loss_equals_chains(tmp_path):

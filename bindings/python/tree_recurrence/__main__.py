@@ -12,8 +12,10 @@ installed SDK is, to build a family plugin out of tree (docs/plugins.md).
 from __future__ import annotations
 
 import argparse
+import ctypes
 import importlib.util
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -27,6 +29,88 @@ def _module_present(name: str) -> bool:
         return importlib.util.find_spec(name) is not None
     except ModuleNotFoundError:
         return False
+
+
+def _major_minor(version: str) -> tuple[int, int]:
+    match = re.match(r"(\d+)\.(\d+)", version)
+    if not match:
+        raise ValueError(f"not a CUDA version (MAJOR.MINOR...): {version!r}")
+    return int(match[1]), int(match[2])
+
+
+def built_cuda(fingerprint: str) -> tuple[str | None, str | None]:
+    """(CUDA toolkit version, CUDA archs) the core was built with, read from its fingerprint text
+    ("torch 2.11.0, cxx11_abi 1, cuda 13.0.88 (sm 90)"); (None, None) for a build without CUDA kernels."""
+    match = re.search(r"cuda ([^\s,]+)(?: \(sm ([^)]*)\))?", fingerprint)
+    if not match or match[1] == "none":
+        return None, None
+    return match[1], match[2]
+
+
+def driver_cuda() -> str | None:
+    """The newest CUDA version the installed NVIDIA driver supports ("13.0"; cuDriverGetVersion, which
+    needs no GPU context), None where no driver library loads."""
+    try:
+        value = ctypes.c_int()
+        if ctypes.CDLL("libcuda.so.1").cuDriverGetVersion(ctypes.byref(value)) != 0:
+            return None
+    except (OSError, AttributeError):
+        return None
+    return f"{value.value // 1000}.{value.value % 1000 // 10}"
+
+
+def cuda_compatibility(built: str | None, torch_cuda: str | None, driver: str | None,
+                       archs: str | None = None, gpu_arch: str | None = None) -> tuple[bool, str]:
+    """Whether the CUDA the kernels were built with (``built``, nvcc's version; ``archs`` their sm list)
+    works with the running torch's CUDA (``torch_cuda``) and the driver (``driver``: the CUDA version it
+    supports; ``gpu_arch`` the GPU's sm, "90"), as (fine, one line saying so or what breaks).
+
+    The plugins call torch's CUDA runtime (they link libcudart.so.MAJOR, the library torch loaded), so
+    what must match is the major version: within one, CUDA's minor version compatibility holds (a
+    toolkit 13.0 build runs beside torch on 13.2). Another major needs another libcudart, which the
+    process lacks or would hold twice. The driver must support the major; one older than the toolkit's
+    minor still runs the built archs' machine code, but cannot JIT the toolkit's PTX for another GPU."""
+    if built is None:
+        return True, "fine: this build has no CUDA kernels, so torch's CUDA version does not matter to it"
+    major, minor = _major_minor(built)
+    if torch_cuda is None:
+        return False, (f"WARNING: the kernels were built with CUDA {built} and link a CUDA torch (libtorch_cuda, "
+                       f"libcudart.so.{major}), but this torch has no CUDA: the plugins do not load; reinstall "
+                       "tree-recurrence against this torch")
+    torch_major = _major_minor(torch_cuda)[0]
+    if torch_major != major:
+        return False, (f"WARNING: the kernels were built with CUDA {built} and need libcudart.so.{major}, but torch runs "
+                       f"CUDA {torch_cuda} (libcudart.so.{torch_major}): the plugins fail to load or bring a second CUDA "
+                       f"runtime into the process; rebuild with a CUDA {torch_major} toolkit (nvcc) against this torch")
+    same = f"built with CUDA {built}, torch on CUDA {torch_cuda}: " + (
+        "the same version" if _major_minor(torch_cuda) == (major, minor) else
+        "the same major version, and CUDA's minor version compatibility covers the minor") + \
+        f" (the kernels call torch's libcudart.so.{major})"
+    if driver is None:
+        return True, f"fine: {same}; no NVIDIA driver here, so no CUDA kernel runs on this machine"
+    if _major_minor(driver)[0] < major:
+        return False, (f"WARNING: the NVIDIA driver supports CUDA up to {driver}, but the kernels ({built}) and torch "
+                       f"({torch_cuda}) need a driver for CUDA {major}: update the driver")
+    if _major_minor(driver) >= (major, minor):
+        return True, f"fine: {same}; the driver supports CUDA {driver}"
+    built_archs = [re.match(r"\d*", a.strip())[0] for a in (archs or "").split(",") if not a.strip().endswith("-virtual")]
+    if gpu_arch is not None and gpu_arch not in built_archs:
+        return False, (f"WARNING: this GPU (sm {gpu_arch}) has no machine code in the build (sm {archs}), and the "
+                       f"driver (CUDA {driver}) cannot JIT PTX from the newer CUDA {built}: update the driver or "
+                       f"rebuild with -Ccmake.define.CMAKE_CUDA_ARCHITECTURES={gpu_arch}")
+    return True, (f"fine: {same}; the driver (CUDA {driver}) is older than the toolkit but of its major, which runs "
+                  f"the machine code built for sm {archs}")
+
+
+def cuda_report() -> dict:
+    """doctor's CUDA line with what it compared (the JSON report's ``cuda_check``)."""
+    built, archs = built_cuda(_core.core_fingerprint())
+    capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+    gpu_arch = f"{capability[0]}{capability[1]}" if capability else None
+    driver = driver_cuda()
+    fine, line = cuda_compatibility(built, torch.version.cuda, driver, archs, gpu_arch)
+    return {"fine": fine, "line": line, "built": built, "archs": archs, "torch": torch.version.cuda,
+            "driver": driver, "gpu_arch": gpu_arch}
 
 
 def doctor_report(gpu: str | None = None) -> dict:
@@ -43,6 +127,7 @@ def doctor_report(gpu: str | None = None) -> dict:
         "plugins": [],
         "refused": [],
         "routes_gpu": gpu or seen,
+        "cuda_check": cuda_report(),
     }
     for r in records:
         if not r["loaded"]:
@@ -82,6 +167,8 @@ def print_doctor(report: dict) -> None:
     out(f"  core built for: {report['core_fingerprint']}")
     t = report["torch"]
     out(f"  running torch {t['version']} (cxx11_abi {int(t['cxx11_abi'])}, cuda {t['cuda']}, gpu {t['gpu'] or 'none'})")
+    if "cuda_check" in report:
+        out(f"  cuda: {report['cuda_check']['line']}")
     out("  plugin folders: " + ", ".join(report["plugin_folders"]))
     out(f"\nplugins loaded: {len(report['plugins'])}")
     for p in report["plugins"]:

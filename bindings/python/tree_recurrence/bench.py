@@ -1,7 +1,8 @@
 """``python -m tree_recurrence bench``: whole-model training steps on tree-packed rows.
 
 For each model of a table (``--models FILE``, JSON: name -> transformers ``model_type``, a config
-at realistic width and a tiny one; the repository's is ``benchmarks/bench_models.json``), random
+at realistic width and a tiny one; by default the package's own, ``tree_recurrence/bench_models.json``,
+installed with it, so the command runs from any folder), random
 init, hooked with :func:`tree_recurrence.install`, it times forward + backward of one GRPO-shaped
 batch (``groups`` prompts x ``rollouts`` completions of ``completion`` tokens, the prompt length
 swept) in three layouts of the same samples:
@@ -20,7 +21,8 @@ every sample, a shared prompt token counted once per sample through it), so ``tr
 floor. Reports tokens/s (sample tokens: the tokens the samples hold), speed-up against chains,
 the ratio to flat, peak memory, and which kernel ran for each recurrent family (the driver's
 decisions). Writes ``bench.json`` and ``bench.png`` (speed-up against the token ratio, with the
-ideal line speed-up = token ratio).
+ideal line speed-up = token ratio; matplotlib draws it, and without matplotlib bench says so in one
+line and writes the rest: :func:`check_dependencies`).
 
 The engine names no family: everything model-specific comes from the table.
 """
@@ -28,6 +30,8 @@ The engine names no family: everything model-specific comes from the table.
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.resources
 import inspect
 import json
 import os
@@ -38,7 +42,9 @@ from pathlib import Path
 
 import torch
 
-DEFAULT_TABLE = Path("benchmarks") / "bench_models.json"
+from ._bench_output import plot, plot_unavailable, print_table
+
+TABLE_NAME = "bench_models.json"  # inside the package (installed with it: wheel.packages takes every file)
 MODES = ("tree", "chains", "flat")
 LOSSES = ("completions", "all")
 
@@ -159,11 +165,19 @@ def time_steps(model, row, counts, sample_tokens, device, warmup: int, repeat: i
 # ------------------------------------------------------------------------------------------------
 
 
-def load_table(path: str | os.PathLike) -> dict:
-    path = Path(path)
+def default_table() -> Path:
+    """The package's own model table, found where the package is installed (any working folder)."""
+    return Path(str(importlib.resources.files("tree_recurrence") / TABLE_NAME))
+
+
+def load_table(path: str | os.PathLike | None = None) -> dict:
+    """The table at ``path`` (``--models``), by default :func:`default_table`; entries named ``_...`` are notes."""
+    if path is None and not default_table().is_file():
+        raise SystemExit(f"bench: the package's model table {default_table()} is missing: this copy of tree-recurrence "
+                         "was installed without it; reinstall it (pip install --no-build-isolation .) or pass --models FILE")
+    path = default_table() if path is None else Path(path)
     if not path.is_file():
-        raise SystemExit(f"bench: --models {path}: no such file (the repository's table is {DEFAULT_TABLE}; "
-                         "run from the repository root or pass --models)")
+        raise SystemExit(f"bench: --models {path}: no such file (without --models bench uses its own table, {default_table()})")
     table = {k: v for k, v in json.loads(path.read_text()).items() if not k.startswith("_")}
     for name, entry in table.items():
         for field in ("model_type", "config", "tiny"):
@@ -208,8 +222,25 @@ def kernels_ran(decisions, reasons: dict | None = None) -> dict:
 # ------------------------------------------------------------------------------------------------
 
 
+def check_dependencies(want_plot: bool) -> bool:
+    """Imports what the run needs before its first point, so a missing package stops it at once (never
+    after minutes of measuring, with the table unprinted). transformers and tqdm are required (the
+    ``transformers`` extra brings both); matplotlib is optional by choice (:func:`plot_unavailable`):
+    without it the run prints one line saying how to get it and writes the table and bench.json all
+    the same. Returns whether to draw bench.png."""
+    for name in ("transformers", "tqdm"):
+        try:
+            importlib.import_module(name)
+        except ImportError as error:
+            raise SystemExit(f"bench: {name} does not import ({error}): pip install \"tree-recurrence[bench]\"") from None
+    why = plot_unavailable() if want_plot else None
+    if why:
+        print(f"bench: no bench.png ({why}); the table and bench.json are written all the same", file=sys.stderr)
+    return want_plot and not why
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--models", default=str(DEFAULT_TABLE), help=f"model table, JSON (default {DEFAULT_TABLE})")
+    parser.add_argument("--models", default=None, help=f"model table, JSON (default: the package's own, tree_recurrence/{TABLE_NAME})")
     parser.add_argument("--model", action="append", help="a name of the table (repeatable; default all)")
     parser.add_argument("--device", default=None, help="cuda (default when available) or cpu")
     parser.add_argument("--tiny", action="store_true", help="tiny configs and shape (the default on CPU): seconds, for CI")
@@ -229,6 +260,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    draw = check_dependencies(not args.no_plot)
     from tqdm import tqdm
 
     import tree_recurrence as tr
@@ -251,7 +283,7 @@ def run(args: argparse.Namespace) -> int:
     names = args.model or list(table)
     unknown = [n for n in names if n not in table]
     if unknown:
-        raise SystemExit(f"bench: --model {unknown[0]!r}: not in {args.models} (has {', '.join(table)})")
+        raise SystemExit(f"bench: --model {unknown[0]!r}: not in {args.models or default_table()} (has {', '.join(table)})")
 
     report = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -320,70 +352,15 @@ def run(args: argparse.Namespace) -> int:
                 del model
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
-        if not args.no_plot:
+        if draw:
             plot(report, out / "bench.png")
     bar.close()
     save()
     print_table(report)
-    if not args.no_plot:
+    if draw:
         plot(report, out / "bench.png")
-    print(f"wrote {out / 'bench.json'}" + ("" if args.no_plot else f" and {out / 'bench.png'}"))
+    print(f"wrote {out / 'bench.json'}" + (f" and {out / 'bench.png'}" if draw else ""))
     return 0
-
-
-def print_table(report: dict) -> None:
-    print(f"\n{report['device']}, {report['dtype']}, attention {report['attention']}, shape {report['shape']}")
-    for name, info in report["models"].items():
-        kernels = "; ".join(f"{fam}: " + ", ".join(f"{seam} {'/'.join(s)}" for seam, s in seams.items())
-                            for fam, seams in info["kernels"].items()) or "none recorded"
-        print(f"  {name} ({info['model_type']}, {info['parameters'] / 1e6:.0f}M params, support {info['support']}): {kernels}")
-    header = f"{'model':<12}{'prompt':>7}{'ckpt':>5}{'ratio':>7}{'tree ms':>10}{'chains ms':>11}{'flat ms':>10}" \
-             f"{'tree tok/s':>12}{'speed-up':>10}{'tree/flat':>10}{'tree GB':>9}{'chains GB':>10}"
-    print(header)
-    for r in report["results"]:
-        def ms(mode):
-            return f"{r[mode]['ms']:.1f}" if "ms" in r[mode] else "error"
-
-        def gb(mode):
-            v = r[mode].get("peak_memory_gb")
-            return "-" if v is None else f"{v:.1f}"
-
-        tps = r["tree"].get("tokens_per_s")
-        speedup = f"{r['speedup_vs_chains']:.2f}x" if r["speedup_vs_chains"] else "-"
-        over_flat = f"{r['tree_over_flat']:.2f}" if r["tree_over_flat"] else "-"
-        tokens = f"{tps:,.0f}" if tps else "-"
-        print(f"{r['model']:<12}{r['prompt']:>7}{'on' if r['checkpointing'] else 'off':>5}{r['token_ratio']:>7.2f}"
-              f"{ms('tree'):>10}{ms('chains'):>11}{ms('flat'):>10}{tokens:>12}{speedup:>10}{over_flat:>10}"
-              f"{gb('tree'):>9}{gb('chains'):>10}")
-
-
-def plot(report: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 5))
-    ratios = [r["token_ratio"] for r in report["results"]]
-    top = max(ratios + [1.0]) * 1.05
-    ax.plot([1, top], [1, top], color="gray", linestyle=":", label="ideal: speed-up = token ratio")
-    for i, name in enumerate(report["models"]):
-        for ckpt in (False, True):
-            pts = sorted((r["token_ratio"], r["speedup_vs_chains"]) for r in report["results"]
-                         if r["model"] == name and r["checkpointing"] == ckpt and r["speedup_vs_chains"])
-            if pts:
-                ax.plot(*zip(*pts), marker="o", color=f"C{i}", linestyle="--" if ckpt else "-",
-                        label=f"{name}{' (checkpointing)' if ckpt else ''}")
-    ax.set_xlabel("token ratio (sample tokens / unique tokens)")
-    ax.set_ylabel("speed-up of the tree row over chains (fwd+bwd)")
-    shape = report["shape"]
-    ax.set_title(f"{report['device']}, {report['dtype']}: {shape['groups']} prompts x {shape['rollouts']} "
-                 f"completions of {shape['completion']}", fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:
