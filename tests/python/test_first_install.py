@@ -165,3 +165,19 @@ def test_doctor_prints_the_cuda_line_and_puts_it_in_the_json(monkeypatch, capsys
 def test_driver_cuda_is_a_version_or_none():
     version = cli.driver_cuda()  # None where no NVIDIA driver is installed (a CPU machine)
     assert version is None or cli._major_minor(version) >= (1, 0)
+
+
+# ------------------------------------------------------------------------------------------------
+# what the README tells a first install
+# ------------------------------------------------------------------------------------------------
+
+
+def test_readme_install_section_says_build_time_progress_cmake_options_and_which_torch():
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("### Installing into your own environment"):readme.index("## Example")]
+    for words in ("about six on 2 CPU cores", "`pip install -v`", "`[step/total]`", "-Ccmake.define.NAME=VALUE",
+                  "whatever torch (>= 2.11) is installed", "the one they were built against",
+                  "`tree-recurrence[bench]`", "`cuda:` line"):
+        assert words in section, words
+    extras = (ROOT / "pyproject.toml").read_text()
+    assert 'bench = ["transformers>=5.15", "tqdm", "matplotlib"]' in extras
