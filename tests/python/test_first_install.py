@@ -153,13 +153,26 @@ def test_doctor_prints_the_cuda_line_and_puts_it_in_the_json(monkeypatch, capsys
         report = cli.cuda_report()
     assert not report["fine"] and "libcudart.so.12" in report["line"]
 
-    monkeypatch.setattr(cli, "cuda_report", lambda: report)
+    with monkeypatch.context() as m:  # a plugin's own fingerprint (built out of tree) is read, not the core's
+        m.setattr(cli, "_core", SimpleNamespace(core_fingerprint=lambda: pytest.fail("the core's fingerprint was read")))
+        assert cli.cuda_report("torch 2.11.0, cxx11_abi 1, cuda 12.8.93 (sm 90)")["fine"]
+
+    fine = {**report, "fine": True, "line": "fine: as the core"}
+    monkeypatch.setattr(cli, "cuda_report", lambda fingerprint=None: report if fingerprint is None else fine)
     assert cli.main(["doctor"]) == 0
     lines = capsys.readouterr().out.splitlines()
     at = next(i for i, line in enumerate(lines) if line.startswith("  running torch"))
     assert lines[at + 1] == f"  cuda: {report['line']}"
+    assert not [line for line in lines if line.startswith("    cuda:")]  # plugins that fit add no line
     assert cli.main(["doctor", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["cuda_check"] == report
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["cuda_check"] == report and all(p["cuda_check"] == fine for p in printed["plugins"])
+
+    monkeypatch.setattr(cli, "cuda_report", lambda fingerprint=None: report)  # every plugin breaks too
+    assert cli.main(["doctor"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    plugins = [i for i, line in enumerate(lines) if line.startswith("    library: ")]
+    assert plugins and all(lines[i + 1] == f"    cuda: {report['line']}" for i in plugins)
 
 
 def test_driver_cuda_is_a_version_or_none():

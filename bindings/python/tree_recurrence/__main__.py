@@ -102,9 +102,10 @@ def cuda_compatibility(built: str | None, torch_cuda: str | None, driver: str | 
                   f"the machine code built for sm {archs}")
 
 
-def cuda_report() -> dict:
-    """doctor's CUDA line with what it compared (the JSON report's ``cuda_check``)."""
-    built, archs = built_cuda(_core.core_fingerprint())
+def cuda_report(fingerprint: str | None = None) -> dict:
+    """doctor's CUDA line with what it compared (the JSON report's ``cuda_check``), for the build
+    ``fingerprint`` (default: the core's; a plugin built out of tree carries its own)."""
+    built, archs = built_cuda(_core.core_fingerprint() if fingerprint is None else fingerprint)
     capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
     gpu_arch = f"{capability[0]}{capability[1]}" if capability else None
     driver = driver_cuda()
@@ -142,6 +143,7 @@ def doctor_report(gpu: str | None = None) -> dict:
             "kernels": [{"name": k, "device": d, "available": ok} for k, d, ok in f.kernels],
             "seams": sorted(f.seams), "models": models,
             "routes": _routes.report(f, gpu or seen) if _has_native_scan(f) else [],
+            "cuda_check": cuda_report(f.fingerprint),
         })
     return report
 
@@ -174,6 +176,8 @@ def print_doctor(report: dict) -> None:
     for p in report["plugins"]:
         out(f"  {p['family']} {p['version']} (manifest; library {p['library_version'] or '?'})  [{p['fingerprint']}]")
         out(f"    library: {p['library']}")
+        if not p.get("cuda_check", {"fine": True})["fine"]:  # the core's line covers a plugin that fits
+            out(f"    cuda: {p['cuda_check']['line']}")
         kernels = ", ".join(f"{k['name']}:{k['device']}" + ("" if k["available"] else " (not built)") for k in p["kernels"])
         out(f"    kernels: {kernels}")
         out(f"    seams: {', '.join(p['seams'])}")
