@@ -124,6 +124,19 @@ def kimi_family(kimi_plugin_dir) -> dict:
 
 
 @pytest.fixture(autouse=True)
+def kimi_hidden_unless_asked_for(request, monkeypatch):
+    """A test that asks for neither kimi_family nor kimi_plugin_dir runs with the kimi_linear family switched
+    off (TREE_RECURRENCE_DISABLE_FAMILIES: install and components then see no such family), as in a fresh
+    process. Plugins are never unloaded, so without this a test that needs the plugin but does not ask for it
+    would pass after an earlier test loaded it and fail alone."""
+    if not {"kimi_family", "kimi_plugin_dir"} & set(request.fixturenames):
+        from tree_recurrence import plugins
+
+        already = os.environ.get(plugins.DISABLE_ENV, "")
+        monkeypatch.setenv(plugins.DISABLE_ENV, ",".join(filter(None, [already, "kimi_linear"])))
+
+
+@pytest.fixture(autouse=True)
 def kimi_module_restored():
     """Every test leaves the kimi modeling module with transformers' own seams and unpatched."""
     from tree_recurrence import seams
@@ -495,9 +508,10 @@ def test_register_family_and_components_make_a_model_follow_trees(kimi_family):
     assert "toy_kda" not in plugins.families()
 
 
-def test_unmarked_mixer_without_plan_mixes_the_samples():
+def test_unmarked_mixer_without_plan_mixes_the_samples(kimi_family):
     """The same components without mark_tree_forward (and no plan=) see an ordinary row: the packed row
-    then differs from the samples alone, which is what the marking is for."""
+    then differs from the samples alone, which is what the marking is for. ToyKDA's kda_scan is the
+    kimi_linear plugin's component, so the test loads the plugin itself (kimi_family)."""
     torch.manual_seed(0)
     model = ToyModel(UnmarkedToyKDA).double()
     tree = M.pack_forest("fan")
