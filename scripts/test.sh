@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 source scripts/python-env.sh
 echo "== ctest"
-ctest --test-dir build/py --output-on-failure
+ctest --test-dir build/py --output-on-failure --no-tests=error  # a build without the C++ suites fails here, never passes empty
 echo "== sanitizers (address, undefined): core and C++ suites in build/asan"
 bash scripts/asan.sh
 echo "== pytest"
