@@ -337,7 +337,8 @@ def test_doctor_on_an_unknown_gpu_and_without_a_gpu():
     gdn = next(p for p in report["plugins"] if p["family"] == GDN)
     assert gdn["routes"] == [{"family": GDN, "route": None, "reason":
                               f"{GDN}: no measured routes for GPU 'Some Other GPU' with fla on triton (measured: "
-                              "NVIDIA H200 (fla on triton)): the policy's rule (native when available)"}]
+                              "NVIDIA H200 (fla on triton), NVIDIA H100 80GB HBM3 (fla on triton), NVIDIA H100 80GB "
+                              "HBM3 (fla on flash_qla)): the policy's rule (native when available)"}]
     short = next(p for p in report["plugins"] if p["family"] == "short_conv")
     assert short["routes"] == []  # no native scan: nothing to route
     text = doctor().stdout
