@@ -191,7 +191,8 @@ def test_doctor_prints_each_refusal(cases):
     loaded, refused = stdout.split("\nplugins refused: ")
     for family in IN_TREE:
         assert f"\n  {family} " in loaded, family
-    assert cases["folder_name"][0].decode("utf-8", "backslashreplace") in stdout.split("\n")[3]  # plugin folders
+    (folders_line,) = [line for line in stdout.split("\n") if line.startswith("  plugin folders: ")]
+    assert cases["folder_name"][0].decode("utf-8", "backslashreplace") in folders_line
     for _, expected in cases.values():
         for _, family, prefix, fragment in expected:
             assert f"\n  {family}: {prefix}" in refused, (family, prefix, refused[:3000])
