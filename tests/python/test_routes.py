@@ -114,12 +114,12 @@ def test_the_shipped_tables_parse_and_name_the_h200():
         shapes = {m.shape for m in t.for_gpu("NVIDIA H200").classes}
         assert shapes == {"tree", "flat", "chains"}
     gdn = _routes.family_table(plugins.families()[GDN]).for_gpu("NVIDIA H200")
-    # the H200 runs of 2026-12-03: our tree (11.1 ms, call 6) beats forking over a working FLA (15.4 ms) on the GRPO trie
+    # the shipped H200 table: our tree (11.1 ms) beats forking over a working FLA (15.4 ms) on the GRPO trie
     got = _routes.choose(_routes.family_table(plugins.families()[GDN]), "NVIDIA H200", "tree", 49152, "bfloat16",
                          "fwd_bwd", ALL, GDN)
     assert got[0] == "native" and "native 11.1 ms < fork 15.4 ms" in got[1], got
-    # a flat row without sharing: ours (12.0 ms, 2026-12-03 call 6) beats FLA's own flat row (12.6 ms, issue 19)
-    # forward + backward, and its forward alone (ours 3.465 ms against FLA's 3.5 since call 6: was 3.52)
+    # a flat row without sharing: ours (12.0 ms) beats FLA's own flat row (12.6 ms, issue 19)
+    # forward + backward, and its forward alone (ours 3.465 ms against FLA's 3.5)
     flat = _routes.choose(_routes.family_table(plugins.families()[GDN]), "NVIDIA H200", "flat", 49152, "bfloat16",
                           "fwd_bwd", ALL, GDN)
     assert flat[0] == "native" and "native 12 ms < fork 12.6 ms" in flat[1], flat
@@ -313,9 +313,9 @@ def test_doctor_says_which_route_auto_takes_on_the_h200(tmp_path):
     assert tree["route"] == "native" and "native 11.1 ms < fork 15.4 ms < rescan 38.7 ms" in tree["reason"], tree
     assert "issue 19" in tree["reason"] and "gdn_bench.py" in tree["reason"]
     assert rows[(GDN, "tree", "fwd")]["route"] == "native"  # 2.9 ms against FLA forked 5.0 ms
-    assert rows[(GDN, "flat", "fwd")]["route"] == "native"  # 3.465 ms against FLA's flat 3.5 (since 2026-12-03 call 6)
+    assert rows[(GDN, "flat", "fwd")]["route"] == "native"  # 3.465 ms against FLA's flat 3.5
     assert rows[("mamba2", "tree", "fwd_bwd")]["route"] == "native"
-    # chains: ours 46.11 ms (2026-12-03 call 7) against mamba-ssm's 55.1 (issue 20)
+    # chains: ours 46.11 ms against mamba-ssm's 55.1 (issue 20)
     assert rows[("mamba2", "chains", "fwd_bwd")]["route"] == "native"
     assert rows[("mamba2", "flat", "fwd_bwd")]["route"] == "rescan"  # mamba-ssm's flat row 15.8 ms, ours 15.96
     text = doctor("--gpu", "NVIDIA H200", env=env).stdout
