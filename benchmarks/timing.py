@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from tree_recurrence._plan import tree_plan
+from tree_recurrence._tree_kwargs import tree_plan
 
 
 def plan_of(lengths, parents, device):

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tree_recurrence import _core
-from tree_recurrence._plan import tree_plan
+from tree_recurrence._tree_kwargs import tree_plan
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -95,7 +95,7 @@ def test_the_model_refuses_tree_kwargs_of_another_row():
 
 
 def test_row_length_reads_the_row_a_carrier_received():
-    from tree_recurrence._plan import row_length
+    from tree_recurrence._tree_kwargs import row_length
 
     assert row_length({"input_ids": torch.zeros(1, 9, dtype=torch.long)}) == 9
     assert row_length({"inputs_embeds": torch.zeros(1, 7, 4)}) == 7

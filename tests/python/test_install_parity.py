@@ -20,7 +20,7 @@ import models as M
 import tree_recurrence as tr
 from conftest import pristine_seams
 from tree_recurrence import seams
-from tree_recurrence._plan import tree_plan
+from tree_recurrence._tree_kwargs import tree_plan
 
 install_mod = importlib.import_module("tree_recurrence.install")
 

@@ -26,7 +26,7 @@ import torch
 import models as M
 import tree_recurrence as tr
 from tree_recurrence import plugins, seams
-from tree_recurrence._plan import tree_plan
+from tree_recurrence._tree_kwargs import tree_plan
 
 install_mod = importlib.import_module("tree_recurrence.install")  # the module (the package exports the function)
 

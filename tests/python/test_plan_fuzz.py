@@ -19,7 +19,7 @@ import textwrap
 FUZZ = r'''
 import json, random, sys, time
 import torch
-from tree_recurrence._plan import tree_plan
+from tree_recurrence._tree_kwargs import tree_plan
 
 rng = random.Random(20261201)
 CASES = int(sys.argv[1])

@@ -219,7 +219,7 @@ class TestCuda:
 
 def test_these_tables_are_the_plans():
     """The tables these tests build are TreePlan.chunk_tables' (what the seam passes), field by field."""
-    from tree_recurrence._plan import tree_plan
+    from tree_recurrence._tree_kwargs import tree_plan
 
     offsets, parents = MIXED
     plan = tree_plan({"tree_cu_seqlens_q": torch.tensor(offsets, dtype=torch.int32),

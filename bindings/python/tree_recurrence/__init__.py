@@ -7,7 +7,8 @@
 import torch  # noqa: F401  -- libtorch must be loaded before any plugin library
 
 from . import _core
-from ._plan import TREE_FIELDS, TreePlan, has_tree, tree_plan
+from ._plan import TreePlan
+from ._tree_kwargs import TREE_FIELDS, has_tree, tree_plan
 from .install import Support, install, set_backend, uninstall
 from . import components
 from .components import mark_tree_forward, register_family, tree_conv, tree_scan, unregister_family

@@ -228,10 +228,3 @@ def _version(value: Any) -> Any:
     if value.is_inference():
         return "inference"
     return value._version
-
-
-
-# The kwargs half (``_tree_kwargs.py`` imports TreePlan from here: imported last).
-from ._tree_kwargs import (CU_SEQLENS_K, CU_SEQLENS_Q, KV_INDEX, LEVEL_COUNT, LEVEL_FIELDS, LEVEL_SIZES,  # noqa: E402,F401
-                           LEVEL_SIZES_ALIAS, SEGMENT_DEPTHS, SEGMENT_PARENTS, TREE_FIELDS, has_tree, index_tensor,
-                           is_meta_tree, row_length, tree_plan)

@@ -27,7 +27,6 @@ TREE_FIELDS = (CU_SEQLENS_Q, KV_INDEX, CU_SEQLENS_K, SEGMENT_PARENTS, SEGMENT_DE
 # chunks its kernel splits the row into: checked to be a non-negative integer, and not used otherwise.
 LEVEL_SIZES, SIZES, N_CHUNKS = "tree_level_sizes", "tree_sizes", "tree_n_chunks"
 LEVEL_FIELDS = (LEVEL_SIZES, SIZES)
-LEVEL_SIZES_ALIAS, LEVEL_COUNT = SIZES, N_CHUNKS  # the names _plan.py re-exports
 # tree_sizes' header: (name, what it is, the plan's value), before the level sizes.
 _SIZES_HEADER = (("max_q", "longest segment (tree_max_seqlen_q)", lambda plan: plan.max_segment_length),
                  ("max_k", "longest key path, root to a segment's end (tree_max_seqlen_k)",

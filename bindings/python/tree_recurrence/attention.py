@@ -18,7 +18,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from ._plan import tree_plan
+from ._tree_kwargs import tree_plan
 
 TREE_ATTENTION = "tree_sdpa"
 TREE_FLEX = "tree_flex"

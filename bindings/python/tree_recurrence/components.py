@@ -47,7 +47,8 @@ import torch.nn.functional as F
 
 from . import driver, plugins, seams
 from .plugins import register_family, unregister_family  # noqa: F401  (registered families: the registry's)
-from ._plan import TreePlan, tree_plan
+from ._plan import TreePlan
+from ._tree_kwargs import tree_plan
 from ._specs import SeamSpec
 from .policy import Policy
 

@@ -51,7 +51,7 @@ import torch
 from . import driver, plugins, seams
 from ._detection import claim, forward_seam_gap, instance_forward_bypass, text_config
 from ._detection import layer_types as _layer_types  # noqa: F401  (tests read it here)
-from ._plan import is_meta_tree, tree_plan
+from ._tree_kwargs import is_meta_tree, tree_plan
 from .backends import (BACKENDS, FALLBACKS, HANDOFF_ACTIONS, HANDOFF_BACKENDS, check_backends, conflict,  # noqa: F401
                        hand_off, owned_elsewhere, register_backend, release_handoffs, route, tell_libraries)
 from .policy import Policy

@@ -45,8 +45,9 @@ from typing import Any, Callable, Mapping
 import torch
 
 from . import driver
-from ._plan import TreePlan, row_length, tree_plan
-from ._plan import is_meta_tree
+from ._plan import TreePlan
+from ._tree_kwargs import row_length, tree_plan
+from ._tree_kwargs import is_meta_tree
 from ._specs import SeamSpec, parse_seam
 from .policy import Policy
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from .._plan import index_tensor, tree_plan
+from .._tree_kwargs import index_tensor, tree_plan
 from .._tree_kwargs import LEVEL_SIZES, N_CHUNKS, SIZES, _chunk_count
 
 __all__ = ["tree_kwargs_from_batch"]
