@@ -1,4 +1,4 @@
-"""Benchmark of the Gated DeltaNet tree core (op ``gdn_tree_scan``, issues 9 and 19) beside FLA, in one
+"""Benchmark of the Gated DeltaNet tree core (op ``gdn_tree_scan``) beside FLA, in one
 process: forward and forward + backward of each case (CUDA events, median of up to --repeats timed runs
 after --warmup untimed ones, fewer for slow cases; peak memory above the inputs per run).
 
@@ -29,7 +29,7 @@ Triton >= 3.7.1; when its guard refuses, the guard is bypassed for timing only a
   python benchmarks/gdn_bench.py [--out benchmarks/results/gdn_bench.json] [--cases tree,fla_*]
                                  [--repeats 10] [--small] [--peers auto|on|off]
 ``--small``: tiny sizes, peers off (a CPU smoke run of the script; its numbers mean nothing). FLA
-imports from the environment, else from /tmp/peers, /tmp/site or $TREE_RECURRENCE_PEERS (peers.py).
+imports from the environment, else from the fallback folders peers.py lists (/tmp/peers among them).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What a whole-model forward keeps for backward, per token (issues 19 / 20: the chains rows' memory).
+"""What a whole-model forward keeps for backward, per token (what decides whether a chains row fits).
 
     python benchmarks/saved_memory_probe.py --model qwen3_5 [--mode tree|chains|flat] [--groups 2 --rollouts 2]
 

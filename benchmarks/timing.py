@@ -36,7 +36,7 @@ def cu_seqlens(lengths, device, dtype=torch.long):
 
 
 class Shape:
-    """The GRPO shape (issues 19, 20): ``prompts`` prompts of ``prompt`` tokens, each with ``per_prompt``
+    """The GRPO shape: ``prompts`` prompts of ``prompt`` tokens, each with ``per_prompt``
     completions of ``completion`` tokens. Layouts (lengths, parents), segments in DFS pre-order:
       trie      prompts roots, each followed by its per_prompt children
       flat      one segment of the trie's unique tokens

@@ -5,7 +5,7 @@ Qwen3.5 mixer width: conv channels 2*16*128 + 32*128 = 8192, width 4, bf16, 49,1
 (8 prompts of 2048 + 64 completions of 512). Achieved GB/s = the bytes the op must move / time:
 forward reads x and writes y (4 N C bytes in bf16); backward reads x and grad_y and writes grad_x
 (6 N C); weights, ancestors' taps (cache hits) and the weight-gradient partials are not counted.
-Target (issue 14): >= 70% of the H200's ~4.3 TB/s copy rate, never slower than F.conv1d + SiLU.
+Target: >= 70% of the H200's ~4.3 TB/s copy rate, never slower than F.conv1d + SiLU.
 
 Usage: python benchmarks/tree_conv_bench.py [--out DIR] [--tokens-check]
 Writes tree_conv_bench.json into DIR (default benchmarks/results).

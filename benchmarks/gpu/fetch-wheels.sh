@@ -2,7 +2,7 @@
 # Downloads (on the development machine) the wheels the GPU machine lacks for the model tests and the
 # whole-model bench into .whl/ (ignored by git; carry it: `run` with carry [".whl", ...]; scripts/gpu-build.sh
 # installs it into /tmp/site there). trl imports datasets, which imports multiprocess, dill and xxhash at
-# import time: without them the model GPU tests fail with ModuleNotFoundError (2026-12-02). Versions are the
+# import time: without them the model GPU tests fail with ModuleNotFoundError. Versions are the
 # development environment's (.venv), so both machines run the same ones. pyarrow and pandas (datasets' other
 # needs) are large: pass --with-arrow when the GPU machine lacks them.
 set -euo pipefail

@@ -1,4 +1,4 @@
-"""Which FlexAttention path computes the tree mask right on the GPU (tree_flex debugging, 2026-12-01)."""
+"""Which FlexAttention path computes the tree mask right on the GPU (a tree_flex debugging aid)."""
 import time, warnings, torch, tree_recurrence as tr
 from tree_recurrence import attention as A
 from torch.nn.attention.flex_attention import flex_attention, create_block_mask

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device run (issue 14): build, the tree conv / tree_flex GPU tests, the tree conv bandwidth
+# One device run: build, the tree conv / tree_flex GPU tests, the tree conv bandwidth
 # benchmark (with one ncu-profiled launch of each kernel when ncu is there), and the whole-model
 # benchmark at the GRPO shape for the three model kinds, cut at DEADLINE_S seconds after start
 # (bench.json is written after every point). Results into $OUT (<= 8 files) and benchmarks/results/.

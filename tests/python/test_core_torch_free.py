@@ -1,4 +1,4 @@
-"""The core is torch-free (issue 18 item 5): no file of ``core/`` includes, directly or through the SDK
+"""The core is torch-free: no file of ``core/`` includes, directly or through the SDK
 headers it uses (the plugin ABI: ``sdk/family.h``, ``abi.h``, ``fingerprint.h``), a torch, ATen or c10
 header; and the SDK's kernel headers (``sdk/include/tree_recurrence/kernels/``), which the kernels'
 ``.cpp`` / ``.cu`` files and the POD-params contracts include, stay torch-free too."""

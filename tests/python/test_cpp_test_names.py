@@ -1,6 +1,6 @@
 """ctest's doctest discovery splits test-case names on ',' and ';': such a case becomes several ctest
-entries that each match no test and pass without running anything (this hid a failing registry
-test on 2026-12-01). Every C++ test-case name must be free of both."""
+entries that each match no test and pass without running anything (this can hide a failing
+test). Every C++ test-case name must be free of both."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""How the driver calls the kernel transformers bound (issue 11): the bound implementation is read per
+"""How the driver calls the kernel transformers bound: the bound implementation is read per
 call (kernelize swapping a hub seam's instance forward is seen), varlen is taken on the manifest's word
 for library kernels that take ``cu_seqlens`` through ``**kwargs`` (called directly: transformers'
 keyword filter would drop it), and a one-level plan (a forest of chains, a single chain) runs as one

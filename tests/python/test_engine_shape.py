@@ -1,4 +1,4 @@
-"""The Python engine's shape (issue 18): the driver's private names stay inside the driver (components,
+"""The Python engine's shape: the driver's private names stay inside the driver (components,
 family adapters, integrations, benchmarks and tests use its public seam-call API), and its files stay
 small, one concern each."""
 
@@ -73,7 +73,7 @@ def _engine_and_family_python():
 
 
 def test_the_engine_reads_typed_seam_specs():
-    """Issue 18 item 1: the driver, its strategies, components, install / seams and the families' adapters
+    """The driver, its strategies, components, install / seams and the families' adapters
     read a seam's ``SeamSpec`` / ``NativeSpec`` (``Family.seams``), not the manifest's mappings."""
     hits = [f"{path.relative_to(ROOT)}:{number}: {line.strip()}" for path in _engine_and_family_python()
             if path not in SEAM_PARSERS

@@ -1,4 +1,4 @@
-"""Formats users send (issue 38, items 3-5): huggingface/trl#7686's ``tree_n_chunks`` (a kernel's chunk
+"""Formats users send: huggingface/trl#7686's ``tree_n_chunks`` (a kernel's chunk
 count, not a level count) and ``tree_sizes`` (``[max_q, max_k, n_kv, n_chunks, *level sizes]``), read
 by ``tree_plan`` and ``tree_kwargs_from_batch``; and ``components.tree_conv`` / ``tree_scan`` given a
 row a collator padded past the plan (zeros at the padding, in outputs and gradients).
@@ -50,7 +50,7 @@ def _sizes(tree, n_chunks: int | None = None, pad: int = 0) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------------------
-# item 3: tree_n_chunks is a chunk count, checked, never used to cut levels
+# tree_n_chunks is a chunk count, checked, never used to cut levels
 # ------------------------------------------------------------------------------------------------
 
 
@@ -76,7 +76,7 @@ def test_tree_n_chunks_must_be_a_non_negative_integer(value):
 
 
 # ------------------------------------------------------------------------------------------------
-# item 4: tree_sizes is [max_q, max_k, n_kv, n_chunks, *level sizes]
+# tree_sizes is [max_q, max_k, n_kv, n_chunks, *level sizes]
 # ------------------------------------------------------------------------------------------------
 
 
@@ -201,7 +201,7 @@ def test_tree_kwargs_from_batch_reads_a_collated_7686_batch():
 
 
 # ------------------------------------------------------------------------------------------------
-# item 5: components on a row a collator padded past the plan
+# components on a row a collator padded past the plan
 # ------------------------------------------------------------------------------------------------
 
 

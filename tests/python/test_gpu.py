@@ -192,8 +192,8 @@ def test_tree_flex_kernel_matches_tree_sdpa_on_gpu(window):
     cannot hide in rounding, 16 query heads on 4 KV heads of 128, a row over several 128-token
     blocks) against the dense-mask reference tree_sdpa.
 
-    (The 2026-12-01 H200 run had a bf16 version of this test fail with the cause cut from the log:
-    bf16 gradients against an fp32-compute reference at 2e-2 was likely too tight; fp32 decides.)"""
+    (fp32, not bf16: bf16 gradients against an fp32-compute reference at 2e-2 are too tight a bound
+    to tell a mask error from rounding.)"""
     from tree_recurrence import attention as A
 
     g = torch.Generator().manual_seed(3)

@@ -1,6 +1,6 @@
-"""Hardening (issue 12): plan memory safety and resource bounds (items 1-3), the fresh-machine
-set-up (items 8-14) and the probes kept in the test command (item 15). Fuzzing is in
-test_plan_fuzz.py, hostile plugin folders in test_hostile_plugins.py."""
+"""Hardening: plan memory safety and resource bounds, the fresh-machine set-up and the probes kept
+in the test command. Fuzzing is in test_plan_fuzz.py, hostile plugin folders in
+test_hostile_plugins.py."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def fan_plan():
 
 
 # ------------------------------------------------------------------------------------------------
-# 1-3: plans
+# plans
 # ------------------------------------------------------------------------------------------------
 
 
@@ -145,7 +145,7 @@ def test_the_core_never_takes_an_address():
 
 
 # ------------------------------------------------------------------------------------------------
-# 8-14: fresh machine
+# fresh machine
 # ------------------------------------------------------------------------------------------------
 
 
@@ -349,7 +349,7 @@ def test_the_build_lock_lives_in_the_build_folder():
 
 
 # ------------------------------------------------------------------------------------------------
-# 15: the sanitizer job is part of the test command
+# the sanitizer job is part of the test command
 # ------------------------------------------------------------------------------------------------
 
 

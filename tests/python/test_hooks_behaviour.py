@@ -1,4 +1,4 @@
-"""Hooks that behave like a well-mannered library (issue 11): who owns a modeling module's seams
+"""Hooks that behave like a well-mannered library: who owns a modeling module's seams
 (foreign wrappers survive uninstall, our stale wrappers are replaced and never wrapped, models that
 die without uninstall release the module, installs from several threads), what install refuses
 (a missing seam, an instance forward that bypasses the seams, an unmarked Python-family mixer),

@@ -1,4 +1,4 @@
-"""Plugin folders holding bytes that are not UTF-8 (issue 38, item 8), through discovery, ``install`` and
+"""Plugin folders holding bytes that are not UTF-8, through discovery, ``install`` and
 ``doctor`` in subprocesses.
 
 Every string that crosses from the C++ core to Python (paths, YAML errors, family names, reasons, manifest

@@ -1,4 +1,4 @@
-"""Hostile plugin folders (issue 12, items 4-7) through ``doctor`` and ``install`` in subprocesses.
+"""Hostile plugin folders through ``doctor`` and ``install`` in subprocesses.
 
 A plugin folder is input: whoever can write into a folder on TREE_RECURRENCE_PLUGIN_PATH chooses
 what this process loads (docs/plugins.md, "Trust"). These folders try to load libraries from

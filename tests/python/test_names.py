@@ -1,4 +1,4 @@
-"""Names that say one thing each (issue 18, item 4): library stand-ins (``stand_ins``: what imitates a
+"""Names that say one thing each: library stand-ins (``stand_ins``: what imitates a
 library's API), the float64 oracles of the tree kernels (C++ ``*_token_oracle``, registered as ops for
 tests only), the backend ``"stand_ins"`` (``"reference"`` its deprecated name, tested in
 test_backend_stand_ins.py)."""

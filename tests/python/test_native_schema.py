@@ -1,4 +1,4 @@
-"""The load check of a manifest's ``native.op`` (issue 19, item 5): a plugin whose scan seam names a
+"""The load check of a manifest's ``native.op``: a plugin whose scan seam names a
 native op that is not registered, or not with the schema the driver calls it by, is refused at load
 with an error naming the manifest file, the seam and the op (``tree_recurrence/_native_schema.py``)."""
 

@@ -1,4 +1,4 @@
-"""TreePlan's one cache with one rule (issue 18, item 3): everything built from a plan (host arrays,
+"""TreePlan's one cache with one rule: everything built from a plan (host arrays,
 device tables, chunk / conv / fork tables, attention masks, the driver's routes) lives in
 ``plan.cache`` and is reused while what it was built from is the same object and no tensor in it
 has been written in place."""

@@ -1,4 +1,4 @@
-"""Fuzzing ``tree_plan`` (issue 12, item 16): a fixed-seed random and mutation run of a few thousand
+"""Fuzzing ``tree_plan``: a fixed-seed random and mutation run of a few thousand
 valid and malformed inputs, in a subprocess (a crash is a failed test, not a dead test runner).
 
 Every input must either build a plan that passes the invariants below, or raise ValueError or

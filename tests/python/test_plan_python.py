@@ -179,7 +179,7 @@ ERRORS = [
     ("float cu_seqlens_k", "trl", _set("tree_cu_seqlens_k", lambda t: t.float()), "tree_cu_seqlens_k"),
     ("float parents", "rich", _set("tree_segment_parents", lambda t: t.float()), "tree_segment_parents"),
     ("float depths", "rich", _set("tree_segment_depths", lambda t: t.float()), "tree_segment_depths"),
-    # int lists are accepted (issue 18); a list of floats is refused like a float tensor
+    # int lists are accepted; a list of floats is refused like a float tensor
     ("float list kv_index", "trl", _set("tree_kv_index", lambda t: [float(x) for x in t.tolist()]), "tree_kv_index"),
     ("2 rows cu_seqlens_q", "trl", _set("tree_cu_seqlens_q", lambda t: torch.stack([t, t])), "tree_cu_seqlens_q"),
     ("2 rows kv_index", "trl", _set("tree_kv_index", lambda t: torch.stack([t, t])), "tree_kv_index"),

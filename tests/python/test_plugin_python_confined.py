@@ -1,4 +1,4 @@
-"""A plugin's Python is held to its library's rule (issue 12, item 4): the family's Python folder
+"""A plugin's Python is held to its library's rule: the family's Python folder
 ``<family>/`` next to the manifest, and each module its ``python:`` names, must resolve (after
 symlinks) inside the folder that holds the manifest. One that does not is a refused plugin whose
 reason names the plugin and the path, and nothing of it is imported."""

@@ -1,4 +1,4 @@
-"""Rough edges users hit (issue 18, item 8): a script that installs and exits without uninstall
+"""Rough edges users hit: a script that installs and exits without uninstall
 exits cleanly; the tree fields as Python int lists are accepted wherever an index tensor is read,
 with the same validation; a collated row's padding must be exactly padding."""
 

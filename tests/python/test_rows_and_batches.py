@@ -1,4 +1,4 @@
-"""Rows as trainers really send them (issue 11): a collated row's padded tree fields (TRL 1.16 pads
+"""Rows as trainers really send them: a collated row's padded tree fields (TRL 1.16 pads
 with -1, huggingface/trl#7686 with 0, offsets may repeat their final value), a batch of several rows
 (refused, saying how to split it), tree kwargs made under ``torch.inference_mode()``, and meta
 tensors (a clear ValueError for a plan; a model traced on the meta device runs)."""

@@ -1,4 +1,4 @@
-"""Seam specs parsed once at load (issue 18, item 1): every loaded manifest's seams parse into frozen
+"""Seam specs parsed once at load: every loaded manifest's seams parse into frozen
 SeamSpec / NativeSpec dataclasses; a bad key refuses the plugin with a reason naming the manifest file,
 the seam and the key; register_family checks its seams the same way."""
 
@@ -126,7 +126,7 @@ def test_a_mapping_spec_is_parsed_once_while_unchanged():
 
 
 # ------------------------------------------------------------------------------------------------
-# families as frozen Family records (issue 18, item 1)
+# families as frozen Family records
 # ------------------------------------------------------------------------------------------------
 
 def test_families_are_built_once_at_load():

@@ -177,7 +177,7 @@ def test_tree_rows_run_with_the_dense_mask_skipped(monkeypatch, tree_install, al
 def test_flex_on_rows_not_in_dfs_preorder(window, grad):
     """The richer format only promises parents before children: segment 3's parent may be segment 0
     after segment 1 started another subtree. Subtree ranges do not describe such a row; tree_flex must
-    still equal the path mask of tree_sdpa (found on the H200, 2026-12-01: 0.94 relative error)."""
+    still equal the path mask of tree_sdpa (a subtree-range mask gave 0.94 relative error here)."""
     g = torch.Generator().manual_seed(5)
     parents = [-1, 0, 1, 0, -1, 4, 0, 2, 5, 3, -1, 10, 1, 12]
     assert not all(p in (-1, s - 1) for s, p in enumerate(parents))

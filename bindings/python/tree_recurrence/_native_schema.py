@@ -1,4 +1,4 @@
-"""The load check of a scan seam's ``native.op`` (issue 19, item 5): the op must be registered in the
+"""The load check of a scan seam's ``native.op``: the op must be registered in the
 family's op namespace with the schema the driver calls it by (``_scan_strategies.scan_native``).
 
 The native-op convention (docs/plugins.md), positional, then keywords:
