@@ -1,6 +1,6 @@
 """Micro-benchmark of chunk_state_pass (the inter-chunk state pass of chunked GDN / SSD) on CUDA.
 
-Workloads (issue 9): GRPO = 8 prompts of 2048 tokens, each with 8 completions of 512 (49,152
+Workloads: GRPO = 8 prompts of 2048 tokens, each with 8 completions of 512 (49,152
 unique tokens); the same tokens as one flat row; 64 unrelated chains of 2,560 tokens. H=32,
 K=V=128, C=64, bf16 and fp32 inputs. Forward and backward op times (CUDA events, medians after
 warm-up), bytes moved and FLOPs counted by hand, and the fraction of 4.3 TB/s and of ~60 TFLOP/s

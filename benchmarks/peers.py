@@ -5,8 +5,8 @@
 Where they come from on the GPU machine (no index there): FLA 0.6.0's wheels (and tilelang's, for its
 Hopper backward) installed with ``pip install --no-index --no-deps --target DIR`` and DIR on
 PYTHONPATH; mamba-ssm's Triton-only copy (shared/tools/mamba-ssm-triton.sh) on PYTHONPATH. When the
-first import fails, these folders are tried too: $TREE_RECURRENCE_PEERS (os.pathsep-separated),
-/tmp/peers, /tmp/site, and the checkout's .peers/mamba and .peers/site."""
+first import fails, these folders are tried too: /tmp/peers, /tmp/site (where benchmarks/gpu/common.sh's
+PYTHONPATH points), and the checkout's .peers/mamba and .peers/site; any other folder goes on PYTHONPATH."""
 
 from __future__ import annotations
 
@@ -19,8 +19,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _fallback_paths():
-    extra = [p for p in os.environ.get("TREE_RECURRENCE_PEERS", "").split(os.pathsep) if p]
-    return extra + ["/tmp/peers", "/tmp/site", os.path.join(REPO, ".peers", "mamba"), os.path.join(REPO, ".peers", "site")]
+    return ["/tmp/peers", "/tmp/site", os.path.join(REPO, ".peers", "mamba"), os.path.join(REPO, ".peers", "site")]
 
 
 def _import(module):

@@ -5,7 +5,7 @@
 # `export PYTHONPATH=/tmp/site`.
 # Like a user's package build it compiles no C++ test suites and no broken test plugins: no GPU script
 # runs them (the test ops the GPU scripts use are switched on at run time by TREE_RECURRENCE_TEST_OPS=1).
-# TREE_RECURRENCE_TESTS=ON builds them too, e.g. for the CUDA cases of
+# BUILD_TESTS=ON builds them too, e.g. for the CUDA cases of
 # /tmp/tree-recurrence-build/tests/kernel_tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,6 +14,6 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 fi
 export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-16}
 python3 -m pip install --no-build-isolation --no-deps -q \
-  -Ccmake.define.CMAKE_CUDA_ARCHITECTURES=90a -Ccmake.define.TREE_RECURRENCE_TESTS="${TREE_RECURRENCE_TESTS:-OFF}" \
+  -Ccmake.define.CMAKE_CUDA_ARCHITECTURES=90a -Ccmake.define.TREE_RECURRENCE_TESTS="${BUILD_TESTS:-OFF}" \
   -Cbuild-dir=/tmp/tree-recurrence-build .
 python3 -c "import tree_recurrence, torch; print('tree_recurrence built; torch', torch.__version__, 'cuda', torch.cuda.is_available())"

@@ -2,12 +2,12 @@
 #   PYTHON=/path/to/python  use that interpreter (and the environment it belongs to), as is;
 #   otherwise               the project's own virtual environment in the checkout, created here
 #                           when missing (nothing is installed outside the checkout): .venv, or
-#                           the folder TREE_RECURRENCE_VENV names (CI uses a throw-away one).
+#                           the folder VENV_DIR names (CI uses a throw-away one).
 if [ -n "${PYTHON:-}" ]; then
   PY=$PYTHON
   command -v "$PY" >/dev/null 2>&1 || { echo "PYTHON=$PY: no such interpreter" >&2; exit 1; }
 else
-  venv="${TREE_RECURRENCE_VENV:-.venv}"
+  venv="${VENV_DIR:-.venv}"
   if [ ! -x "$venv/bin/python" ]; then
     echo "== creating the project's virtual environment $venv (python3 -m venv; set PYTHON=... to use another interpreter)"
     python3 -m venv "$venv"

@@ -7,11 +7,9 @@ stamp build
 build_step "$OUT/csp_build.log"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv,noheader
 stamp tests
-for pf in 1 0; do  # both kernel variants (TREE_RECURRENCE_CHUNK_STATE_PREFETCH)
-  TREE_RECURRENCE_CHUNK_STATE_PREFETCH=$pf timeout 120 python3 -m pytest tests/python/test_chunk_state_pass.py -q -x \
-    -p no:cacheprovider -k "cuda" >"$OUT/csp_tests_pf$pf.log" 2>&1
-  echo "pytest (prefetch=$pf) exit $?"; grep -E "passed|failed|Error|assert" "$OUT/csp_tests_pf$pf.log" | tail -8
-done
+timeout 120 python3 -m pytest tests/python/test_chunk_state_pass.py -q -x -p no:cacheprovider -k "cuda" \
+  >"$OUT/csp_tests.log" 2>&1
+echo "pytest exit $?"; grep -E "passed|failed|Error|assert" "$OUT/csp_tests.log" | tail -8
 stamp sanitizer
 if command -v compute-sanitizer >/dev/null; then
   for tool in memcheck racecheck; do
@@ -22,6 +20,4 @@ if command -v compute-sanitizer >/dev/null; then
 fi
 stamp bench
 timeout 60 python3 benchmarks/chunk_state_pass_bench.py --out benchmarks/results/chunk_state_pass_h200.json 2>&1
-TREE_RECURRENCE_CHUNK_STATE_PREFETCH=1 timeout 60 python3 benchmarks/chunk_state_pass_bench.py \
-  --out benchmarks/results/chunk_state_pass_h200_prefetch.json 2>&1
 stamp done

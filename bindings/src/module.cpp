@@ -8,6 +8,7 @@
 #include "tree_recurrence/policy.h"
 #include "tree_recurrence/registry.h"
 #include "tree_recurrence/sdk/detectors.h"
+#include "tree_recurrence/sdk/settings.h"
 #include "tree_recurrence/tree_plan.h"
 
 namespace py = pybind11;
@@ -195,6 +196,34 @@ ModuleDescription describe_module(const py::dict& d) {
   return m;
 }
 
+// A setting's value from its text as os.environ holds it (a str, surrogates for bytes that are not
+// UTF-8), parsed by the one parser the C++ accessors use (sdk/settings.h): a bool, an int, a str, or
+// a list of str; paths come back as os.fsdecode makes them.
+py::object parse_setting(const std::string& name, const py::str& raw) {
+  const settings::Setting* s = settings::find(name);
+  if (!s) {
+    std::string names;
+    for (const settings::Setting& d : settings::kAll) names += std::string(names.empty() ? "" : ", ") + d.name;
+    throw py::key_error(name + " is not a tree-recurrence setting; the settings are " + names);
+  }
+  std::string value = fs_bytes(raw);
+  if (value.empty()) value = s->fallback;
+  switch (s->kind) {
+    case settings::Kind::Flag: return py::bool_(settings::parse_flag(s->name, value));
+    case settings::Kind::Count: return py::int_(settings::parse_count(s->name, value));
+    case settings::Kind::Choice: return text(settings::parse_choice(*s, value));
+    case settings::Kind::Path: return path_text(value);
+    case settings::Kind::PathList:
+    case settings::Kind::Names: {
+      py::list out;
+      for (const std::string& piece : settings::parse_list(*s, value))
+        out.append(s->kind == settings::Kind::PathList ? path_text(piece) : text(piece));
+      return out;
+    }
+  }
+  return py::none();
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_core, m) {
@@ -202,6 +231,14 @@ PYBIND11_MODULE(_core, m) {
   m.attr("ABI_VERSION") = TREE_RECURRENCE_ABI_VERSION;
   py::register_local_exception_translator(translate);
   m.def("core_fingerprint", [] { return text(core_fingerprint()); });
+  // The environment variables the library reads (sdk/settings.h): (name, kind, fallback, doc) each.
+  m.def("settings", [] {
+    py::list out;
+    for (const settings::Setting& s : settings::kAll)
+      out.append(py::make_tuple(s.name, settings::kind_name(s.kind), s.fallback, s.doc));
+    return out;
+  });
+  m.def("parse_setting", &parse_setting, py::arg("name"), py::arg("text"));
 
   py::class_<TreePlan, std::shared_ptr<TreePlan>>(m, "TreePlan")
       .def_static(

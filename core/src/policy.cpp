@@ -2,7 +2,6 @@
 
 #include <yaml-cpp/yaml.h>
 
-#include <cstdlib>
 #include <stdexcept>
 
 #include "tree_recurrence/tree_plan.h"
@@ -27,21 +26,9 @@ Strategy strategy_from_string(const std::string& name) {
 
 namespace {
 
-int64_t parse_count(const std::string& key, const std::string& text, const std::string& origin) {
-  try {
-    size_t used = 0;
-    const long long value = std::stoll(text, &used);
-    if (used == text.size() && value >= 0) return value;
-  } catch (const std::exception&) {
-  }
-  throw std::invalid_argument(origin + ": " + key + " must be a non-negative integer, got '" + text + "'");
-}
-
-bool parse_bool(const std::string& key, const std::string& text, const std::string& origin) {
-  if (text == "true" || text == "1" || text == "yes" || text == "on") return true;
-  if (text == "false" || text == "0" || text == "no" || text == "off") return false;
-  throw std::invalid_argument(origin + ": " + key + " must be true or false, got '" + text + "'");
-}
+// A YAML key's value, parsed as the variable of the same setting is (settings.h); errors name the
+// file and the key.
+std::string where(const std::string& origin, const std::string& key) { return origin + ": " + key; }
 
 Policy apply(const YAML::Node& root, Policy policy, const std::string& origin) {
   if (!root || root.IsNull()) return policy;
@@ -50,9 +37,9 @@ Policy apply(const YAML::Node& root, Policy policy, const std::string& origin) {
     const std::string key = item.first.as<std::string>();
     if (!item.second.IsScalar()) throw std::invalid_argument(origin + ": " + key + " must be a scalar");
     const std::string value = item.second.as<std::string>();
-    if (key == "fork_min_saved_tokens") policy.fork_min_saved_tokens = parse_count(key, value, origin);
+    if (key == "fork_min_saved_tokens") policy.fork_min_saved_tokens = settings::parse_count(where(origin, key).c_str(), value);
     else if (key == "strategy") policy.strategy = strategy_from_string(value);
-    else if (key == "prefer_native") policy.prefer_native = parse_bool(key, value, origin);
+    else if (key == "prefer_native") policy.prefer_native = settings::parse_flag(where(origin, key).c_str(), value);
     else
       throw std::invalid_argument(origin + ": unknown policy key '" + key +
                                   "', expected fork_min_saved_tokens, strategy or prefer_native");
@@ -85,17 +72,16 @@ Policy Policy::from_yaml_text(const std::string& text) { return from_yaml_text(t
 Policy Policy::from_environment() { return from_environment(Policy()); }
 
 Policy Policy::from_environment(Policy base) {
-  if (const char* file = std::getenv("TREE_RECURRENCE_POLICY_FILE"); file && *file) base = from_yaml_file(file, base);
+  if (settings::is_set(settings::PolicyFile)) base = from_yaml_file(settings::text(settings::PolicyFile), base);
   return from_environment_variables(base);
 }
 
 Policy Policy::from_environment_variables(Policy base) {
   Policy policy = base;
-  if (const char* v = std::getenv("TREE_RECURRENCE_FORK_MIN_SAVED_TOKENS"); v && *v)
-    policy.fork_min_saved_tokens = parse_count("fork_min_saved_tokens", v, "TREE_RECURRENCE_FORK_MIN_SAVED_TOKENS");
-  if (const char* v = std::getenv("TREE_RECURRENCE_STRATEGY"); v && *v) policy.strategy = strategy_from_string(v);
-  if (const char* v = std::getenv("TREE_RECURRENCE_PREFER_NATIVE"); v && *v)
-    policy.prefer_native = parse_bool("prefer_native", v, "TREE_RECURRENCE_PREFER_NATIVE");
+  if (settings::is_set(settings::ForkMinSavedTokens))
+    policy.fork_min_saved_tokens = settings::count(settings::ForkMinSavedTokens);
+  if (settings::is_set(settings::Strategy)) policy.strategy = strategy_from_string(settings::choice(settings::Strategy));
+  if (settings::is_set(settings::PreferNative)) policy.prefer_native = settings::flag(settings::PreferNative);
   return policy;
 }
 

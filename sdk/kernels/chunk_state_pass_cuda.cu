@@ -15,7 +15,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <stdexcept>
 #include <string>
 
@@ -108,56 +107,40 @@ __device__ __forceinline__ Place place_of(const ChunkStatePassParams& p, int64_t
   return {z, lane, warp, s, head, col, col < z.V, z.K * z.V};
 }
 
-// A chunk's (C x K) operand on its way to shared memory, zero-padded to kMaxC x KMAX.
-// When the chunk is full-size (C == kMaxC, K == KMAX: the 64 x 64 and 64 x 128 cases), load()
-// issues every global read of the thread at once, into registers at constant offsets, so their
-// latency overlaps the compute between load() and store(); store() widens and writes them either
-// transposed (dst[k * kTransposedStride + t]) or row-major (dst[t * KMAX + k]). Other shapes
-// read global memory inside store() (correct, slower). kEarly = false issues the reads inside
-// store() instead (fewer registers, more blocks per SM, latency not hidden by compute).
-template <typename T, typename A, int KMAX, bool kEarly>
-struct Stager {
+// Stages a chunk's (C x K) operand into shared memory, widened to the accumulation type and
+// zero-padded to kMaxC x KMAX, transposed (dst[k * kTransposedStride + t]) or row-major
+// (dst[t * KMAX + k]). For a full-size chunk (C == kMaxC, K == KMAX: the 64 x 64 and 64 x 128 cases)
+// the thread issues all its global reads at once, into registers at constant offsets, then writes
+// them; other shapes read element by element. The reads are issued here, right before the operand
+// is needed, not a step ahead: that keeps the kernel at 128 registers for K = 128, two blocks per
+// SM, whose steps interleave (faster on trees and chains than one block holding prefetched tiles).
+template <bool kTransposed, typename T, typename A, int KMAX>
+__device__ __forceinline__ void stage(A* dst, const T* __restrict__ src, const Shape& z) {
   static_assert(kThreads % KMAX == 0, "a thread stages one column k and every (kThreads/KMAX)-th row");
-  static constexpr int kPer = kMaxC * KMAX / kThreads;
-  static constexpr int kRowStep = kThreads / KMAX;
-  T v[kPer];
-  const T* src = nullptr;
-
-  __device__ __forceinline__ static bool full(const Shape& z) { return z.C == kMaxC && z.K == KMAX; }
-
-  __device__ __forceinline__ void load(const T* __restrict__ chunk, const Shape& z) {
-    src = chunk;
-    if (kEarly && full(z)) fetch();
-  }
-
-  __device__ __forceinline__ void fetch() {
+  constexpr int kPer = kMaxC * KMAX / kThreads;
+  constexpr int kRowStep = kThreads / KMAX;
+  const int k = threadIdx.x % KMAX, t0 = threadIdx.x / KMAX;
+  if (z.C == kMaxC && z.K == KMAX) {
+    T v[kPer];
     const T* p = src + threadIdx.x;  // = (t0 = tid / KMAX) * KMAX + (k = tid % KMAX)
 #pragma unroll
     for (int r = 0; r < kPer; ++r) v[r] = p[r * kThreads];
-  }
-
-  template <bool kTransposed>
-  __device__ __forceinline__ void store(A* dst, const Shape& z) {
-    const int k = threadIdx.x % KMAX, t0 = threadIdx.x / KMAX;
-    if (full(z)) {
-      if (!kEarly) fetch();  // all reads issued together, right before they are needed
 #pragma unroll
-      for (int r = 0; r < kPer; ++r) {
-        const int t = t0 + r * kRowStep;
-        const A x = to_acc(v[r], A());
-        if (kTransposed) dst[k * kTransposedStride + t] = x;
-        else dst[t * KMAX + k] = x;
-      }
-      return;
-    }
-    const bool k_ok = k < z.K;
-    for (int t = t0; t < kMaxC; t += kRowStep) {
-      const A x = (k_ok && t < z.C) ? to_acc(src[int64_t(t) * z.K + k], A()) : A(0);
+    for (int r = 0; r < kPer; ++r) {
+      const int t = t0 + r * kRowStep;
+      const A x = to_acc(v[r], A());
       if (kTransposed) dst[k * kTransposedStride + t] = x;
       else dst[t * KMAX + k] = x;
     }
+    return;
   }
-};
+  const bool k_ok = k < z.K;
+  for (int t = t0; t < kMaxC; t += kRowStep) {
+    const A x = (k_ok && t < z.C) ? to_acc(src[int64_t(t) * z.K + k], A()) : A(0);
+    if (kTransposed) dst[k * kTransposedStride + t] = x;
+    else dst[t * KMAX + k] = x;
+  }
+}
 
 // out[i] (rows t = warp*8 + i, column lane) = sum_k opT[k][t] * col[k][lane]
 template <typename A, int KMAX>
@@ -194,7 +177,7 @@ __device__ __forceinline__ void state_update(const A* op, const A* vals, int C, 
   }
 }
 
-template <typename T, typename A, int KMAX, bool kEarly>
+template <typename T, typename A, int KMAX>
 __global__ void __launch_bounds__(kThreads) forward_kernel(ChunkStatePassParams p, int64_t level_begin) {
   constexpr int RK = KMAX / kWarps;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -218,9 +201,6 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(ChunkStatePassParams 
   }
   const auto [w, u, kd, decay, h, v_new, grad_h_, grad_v_new_, grad_u_, grad_state_, decay_partial_] = buffers_of<T, A>(p);
   const int64_t c_begin = p.seg_chunk_offsets[s], c_end = p.seg_chunk_offsets[s + 1];
-  // Software pipeline: w(c) is loaded during step B of chunk c-1, kd(c) during step A of chunk c.
-  Stager<T, A, KMAX, kEarly> stager;
-  if (w) stager.load(w + (c_begin * z.H + head) * z.C * z.K, z);
   for (int64_t c = c_begin; c < c_end; ++c) {
     const int64_t ch = c * z.H + head;
     if (col_ok) {
@@ -231,7 +211,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(ChunkStatePassParams 
       }
     }
     if (w) {
-      stager.template store<true>(buf, z);
+      stage<true, T, A, KMAX>(buf, w + ch * z.C * z.K, z);
       __syncthreads();  // w(c) staged; state_s complete
     }
     A u_val[8];
@@ -240,7 +220,6 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(ChunkStatePassParams 
       const int t = warp * 8 + i;
       u_val[i] = (t < z.C && col_ok) ? to_acc(u[(ch * z.C + t) * z.V + col], A()) : A(0);
     }
-    stager.load(kd + ch * z.C * z.K, z);
     // v_new = u - w @ S for rows t = warp*8 + i.
     A vn[8];
     if (w) {
@@ -260,9 +239,8 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(ChunkStatePassParams 
       vn_s[t * kTile + lane] = v;
     }
     __syncthreads();  // v_new complete; buf free
-    stager.template store<false>(buf, z);
+    stage<false, T, A, KMAX>(buf, kd + ch * z.C * z.K, z);
     __syncthreads();
-    if (w && c + 1 < c_end) stager.load(w + ((c + 1) * z.H + head) * z.C * z.K, z);
     const A d = decay[ch];
 #pragma unroll
     for (int i = 0; i < RK; ++i) state[i] *= d;
@@ -281,7 +259,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(ChunkStatePassParams 
   }
 }
 
-template <typename T, typename A, int KMAX, bool kEarly>
+template <typename T, typename A, int KMAX>
 __global__ void __launch_bounds__(kThreads) backward_kernel(ChunkStatePassParams p, int64_t level_begin) {
   constexpr int RK = KMAX / kWarps;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -310,9 +288,6 @@ __global__ void __launch_bounds__(kThreads) backward_kernel(ChunkStatePassParams
   const auto [w, u_, kd, decay, h, v_new_, grad_h, grad_v_new, grad_u, grad_state, decay_partial] = buffers_of<T, A>(p);
   __shared__ A red_s[kWarps];
   const int64_t c_begin = p.seg_chunk_offsets[s], c_last = p.seg_chunk_offsets[s + 1] - 1;
-  // Software pipeline: kd(c) is loaded during step B of chunk c+1, w(c) during step A of chunk c.
-  Stager<T, A, KMAX, kEarly> stager;
-  stager.load(kd + (c_last * z.H + head) * z.C * z.K, z);
   for (int64_t c = c_last; c >= c_begin; --c) {
     const int64_t ch = c * z.H + head;
     // Reads issued early (their latency overlaps dv's product): h[c] for ddecay, grad_h[c].
@@ -326,7 +301,7 @@ __global__ void __launch_bounds__(kThreads) backward_kernel(ChunkStatePassParams
       h_val[i] = (ok && decay_partial) ? h[at] : A(0);
       gh_val[i] = (ok && grad_h) ? grad_h[at] : A(0);
     }
-    stager.template store<true>(buf, z);  // kd(c); buf is free (trailing barrier of the last step)
+    stage<true, T, A, KMAX>(buf, kd + ch * z.C * z.K, z);  // buf is free (trailing barrier of the last step)
     __syncthreads();  // kd staged; state_s complete
     A g_val[8];
 #pragma unroll
@@ -334,7 +309,6 @@ __global__ void __launch_bounds__(kThreads) backward_kernel(ChunkStatePassParams
       const int t = warp * 8 + i;
       g_val[i] = (grad_v_new && t < z.C && col_ok) ? to_acc(grad_v_new[(ch * z.C + t) * z.V + col], A()) : A(0);
     }
-    if (w) stager.load(w + ch * z.C * z.K, z);
     // dv = dv_new + kd @ dS for rows t = warp*8 + i.
     A dv[8];
     rows_times_state<A, KMAX>(buf, state_s, lane, warp, dv);
@@ -367,10 +341,9 @@ __global__ void __launch_bounds__(kThreads) backward_kernel(ChunkStatePassParams
 #pragma unroll
     for (int i = 0; i < RK; ++i) state[i] = fma(d, state[i], gh_val[i]);
     if (w) {
-      stager.template store<false>(buf, z);
+      stage<false, T, A, KMAX>(buf, w + ch * z.C * z.K, z);
       __syncthreads();
     }
-    if (c > c_begin) stager.load(kd + ((c - 1) * z.H + head) * z.C * z.K, z);
     if (w) state_update<A, KMAX, true>(buf, dv_s, int(z.C), lane, warp, state);
     __syncthreads();  // everyone is done reading state_s, buf and dv_s of this chunk
 #pragma unroll
@@ -393,23 +366,9 @@ void check_launch(const char* op) {
   if (err != cudaSuccess) throw std::runtime_error(std::string(op) + ": CUDA launch failed: " + cudaGetErrorString(err));
 }
 
-// Prefetching the next operands while computing (kEarly) needs ~175 registers at K = 128 (one
-// block per SM); without it 128 (two blocks per SM), which was faster on the H200 for trees and
-// chains (GRPO bf16: fwd 5.6 vs 7.0 ms, bwd 10.8 vs 12.8 ms) and slower only for one long flat
-// row (fwd 7.6 vs 6.8 ms). Default off; TREE_RECURRENCE_CHUNK_STATE_PREFETCH=1 turns it on
-// (a tuning knob, read once; both variants pass the same tests).
-bool prefetch_enabled() {
-  static const bool enabled = [] {
-    const char* v = std::getenv("TREE_RECURRENCE_CHUNK_STATE_PREFETCH");
-    return v && v[0] == '1';
-  }();
-  return enabled;
-}
-
 template <typename T, typename A, int KMAX, bool kBackward>
 void launch_levels(const ChunkStatePassParams& p, cudaStream_t stream) {
-  auto kernel = kBackward ? (prefetch_enabled() ? backward_kernel<T, A, KMAX, true> : backward_kernel<T, A, KMAX, false>)
-                          : (prefetch_enabled() ? forward_kernel<T, A, KMAX, true> : forward_kernel<T, A, KMAX, false>);
+  auto kernel = kBackward ? backward_kernel<T, A, KMAX> : forward_kernel<T, A, KMAX>;
   constexpr size_t bytes = shared_bytes<A, KMAX>();
   if (bytes > 48 * 1024) {
     const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));

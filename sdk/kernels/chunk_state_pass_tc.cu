@@ -24,7 +24,7 @@
 // Two instances of the one kernel (template NW), the same arithmetic in the same order: every
 // output element's MMA k-loop runs over the same k steps in the same order whichever warp computes
 // it, so they are bitwise equal at BV 32:
-// * NW = 4, the previous kernel (BV 32 or 64): a warp's products are 16 x BV (k over K) and its
+// * NW = 4, the 4-warp kernel (BV 32 or 64): a warp's products are 16 x BV (k over K) and its
 //   state block KP/4 x BV. Every operand tile single-buffered and filled one phase ahead (forward:
 //   kd(c) issued at A, w(c+1), u(c+1) at B; backward: w(c) at A, the rest of c-1 at B).
 //   55,296 / 77,824 B of shared memory at BV 32, 71,680 / 98,304 B at BV 64 (forward / backward,
@@ -37,8 +37,8 @@
 //   product's MMAs) into the stage chunk c - 1 freed, waited for at A of c + 1, so a whole chunk
 //   hides them and barrier B waits on no load; the decays are read a chunk ahead (DecayAhead).
 //   95,232 / 140,288 B of shared memory at K = 128, 57,344 / 86,016 B at K <= 64. For levels with
-//   at most one CTA per SM (a long flat row), where no other CTA's phases fill the gaps; the host
-//   picks it (run_levels).
+//   at most one CTA per SM (a long flat row), where no other CTA's phases fill the gaps.
+// The host picks one per level (plan_level).
 // Deterministic: fixed MMA order, no atomics. No host sync.
 #include "tree_recurrence/kernels/chunk_state_pass_tc.h"
 
@@ -46,8 +46,6 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-#include <cstdlib>
-#include <cstring>
 #include <initializer_list>
 #include <string>
 
@@ -350,7 +348,7 @@ __global__ void __launch_bounds__(32 * NW) tc_forward_kernel(ChunkStatePassTcPar
     }
     m::cp_async_commit();
   };
-  // NB 1 (the previous kernel): w, u first, kd at A. NB 2: all of chunk c + 1 at A of chunk c.
+  // NB 1 (the 4-warp kernel): w, u first, kd at A. NB 2: all of chunk c + 1 at A of chunk c.
   issue(c_begin, stages, true, NB == 2);
   int cur = 0;  // stage of chunk c
   DecayAhead ahead(p.decay, t.H, t.head, c_begin, c_end - 1, 1);
@@ -445,7 +443,7 @@ __global__ void __launch_bounds__(32 * NW) tc_backward_kernel(ChunkStatePassTcPa
     }
     m::cp_async_commit();
   };
-  // NB 1 (the previous kernel): w at A, the rest of chunk c - 1 at B. NB 2: all of c - 1 at A of c.
+  // NB 1 (the 4-warp kernel): w at A, the rest of chunk c - 1 at B. NB 2: all of c - 1 at A of c.
   issue(c_last, stages, true, NB == 2);
   int cur = 0;
   DecayAhead ahead(p.decay, t.H, t.head, c_last, c_begin, -1);
@@ -555,16 +553,24 @@ std::string check_params(const ChunkStatePassTcParams& p, bool backward) {
   return "";
 }
 
-// TREE_RECURRENCE_STATE_PASS_WIDE, read once: "0" the previous (4-warp) kernel on every level, "1"
-// the wide (8-warp, BV 32) one on every level, anything else or unset (-1) the rule in run_levels.
-int env_wide() {
-  static const int mode = [] {
-    const char* e = std::getenv("TREE_RECURRENCE_STATE_PASS_WIDE");
-    if (e && std::strcmp(e, "0") == 0) return 0;
-    if (e && std::strcmp(e, "1") == 0) return 1;
-    return -1;
-  }();
-  return mode;
+// The kernel plan of one level: the wide kernel (8 warps, BV 32) or the 4-warp one at BV 32 or 64.
+struct LevelPlan {
+  bool wide;
+  int bv;
+};
+
+// Chosen once per level from the level's grid, the SM count and whether the wide kernel's shared
+// memory fits the device (p.wide / p.v_tile force a choice: tests). The wide kernel when the
+// level's grid at BV 32 has at most one CTA per SM (one long flat row: no other CTA on the SM fills
+// the gaps of a chunk's critical path, and 8 warps halve each warp's share of it); else the 4-warp
+// kernel, whose 2-4 CTAs per SM interleave their phases, at BV 64 when the level still gives every
+// SM two CTAs at that width, else 32 (more CTAs). K <= 64 runs BV 32 only.
+LevelPlan plan_level(const ChunkStatePassTcParams& p, int64_t count, int sms, bool wide_fits) {
+  const int64_t ctas32 = count * p.heads * ((p.v_dim + 31) / 32);
+  if (p.wide == 1 || (p.wide < 0 && wide_fits && p.v_tile != 64 && ctas32 <= sms)) return {true, 32};
+  if (p.v_tile != 0) return {false, p.k_dim <= 64 ? 32 : p.v_tile};
+  const bool bv64 = p.k_dim > 64 && p.v_dim > 32 && count * p.heads * ((p.v_dim + 63) / 64) >= 2LL * sms;
+  return {false, bv64 ? 64 : 32};
 }
 
 template <typename T, int KP, int BV, int NW, bool kBackward>
@@ -595,8 +601,7 @@ const char* run_levels(const ChunkStatePassTcParams& p, cudaStream_t stream) {
   const size_t wide_bytes = sizeof(T) * (kBackward ? (k64 ? Cfg<64, 32, 8>::bwd_elems : Cfg<128, 32, 8>::bwd_elems)
                                                    : (k64 ? Cfg<64, 32, 8>::fwd_elems : Cfg<128, 32, 8>::fwd_elems));
   const bool wide_fits = wide_bytes <= static_cast<size_t>(optin);
-  const int wide_mode = p.wide >= 0 ? p.wide : env_wide();
-  if (wide_mode == 1 && !wide_fits)
+  if (p.wide == 1 && !wide_fits)
     return fail(std::string(kBackward ? "chunk_state_pass_tc_backward" : "chunk_state_pass_tc_forward") +
                 ": the wide kernel (wide 1) needs " + std::to_string(wide_bytes) +
                 " bytes of shared memory per block, the device allows " + std::to_string(optin));
@@ -605,21 +610,13 @@ const char* run_levels(const ChunkStatePassTcParams& p, cudaStream_t stream) {
     const int64_t begin = p.level_offsets[level], count = p.level_offsets[level + 1] - begin;
     if (count == 0) continue;
     if (count > 0x7fffffffLL) return fail("chunk_state_pass_tc: more than 2^31-1 segments in one level");
-    // The wide kernel (8 warps, BV 32) when the level's grid at BV 32 has at most one CTA per SM
-    // (one long flat row: no other CTA on the SM fills the gaps of a chunk's critical path, and
-    // 8 warps halve each warp's share of it); else the previous kernel, whose 2-4 CTAs per SM
-    // interleave their phases.
-    const bool wide = wide_mode == 1 || (wide_mode < 0 && wide_fits && p.v_tile != 64 && count * p.heads * ((p.v_dim + 31) / 32) <= sms);
-    // Previous kernel's V tile: 64 when the level still gives every SM two CTAs at that width, else
-    // 32 (more CTAs). K <= 64 always runs BV = 32.
-    int bv = p.v_tile;
-    if (bv == 0) bv = (p.v_dim > 32 && count * p.heads * ((p.v_dim + 63) / 64) >= 2LL * sms) ? 64 : 32;
+    const LevelPlan plan = plan_level(p, count, sms, wide_fits);
     cudaError_t err;
-    if (wide) err = k64 ? launch_level<T, 64, 32, 8, kBackward>(p, begin, count, stream)
-                        : launch_level<T, 128, 32, 8, kBackward>(p, begin, count, stream);
+    if (plan.wide) err = k64 ? launch_level<T, 64, 32, 8, kBackward>(p, begin, count, stream)
+                             : launch_level<T, 128, 32, 8, kBackward>(p, begin, count, stream);
     else if (k64) err = launch_level<T, 64, 32, 4, kBackward>(p, begin, count, stream);  // (KP 64, BV 64 spilled)
-    else err = bv == 64 ? launch_level<T, 128, 64, 4, kBackward>(p, begin, count, stream)
-                        : launch_level<T, 128, 32, 4, kBackward>(p, begin, count, stream);
+    else err = plan.bv == 64 ? launch_level<T, 128, 64, 4, kBackward>(p, begin, count, stream)
+                             : launch_level<T, 128, 32, 4, kBackward>(p, begin, count, stream);
     if (err != cudaSuccess)
       return fail(std::string(kBackward ? "chunk_state_pass_tc_backward" : "chunk_state_pass_tc_forward") +
                   ": launch of level " + std::to_string(level) + " failed: " + cudaGetErrorString(err));

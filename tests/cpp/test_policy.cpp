@@ -6,6 +6,7 @@
 
 #include "forest.h"
 #include "tree_recurrence/policy.h"
+#include "tree_recurrence/sdk/settings.h"
 
 using namespace tree_recurrence;
 using namespace test_forest;
@@ -79,9 +80,72 @@ TEST_SUITE("Policy") {
     CHECK(p.strategy == Strategy::Rescan);
     setenv("TREE_RECURRENCE_FORK_MIN_SAVED_TOKENS", "nope", 1);
     CHECK_THROWS_WITH_AS(Policy::from_environment(), doctest::Contains("TREE_RECURRENCE_FORK_MIN_SAVED_TOKENS"), std::invalid_argument);
+    unsetenv("TREE_RECURRENCE_FORK_MIN_SAVED_TOKENS");
+    setenv("TREE_RECURRENCE_STRATEGY", "sideways", 1);
+    CHECK_THROWS_WITH_AS(Policy::from_environment(), doctest::Contains("TREE_RECURRENCE_STRATEGY must be one of auto, native"),
+                         std::invalid_argument);
+    setenv("TREE_RECURRENCE_STRATEGY", "", 1);  // empty: unset
+    setenv("TREE_RECURRENCE_PREFER_NATIVE", "Off", 1);
+    CHECK_FALSE(Policy::from_environment().prefer_native);
+    setenv("TREE_RECURRENCE_PREFER_NATIVE", "maybe", 1);
+    CHECK_THROWS_WITH_AS(Policy::from_environment(), doctest::Contains("TREE_RECURRENCE_PREFER_NATIVE must be 1 or 0"),
+                         std::invalid_argument);
+    unsetenv("TREE_RECURRENCE_PREFER_NATIVE");
     unsetenv("TREE_RECURRENCE_POLICY_FILE");
     unsetenv("TREE_RECURRENCE_STRATEGY");
-    unsetenv("TREE_RECURRENCE_FORK_MIN_SAVED_TOKENS");
     CHECK(Policy::from_environment().strategy == Strategy::Auto);
+  }
+
+  TEST_CASE("the defaults are the settings' fallbacks") {
+    const Policy p;
+    CHECK(p.fork_min_saved_tokens == 1024);
+    CHECK(p.strategy == Strategy::Auto);
+    CHECK(p.prefer_native);
+  }
+}
+
+TEST_SUITE("Settings") {
+  namespace s = tree_recurrence::settings;
+
+  TEST_CASE("one declaration per variable") {
+    CHECK(s::kCount <= 10);
+    for (int i = 0; i < s::kCount; ++i) {
+      CHECK(std::string(s::kAll[i].name).rfind("TREE_RECURRENCE_", 0) == 0);
+      CHECK(s::find(s::kAll[i].name) == &s::kAll[i]);
+      CHECK(std::string(s::kAll[i].doc).size() > 10);
+    }
+    CHECK(s::find("TREE_RECURRENCE_NOT_A_SETTING") == nullptr);
+  }
+
+  TEST_CASE("parsers: flags, counts, choices, lists") {
+    for (const char* yes : {"1", "true", "YES", " on "}) CHECK(s::parse_flag("X", yes));
+    for (const char* no : {"0", "False", "no", "OFF"}) CHECK_FALSE(s::parse_flag("X", no));
+    CHECK_THROWS_WITH_AS(s::parse_flag("TREE_RECURRENCE_FUSED", "2"), doctest::Contains("TREE_RECURRENCE_FUSED must be 1 or 0"),
+                         std::invalid_argument);
+    CHECK(s::parse_count("X", "0") == 0);
+    CHECK(s::parse_count("X", " 42") == 42);
+    for (const char* bad : {"-1", "4k", "", "+3", "99999999999999999999"})
+      CHECK_THROWS_WITH_AS(s::parse_count("TREE_RECURRENCE_N", bad), doctest::Contains("TREE_RECURRENCE_N must be a non-negative"),
+                           std::invalid_argument);
+    CHECK(s::parse_choice(s::kAll[s::Strategy], "fork") == "fork");
+    CHECK_THROWS_WITH_AS(s::parse_choice(s::kAll[s::Strategy], "Fork"), doctest::Contains("auto, native, fork, rescan"),
+                         std::invalid_argument);
+    CHECK(s::parse_list(s::kAll[s::PluginPath], "/a b::/c:") == std::vector<std::string>{"/a b", "/c"});
+    CHECK(s::parse_list(s::kAll[s::DisableFamilies], " mamba2, ,short_conv:x") ==
+          std::vector<std::string>{"mamba2", "short_conv", "x"});
+  }
+
+  TEST_CASE("accessors read the environment at each call") {
+    unsetenv("TREE_RECURRENCE_FUSED");
+    CHECK(s::fused_kernels());
+    CHECK_FALSE(s::is_set(s::Fused));
+    setenv("TREE_RECURRENCE_FUSED", "0", 1);
+    CHECK_FALSE(s::fused_kernels());
+    CHECK(s::is_set(s::Fused));
+    setenv("TREE_RECURRENCE_FUSED", "", 1);
+    CHECK(s::fused_kernels());
+    setenv("TREE_RECURRENCE_FUSED", "nope", 1);
+    CHECK_THROWS_WITH_AS(s::fused_kernels(), doctest::Contains("TREE_RECURRENCE_FUSED"), std::invalid_argument);
+    unsetenv("TREE_RECURRENCE_FUSED");
   }
 }

@@ -4,12 +4,12 @@
 //     tests/cuda/test_chunk_state_pass_tc.cu sdk/kernels/chunk_state_pass_tc.cu -o /tmp/t && /tmp/t
 //   /tmp/t --bench     (GRPO trie: 8 roots x 32 chunks, 8 children x 8 chunks each; the flat row of
 //                       768 chunks; H 32, K = V = 128; every kernel choice)
-// Every case builds a trie on the host, runs forward and backward with the previous (4-warp) kernel
+// Every case builds a trie on the host, runs forward and backward with the 4-warp kernel
 // at V tiles 32 and 64 and with the wide (8-warp) kernel (BV 32), and compares every output against a host
 // float64 twin that rounds where the kernel rounds (h and v_new, dS and dv_total to the input type:
 // the MMA operands), printing the relative RMS per quantity; fails above 1e-2; also checks that two
-// runs are bitwise equal and that the wide kernel, and the default choice per level ("auto"),
-// equal the previous BV 32 kernel bit for bit.
+// runs are bitwise equal and that the wide kernel, and the kernel plan's choice per level ("plan"),
+// equal the 4-warp BV 32 kernel bit for bit.
 // Exits non-zero on failure.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -313,14 +313,14 @@ static int run_case(const Case& cs, std::mt19937& rng) {
   float* d_init = cs.init ? upload(init) : nullptr;
   const size_t n_h = size_t(NC) * H * KV, n_v = size_t(NC) * H * C * V, n_s = size_t(S) * H * KV, n_r = size_t(R) * H * KV;
   int bad = 0;
-  // The kernels: the previous (4-warp) one at V tiles 32 and 64, and the wide (8-warp) one (BV 32),
-  // which must equal the previous BV 32 kernel bit for bit.
+  // The kernels: the 4-warp one at V tiles 32 and 64, and the wide (8-warp) one (BV 32), which
+  // must equal the 4-warp BV 32 kernel bit for bit.
   struct Mode {
     const char* name;
     int v_tile, wide;
   };
-  // "auto" (the default rule, or TREE_RECURRENCE_STATE_PASS_WIDE) may mix both kernels across levels.
-  const Mode modes[] = {{"prev BV 32", 32, 0}, {"prev BV 64", 64, 0}, {"wide", 32, 1}, {"auto", 0, -1}};
+  // "plan" (the kernel plan's choice per level, what the library runs) may mix both kernels across levels.
+  const Mode modes[] = {{"4-warp 32", 32, 0}, {"4-warp 64", 64, 0}, {"wide", 32, 1}, {"plan", 0, -1}};
   // One forward + backward run of a mode into fresh poisoned outputs; grad_out chunk-major (go_rows
   // null) or token-major through go_rows. False (after printing why) when a launcher refused.
   auto run_pass = [&](const Mode& mode, const uint16_t* go_buf, const int64_t* go_rows, Outputs& o) {
@@ -373,16 +373,16 @@ static int run_case(const Case& cs, std::mt19937& rng) {
       }
     }
   }
-  // modes[2] (wide) and modes[3] (auto: wide or previous BV 32 per level on these tries, which
-  // never reach the BV 64 threshold) against modes[0] (previous, BV 32): bit for bit.
-  const bool wide_same = first[2] == first[0], auto_same = first[3] == first[0];
-  std::printf("%-36s %s wide vs previous BV 32: %s; auto: %s; previous BV 64 vs BV 32: %s\n", cs.name.c_str(), ty.name,
-              wide_same ? "bitwise equal" : "DIFFER: FAIL", auto_same ? "bitwise equal" : "DIFFER: FAIL",
+  // modes[2] (wide) and modes[3] (plan: wide or 4-warp BV 32 per level on these tries, which
+  // never reach the BV 64 threshold) against modes[0] (4-warp, BV 32): bit for bit.
+  const bool wide_same = first[2] == first[0], plan_same = first[3] == first[0];
+  std::printf("%-36s %s wide vs 4-warp BV 32: %s; plan: %s; 4-warp BV 64 vs BV 32: %s\n", cs.name.c_str(), ty.name,
+              wide_same ? "bitwise equal" : "DIFFER: FAIL", plan_same ? "bitwise equal" : "DIFFER: FAIL",
               first[1] == first[0] ? "bitwise equal" : "differ (not required)");
-  bad += !wide_same + !auto_same;
+  bad += !wide_same + !plan_same;
   // grad_out token-major (grad_out_rows): the chunk rows' tokens a shuffled numbering of the valid
   // rows (a padded row -1, read as zeros; q is zero there, so the pass's result is that of the
-  // chunk-major run) must give the chunk-major run's bits, previous (BV 32, 64) and wide kernels.
+  // chunk-major run) must give the chunk-major run's bits, 4-warp (BV 32, 64) and wide kernels.
   if (cs.has_q) {
     std::vector<int64_t> rows(size_t(NC) * C, -1);
     std::vector<int64_t> order;
@@ -402,7 +402,7 @@ static int run_case(const Case& cs, std::mt19937& rng) {
     }
     uint16_t* d_go_tok = upload(go_tok);
     int64_t* d_rows = upload(rows);
-    const int ref_of[] = {0, 1, 2};  // modes[0..2]: previous BV 32, previous BV 64, wide
+    const int ref_of[] = {0, 1, 2};  // modes[0..2]: 4-warp BV 32, 4-warp BV 64, wide
     for (int mi : ref_of) {
       const Mode& mode = modes[mi];
       Outputs o;
@@ -469,9 +469,9 @@ static int bench_trie(const char* name, Trie t) {
     const char* name;
     int v_tile, wide;
   };
-  // (The last six lines, what kernels.sh's tail shows for the flat row: wide, previous and default.)
-  const Mode modes[] = {{"previous BV 32", 32, 0}, {"previous BV 64", 64, 0}, {"wide (8 warps)", 32, 1},
-                        {"previous, auto BV", 0, 0}, {"default (rule)", 0, -1}};
+  // (The last six lines, what kernels.sh's tail shows for the flat row: wide, 4-warp and the plan's.)
+  const Mode modes[] = {{"4-warp BV 32", 32, 0}, {"4-warp BV 64", 64, 0}, {"wide (8 warps)", 32, 1},
+                        {"4-warp, plan's BV", 0, 0}, {"plan (default)", 0, -1}};
   for (const Mode& mode : modes) {
     p.v_tile = mode.v_tile, p.wide = mode.wide;
     for (int dir = 0; dir < 2; ++dir) {
@@ -576,7 +576,7 @@ int main(int argc, char** argv) {
   }
   // Wide-kernel shapes (long flat rows; short and ragged segments). (Sized for the
   // compute-sanitizer runs of benchmarks/gpu/kernels.sh.)
-  {  // a flat row of many chunks (the issue-19 flat row's shape, one head)
+  {  // a flat row of many chunks (one head)
     Case c{"flat row 48 chunks, K=V=128", {}, 1, 128, 128, &kBF16, 1};
     c.trie.add_tokens(-1, 48 * C - 17);
     cases.push_back(c);
@@ -617,10 +617,10 @@ int main(int argc, char** argv) {
     c.trie.add_tokens(-1, 64);
     cases.push_back(c);
   }
-  {  // levels on both kernels under "auto": level 0 (2 heads x 4 V tiles = 8 CTAs) wide, level 1
+  {  // levels on both kernels under the plan: level 0 (2 heads x 4 V tiles = 8 CTAs) wide, level 1
      // (40 children: 320 CTAs at BV 32, more than an H200's 132 SMs; 160 at BV 64, under 2 per SM)
-     // the previous kernel at BV 32; the final states and gradients cross between them
-    Case c{"mixed levels (auto), K=V=128", {}, 2, 128, 128, &kBF16, 1};
+     // the 4-warp kernel at BV 32; the final states and gradients cross between them
+    Case c{"mixed levels (plan), K=V=128", {}, 2, 128, 128, &kBF16, 1};
     const int64_t root = c.trie.add_tokens(-1, 6 * C - 5);
     for (int i = 0; i < 40; ++i) c.trie.add_tokens(root, 1 + 3 * i);  // 1..118 tokens
     cases.push_back(c);

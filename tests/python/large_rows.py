@@ -18,10 +18,9 @@ names, and its oracle; everything else is here.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from tree_recurrence import settings
 
 from tries import trie
 
@@ -32,7 +31,7 @@ def spec(a, b1, b2):
 
 
 def _large_ok(min_free_gib):
-    if os.environ.get("TREE_RECURRENCE_LARGE_TESTS") != "1":
+    if not settings.get("TREE_RECURRENCE_LARGE_TESTS"):
         return False, "set TREE_RECURRENCE_LARGE_TESTS=1 to run the 2^31-element rows"
     if not torch.cuda.is_available():
         return False, "needs CUDA"
@@ -45,7 +44,7 @@ def _large_ok(min_free_gib):
 def large_mark(module_name, min_free_gib=80):
     """The module's pytestmark: runs only with TREE_RECURRENCE_LARGE_TESTS=1 on a GPU with >= min_free_gib GiB free."""
     ok, why = _large_ok(min_free_gib)
-    if not ok and os.environ.get("TREE_RECURRENCE_LARGE_TESTS") == "1":
+    if not ok and settings.get("TREE_RECURRENCE_LARGE_TESTS"):
         print(f"\n{module_name}: skipped: {why}")  # (the device log shows why)
     return pytest.mark.skipif(not ok, reason=why)
 

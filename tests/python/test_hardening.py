@@ -224,7 +224,7 @@ def test_requirements_cover_every_third_party_import_of_tests_examples_and_bench
 
 def test_ci_starts_from_an_empty_virtual_environment():
     text = (REPO / ".ci" / "run").read_text()
-    assert "rm -rf .ci/venv" in text and "export TREE_RECURRENCE_VENV=.ci/venv" in text and "unset PYTHON" in text
+    assert "rm -rf .ci/venv" in text and "export VENV_DIR=.ci/venv" in text and "unset PYTHON" in text
     assert text.index("rm -rf .ci/venv") < text.index("bash scripts/test.sh")
 
 
@@ -236,7 +236,7 @@ def _env_script(folder: Path) -> Path:
 
 def test_python_env_makes_a_project_venv_unless_python_is_given(tmp_path):
     clone = _env_script(tmp_path / "clone")
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHON", "VIRTUAL_ENV", "TREE_RECURRENCE_VENV")}
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHON", "VIRTUAL_ENV", "VENV_DIR")}
     done = subprocess.run(["bash", "-c", "source scripts/python-env.sh && echo \"PY=$PY\""], cwd=clone, env=env,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
@@ -246,7 +246,7 @@ def test_python_env_makes_a_project_venv_unless_python_is_given(tmp_path):
                           env={**env, "PYTHON": sys.executable}, capture_output=True, text=True, timeout=60)
     assert f"PY={sys.executable}" in done.stdout
     done = subprocess.run(["bash", "-c", "source scripts/python-env.sh && echo \"PY=$PY\""], cwd=clone,
-                          env={**env, "TREE_RECURRENCE_VENV": ".ci/venv"}, capture_output=True, text=True, timeout=120)
+                          env={**env, "VENV_DIR": ".ci/venv"}, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert f"PY={clone}/.ci/venv/bin/python" in done.stdout
 

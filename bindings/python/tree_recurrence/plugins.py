@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from . import _core, _shared_ops
+from . import _core, _shared_ops, settings
 from ._specs import Family, SeamSpec, SpecError, parse_seams
 
 PACKAGE_PLUGIN_DIR = Path(_core.__file__).resolve().parent / "plugins"
@@ -40,7 +40,7 @@ _shadowed: set[str] = set()
 
 def plugin_folders() -> list[str]:
     folders = [str(PACKAGE_PLUGIN_DIR)]
-    folders += [f for f in os.environ.get("TREE_RECURRENCE_PLUGIN_PATH", "").split(os.pathsep) if f]
+    folders += settings.get("TREE_RECURRENCE_PLUGIN_PATH")
     return folders + _extra_folders
 
 
@@ -88,8 +88,7 @@ DISABLE_ENV = "TREE_RECURRENCE_DISABLE_FAMILIES"
 
 def disabled_families() -> set[str]:
     """Family names TREE_RECURRENCE_DISABLE_FAMILIES switches off (read at each call)."""
-    value = os.environ.get(DISABLE_ENV, "")
-    return {name.strip() for name in value.replace(os.pathsep, ",").split(",") if name.strip()}
+    return set(settings.get(DISABLE_ENV))
 
 
 def _disabled_record(record: dict[str, Any]) -> dict[str, Any]:

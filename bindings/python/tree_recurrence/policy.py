@@ -9,9 +9,16 @@ from __future__ import annotations
 
 import os
 
-from . import _core
+from . import _core, settings
 
 STRATEGIES = ("auto", "native", "fork", "rescan")
+
+
+def _environment_file_policy() -> _core.Policy:
+    """The defaults, then the file TREE_RECURRENCE_POLICY_FILE names (if set)."""
+    base = _core.Policy()
+    env_file = settings.get("TREE_RECURRENCE_POLICY_FILE")
+    return _core.Policy.from_yaml_file(env_file, base) if env_file else base
 
 
 class Policy:
@@ -25,10 +32,7 @@ class Policy:
     def __init__(self, fork_min_saved_tokens: int | None = None, strategy: str | None = None,
                  prefer_native: bool | None = None, *, _base: _core.Policy | None = None):
         if _base is None:
-            _base = _core.Policy()
-            env_file = os.environ.get("TREE_RECURRENCE_POLICY_FILE")
-            if env_file:
-                _base = _core.Policy.from_yaml_file(env_file, _base)
+            _base = _environment_file_policy()
         core = _core.Policy.from_environment_variables(_base)
         if fork_min_saved_tokens is not None:
             if isinstance(fork_min_saved_tokens, bool) or not isinstance(fork_min_saved_tokens, int) or fork_min_saved_tokens < 0:
@@ -42,11 +46,7 @@ class Policy:
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike, **overrides) -> "Policy":
-        base = _core.Policy()
-        env_file = os.environ.get("TREE_RECURRENCE_POLICY_FILE")
-        if env_file:
-            base = _core.Policy.from_yaml_file(env_file, base)
-        return cls(**overrides, _base=_core.Policy.from_yaml_file(os.fspath(path), base))
+        return cls(**overrides, _base=_core.Policy.from_yaml_file(os.fspath(path), _environment_file_policy()))
 
     fork_min_saved_tokens = property(lambda self: self._core.fork_min_saved_tokens)
     strategy = property(lambda self: self._core.strategy)

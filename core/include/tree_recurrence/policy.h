@@ -16,6 +16,8 @@
 #include <cstdint>
 #include <string>
 
+#include "tree_recurrence/sdk/settings.h"
+
 namespace tree_recurrence {
 
 class TreePlan;
@@ -31,9 +33,11 @@ struct Decision {
 };
 
 struct Policy {
-  int64_t fork_min_saved_tokens = 1024;
-  Strategy strategy = Strategy::Auto;
-  bool prefer_native = true;
+  // The defaults are the settings' fallbacks (sdk/settings.h).
+  int64_t fork_min_saved_tokens = settings::parse_count("fork_min_saved_tokens",
+                                                        settings::kAll[settings::ForkMinSavedTokens].fallback);
+  Strategy strategy = strategy_from_string(settings::kAll[settings::Strategy].fallback);
+  bool prefer_native = settings::parse_flag("prefer_native", settings::kAll[settings::PreferNative].fallback);
 
   // Reads keys fork_min_saved_tokens, strategy, prefer_native from a YAML mapping (file or text);
   // unknown keys and bad values throw std::invalid_argument naming the key.
@@ -42,7 +46,8 @@ struct Policy {
   static Policy from_yaml_text(const std::string& text, Policy base, const std::string& origin = "<string>");
   static Policy from_yaml_text(const std::string& text);
   // TREE_RECURRENCE_POLICY_FILE (a YAML file), then TREE_RECURRENCE_FORK_MIN_SAVED_TOKENS,
-  // TREE_RECURRENCE_STRATEGY, TREE_RECURRENCE_PREFER_NATIVE.
+  // TREE_RECURRENCE_STRATEGY, TREE_RECURRENCE_PREFER_NATIVE, each where set (settings.h; a bad
+  // value throws std::invalid_argument naming the variable).
   static Policy from_environment(Policy base);
   static Policy from_environment();
   // Only the TREE_RECURRENCE_* variables, not the policy file.

@@ -26,7 +26,7 @@
 // backward: deepest first), one CTA per (segment of the level, head, V tile); host loop over the
 // host level_offsets, no host sync. Deterministic: no atomics. Per level one of two kernels with
 // the same arithmetic (bitwise equal at BV 32): the wide one (8 warps, BV 32) where the level has
-// at most one CTA per SM, else the previous 4-warp one (see `wide` below).
+// at most one CTA per SM, else the 4-warp one (see `wide` below).
 //
 // Arrays are contiguous, row-major, on the current CUDA device; the tables are the plan's
 // (TreePlan.chunk_tables(64, device)), int64.
@@ -77,16 +77,16 @@ struct ChunkStatePassTcParams : ChunkTreeTables {  // tables (device; level_offs
   float* grad_initial = nullptr;   // (R, H, K, V): per-root initial-state gradient
   float* workspace = nullptr;      // (S, H, K, V): non-roots' initial-state gradients
 
-  // V columns per CTA: 0 picks per level (64 when the level gives every SM two CTAs at that width,
-  // else 32); 32 or 64 force it (tests, tuning).
+  // The kernel plan, chosen per level from the level's grid and the device (SM count, shared
+  // memory): the wide kernel (8 warps splitting each chunk's products and state update by columns
+  // too, BV 32, two stages of operand tiles: 57-140 KB of shared memory) on levels whose BV-32 grid
+  // has at most one CTA per SM, where its shared memory fits the device; else the 4-warp kernel,
+  // at 64 V columns per CTA when the level gives every SM two CTAs at that width (K > 64), else 32.
+  // The wide kernel equals the 4-warp one at BV 32 bit for bit. The two fields below force a
+  // choice (tests): v_tile 32 or 64 the 4-warp kernel's V tile (0: the plan's); wide 0 the 4-warp
+  // kernel, 1 the wide one on every level (needs v_tile 0 or 32 and the shared memory, else an
+  // error), -1 the plan's.
   int v_tile = 0;
-  // Kernel: -1 follows TREE_RECURRENCE_STATE_PASS_WIDE (read once: "0" the previous kernel, "1" the
-  // wide one on every level), unset the rule: the wide kernel (8 warps splitting each chunk's
-  // products and state update by columns too, BV 32, two stages of operand tiles: 57-140 KB of
-  // shared memory) on levels whose BV-32 grid has at most one CTA per SM, where its shared memory
-  // fits the device, else the previous 4-warp one; 0 / 1 force the previous / the wide kernel
-  // (tests, tuning; 1 needs v_tile 0 or 32 and the shared memory, else an error). The wide kernel
-  // equals the previous one at BV 32 bit for bit.
   int wide = -1;
 };
 

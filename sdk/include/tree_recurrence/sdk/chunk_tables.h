@@ -1,14 +1,12 @@
 // The plan's chunk tables (TreePlan.chunk_tables(chunk, device)) as a family's chunked / fused ops take
 // them: one parameter list for the op signatures, one struct for the code behind them, one way to keep
-// them in an autograd context, and the environment switch test the fused paths read.
+// them in an autograd context.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/ivalue.h>
 
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 #include <vector>
 
 #include "tree_recurrence/sdk/check.h"
@@ -72,11 +70,5 @@ struct ChunkTableSet {
     f("child_offsets", t.child_offsets), f("children", t.children);
   }
 };
-
-// Whether the environment variable `name` is set to exactly "0" (the fused paths' opt-out switches).
-inline bool env_is_zero(const char* name) {
-  const char* v = std::getenv(name);
-  return v != nullptr && std::strcmp(v, "0") == 0;
-}
 
 }  // namespace tree_recurrence
