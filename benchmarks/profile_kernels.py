@@ -23,7 +23,7 @@ from timing import Shape  # noqa: E402
 
 def kernel_times(fn, repeats: int):
     """``fn()`` run ``repeats`` times under torch.profiler: the kernels that took CUDA time, longest
-    first, and the kernel time of one run in ms (benchmarks/ssd_fwd_variants.py uses it too)."""
+    first, and the kernel time of one run in ms."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device run (issue 9): build, the chunked GDN GPU tests against the float64 oracle, and the GDN
+# One device run: build, the chunked GDN GPU tests against the float64 oracle, and the GDN
 # tree scan benchmark (benchmarks/gdn_bench.py). Logs and JSON into $OUT (and benchmarks/results/).
 source "$(dirname "$0")/common.sh"
 {

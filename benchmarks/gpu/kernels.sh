@@ -49,12 +49,12 @@ pytest_part() {  # name seconds test-file [pytest args...]: one file, -s (the pe
 SAN_S=${SAN_S:-150}
 SAN_GDN_MEM=("tests/python/test_gdn_fused_gpu.py::test_stages_against_float64[around_chunk_strong-bf16]"
              "tests/python/test_gdn_fused_gpu.py::test_stages_against_float64[odd_dims_none-bf16]"
-             "tests/python/test_gdn_fused_bwd_gpu.py::test_stages[around_chunk-7]"
-             "tests/python/test_gdn_fused_bwd_gpu.py::test_stages[grouped_no_l2-7]"
-             "tests/python/test_gdn_fused_bwd_gpu.py::test_stages[grouped_l2-0]")
+             "tests/python/test_gdn_fused_bwd_gpu.py::test_stages[around_chunk]"
+             "tests/python/test_gdn_fused_bwd_gpu.py::test_stages[grouped_no_l2]"
+             "tests/python/test_gdn_fused_bwd_gpu.py::test_stages[grouped_l2]")
 SAN_GDN_RACE=("tests/python/test_gdn_fused_gpu.py::test_stages_against_float64[around_chunk_strong-bf16]"
-              "tests/python/test_gdn_fused_bwd_gpu.py::test_stages[around_chunk-7]"
-              "tests/python/test_gdn_fused_bwd_gpu.py::test_stages[grouped_l2-7]")
+              "tests/python/test_gdn_fused_bwd_gpu.py::test_stages[around_chunk]"
+              "tests/python/test_gdn_fused_bwd_gpu.py::test_stages[grouped_l2]")
 SAN_SSD_MEM=("tests/python/test_ssd_fused_gpu.py::test_stages_bf16[around_chunks-64]"
              "tests/python/test_ssd_fused_gpu.py::test_stages_dims[P64N128-dtype0]"
              "tests/python/test_ssd_fused_bwd_gpu.py::test_one_token_segments"
@@ -62,14 +62,14 @@ SAN_SSD_MEM=("tests/python/test_ssd_fused_gpu.py::test_stages_bf16[around_chunks
              "tests/python/test_ssd_fused_bwd_gpu.py::test_tensor_core_model_dims"
              "tests/python/test_ssd_fused_gpu.py::test_pipelined_pass_bitwise_three_kernel[around_chunks-H2P8G2N8-dtype0]"
              "tests/python/test_ssd_fused_gpu.py::test_pipelined_pass_bitwise_three_kernel[long_tree-H4P64G2N128-dtype0]"
-             "tests/python/test_ssd_fused_bwd_gpu.py::test_state_pass_ring_bitwise[long_tree-PN256]"
+             "tests/python/test_ssd_fused_bwd_gpu.py::test_long_segments_two_kernel_route[long_tree-PN256]"
              "tests/python/test_ssd_fused_bwd_gpu.py::test_dz_written_over_the_saved_y[mixed]")
 SAN_SSD_RACE=("tests/python/test_ssd_fused_gpu.py::test_stages_bf16[around_chunks-64]"
               "tests/python/test_ssd_fused_bwd_gpu.py::test_tensor_core_model_dims"
               "tests/python/test_ssd_post_bwd_gpu.py::test_post_pads_wide_shared_h0_fp16"
               "tests/python/test_ssd_fused_gpu.py::test_pipelined_pass_bitwise_three_kernel[flat_129-H4P64G2N128-dtype0]"
               "tests/python/test_ssd_fused_gpu.py::test_pipelined_pass_bitwise_three_kernel[long_tree-H4P64G2N128-dtype0]"
-              "tests/python/test_ssd_fused_bwd_gpu.py::test_state_pass_ring_bitwise[flat-PN2048]"
+              "tests/python/test_ssd_fused_bwd_gpu.py::test_long_segments_two_kernel_route[flat-PN2048]"
               "tests/python/test_ssd_fused_bwd_gpu.py::test_dz_written_over_the_saved_y[mixed]")
 sanitize_pytest() {
   local name=$1 tool=$2 secs=$3; shift 3
@@ -122,6 +122,7 @@ stamp "package build"
 build_step "$LOGS/build.log"
 has gdn && pytest_part gdn_fwd ${GDN_S:-130} tests/python/test_gdn_fused_gpu.py
 has gdn && pytest_part gdn_bwd ${GDN_S:-130} tests/python/test_gdn_fused_bwd_gpu.py
+has gdn && pytest_part gdn_bwd_shapes ${GDN_S:-130} tests/python/test_gdn_fused_bwd_shapes_gpu.py
 has ssd && pytest_part ssd_fwd ${SSD_S:-130} tests/python/test_ssd_fused_gpu.py
 has ssd && pytest_part ssd_bwd ${SSD_BWD_S:-200} tests/python/test_ssd_fused_bwd_gpu.py
 has ssd && pytest_part ssd_post ${SSD_POST_S:-150} tests/python/test_ssd_post_bwd_gpu.py

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device run for the Mamba2 SSD tree scan (issue 10): build, its CUDA tests (chunked op vs the
+# One device run for the Mamba2 SSD tree scan: build, its CUDA tests (chunked op vs the
 # float64 oracle, tiny models tree vs samples alone through the split and fused seams), and
 # benchmarks/ssd_bench.py. Logs and JSON to $OUT and benchmarks/results/. Stays under ~290 s.
 source "$(dirname "$0")/common.sh"

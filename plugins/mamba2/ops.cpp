@@ -1,6 +1,6 @@
 // Torch ops of the mamba2 family (namespace tree_recurrence_mamba2): the
 // chunked tree SSD scan (ssd_tree_scan, the seam's native op), and for tests only
-// (TREE_RECURRENCE_TEST_OPS=1, sdk/test_ops.h) its float64 oracle ssd_token_scan and the fused
+// (settings::test_ops(), TREE_RECURRENCE_TEST_OPS) its float64 oracle ssd_token_scan and the fused
 // kernels' stage ops, registered when the family is created (sdk/op_library.h says why: a bad
 // schema must refuse the plugin, not terminate the process while its library loads).
 #include "ops.h"
@@ -11,7 +11,7 @@
 #include "csrc/ssd_token_oracle.h"
 #include "tree_recurrence/sdk/chunk_tables.h"
 #include "tree_recurrence/sdk/op_library.h"
-#include "tree_recurrence/sdk/test_ops.h"
+#include "tree_recurrence/sdk/settings.h"
 
 namespace tree_recurrence::ssd {
 
@@ -24,7 +24,9 @@ void register_ops() {
            "bool dt_softplus=False, Tensor? z=None) -> Tensor");
   auto& composite = op_library(torch::Library::IMPL, c10::DispatchKey::CompositeImplicitAutograd);
   composite.impl("ssd_tree_scan", &chunked_scan);
-  if (!test_ops_enabled()) return;
+  // a bad TREE_RECURRENCE_TEST_OPS value throws here, naming the variable: the plugin is refused with that
+  // message (op_library.h), the process goes on
+  if (!settings::test_ops()) return;
   // the float64 token-by-token oracle (csrc/ssd_token_oracle.h)
   op_library(torch::Library::FRAGMENT)
       .def("ssd_token_scan(Tensor x, Tensor dt, Tensor B, Tensor C, Tensor seg_offsets, Tensor parents, Tensor? initial_state, "
@@ -33,7 +35,7 @@ void register_ops() {
   op_library(torch::Library::FRAGMENT)
       .def("ssd_fused_stages(Tensor x, Tensor dt, Tensor B, Tensor C, " TREE_RECURRENCE_CHUNK_TABLE_SCHEMA
            ", Tensor? initial_state, Tensor A, float[] dt_limit, Tensor? D=None, Tensor? dt_bias=None, "
-           "bool dt_softplus=False, Tensor? z=None) -> Tensor[]");
+           "bool dt_softplus=False, Tensor? z=None, str plan=\"\") -> Tensor[]");
 #ifdef TREE_RECURRENCE_WITH_CUDA
   op_library(torch::Library::IMPL, c10::DispatchKey::CUDA).impl("ssd_fused_stages", &fused::stages_op);
 #endif

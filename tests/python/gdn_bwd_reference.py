@@ -1,4 +1,4 @@
-"""Float64 reference of every stage of the fused Gated DeltaNet backward (issue 19), per chunk.
+"""Float64 reference of every stage of the fused Gated DeltaNet backward, per chunk.
 
 The stage decomposition of plugins/gated_delta_net/csrc/gdn_fused/gdn_fused_bwd.cpp written plainly
 in float64 PyTorch. Each stage is a function of explicit inputs, so a GPU test can feed a stage the

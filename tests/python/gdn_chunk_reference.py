@@ -1,4 +1,4 @@
-"""Float64 reference of every stage of the fused Gated DeltaNet forward (issue 19), per chunk.
+"""Float64 reference of every stage of the fused Gated DeltaNet forward, per chunk.
 
 The stage decomposition of plugins/gated_delta_net/csrc/gdn_fused/gdn_fused.h written plainly in
 float64 PyTorch over the plan's chunk tables (the tuple of tests/python/test_gdn_chunked.py's

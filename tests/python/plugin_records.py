@@ -10,9 +10,9 @@ def discover_only(monkeypatch, record: dict) -> dict:
     monkeypatch.setattr(plugins._core, "discover_plugins", lambda folders: [])
     monkeypatch.setattr(plugins._core, "plugin_records", lambda: [record])
     monkeypatch.setattr(plugins, "runtime_mismatch", lambda: None)
-    monkeypatch.setattr(plugins, "_scan", None)
-    monkeypatch.setattr(plugins, "python_families", {})
-    monkeypatch.setattr(plugins, "_python_packages", {})
+    monkeypatch.setattr(plugins.REGISTRY, "scan", None)
+    monkeypatch.setattr(plugins.REGISTRY, "python_families", {})
+    monkeypatch.setattr(plugins.REGISTRY, "python_packages", {})
     monkeypatch.delenv(plugins.DISABLE_ENV, raising=False)
     (result,) = plugins.discover(rescan=True)
     return result

@@ -1,4 +1,4 @@
-"""Float64 PyTorch reference of the fused SSD backward's stage decomposition (issue 20, stage 2).
+"""Float64 PyTorch reference of the fused SSD backward's stage decomposition.
 
 Every stage of plugins/mamba2/csrc/ssd_fused/ssd_fused_bwd.cpp is written here once, in the same
 order and with the same formulas, so that a GPU test can compare each kernel's output against its

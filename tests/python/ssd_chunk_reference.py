@@ -1,6 +1,6 @@
 """Float64 per-stage reference of the fused SSD (Mamba2) forward over a plan's chunk tables
 (plugins/mamba2/csrc/ssd_fused/ssd_fused.h), tree state pass included. Plain torch ops, so autograd
-derives every gradient (the backward engineer's stage reference too).
+derives every gradient (the fused backward's stage reference too).
 
 Stages (NC chunks of L = gather.shape[1] tokens; chunk-major like the kernels' buffers):
   dt            (NC, H, L)     clamp(softplus?(dt_raw + dt_bias), dt_limit); 0 on pad rows

@@ -1,6 +1,6 @@
 """The native ops' argument errors raise with their numbers and sizes in the message, formatted without
 iostreams (sdk/include/tree_recurrence/sdk/check.h: on the GPU machine's build, messages that put a number
-through c10::str's ostream crashed the process instead of raising; benchmarks/gpu/diag_abi.sh). CPU:
+through c10::str's ostream crashed the process instead of raising). CPU:
 the texts must read as c10::str would have written them."""
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Qwen3.5's gates g = -exp(A_log) softplus(a + dt_bias) with A_log 2.1..2.8 give log-gates of -8..-26 per
 token: dG is O(1e-5) of the terms FLA's identity dG_i = <dq^_i, q^_i> - <dk^_i, k^_i> subtracts. The
-kernels now form dG directly from the gate-dependent terms (tests/python/gdn_bwd_reference.py stage_b,
+kernels form dG directly from the gate-dependent terms (tests/python/gdn_bwd_reference.py stage_b,
 formula="direct"). Here:
 
 * test_direct_formula_float64: the float64 stage chain with the direct formula equals float64 autograd
@@ -209,7 +209,7 @@ def test_fp32_emulation(spec, mode):
 
 
 def test_identity_fails_under_extreme_decays():
-    """The old formula (FLA's identity) in the same emulation: over 2e-2 on dA_log (uniform -8..-26 gates)."""
+    """FLA's identity in the same emulation: over 2e-2 on dA_log (uniform -8..-26 gates)."""
     x, so, par = extreme_inputs(SPECS["tree"], "uniform")
     tabs = chunk_tables(so, par)
     r = emulation_errors(x, tabs, oracle_dg(x, so, par), "identity")

@@ -1,4 +1,4 @@
-"""The fused GDN forward on CUDA (issue 19; plugins/gated_delta_net/csrc/gdn_fused/), bf16 and fp16.
+"""The fused GDN forward on CUDA (plugins/gated_delta_net/csrc/gdn_fused/), bf16 and fp16.
 
 Per stage (op gdn_fused_stages: [o, G, Ainv, w, u, kd, decay, h, v_new, final_state, rq, rk]) against
 the float64 reference of gdn_chunk_reference.py on the same (rounded) inputs, two ways, each printed
@@ -8,24 +8,17 @@ as a relative RMS:
          (prep: its inputs; the tree state pass: the kernel's w, u, kd, decay; out: its G, h, v_new),
 so one run tells which kernel and which quantity is wrong. Then the op (gdn_tree_scan dispatching to
 the fused path) against the float64 token oracle (gdn_token_scan) on the same rounded inputs (relative
-RMS <= 5e-3), bitwise repeatability, the TREE_RECURRENCE_GDN_FUSED switch, and the interim backward
-(TREE_RECURRENCE_GDN_FUSED_BWD=0: the composite's own gradients). Tries: deep (20 levels), wide (64
-children), 1-token segments, 63/64/65-token segments, an 8k segment, grouped heads, K = V = 128 and 16
-and dims not multiples of 16 (V = 88: a partly used second column half in the out kernel), l2norm on and off, per-root initial states, strong decays (A up to 16).
-Kernel versions: TREE_RECURRENCE_GDN_PREP_V1=1 / TREE_RECURRENCE_GDN_OUT_V1=1 (read once per process)
-select version 1 of the prep / out kernels; version 2 (the default) has the same arithmetic in the same
-order, so test_v1_kernels_bitwise runs version 1 in a subprocess (against float64 there too) and asserts
-every stage bitwise equal to this process's version 2.
+RMS <= 5e-3), bitwise repeatability, and the kill switch (TREE_RECURRENCE_FUSED=0: the ATen composite).
+Tries: deep (20 levels), wide (64 children), 1-token segments, 63/64/65-token segments, an 8k segment,
+grouped heads, K = V = 128 and 16 and dims not multiples of 16 (V = 88: a partly used second column half
+in the out kernel), l2norm on and off, per-root initial states, strong decays (A up to 16).
 
 Run: .venv/bin/python -m pytest tests/python/test_gdn_fused_gpu.py -q -s   (-s shows the tables)
 """
 
 from __future__ import annotations
 
-import os
 import random
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -160,7 +153,7 @@ def _stages_against_float64(name, dtype_name, seed, token_oracle):
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
 @pytest.mark.parametrize("name", list(CASES))
 def test_op_against_token_oracle(name, dtype_name, monkeypatch):
-    monkeypatch.delenv("TREE_RECURRENCE_GDN_FUSED", raising=False)
+    monkeypatch.delenv("TREE_RECURRENCE_FUSED", raising=False)
     c = make_case(name, DTYPES[dtype_name], seed=1)
     with torch.no_grad():
         o = call_op(c)
@@ -182,52 +175,22 @@ def test_bitwise_repeatable(name):
 
 
 @cuda
-def test_env_switch_keeps_the_composite(monkeypatch):
+def test_kill_switch_keeps_the_composite(monkeypatch):
+    monkeypatch.delenv("TREE_RECURRENCE_FUSED", raising=False)
     c = make_case("around_chunk_strong", torch.bfloat16, seed=3)
     with torch.no_grad():
         fused = call_op(c)
-        monkeypatch.setenv("TREE_RECURRENCE_GDN_FUSED", "0")
+        monkeypatch.setenv("TREE_RECURRENCE_FUSED", "0")
         composite = call_op(c)
     want = oracle(c)
     print(f"\nfused {rel_rms(fused, want):.3e}, composite {rel_rms(composite, want):.3e} vs token oracle")
-    assert not torch.equal(fused, composite), "TREE_RECURRENCE_GDN_FUSED=0 did not change the route"
+    assert not torch.equal(fused, composite), "TREE_RECURRENCE_FUSED=0 did not change the route"
     assert rel_rms(composite, want) <= 5e-3 and rel_rms(fused, want) <= 5e-3
 
 
-@cuda
-@pytest.mark.parametrize("name", ["around_chunk_strong", "forest_no_l2"])
-def test_interim_backward_is_the_composites(name, monkeypatch):
-    # TREE_RECURRENCE_GDN_FUSED_BWD=0: the fused forward's backward recomputes the composite, so the
-    # gradients are the composite's (TREE_RECURRENCE_GDN_FUSED=0) ones
-    c = make_case(name, torch.bfloat16, seed=4)
-    names = ["q", "k", "v", "g", "beta"] + ([] if c["init"] is None else ["init"])
-
-    def grads():
-        x = {n: t.detach().clone().requires_grad_(n != "grad") for n, t in c["x"].items()}
-        init = None
-        if c["init"] is not None:
-            init = (x["h0"][0] if c["init"].dim() == 3 else x["h0"]).detach().clone().requires_grad_(True)
-        cc = dict(c, init=init)
-        o = call_op(cc, x)
-        leaves = [x[n] for n in names[:5]] + ([init] if init is not None else [])
-        gs = torch.autograd.grad((o.float() * x["grad"].float()).sum(), leaves)
-        return o.detach(), dict(zip(names, gs))
-
-    monkeypatch.setenv("TREE_RECURRENCE_GDN_FUSED_BWD", "0")
-    o_fused, g_fused = grads()
-    monkeypatch.setenv("TREE_RECURRENCE_GDN_FUSED", "0")
-    o_comp, g_comp = grads()
-    assert not torch.equal(o_fused, o_comp)  # two routes ran
-    for n in names:
-        assert g_fused[n].dtype == g_comp[n].dtype and g_fused[n].shape == g_comp[n].shape, n
-        e = rel_rms(g_fused[n], g_comp[n])
-        print(f"  d{n}: fused-interim vs composite rel RMS {e:.3e}, bitwise {torch.equal(g_fused[n], g_comp[n])}")
-        assert e <= 1e-6, f"d{n} differs from the composite's gradient: {e:.3e}"
-
-
 # ------------------------------------------------------------------------------------------------
-# CUDA: prep_fwd (the block inverse; its versions 1 and 3 were compared here until they were deleted)
-# against float64 on more seeds and dtypes: every stage, exact and local
+# CUDA: every stage (prep_fwd's block inverse first) against float64 on more seeds and dtypes, exact
+# and local
 # ------------------------------------------------------------------------------------------------
 
 PREP_CASES = ["around_chunk_strong:bf16", "long_8k_strong:bf16", "k24_v88_groups3:fp16", "wide_k16:bf16",
@@ -278,53 +241,3 @@ def test_chunks_past_the_grid_y_limit():
     assert not bad, f"the small root's stages differ when its chunks sit past 65535: {bad}"
     assert rel_rms(alone["o"], oracle(dict(x=xs, init=None, seg_offsets=[0, small], parents=[-1], scale=0.0,
                                            l2norm=True))) <= 5e-3
-
-
-# ------------------------------------------------------------------------------------------------
-# CUDA: the kernels' version 1 (TREE_RECURRENCE_GDN_PREP_V1=1, TREE_RECURRENCE_GDN_OUT_V1=1; read once
-# per process, so a subprocess runs it) against float64 there and bitwise against version 2 here
-# (version 2: 16-byte shared loads instead of 16-bit ones, the same arithmetic in the same order)
-# ------------------------------------------------------------------------------------------------
-
-V1_ENV = ("TREE_RECURRENCE_GDN_PREP_V1", "TREE_RECURRENCE_GDN_OUT_V1")
-# (case, dtype, seed): every kernel branch of version 2 (K = V = 128: the unrolled full-width loops;
-# 16, 24 / 88, 40 / 72, 64: the general ones; V = 88: the out kernel's partial column half), both dtypes
-V1_CASES = [("around_chunk_strong", "bf16", 0), ("around_chunk_strong", "fp16", 1), ("wide_k16", "bf16", 0),
-            ("k24_v88_groups3", "fp16", 0), ("k24_v88_groups3", "bf16", 2), ("odd_dims_none", "bf16", 0),
-            ("forest_no_l2", "fp16", 0), ("deep_k128", "bf16", 3), ("long_8k_strong", "bf16", 0)]
-
-
-def _v1_stages(tmp_path, which):
-    """The stages of V1_CASES from a subprocess with `which` (a subset of V1_ENV) set to 1, each checked
-    against float64 there (_stages_against_float64), as {key: {stage: cpu tensor}}."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    path = tmp_path / ("v1_" + "_".join(w.split("_")[-2].lower() for w in which) + ".pt")
-    code = ("import sys, torch; sys.path.insert(0, %r); import test_gdn_fused_gpu as t; out = {}\n"
-            "for name, dt, seed in t.V1_CASES:\n"
-            "    t._stages_against_float64(name, dt, seed=seed, token_oracle=False)\n"
-            "    got = t.call_stages(t.make_case(name, t.DTYPES[dt], seed=seed))\n"
-            "    out[f'{name}:{dt}:{seed}'] = {k: v.cpu() for k, v in got.items()}\n"
-            "torch.save(out, %r)\n" % (here, str(path)))
-    env = {k: v for k, v in os.environ.items() if k not in V1_ENV}
-    env.update({w: "1" for w in which})
-    env["TREE_RECURRENCE_TEST_OPS"] = "1"  # the stage op (conftest sets it for this process)
-    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=here, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    print(proc.stdout[-3000:])
-    return torch.load(path)
-
-
-@cuda
-@pytest.mark.parametrize("which", [V1_ENV, V1_ENV[:1], V1_ENV[1:]], ids=["prep_out", "prep", "out"])
-def test_v1_kernels_bitwise(tmp_path, which):
-    """Version 1 of the prep and / or the out kernel (a subprocess; against float64 there) gives every
-    stage bit for bit as version 2 (this process) does."""
-    if any(os.environ.get(w, "") == "1" for w in V1_ENV):
-        pytest.skip("this process runs version 1 of a kernel (read once): nothing to compare against")
-    old = _v1_stages(tmp_path, which)
-    bad = []
-    for name, dt, seed in V1_CASES:
-        new = call_stages(make_case(name, DTYPES[dt], seed=seed))
-        ref_ = old[f"{name}:{dt}:{seed}"]
-        bad += [f"{name}:{dt}:{seed}:{n}" for n in STAGES if not torch.equal(new[n].cpu(), ref_[n])]
-    assert not bad, f"{'+'.join(which)}=1 vs version 2: stages not bitwise equal: {bad}"

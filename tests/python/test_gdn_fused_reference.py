@@ -87,7 +87,7 @@ def test_output_stage_alone_matches():
 
 
 def _block_inverse_emulated(A, garbage):
-    """prep_fwd.cu's block_inverse (version 2) index for index on one 64 x 64 strictly lower A: the
+    """prep_fwd.cu's block_inverse index for index on one 64 x 64 strictly lower A: the
     buffer M holds A^T in its strict upper triangle and garbage below; returns M's lower triangle
     (with the diagonal), the kernel's Ainv."""
     M = garbage.clone()
@@ -122,7 +122,7 @@ def _block_inverse_emulated(A, garbage):
 
 @pytest.mark.parametrize("strong", [False, True])
 def test_prep_block_inverse_algorithm(strong):
-    # the CUDA prep kernel's 16 x 16 block inverse (version 2), emulated in float64 on the CPU
+    # the CUDA prep kernel's 16 x 16 block inverse, emulated in float64 on the CPU
     g = torch.Generator().manual_seed(7 + strong)
     kk = torch.nn.functional.normalize(torch.randn(64, 32, generator=g, dtype=torch.float64), dim=-1)
     beta = torch.rand(64, generator=g, dtype=torch.float64)

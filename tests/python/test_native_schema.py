@@ -85,7 +85,7 @@ def test_register_family_with_ops_checks_the_native_op():
                                          "takes 10 arguments"):
         tr.register_family("pyschema", "pyschema_model", ["PySchemaMixer"], "linear_attention", seams={"rule": spec},
                            modules=["pyschema.modeling"], ops=GDN)
-    assert "pyschema" not in plugins.python_families
+    assert "pyschema" not in plugins.REGISTRY.python_families
     good = {**spec, "native": {"op": "gdn_tree_scan", "chunk": 64,
                                "kwargs": {"scale": ["scale", 0.0], "use_qk_l2norm": ["use_qk_l2norm_in_kernel", False]}}}
     tr.register_family("pyschema", "pyschema_model", ["PySchemaMixer"], "linear_attention", seams={"rule": good},

@@ -85,8 +85,8 @@ def test_a_loaded_plugin_with_a_bad_seam_is_refused_naming_file_seam_and_key(mon
     monkeypatch.setattr(plugins._core, "discover_plugins", lambda folders: [])
     monkeypatch.setattr(plugins._core, "plugin_records", lambda: [record])
     monkeypatch.setattr(plugins, "runtime_mismatch", lambda: None)
-    monkeypatch.setattr(plugins, "_scan", None)
-    monkeypatch.setattr(plugins, "python_families", {})
+    monkeypatch.setattr(plugins.REGISTRY, "scan", None)
+    monkeypatch.setattr(plugins.REGISTRY, "python_families", {})
     refused = plugins.refused()
     assert [r["family"] for r in refused] == ["badspec"] and "badspec" not in plugins.families()
     assert refused[0]["error"].startswith(f"invalid seam spec: {manifest}: seam 'chunk_rule': key 'sequense': not "
@@ -97,7 +97,7 @@ def test_register_family_checks_its_seams_like_a_manifest():
     with pytest.raises(SpecError, match=r"^register_family\('pyspec'\): seam 'rule': key 'returns': expected a positive int"):
         tr.register_family("pyspec", "pyspec_model", ["PySpecMixer"], "linear_attention",
                            seams={"rule": {**GDN_SCAN, "returns": -1}}, modules=["pyspec.modeling"])
-    assert "pyspec" not in plugins.python_families
+    assert "pyspec" not in plugins.REGISTRY.python_families
     record = tr.register_family("pyspec", "pyspec_model", ["PySpecMixer"], "linear_attention",
                                 seams={"rule": GDN_SCAN}, modules=["pyspec.modeling"])
     try:

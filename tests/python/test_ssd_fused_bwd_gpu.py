@@ -1,22 +1,19 @@
-"""The fused SSD backward kernels on the GPU (issue 20, stage 2), through the test-only op
-``ssd_fused_backward_stages`` (runs the backward from GIVEN saved buffers, so it is tested even
-while the forward kernels are not right): every stage's output against its float64 twin in
+"""The fused SSD backward kernels on the GPU, through the test-only op ``ssd_fused_backward_stages``
+(runs the backward from GIVEN saved buffers; its ``route`` / ``fused_pass`` arguments override the
+kernel plan, so every route is tested on any shape it takes): every stage's output against its float64 twin in
 ssd_bwd_reference.py (relative RMS printed per quantity, so one run tells which kernel is wrong),
 then the final gradients of x, dt, A (and A_log), B, C, D, dt_bias, z and the initial states
 against float64 autograd through the token-by-token recurrence, and bitwise identical results on
 two runs. Cases: mixed / deep / wide tries, 1-token segments, segments around the chunk, an 8k
 segment, G 2 with H 4, D (H) and (H, P), z on/off, softplus on/off, dt_limit, shared and per-root
-initial states, chunk 64 / 128 / 256, fp32 / bf16 / fp16 inputs. A last test takes the saved
-buffers from the fused forward (op ``ssd_fused_stages``) when it exists.
+initial states, chunk 64 / 128 / 256, fp32 / bf16 / fp16 inputs; the saved buffers from the fused
+forward (op ``ssd_fused_stages``); the routes against each other (Half vs TensorCore, the fused
+reverse pass vs local_bf16 + the state pass); the memory mode and dz written over the saved y.
 
 Run on the GPU:  .venv/bin/python -m pytest tests/python/test_ssd_fused_bwd_gpu.py -q -x -s
 """
 
 from __future__ import annotations
-
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -37,37 +34,40 @@ def _ops():
     return plugins.ops("mamba2")
 
 
+# kernel plan routes (ssd_fused_bwd.h, the op's ``route`` argument; -1: the plan's choice)
+AUTO, CUDA_CORE, TENSOR_CORE, HALF = -1, 0, 1, 2
+
+
 def uses_tensor_cores(chunk, P, N):
-    """Whether fused::backward takes the tensor-core path (ssd_tc_bwd.cu): chunk 64, P and N <= 128, its
-    shared-memory plan (PostPlan) within the H200's 227 KiB opt-in, TREE_RECURRENCE_SSD_BWD_TC not 0."""
-    if os.environ.get("TREE_RECURRENCE_SSD_BWD_TC", "1") == "0" or chunk != 64 or P > 128 or N > 128:
+    """Whether the plan may take a tensor-core route (TensorCore or Half): chunk 64, P and N <= 128, post_tc's
+    shared-memory plan (PostPlan) within the H200's 227 KiB opt-in; else the fp32 CUDA-core kernels."""
+    if chunk != 64 or P > 128 or N > 128:
         return False
     Pp, Np = (P + 15) // 16 * 16, (N + 15) // 16 * 16
     floats = 128 + 2 * 64 * (Np + 4) + 3 * 64 * 68 + 2 * 64 * (Pp + 4) + Pp * (Np + 4) + 8 * 64 + 3 * 8 * 64
     return floats * 4 <= 232448
 
 
-def uses_new_local(chunk, P, N, dtype):
-    """Whether the bf16 / fp16 local kernel (ssd_local_bwd.cu, round 3) computes the local state gradient:
-    the tensor-core path, 16-bit inputs, P and N multiples of 8, TREE_RECURRENCE_SSD_BWD_V1 not 1."""
-    return (os.environ.get("TREE_RECURRENCE_SSD_BWD_V1", "0") != "1" and uses_tensor_cores(chunk, P, N)
-            and dtype in (torch.bfloat16, torch.float16) and P % 8 == 0 and N % 8 == 0)
+def uses_half(chunk, P, N, dtype):
+    """Whether the plan takes the Half route (local_bf16 or the fused pass, post_bf16; fresh aligned test inputs):
+    the tensor-core shapes, 16-bit inputs, P and N multiples of 8."""
+    return uses_tensor_cores(chunk, P, N) and dtype in (torch.bfloat16, torch.float16) and P % 8 == 0 and N % 8 == 0
 
 
-# The new local kernel rounds e^Lam dy once to the input dtype (one MMA per product): the stages that
+# The Half route's local kernel rounds e^Lam dy once to the input dtype (one MMA per product): the stages that
 # depend on the local gradient move by ~2^-9 relative (bf16). CPU emulation of that rounding against the
 # float64 stages (MIXED / DEEP / WIDE, P 16..64, N 16..128): local, ds_leave, ddecay, d_roots <= 1.8e-3,
 # v <= 2.6e-3, d_dtA <= 3.0e-3, the final gradients <= 3e-4 (fp16: 8x smaller).
 LOCAL_STAGES = {"local", "ds_leave", "ddecay", "d_roots", "v", "ddt_direct", "d_dtA", "ddt", "ddt_raw", "dA_part"}
 NEW_LOCAL_TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
-# H3's bf16 / fp16 post kernel (ssd_post_bwd.cu; its own tests: test_ssd_post_bwd_gpu.py) runs under the same
-# conditions as the new local kernel: one MMA per product with operands rounded once to the input type.
+# The Half route's post kernel (ssd_post_bwd.cu; its own tests: test_ssd_post_bwd_gpu.py): one MMA per product with
+# operands rounded once to the input type.
 POST_STAGES = {"cb", "q", "v", "ddt_direct", "d_dtA", "ddt", "ddt_raw", "dA_part"}
 NEW_POST_TOL = {torch.bfloat16: 2e-2, torch.float16: 5e-3}
 
 
-# The tensor-core path splits every fp32 operand into bf16 hi + lo and sums hi*hi + hi*lo + lo*hi: products
+# The TensorCore route splits every fp32 operand into bf16 hi + lo and sums hi*hi + hi*lo + lo*hi: products
 # to ~2^-16 relative (the fp32 CUDA-core path: 2^-24), so its stages get a looser bound.
 TC_STAGE_TOL = 3e-4
 
@@ -109,7 +109,11 @@ def oracle_grads(d, seg_offsets, parents, D, dt_bias, z, h0t, h0, dt_softplus, d
 
 def run_case(seg_offsets, parents, chunk=64, dtype=torch.float32, H=4, P=16, G=2, N=16, D_per_channel=False,
              use=("D", "dt_bias", "z", "h0"), h0="per_root", dt_softplus=True, dt_limit=(0.0, float("inf")),
-             seed=0, stage_tol=None, final_tol=None, saved_from_forward=False, oracle_chunk=None, name="", keep=None):
+             seed=0, stage_tol=None, final_tol=None, saved_from_forward=False, oracle_chunk=None, name="", keep=None,
+             route=AUTO, fused_pass=-1, drop_y=False):
+    """The stage op on one case (``route`` / ``fused_pass`` override the kernel plan; ``drop_y``: no saved y, as a
+    forward in the memory mode leaves it), checked against float64 stage by stage and end to end, and bitwise on
+    a second run. Returns the relative RMS errors (stages, final gradients)."""
     seg_offsets, parents = list(seg_offsets), list(parents)
     roots = sum(p < 0 for p in parents)
     T = seg_offsets[-1]
@@ -156,7 +160,8 @@ def run_case(seg_offsets, parents, chunk=64, dtype=torch.float32, H=4, P=16, G=2
             cu(D, torch.float32), cu(dt_bias, torch.float32), cu(z), cu(h0t, torch.float32), list(dt_limit), dt_softplus,
             tabs_dev["gather"], tabs_dev["scatter"], tabs_dev["seg_chunk_offsets"], tabs_dev["parents"],
             tabs_dev["root_index"], tabs_dev["level_segments"], tabs_dev["level_offsets"], tabs_dev["child_offsets"],
-            tabs_dev["children"], saved_dev["dt"], saved_dev["Lam"], saved_dev["states"], saved_dev["y"])
+            tabs_dev["children"], saved_dev["dt"], saved_dev["Lam"], saved_dev["states"],
+            None if drop_y else saved_dev["y"], route, fused_pass)
 
     out = launch()
     if dev.type == "cuda":
@@ -164,18 +169,18 @@ def run_case(seg_offsets, parents, chunk=64, dtype=torch.float32, H=4, P=16, G=2
     got = dict(zip(STAGE_NAMES + FINAL_NAMES, out))
     if keep is not None:
         keep.update(got)
-        keep["_saved"], keep["_tabs"] = saved, tabs  # for the H5 checks (float64 on the CPU)
+        keep["_saved"], keep["_tabs"] = saved, tabs  # for the 16-bit ds checks (float64 on the CPU)
     for k, v in got.items():
         assert torch.isfinite(v).all(), f"{name}: {k} is not finite"
 
     # 1) every stage against its float64 twin on the same saved buffers
     want = ref.backward(d["dout"], d["x"], d["dt"], d["B"], d["C"], A, tabs, saved, **opt)
-    tc = uses_tensor_cores(chunk, P, N)
+    tc = uses_tensor_cores(chunk, P, N) if route == AUTO else route != CUDA_CORE
     stage_tol = stage_tol if stage_tol is not None else (TC_STAGE_TOL if tc else 1e-4)
-    new_local = uses_new_local(chunk, P, N, dtype)
-    tol_of = {k: max(stage_tol, NEW_LOCAL_TOL[dtype]) if new_local and k in LOCAL_STAGES else stage_tol
+    half = uses_half(chunk, P, N, dtype) if route == AUTO else route == HALF
+    tol_of = {k: max(stage_tol, NEW_LOCAL_TOL[dtype]) if half and k in LOCAL_STAGES else stage_tol
               for k in STAGE_NAMES}
-    if new_local:  # the new post kernel runs too (H3)
+    if half:  # the 16-bit post kernel too
         tol_of.update({k: max(tol_of[k], NEW_POST_TOL[dtype]) for k in POST_STAGES})
     stage_err = {}
     for k in STAGE_NAMES:
@@ -191,7 +196,8 @@ def run_case(seg_offsets, parents, chunk=64, dtype=torch.float32, H=4, P=16, G=2
         else:
             w = want[key]
         stage_err[k] = rel_rms(got[k], w)
-    print(f"\n[{name}] {'tensor-core' if tc else 'fp32 CUDA-core'} path{' + bf16/fp16 local' if new_local else ''}, stages (rel RMS vs float64 stage reference):",
+    route_name = "Half" if half else "TensorCore" if tc else "CudaCore"
+    print(f"\n[{name}] {route_name} route, stages (rel RMS vs float64 stage reference):",
           " ".join(f"{k}={v:.2e}" for k, v in stage_err.items()))
 
     # 2) final gradients against float64 autograd through the token recurrence
@@ -216,7 +222,7 @@ def run_case(seg_offsets, parents, chunk=64, dtype=torch.float32, H=4, P=16, G=2
     assert all(same.values()), f"{name}: not bitwise identical on two runs: {[k for k, v in same.items() if not v]}"
 
     bad = {k: v for k, v in stage_err.items() if not v <= tol_of[k]}
-    assert not bad, f"{name}: stages above {stage_tol} (local-dependent stages of the new local kernel: {tol_of['local']}): {bad}"
+    assert not bad, f"{name}: stages above {stage_tol} (local-dependent stages on the Half route: {tol_of['local']}): {bad}"
     if final_tol is None:
         final_tol = 1e-4 if dtype == torch.float32 else 1e-2
     bad = {k: v for k, v in final_err.items() if not v <= final_tol}
@@ -263,7 +269,7 @@ def test_groups_one_and_model_dims_bf16():
 
 
 def test_tensor_core_model_dims():
-    """The tensor-core path at the GRPO head shape (P 64, N 128, 4 heads per group, chunk 64), fp32 and bf16,
+    """The tensor-core routes at a model head shape (P 64, N 128, 4 heads per group, chunk 64), fp32 and bf16,
     and at P 64 / N 64 with odd sizes (P 40, N 24: zero-padded tiles)."""
     assert uses_tensor_cores(64, 64, 128)
     run_case(*MIXED, dtype=torch.bfloat16, H=8, P=64, G=2, N=128, chunk=64, name="tc P64 N128 bf16 L64")
@@ -271,11 +277,20 @@ def test_tensor_core_model_dims():
     run_case(*WIDE, dtype=torch.float16, H=4, P=40, G=1, N=24, chunk=64, h0="shared", name="tc P40 N24 fp16 L64")
 
 
-def test_cuda_core_fallback(monkeypatch):
-    """TREE_RECURRENCE_SSD_BWD_TC=0: the round-1 fp32 CUDA-core kernels, at the tight bound."""
-    monkeypatch.setenv("TREE_RECURRENCE_SSD_BWD_TC", "0")
-    run_case(*MIXED, chunk=64, name="fallback fp32 L64")
-    run_case(*MIXED, dtype=torch.bfloat16, H=8, P=64, G=2, N=128, chunk=64, name="fallback P64 N128 bf16 L64")
+def test_cuda_core_route_at_chunk_64():
+    """The CudaCore route (the only backward of chunk 128 / 256 and of P / N beyond the tensor-core plan) forced at
+    chunk 64 through the op's route argument, at the tight bound."""
+    run_case(*MIXED, chunk=64, route=CUDA_CORE, name="CudaCore fp32 L64")
+    run_case(*MIXED, dtype=torch.bfloat16, H=8, P=64, G=2, N=128, chunk=64, route=CUDA_CORE,
+             name="CudaCore P64 N128 bf16 L64")
+
+
+def test_route_override_refused():
+    """An override the inputs do not allow is an error naming it: Half on fp32 inputs, the fused pass off Half."""
+    with pytest.raises(ValueError, match="route 2"):
+        run_case(*MIXED, chunk=64, route=HALF, name="Half on fp32")
+    with pytest.raises(ValueError, match="fused reverse pass"):
+        run_case(*MIXED, chunk=64, dtype=torch.bfloat16, H=4, P=20, G=2, N=16, fused_pass=1, name="fused pass at P20")
 
 
 def test_8k_segment():
@@ -310,15 +325,13 @@ def test_through_ssd_tree_scan_autograd(chunk):
     assert not bad, bad
 
 
-def test_y_recomputed_not_stored_and_fallback(monkeypatch):
-    """Issue 20 (memory mode, TREE_RECURRENCE_SSD_RECOMPUTE_Y=1): with z on the bf16 post kernel's route the forward
-    stores no pre-gate y (fused::forms_y_itself; 0.75 GiB at GRPO): the post kernel recomputes it. Checked: (1) the memory a forward leaves for its backward is one
-    y smaller than under TREE_RECURRENCE_SSD_BWD_V1=1 (a route that reads y: the forward stores it); (2) the gradients
-    of the recompute route vs float64; (3) a forward that stored no y followed by a backward on a route that reads it
-    (V1 set in between): y comes from the forward kernels, every gradient vs float64 and close to (1)'s."""
+def test_y_recomputed_not_stored(monkeypatch):
+    """The memory mode (TREE_RECURRENCE_SSD_RECOMPUTE_Y=1): with z on the Half route the forward stores no pre-gate y
+    (fused::forms_y_itself) and the post kernel recomputes it. Checked: (1) the memory a forward leaves for its
+    backward is one y smaller than in the default mode (the forward stores y); (2) the gradients vs float64 autograd
+    of the token recurrence, and close to the default mode's."""
     from test_ssd_chunked import as_oracle, make_inputs, run_chunked, run_oracle
 
-    monkeypatch.setenv("TREE_RECURRENCE_SSD_RECOMPUTE_Y", "1")  # the memory mode (opt-in; read per call)
     seg, par = MIXED
     ins = make_inputs(seg[-1], H=4, P=16, G=2, N=16, dtype=torch.bfloat16, device="cuda", roots=2, D_per_channel=True)
     oracle = as_oracle(ins)
@@ -327,47 +340,49 @@ def test_y_recomputed_not_stored_and_fallback(monkeypatch):
     w = torch.randn(want.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
     wanted = torch.autograd.grad((want * w).sum(), [oracle[n] for n in names])
 
-    def forward(env_v1):
-        if env_v1:
-            monkeypatch.setenv("TREE_RECURRENCE_SSD_BWD_V1", "1")
-        else:
-            monkeypatch.delenv("TREE_RECURRENCE_SSD_BWD_V1", raising=False)
+    def forward(recompute):
+        monkeypatch.setenv("TREE_RECURRENCE_SSD_RECOMPUTE_Y", "1" if recompute else "0")  # read per call
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
         y = run_chunked(ins, seg, par, chunk=64)
         torch.cuda.synchronize()
         return y, torch.cuda.memory_allocated() - before
 
-    y_v1, kept_v1 = forward(True)
-    del y_v1
-    y, kept = forward(False)
-    y_bytes = ins["x"].numel() * ins["x"].element_size()
-    stored = kept_v1 - kept
-    print(f"\n[y recompute] a forward keeps {kept} B (V1 route: {kept_v1} B); y is {y_bytes} B")
-    assert stored >= y_bytes and stored < y_bytes + 1024, f"the memory mode's forward kept {stored} B less than V1's, not one y"
-
     def grads(y):
         return torch.autograd.grad((y * w.to(y.device, y.dtype)).sum(), [ins[n] for n in names])
 
-    got = grads(y)  # the memory mode's route: the post kernel recomputes y
-    y2, _ = forward(False)
-    monkeypatch.setenv("TREE_RECURRENCE_SSD_BWD_V1", "1")  # the backward now takes post_tc, which reads y
-    got_fb = grads(y2)
-    monkeypatch.delenv("TREE_RECURRENCE_SSD_BWD_V1")
-    for label, g in (("recomputed in post", got), ("forward-kernel fallback", got_fb)):
-        errors = {n: rel_rms(a.float(), b) for n, a, b in zip(names, g, wanted)}
-        print(f"[y {label}] rel RMS vs float64:", " ".join(f"{k}={v:.2e}" for k, v in errors.items()))
-        bad = {k: v for k, v in errors.items() if not v <= 2e-2}
-        assert not bad, f"{label}: {bad}"
-    close = {n: rel_rms(a.float(), b.float()) for n, a, b in zip(names, got, got_fb)}
+    y_std, kept_std = forward(False)
+    got_std = grads(y_std)
+    del y_std
+    y, kept = forward(True)
+    y_bytes = ins["x"].numel() * ins["x"].element_size()
+    stored = kept_std - kept
+    print(f"\n[y recompute] a forward keeps {kept} B (default mode: {kept_std} B); y is {y_bytes} B")
+    assert stored >= y_bytes and stored < y_bytes + 1024, f"the memory mode's forward kept {stored} B less, not one y"
+    got = grads(y)
+    errors = {n: rel_rms(a.float(), b) for n, a, b in zip(names, got, wanted)}
+    print("[y recomputed in post] rel RMS vs float64:", " ".join(f"{k}={v:.2e}" for k, v in errors.items()))
+    bad = {k: v for k, v in errors.items() if not v <= 2e-2}
+    assert not bad, bad
+    close = {n: rel_rms(a.float(), b.float()) for n, a, b in zip(names, got, got_std)}
     bad = {k: v for k, v in close.items() if not v <= 2e-2}
-    assert not bad, f"recomputed vs fallback: {bad}"
+    assert not bad, f"recomputed vs stored y: {bad}"
+
+
+@pytest.mark.parametrize("route", [HALF, TENSOR_CORE, CUDA_CORE], ids=["half", "tensor_core", "cuda_core"])
+def test_backward_without_saved_y(route):
+    """A backward that finds no saved y (a forward in the memory mode): on Half the post kernel recomputes y (the
+    stage op's gate reads it from the forward kernels); on the other routes the forward kernels recompute it. Every
+    stage and gradient vs float64 (the recomputed y rounds like the forward's, not like the float64 twin's saved y:
+    the dz stage gets the end-to-end bound)."""
+    run_case(*MIXED, dtype=torch.bfloat16, H=4, P=16, G=2, N=16, chunk=64, D_per_channel=True, route=route,
+             drop_y=True, stage_tol=2e-2, final_tol=2e-2, name=f"no saved y, route {route}")
 
 
 @pytest.mark.parametrize("layout", ["mixed", "flat"])
 def test_dz_written_over_the_saved_y(layout):
-    """Issue 20 (memory): without retain_graph the bf16 post kernel writes dz over the saved pre-gate y (Saved::
-    y_consumable; one (T, H, P) buffer less at the backward's peak, 0.75 GiB at GRPO). Checked: (1) every gradient
+    """Without retain_graph the bf16 post kernel writes dz over the saved pre-gate y (Saved::y_consumable; one
+    (T, H, P) buffer less at the backward's peak). Checked: (1) every gradient
     bitwise equal to a retain_graph=True backward (which keeps y: no aliasing), and that one's second backward again
     bitwise equal (y intact); (2) every gradient against float64 autograd of the token recurrence; (3) the backward's
     peak above what it starts from is at least one y smaller than with retain_graph=True (one flat row of 4,096 tokens,
@@ -413,14 +428,12 @@ def test_dz_written_over_the_saved_y(layout):
 
 @pytest.mark.parametrize("dims", [(4, 16, 2, 16), (2, 64, 1, 32)], ids=["PN256", "PN2048"])
 @pytest.mark.parametrize("layout", ["flat", "long_tree"])
-def test_state_pass_ring_bitwise(monkeypatch, layout, dims):
-    """Issue 20 (flat-row speed): the 16-bit reverse state pass of long segments through its cp.async ring
-    (state_pass_ring_kernel) gives every gradient bitwise equal to state_pass_kernel<4> (TREE_RECURRENCE_SSD_BWD_STATE_RING=0,
-    read per launch), local_bf16's 32 x 32 warp tiles bitwise its 32 x 64 ones (TREE_RECURRENCE_SSD_BWD_LOCAL_TILE=64),
-    and the defaults within tolerance of float64 autograd of the token recurrence. Layouts where the segments
-    average more than 64 chunks (the two-kernel route): one flat row of 130 chunks; a root of 8,000 tokens with a child of
-    4,300 (its carry through ws) and a 1-token child, per-root initial states. PN 256 leaves 192 threads of the block
-    past P N (their lanes stay for the shuffles); PN 2048 fills two blocks."""
+def test_long_segments_two_kernel_route(layout, dims):
+    """Layouts where the segments average more than 64 chunks, so the plan takes local_bf16 + the 16-bit ring state
+    pass (state_pass_ring_kernel): every gradient within tolerance of float64 autograd of the token recurrence, and
+    bitwise on a second run. One flat row of 130 chunks; a root of 8,000 tokens with a child of 4,300 (its carry
+    through ws) and a 1-token child, per-root initial states. PN 256 leaves 192 threads of the block past P N (their
+    lanes stay for the shuffles); PN 2048 fills two blocks."""
     from test_ssd_chunked import as_oracle, make_inputs, run_chunked, run_oracle
 
     H, P, G, N = dims
@@ -433,21 +446,14 @@ def test_state_pass_ring_bitwise(monkeypatch, layout, dims):
         out = run_chunked(ins, seg, par, chunk=64)
         return torch.autograd.grad((out * w.to("cuda", out.dtype)).sum(), [ins[n] for n in names])
 
-    monkeypatch.setenv("TREE_RECURRENCE_SSD_BWD_STATE_RING", "0")
-    monkeypatch.setenv("TREE_RECURRENCE_SSD_BWD_LOCAL_TILE", "64")
-    plain = grads()
-    monkeypatch.delenv("TREE_RECURRENCE_SSD_BWD_STATE_RING")
-    ring_wide = grads()
-    monkeypatch.delenv("TREE_RECURRENCE_SSD_BWD_LOCAL_TILE")
-    ring = grads()  # the defaults: the ring pass, local_bf16's 32 x 32 warp tiles
-    for n, a, b, c in zip(names, plain, ring_wide, ring):
-        assert torch.equal(a, b), f"{n}: the ring state pass differs from state_pass_kernel<4>"
-        assert torch.equal(b, c), f"{n}: local_bf16's 32 x 32 warp tiles differ from its 32 x 64 ones"
+    got, again = grads(), grads()
+    for n, a, b in zip(names, got, again):
+        assert torch.equal(a, b), f"{n}: not bitwise identical on two runs"
     oracle = as_oracle(ins)
     want = run_oracle(oracle, seg, par)
     wanted = torch.autograd.grad((want * w).sum(), [oracle[n] for n in names])
-    errors = {n: rel_rms(a.float(), b) for n, a, b in zip(names, ring, wanted)}
-    print(f"\n[state pass ring, {layout} {dims}] rel RMS vs float64:", " ".join(f"{k}={v:.2e}" for k, v in errors.items()))
+    errors = {n: rel_rms(a.float(), b) for n, a, b in zip(names, got, wanted)}
+    print(f"\n[two-kernel route, {layout} {dims}] rel RMS vs float64:", " ".join(f"{k}={v:.2e}" for k, v in errors.items()))
     bad = {k: v for k, v in errors.items() if not v <= 2e-2}
     assert not bad, bad
 
@@ -461,65 +467,54 @@ def test_state_pass_scalar_fallback(trie):
     run_case(seg, par, chunk=128, dtype=torch.float32, H=4, P=5, G=2, N=7, name=f"state pass scalar P5 N7 {trie}")
 
 
-# ---- round 3 (H4): bf16 / fp16 local kernel with dy on the fly, ddecay folded into the state pass ----------
+# ---- the Half route against the TensorCore route (gate + local_tc + post_tc, fp32 ds) on the same inputs ----------
 
-NEW_VS_OLD = ["local", "ds_leave", "ddecay", "d_roots", "v", "d_dtA", "ddt_raw", "dA_part"]
+HALF_VS_TC = ["local", "ds_leave", "ddecay", "d_roots", "v", "d_dtA", "ddt_raw", "dA_part"]
 
 
-def new_vs_v1(monkeypatch, seg, par, dtype, tol, **kw):
-    """The default (new local kernel, folded ddecay) and TREE_RECURRENCE_SSD_BWD_V1=1 (gate + local_tc, the
-    ddecay kernel) on the same inputs: each against float64 inside run_case, then against each other."""
+def half_vs_tensor_core(seg, par, dtype, tol, **kw):
+    """The plan's Half route and the TensorCore route forced (route=1) on the same inputs: each against float64
+    inside run_case, then against each other (they differ by the 16-bit rounding of dy, ds and the operands)."""
     name = kw.pop("name")
-    new, old = {}, {}
-    monkeypatch.delenv("TREE_RECURRENCE_SSD_BWD_V1", raising=False)
-    run_case(seg, par, dtype=dtype, keep=new, name=f"{name} new", **kw)
-    monkeypatch.setenv("TREE_RECURRENCE_SSD_BWD_V1", "1")
-    run_case(seg, par, dtype=dtype, keep=old, name=f"{name} V1", **kw)
-    monkeypatch.delenv("TREE_RECURRENCE_SSD_BWD_V1")
-    diff = {k: rel_rms(new[k], old[k]) for k in NEW_VS_OLD if new[k].numel() > 0 and old[k].norm() > 0}
-    print(f"[{name}] new vs V1 (rel RMS):", " ".join(f"{k}={v:.2e}" for k, v in diff.items()))
+    half, tc = {}, {}
+    run_case(seg, par, dtype=dtype, keep=half, name=f"{name} Half", **kw)
+    run_case(seg, par, dtype=dtype, keep=tc, name=f"{name} TensorCore", route=TENSOR_CORE, **kw)
+    diff = {k: rel_rms(half[k], tc[k]) for k in HALF_VS_TC if half[k].numel() > 0 and tc[k].norm() > 0}
+    print(f"[{name}] Half vs TensorCore (rel RMS):", " ".join(f"{k}={v:.2e}" for k, v in diff.items()))
     bad = {k: v for k, v in diff.items() if not v <= tol}
-    assert not bad, f"{name}: new vs V1 kernels above {tol}: {bad}"
+    assert not bad, f"{name}: Half vs TensorCore routes above {tol}: {bad}"
 
 
 @pytest.mark.parametrize("use", [("D", "dt_bias", "z", "h0"), ("D",)], ids=["z", "no_z"])
-def test_local_bf16_model_dims(monkeypatch, use):
-    """GRPO head shape (P 64, N 128, 16 heads per group, chunk 64) at a few hundred tokens, z on / off."""
-    assert uses_new_local(64, 64, 128, torch.bfloat16)
-    new_vs_v1(monkeypatch, *MIXED, torch.bfloat16, 1e-2, H=32, P=64, G=2, N=128, chunk=64, use=use,
-              D_per_channel=True, name=f"local bf16 H32 G2 P64 N128 {use[-1]}")
+def test_half_model_dims(use):
+    """Model head shape (P 64, N 128, 16 heads per group, chunk 64) at a few hundred tokens, z on / off."""
+    assert uses_half(64, 64, 128, torch.bfloat16)
+    half_vs_tensor_core(*MIXED, torch.bfloat16, 1e-2, H=32, P=64, G=2, N=128, chunk=64, use=use,
+                        D_per_channel=True, name=f"bf16 H32 G2 P64 N128 {use[-1]}")
 
 
-def test_local_bf16_tries_and_pads(monkeypatch):
-    """Deep and wide tries, 1-token segments; zero-padded tiles (P 40 -> 64, N 24 -> 64), P 128 / N 128, fp16."""
-    new_vs_v1(monkeypatch, *DEEP, torch.bfloat16, 1e-2, H=8, P=64, G=2, N=128, chunk=64, name="local deep bf16")
-    new_vs_v1(monkeypatch, *WIDE, torch.bfloat16, 1e-2, H=4, P=40, G=1, N=24, chunk=64, h0="shared",
-              name="local wide bf16 P40 N24")
-    new_vs_v1(monkeypatch, [0, 1, 2, 3, 4, 5], [-1, 0, 0, 2, -1], torch.bfloat16, 1e-2, H=4, P=16, G=2, N=16,
-              chunk=64, name="local 1-token bf16")
-    new_vs_v1(monkeypatch, [0, 200, 300], [-1, 0], torch.bfloat16, 1e-2, H=4, P=128, G=2, N=128, chunk=64,
-              name="local bf16 P128 N128")
-    new_vs_v1(monkeypatch, *MIXED, torch.float16, 2e-3, H=8, P=64, G=2, N=128, chunk=64, name="local fp16")
+def test_half_tries_and_pads():
+    """Deep and wide tries, 1-token segments; zero-padded tiles (P 40 -> 64, N 24 -> 64), fp16."""
+    half_vs_tensor_core(*DEEP, torch.bfloat16, 1e-2, H=8, P=64, G=2, N=128, chunk=64, name="deep bf16")
+    half_vs_tensor_core(*WIDE, torch.bfloat16, 1e-2, H=4, P=40, G=1, N=24, chunk=64, h0="shared",
+                        name="wide bf16 P40 N24")
+    half_vs_tensor_core([0, 1, 2, 3, 4, 5], [-1, 0, 0, 2, -1], torch.bfloat16, 1e-2, H=4, P=16, G=2, N=16,
+                        chunk=64, name="1-token bf16")
+    half_vs_tensor_core(*MIXED, torch.float16, 2e-3, H=8, P=64, G=2, N=128, chunk=64, name="fp16")
 
 
-def test_local_fallback_and_folded_ddecay_fp32(monkeypatch):
-    """P 20 (not a multiple of 8): local_tc keeps the local stage; fp32: the folded ddecay alone (local_tc
-    on both sides), so new vs V1 differs only by the ddecay summation order."""
-    assert not uses_new_local(64, 20, 16, torch.bfloat16)
-    new_vs_v1(monkeypatch, *MIXED, torch.bfloat16, 1e-5, H=4, P=20, G=2, N=16, chunk=64, name="local fallback P20")
-    new_vs_v1(monkeypatch, *MIXED, torch.float32, 1e-5, H=8, P=64, G=2, N=128, chunk=64, name="folded ddecay fp32")
-    new_vs_v1(monkeypatch, *WIDE, torch.float32, 1e-5, H=4, P=5, G=2, N=7, chunk=128,
-              name="folded ddecay scalar pass P5 N7")
+def test_tensor_core_route_for_inputs_the_half_kernels_refuse():
+    """P 20 (not a multiple of 8) in bf16: the plan takes the TensorCore route."""
+    assert not uses_half(64, 20, 16, torch.bfloat16)
+    run_case(*MIXED, dtype=torch.bfloat16, H=4, P=20, G=2, N=16, chunk=64, name="TensorCore bf16 P20")
 
 
-# ---- issue 20 H5: the state gradient ds in the input type on the bf16 / fp16 path ------------------------------
-# The default stores ds_local / ds_leave in x's 16-bit type (local_bf16 rounds its fp32 accumulators once, the
-# state pass widens them, carries in fp32, writes ds_leave rounded and takes ddecay / d_roots from the fp32 carry);
-# TREE_RECURRENCE_SSD_DS_FP32=1 (read once per process: a subprocess) keeps the fp32 ds. Expected (CPU emulation,
-# test_ssd_post_bwd_emulation.py): the extra roundings move ds_leave by ~2e-3 relative in bf16 (fp16 ~8x less)
-# and the final gradients by < 3e-3; the stage / final tolerances of run_case are unchanged.
+# ---- the state gradient ds in the input type on the Half route ----------------------------------------------------
+# The Half route stores ds_local / ds_leave in x's 16-bit type (local_bf16 rounds its fp32 accumulators once, the
+# state pass widens them, carries in fp32, writes ds_leave rounded and takes ddecay / d_roots from the fp32 carry).
+# Expected (CPU emulation, test_ssd_post_bwd_emulation.py): the roundings move ds_leave by ~2e-3 relative in bf16
+# (fp16 ~8x less) and the final gradients by < 3e-3; the stage / final tolerances of run_case hold.
 DS16_ROUND = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}  # unit roundoff of round-to-nearest
-DS16_VS_FP32_TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
 DS16_CASES = {
     "model_z_bf16": dict(seg_offsets=MIXED[0], parents=MIXED[1], dtype=torch.bfloat16, H=32, P=64, G=2, N=128,
                          chunk=64, D_per_channel=True),
@@ -530,30 +525,13 @@ DS16_CASES = {
 }
 
 
-def _ds_fp32_outputs(case, tmp_path):
-    here = os.path.dirname(os.path.abspath(__file__))
-    path = tmp_path / f"ds_fp32_{case}.pt"
-    code = ("import sys, torch; sys.path.insert(0, %r); import test_ssd_fused_bwd_gpu as t; keep = {}; "
-            "t.run_case(keep=keep, name=%r, **t.DS16_CASES[%r]); "
-            "torch.save({k: v.cpu() for k, v in keep.items() if not k.startswith('_')}, %r)"
-            % (here, f"{case} ds fp32", case, str(path)))
-    return run_saved_subprocess(code, path, ("TREE_RECURRENCE_SSD_BWD_V1", "TREE_RECURRENCE_SSD_BWD_TC"),
-                                {"TREE_RECURRENCE_SSD_DS_FP32": "1"}, timeout=600, tail=3000)
-
-
 @pytest.mark.parametrize("case", sorted(DS16_CASES))
-def test_ds_in_input_type(monkeypatch, tmp_path, case):
-    """The 16-bit ds (this process: the default) against float64 (run_case, unchanged tolerances), against the
-    float64 state pass of its own rounded locals (element-wise: one rounding of ds_leave; ddecay and d_roots from
-    the fp32 carry, 1e-5), and against TREE_RECURRENCE_SSD_DS_FP32=1 (a subprocess): the locals bitwise = the fp32
-    locals rounded, the rest within DS16_VS_FP32_TOL."""
-    if os.environ.get("TREE_RECURRENCE_SSD_DS_FP32", "") == "1":
-        pytest.skip("TREE_RECURRENCE_SSD_DS_FP32=1: this process runs the fp32 ds (read once)")
-    for k in ("TREE_RECURRENCE_SSD_BWD_V1", "TREE_RECURRENCE_SSD_BWD_TC"):
-        monkeypatch.delenv(k, raising=False)
+def test_ds_in_input_type(case):
+    """The 16-bit ds against float64 (run_case) and against the float64 state pass of its own rounded locals
+    (element-wise: one rounding of ds_leave; ddecay and d_roots from the fp32 carry, 1e-5)."""
     kw = DS16_CASES[case]
     dtype = kw["dtype"]
-    assert uses_new_local(kw["chunk"], kw["P"], kw["N"], dtype)
+    assert uses_half(kw["chunk"], kw["P"], kw["N"], dtype)
     new = {}
     run_case(keep=new, name=f"{case} ds16", **kw)
     saved, tabs = new["_saved"], new["_tabs"]
@@ -572,29 +550,18 @@ def test_ds_in_input_type(monkeypatch, tmp_path, case):
           f"d_roots {e_dr:.2e}")
     assert worst <= 1.0, f"{case}: ds_leave beyond one rounding of the float64 state pass ({worst:.3f} x bound)"
     assert e_dd <= 1e-5 and e_dr <= 1e-5, f"{case}: ddecay {e_dd:.2e} / d_roots {e_dr:.2e} not from the fp32 carry"
-    # 3) against the fp32 ds (subprocess)
-    old = _ds_fp32_outputs(case, tmp_path)
-    assert torch.equal(old["local"].to(dtype).float(), local), f"{case}: 16-bit locals are not the fp32 ones rounded"
-    assert not torch.equal(old["ds_leave"].to(dtype).float(), old["ds_leave"]), f"{case}: the subprocess ran 16-bit ds"
-    names = ["ds_leave", "ddecay", "d_roots", "v", "d_dtA", "ddt_raw", "dA_part"] + FINAL_NAMES
-    diff = {k: rel_rms(new[k], old[k]) for k in names if new[k].numel() > 0 and old[k].norm() > 0}
-    print(f"[{case}] ds16 vs ds fp32 (rel RMS):", " ".join(f"{k}={v:.2e}" for k, v in diff.items()))
-    bad = {k: v for k, v in diff.items() if not v <= DS16_VS_FP32_TOL[dtype]}
-    assert not bad, f"{case}: 16-bit ds vs fp32 ds above {DS16_VS_FP32_TOL[dtype]}: {bad}"
 
 
-# ---- issue 20: the fused reverse local + state pass (kernels/ssd_state_pass_bwd.cu) ------------------------------
-# TREE_RECURRENCE_SSD_BWD_FUSED_PASS (read once per process, so each mode runs in a subprocess): "1" forces the fused
-# pass (ds_local formed inside the reverse pass, never stored), "0" the two kernels (local_bf16 + state pass). Each
-# subprocess runs run_case on every case (float64 stage twins and autograd oracle, bitwise repeat on two runs); here
-# the two modes are compared output by output. The fused pass reproduces local_bf16's products and the state pass's
-# fmaf chain and children's sums, so every output is bitwise the two-kernel path's except ddecay (per-warp partials
-# of another layout: fp32 summation order) and what it feeds (d(dt A) -> ddt, ddt_raw, dA partials, dt / A / dt_bias
-# gradients): those within FUSED_VS_OLD_TOL. (The default process runs the auto rule: fused on these tries.)
+# ---- the fused reverse local + state pass (kernels/ssd_state_pass_bwd.cu) against local_bf16 + the state pass ------
+# The op's fused_pass argument forces either (the plan: fused where the segments average at most 64 chunks). Each run
+# checks its outputs against float64 and bitwise on two runs (run_case); here the two are compared output by output.
+# The fused pass reproduces local_bf16's products and the state pass's fmaf chain and children's sums, so every output
+# is bitwise the two-kernel path's except ddecay (per-warp partials of another layout: fp32 summation order) and what
+# it feeds (d(dt A) -> ddt, ddt_raw, dA partials, dt / A / dt_bias gradients): those within FUSED_VS_TWO_TOL.
 FUSED_CASES = {
-    # GRPO head shape (P 64, N 128, 16 heads per group), segments of 1 / 63 / 64 / 65 / 130 tokens, 2 roots with
+    # model head shape (P 64, N 128, 16 heads per group), segments of 1 / 63 / 64 / 65 / 130 tokens, 2 roots with
     # their own initial states, z, D (H, P)
-    "grpo_shape_mixed_z": dict(seg_offsets=MIXED[0], parents=MIXED[1], dtype=torch.bfloat16, H=32, P=64, G=2, N=128,
+    "model_shape_mixed_z": dict(seg_offsets=MIXED[0], parents=MIXED[1], dtype=torch.bfloat16, H=32, P=64, G=2, N=128,
                                chunk=64, D_per_channel=True),
     # segments of 63, 64, 65, 1, 64 tokens; no z
     "seg_63_64_65_no_z": dict(seg_offsets=[0, 63, 127, 192, 193, 257], parents=[-1, 0, 0, 1, 3], dtype=torch.bfloat16,
@@ -605,7 +572,7 @@ FUSED_CASES = {
     # 12 children of one root (one shared initial state), zero-padded tiles P 40 -> 64, N 24 -> 32, fp16
     "wide_pads_fp16_shared_h0": dict(seg_offsets=WIDE[0], parents=WIDE[1], dtype=torch.float16, H=4, P=40, G=1, N=24,
                                      chunk=64, h0="shared"),
-    # P 128 (4 warp rows), N 64 (P 128 / N 128 is off the tensor-core path: PostPlan's shared memory)
+    # P 128 (4 warp rows), N 64 (P 128 / N 128 is off the tensor-core routes: PostPlan's shared memory)
     "p128_n64": dict(seg_offsets=[0, 200, 300], parents=[-1, 0], dtype=torch.bfloat16, H=4, P=128, G=2, N=64,
                      chunk=64),
     # P 96 (3 of the 4 warp rows busy), N 96: two N tiles of 64 (the second half empty; 16 ddecay partials)
@@ -614,72 +581,32 @@ FUSED_CASES = {
     # P 32 (one warp row), N 40 (2 of the 8 warp columns busy, 24 columns zero)
     "p32_n40_idle_warps": dict(seg_offsets=MIXED[0], parents=MIXED[1], dtype=torch.bfloat16, H=4, P=32, G=2, N=40,
                                chunk=64),
-    # one segment of 79 chunks (NC > 64 S: the auto rule's two-kernel case): a long chain through the fused pass
+    # one segment of 79 chunks (NC > 64 S: the plan's two-kernel case): a long chain through the fused pass
     "long_row": dict(seg_offsets=[0, 5000], parents=[-1], dtype=torch.bfloat16, H=4, P=64, G=1, N=64, chunk=64,
                      oracle_chunk=64),
 }
 FUSED_DDECAY_DEPENDENT = {"ddecay", "d_dtA", "ddt", "ddt_raw", "dA_part", "ddt_final", "dA", "ddt_bias"}
-FUSED_VS_OLD_TOL = 1e-5
-_FUSED_RUNS = {}
+FUSED_VS_TWO_TOL = 1e-5
 
 
-def _fused_mode_outputs(mode, ds_fp32, tmp_path_factory):
-    """All FUSED_CASES run in one subprocess with TREE_RECURRENCE_SSD_BWD_FUSED_PASS=mode (and
-    TREE_RECURRENCE_SSD_DS_FP32=1 when ds_fp32): {case: {output name: tensor}} (cached per module)."""
-    key = (mode, ds_fp32)
-    if key in _FUSED_RUNS:
-        return _FUSED_RUNS[key]
-    here = os.path.dirname(os.path.abspath(__file__))
-    path = tmp_path_factory.mktemp("fused_pass") / f"mode{mode}_ds{'32' if ds_fp32 else '16'}.pt"
-    code = ("import sys, torch; sys.path.insert(0, %r); import test_ssd_fused_bwd_gpu as t; res = {}\n"
-            "for case, kw in t.FUSED_CASES.items():\n"
-            "    keep = {}; t.run_case(keep=keep, name=case + %r, **kw)\n"
-            "    res[case] = {k: v.cpu() for k, v in keep.items() if not k.startswith('_')}\n"
-            "torch.save(res, %r)\n" % (here, f" fused_pass={mode}{' ds fp32' if ds_fp32 else ''}", str(path)))
-    env_set = {"TREE_RECURRENCE_SSD_BWD_FUSED_PASS": mode}
-    if ds_fp32:
-        env_set["TREE_RECURRENCE_SSD_DS_FP32"] = "1"
-    _FUSED_RUNS[key] = run_saved_subprocess(
-        code, path, ("TREE_RECURRENCE_SSD_BWD_V1", "TREE_RECURRENCE_SSD_BWD_TC", "TREE_RECURRENCE_SSD_DS_FP32"), env_set,
-        timeout=1200, tail=4000)
-    return _FUSED_RUNS[key]
-
-
-def run_saved_subprocess(code, path, env_drop, env_set, timeout, tail):
-    """Runs ``python -c code`` in this folder with ``env_drop`` removed from and ``env_set`` added to this
-    process's environment (and TREE_RECURRENCE_TEST_OPS=1: the stage ops, which conftest sets for this process),
-    asserts it succeeded (its output's last ``tail`` characters otherwise), and returns what it saved to ``path``."""
-    env = {k: v for k, v in os.environ.items() if k not in env_drop}
-    env.update(env_set)
-    env["TREE_RECURRENCE_TEST_OPS"] = "1"
-    here = os.path.dirname(os.path.abspath(__file__))
-    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=here, capture_output=True, text=True,
-                          timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-tail:] + proc.stderr[-tail:]
-    print(proc.stdout[-(tail * 3 // 4):])
-    return torch.load(path)
-
-
-@pytest.mark.parametrize("ds_fp32", [False, True], ids=["ds16", "ds_fp32"])
 @pytest.mark.parametrize("case", list(FUSED_CASES))
-def test_fused_pass_vs_two_kernels(tmp_path_factory, case, ds_fp32):
-    """The fused reverse local + state pass (=1) against local_bf16 + the state pass (=0), each also against float64
-    and bitwise on two runs (inside run_case, in its subprocess): bitwise equal outputs except the ddecay-dependent
-    ones (FUSED_VS_OLD_TOL); with 16-bit ds (the default) and with TREE_RECURRENCE_SSD_DS_FP32=1 (the fused pass's
-    fp32-ds instantiation)."""
+def test_fused_pass_vs_two_kernels(case):
+    """The fused reverse local + state pass (fused_pass=1) against local_bf16 + the state pass (fused_pass=0): bitwise
+    equal outputs except the ddecay-dependent ones (FUSED_VS_TWO_TOL)."""
     kw = FUSED_CASES[case]
-    assert uses_new_local(kw["chunk"], kw["P"], kw["N"], kw["dtype"]), f"{case}: not on the bf16 / fp16 local path"
-    new = _fused_mode_outputs("1", ds_fp32, tmp_path_factory)[case]
-    old = _fused_mode_outputs("0", ds_fp32, tmp_path_factory)[case]
-    assert new.keys() == old.keys()
-    differ = [k for k in new if k not in FUSED_DDECAY_DEPENDENT and not torch.equal(new[k], old[k])]
-    diff = {k: rel_rms(new[k], old[k]) for k in FUSED_DDECAY_DEPENDENT
-            if k in new and new[k].numel() > 0 and old[k].norm() > 0}
-    print(f"[{case}{' ds fp32' if ds_fp32 else ''}] fused pass vs two kernels: not bitwise {differ}; rel RMS "
+    assert uses_half(kw["chunk"], kw["P"], kw["N"], kw["dtype"]), f"{case}: not on the Half route"
+    fused, two = {}, {}
+    run_case(keep=fused, name=f"{case} fused pass", fused_pass=1, **kw)
+    run_case(keep=two, name=f"{case} two kernels", fused_pass=0, **kw)
+    names = [k for k in fused if not k.startswith("_")]
+    differ = [k for k in names if k not in FUSED_DDECAY_DEPENDENT and not torch.equal(fused[k], two[k])]
+    diff = {k: rel_rms(fused[k], two[k]) for k in FUSED_DDECAY_DEPENDENT
+            if k in fused and fused[k].numel() > 0 and two[k].norm() > 0}
+    print(f"[{case}] fused pass vs two kernels: not bitwise {differ}; rel RMS "
           + " ".join(f"{k}={v:.2e}" for k, v in diff.items()))
     assert not differ, f"{case}: fused pass not bitwise equal to the two-kernel path in {differ}"
-    bad = {k: v for k, v in diff.items() if not v <= FUSED_VS_OLD_TOL}
-    assert not bad, f"{case}: fused pass vs two kernels above {FUSED_VS_OLD_TOL}: {bad}"
-    if case == "grpo_shape_mixed_z":
-        # the two processes did run different kernels: the ddecay partials are summed in another order
-        assert not torch.equal(new["ddecay"], old["ddecay"]), f"{case}: ddecay bitwise equal: did the fused pass run?"
+    bad = {k: v for k, v in diff.items() if not v <= FUSED_VS_TWO_TOL}
+    assert not bad, f"{case}: fused pass vs two kernels above {FUSED_VS_TWO_TOL}: {bad}"
+    if case == "model_shape_mixed_z":
+        # the two runs did take different kernels: the ddecay partials are summed in another order
+        assert not torch.equal(fused["ddecay"], two["ddecay"]), f"{case}: ddecay bitwise equal: did the fused pass run?"

@@ -1,5 +1,4 @@
-"""GPU tests of the fused SSD (Mamba2) forward (plugins/mamba2/csrc/ssd_fused, issue 20), skipped
-without CUDA.
+"""GPU tests of the fused SSD (Mamba2) forward (plugins/mamba2/csrc/ssd_fused), skipped without CUDA.
 
 * every stage of the forward (test-only op ``ssd_fused_stages``: out, dt, Lam, chunk states, states,
   y) against the float64 per-stage reference (ssd_chunk_reference.py) on the same bf16 / fp16 values:
@@ -8,25 +7,16 @@ without CUDA.
   token oracle ``ssd_token_scan``, on random and crafted tries (deep, wide, 1-token segments, segments
   around each chunk size, an 8k segment), G 2 with H 4, D (H) and (H, P), z on / off, dt_bias +
   softplus + dt_limit, per-root and shared initial states;
-* chunk 64 / 128 / 256 agree up to rounding; two runs are bitwise identical;
-* the interim backward (TREE_RECURRENCE_SSD_FUSED_BWD=0) gives the composite's gradients;
+* chunk 64 / 128 / 256 agree up to rounding; two runs are bitwise identical; TREE_RECURRENCE_FUSED=0 runs
+  the composite;
 * the benchmark's argument pattern (initial_state None, fp32 A / D / dt_bias requiring grad) under
-  no_grad and through autograd (both backwards; the interim one at chunk 128 is refused in the
-  grad-mode forward with a ValueError), and absent optionals' gradient slots;
-* the fused chunk-state + state-pass kernel (default) against the three-kernel path
-  (TREE_RECURRENCE_SSD_FWD_FUSED_PASS=0);
-* the three-kernel path's state pass 4 chunks ahead (default) bitwise against one at a time
-  (TREE_RECURRENCE_SSD_FWD_STATE_PASS=v1);
-* the pipelined chunk-state scan (chunk 64, long segments: the default where the fused pass does not run)
-  bitwise against the three-kernel path (TREE_RECURRENCE_SSD_FWD_PIPELINED=0) in every stage (dt, Lam,
-  chunk_states, states, out, y), on flat rows, long-segment tries and the crafted tries, odd P / N, fp16,
-  with and without initial states; through the op on a flat row (auto route) against the token oracle;
-* the v3 chunk scan (chunk 64, P <= 64: C B^T once per (chunk, group), heads double-buffered;
-  TREE_RECURRENCE_SSD_FWD_SCAN=v3) and v4 (the default where it fits: v3's blocks with 8 warps, key tiles
-  above the diagonal skipped, the epilogue on the fragments) against float64 per stage and bitwise against
-  v2 (TREE_RECURRENCE_SSD_FWD_SCAN=v2, the per-head kernel that every other shape takes) and each other, on
-  small tries (odd P / N, 1-token segments, fp16) and on ~77k-token ones (the head slices of the grid); the
-  tests written for v3 that compare "default" with v2 now run v4 as the default.
+  no_grad and through autograd, and absent optionals' gradient slots;
+* the forward's kernel plan (kernels/params.h: FwdPlan), each variant forced through the stages op's
+  ``plan`` argument: the fused chunk-state + state pass against the three-kernel path (float64 each, up to
+  fp32 summation order between them); the pipelined chunk-state scan bitwise against the three-kernel path
+  in every stage; the grouped chunk scan bitwise against the per-head one (odd P / N, 1-token segments,
+  fp16, ~77k-token rows with several head slices per block); the op on shapes that select each variant
+  equal to that variant forced; forced kernels the shapes do not take are refused.
 
 Run on the GPU:  .venv/bin/python -m pytest tests/python/test_ssd_fused_gpu.py -q -x -s
 """
@@ -90,12 +80,20 @@ def make(T, H=4, P=32, G=2, N=16, dtype=torch.bfloat16, roots=1, D_per_channel=F
     return out
 
 
-def call(op, ins, tabs, use=("D", "dt_bias", "z", "h0"), dt_limit=(0.0, float("inf")), softplus=True):
+def call(op, ins, tabs, use=("D", "dt_bias", "z", "h0"), dt_limit=(0.0, float("inf")), softplus=True, plan=None):
+    """``op`` (ssd_tree_scan or ssd_fused_stages) on ``ins``; ``plan`` (stages op only): the forced plan parts
+    (fused_pass, pipelined, three_kernel, group_scan, head_scan; comma-separated)."""
+    extra = {} if plan is None else {"plan": plan}
     return op(ins["x"], ins["dt"], ins["B"], ins["C"], tabs["gather"], tabs["scatter"], tabs["seg_chunk_offsets"],
               tabs["parents"], tabs["root_index"], tabs["level_segments"], tabs["level_offsets"], tabs["child_offsets"],
               tabs["children"], ins["h0"] if "h0" in use else None, A=ins["A"], dt_limit=list(dt_limit),
               D=ins["D"] if "D" in use else None, dt_bias=ins["dt_bias"] if "dt_bias" in use else None,
-              dt_softplus=softplus, z=ins["z"] if "z" in use else None)
+              dt_softplus=softplus, z=ins["z"] if "z" in use else None, **extra)
+
+
+def stages(ins, tabs, use=("D", "dt_bias", "z", "h0"), plan=None, **kw):
+    """The stages op's outputs by name."""
+    return dict(zip(STAGES, call(_ops().ssd_fused_stages, ins, tabs, use, plan=plan, **kw)))
 
 
 def reference(ins, tabs, use=("D", "dt_bias", "z", "h0"), dt_limit=(0.0, float("inf")), softplus=True):
@@ -115,11 +113,11 @@ def oracle(ins, seg_offsets, parents, use=("D", "dt_bias", "z", "h0"), dt_limit=
 
 
 def check_stages(seg_offsets, parents, chunk=64, dtype=torch.bfloat16, use=("D", "dt_bias", "z", "h0"),
-                 dt_limit=(0.0, float("inf")), label="", **kw):
+                 dt_limit=(0.0, float("inf")), label="", plan=None, **kw):
     roots = sum(p < 0 for p in parents)
     ins = make(seg_offsets[-1], dtype=dtype, roots=roots, **kw)
     tabs = chunk_tables(seg_offsets, parents, chunk, "cuda")
-    got = dict(zip(STAGES, call(_ops().ssd_fused_stages, ins, tabs, use, dt_limit)))
+    got = stages(ins, tabs, use, plan, dt_limit=dt_limit)
     want = reference(ins, tabs, use, dt_limit)
     errors = {}
     for name in STAGES:
@@ -129,9 +127,10 @@ def check_stages(seg_offsets, parents, chunk=64, dtype=torch.bfloat16, use=("D",
         g = got[name]
         assert torch.isfinite(g.float()).all(), (label, name)
         errors[name] = rel_rms(g, want[name])
-    print(f"\n[ssd fused stages {label} L={chunk} {dtype}] " + " ".join(f"{k}={v:.2e}" for k, v in errors.items()))
+    print(f"\n[ssd fused stages {label} L={chunk} {dtype} plan={plan}] "
+          + " ".join(f"{k}={v:.2e}" for k, v in errors.items()))
     bad = {k: v for k, v in errors.items() if not v <= STAGE_TOL[dtype][k]}
-    assert not bad, (label, chunk, bad)
+    assert not bad, (label, chunk, plan, bad)
     return ins, tabs, got
 
 
@@ -159,109 +158,6 @@ def test_stages_dims(dtype, dims):
     check_stages(off, par, chunk=128, dtype=dtype, H=H, P=P, G=G, N=N, label=f"H{H}P{P}G{G}N{N}", D_per_channel=True)
 
 
-def scan_variant(monkeypatch, variant):
-    """TREE_RECURRENCE_SSD_FWD_SCAN for one run: "default" (v4 where supported) unsets it."""
-    if variant == "default":
-        monkeypatch.delenv("TREE_RECURRENCE_SSD_FWD_SCAN", raising=False)
-    else:
-        monkeypatch.setenv("TREE_RECURRENCE_SSD_FWD_SCAN", variant)
-
-
-def scan_against_float64(variant, label, ins, tabs, use, want, dtype):
-    """The fused stages under the chunk-scan ``variant`` (set by scan_variant): out and y finite and within
-    STAGE_TOL of the float64 ``want``; returns the stages by name."""
-    got = dict(zip(STAGES, call(_ops().ssd_fused_stages, ins, tabs, use)))
-    errors = {k: rel_rms(got[k], want[k]) for k in ("out", "y") if got[k].numel()}
-    print(f"\n[scan {variant} {label}] vs float64: " + " ".join(f"{k}={v:.2e}" for k, v in errors.items()))
-    assert all(torch.isfinite(got[k].float()).all() for k in ("out", "y")), variant
-    bad = {k: v for k, v in errors.items() if not v <= STAGE_TOL[dtype][k]}
-    assert not bad, (variant, bad)
-    return got
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("chunk", [64, 128, 256])
-@pytest.mark.parametrize("dims", [(16, 64, 2, 128), (4, 128, 1, 256), (4, 128, 2, 64), (2, 8, 2, 8), (8, 24, 4, 40),
-                                  (6, 32, 3, 64)],
-                         ids=["H16P64G2N128", "P128N256", "P128N64", "P8N8", "P24N40", "H6P32G3"])
-def test_scan_v3_vs_v2(dims, chunk, dtype, monkeypatch):
-    """The default chunk scan (v3 at chunk 64 and P <= 64, else v2) and v2 (TREE_RECURRENCE_SSD_FWD_SCAN=v2):
-    each against the float64 stage reference, then out / y bitwise equal (same arithmetic: the shared
-    fwd_tiles.cuh expressions in the same order); z in-type and fp32, D (H, P) and none, per-root h0.
-    Chunks 128 / 256 and P 128 take v2 in both runs."""
-    H, P, G, N = dims
-    off, par = CRAFTED["around_chunks"]
-    for use, z_fp32 in ((("D", "dt_bias", "z", "h0"), False), (("dt_bias", "z"), True), (("D", "h0"), False)):
-        runs = {}
-        for variant in ("v2", "default"):
-            scan_variant(monkeypatch, variant)
-            roots = sum(p < 0 for p in par)
-            ins = make(off[-1], dtype=dtype, roots=roots, H=H, P=P, G=G, N=N, D_per_channel=True, seed=4)
-            if z_fp32:
-                ins["z"] = ins["z"].float()
-            tabs = chunk_tables(off, par, chunk, "cuda")
-            runs[variant] = scan_against_float64(variant, f"{dims} L={chunk} {dtype} use={use} z_fp32={z_fp32}", ins,
-                                                 tabs, use, reference(ins, tabs, use), dtype)
-        diff = {k: rel_rms(runs["default"][k], runs["v2"][k]) for k in ("out", "y") if runs["v2"][k].numel()}
-        print(f"[scan default vs v2 {dims} L={chunk} {dtype}] rel diff {diff}")
-        assert runs["default"]["y"].shape == runs["v2"]["y"].shape
-        assert torch.equal(runs["default"]["out"], runs["v2"]["out"]), diff
-        assert torch.equal(runs["default"]["y"], runs["v2"]["y"]), diff
-
-
-def op_before_and_after(monkeypatch, ins, tabs, switch, value):
-    """The op's output, then its output with the environment switch set to ``value``, and their rel RMS."""
-    before = call(_ops().ssd_tree_scan, ins, tabs)
-    monkeypatch.setenv(switch, value)
-    after = call(_ops().ssd_tree_scan, ins, tabs)
-    return before, after, rel_rms(before, after)
-
-
-def test_scan_v3_through_the_op(monkeypatch):
-    """The op (v3 scan, default) on the benchmark's argument pattern: forward + fused backward vs float64; the
-    op's output with v3 bitwise equals the one with v2."""
-    monkeypatch.delenv("TREE_RECURRENCE_SSD_FWD_SCAN", raising=False)
-    test_benchmark_argument_pattern(64, "1", monkeypatch)
-    off, par = random_trie(9, 30, 300)
-    roots = sum(p < 0 for p in par)
-    ins = make(off[-1], roots=roots, H=16, P=64, G=2, N=128)
-    tabs = chunk_tables(off, par, 64, "cuda")
-    a, b, e = op_before_and_after(monkeypatch, ins, tabs, "TREE_RECURRENCE_SSD_FWD_SCAN", "v2")
-    print(f"\n[op v3 vs v2] rel diff {e:.2e} bitwise {torch.equal(a, b)}")
-    assert torch.equal(a, b), e
-
-
-def head_slice_row(dims):
-    """The head-slice tests' row: ~77k tokens of a random trie (>= 1,024 chunks of 64) at dims (H, P, G, N); its
-    inputs, chunk tables and the trie (offsets, parents)."""
-    H, P, G, N = dims
-    off, par = random_trie(11, 48, 3200)
-    roots = sum(p < 0 for p in par)
-    ins = make(off[-1], roots=roots, H=H, P=P, G=G, N=N, D_per_channel=True, seed=5)
-    tabs = chunk_tables(off, par, 64, "cuda")
-    assert tabs["gather"].shape[0] >= 1024, tabs["gather"].shape
-    return ins, tabs, off, par
-
-
-@pytest.mark.parametrize("dims", [(4, 64, 2, 128), (8, 64, 1, 128), (16, 32, 2, 64)], ids=["H4G2", "H8G1", "H16G2P32"])
-def test_scan_v3_head_slices_bitwise(dims, monkeypatch):
-    """~77k tokens (>= 1,024 chunks): v3's grid takes 1 (H4G2), 2 (H8G1: 4 heads per block) and 1 (H16G2P32: 8
-    heads per block, the longest double-buffer chain) head slices per (chunk, group); out and y bitwise equal
-    to v2, two v3 runs bitwise equal."""
-    ins, tabs, _, _ = head_slice_row(dims)
-    monkeypatch.delenv("TREE_RECURRENCE_SSD_FWD_SCAN", raising=False)
-    a = call(_ops().ssd_fused_stages, ins, tabs)
-    a2 = call(_ops().ssd_fused_stages, ins, tabs)
-    monkeypatch.setenv("TREE_RECURRENCE_SSD_FWD_SCAN", "v2")
-    b = call(_ops().ssd_fused_stages, ins, tabs)
-    for k in ("out", "y"):
-        i = STAGES.index(k)
-        assert torch.isfinite(a[i].float()).all(), k
-        assert torch.equal(a[i], a2[i]), f"two v3 runs differ ({k})"
-        assert torch.equal(a[i], b[i]), (k, rel_rms(a[i], b[i]))
-    print(f"\n[v3 head slices {dims}] NC={tabs['gather'].shape[0]} bitwise equal to v2")
-
-
 @pytest.mark.parametrize("variant", ["no_optionals", "no_z", "dt_limit", "shared_h0", "no_softplus_z_fp32"])
 def test_stages_variants(variant):
     off, par = CRAFTED["around_chunks"]
@@ -282,7 +178,7 @@ def test_stages_variants(variant):
     ins["z"] = ins["z"].float()
     ins["dt"] = ins["dt"].float().abs() * 0.3
     tabs = chunk_tables(off, par, 64, "cuda")
-    got = dict(zip(STAGES, call(_ops().ssd_fused_stages, ins, tabs, softplus=False)))
+    got = stages(ins, tabs, softplus=False)
     want = reference(ins, tabs, softplus=False)
     errors = {k: rel_rms(got[k], want[k]) for k in STAGES}
     print(f"\n[ssd fused stages {variant}] " + " ".join(f"{k}={v:.2e}" for k, v in errors.items()))
@@ -340,38 +236,17 @@ def test_disabled_by_env_runs_the_composite(monkeypatch):
     off, par = CRAFTED["deep"]
     ins = make(off[-1])
     tabs = chunk_tables(off, par, 64, "cuda")
-    fused, composite, e = op_before_and_after(monkeypatch, ins, tabs, "TREE_RECURRENCE_SSD_FUSED", "0")
+    fused = call(_ops().ssd_tree_scan, ins, tabs)
+    monkeypatch.setenv("TREE_RECURRENCE_FUSED", "0")
+    composite = call(_ops().ssd_tree_scan, ins, tabs)
+    e = rel_rms(fused, composite)
     print(f"\n[ssd fused vs composite] rel_rms={e:.2e}")
     assert e <= TOL[torch.bfloat16]
-    assert not torch.equal(fused, composite)  # the env switch really changed the path
+    assert not torch.equal(fused, composite)  # the variable really changed the path
 
 
-def test_interim_backward_is_the_composites(monkeypatch):
-    monkeypatch.setenv("TREE_RECURRENCE_SSD_FUSED_BWD", "0")
-    off, par = CRAFTED["wide"]
-    roots = sum(p < 0 for p in par)
-    base = make(off[-1], roots=roots, D_per_channel=True)
-    tabs = chunk_tables(off, par, 64, "cuda")
-    # weights exact in bf16: the fused op returns x's dtype (bf16), so its upstream gradient is w rounded to
-    # bf16; with w already bf16-exact both paths see the same upstream gradient
-    w = torch.randn(off[-1], 4, 32, generator=torch.Generator().manual_seed(3)).bfloat16().float().cuda()
-    names = ["x", "dt", "B", "C", "A", "D", "dt_bias", "z", "h0"]
-    grads = {}
-    for path in ("fused", "composite"):
-        if path == "composite":
-            monkeypatch.setenv("TREE_RECURRENCE_SSD_FUSED", "0")
-        ins = {k: v.detach().clone().requires_grad_() for k, v in base.items()}
-        y = call(_ops().ssd_tree_scan, ins, tabs)
-        grads[path] = torch.autograd.grad((y * w).sum(), [ins[n] for n in names])
-    for n, a, b in zip(names, grads["fused"], grads["composite"]):
-        assert a.dtype == b.dtype and a.shape == b.shape, n
-        e = rel_rms(a, b)
-        print(f"[interim backward] {n}: {e:.1e}")
-        assert e <= 1e-6, n
-
-
-# The benchmark's call (benchmarks/ssd_bench.py, GPU run 1 failed there with "tensor does not have a
-# device" from VariableInfo in ScanFn::apply: absent optionals were passed as undefined tensors).
+# The benchmark's call (benchmarks/ssd_bench.py): initial_state None and the other optionals absent or present
+# (absent optionals reach ScanFn::apply as std::nullopt, never as undefined tensors).
 BENCH_TRIE = ([0, 1, 64, 128, 193, 194, 324, 389, 520], [-1, 0, 1, 0, -1, 4, 4, 6])
 
 
@@ -402,13 +277,11 @@ def bench_oracle(leaves, seg, par, use=("D", "dt_bias", "z")):
                            dt_limit=(0.0, float("inf")))
 
 
-@pytest.mark.parametrize("fused_bwd", ["1", "0"], ids=["fused_bwd", "interim_bwd"])
 @pytest.mark.parametrize("chunk", [64, 128])
-def test_benchmark_argument_pattern(chunk, fused_bwd, monkeypatch):
+def test_benchmark_argument_pattern(chunk):
     """initial_state None; x, dt, B, C, z bf16 and A, D (H), dt_bias fp32 all requiring grad; dt_limit (0, inf);
     softplus. Forward under no_grad (== the stages op's out, vs the float64 token oracle), then every gradient
     through autograd vs float64 autograd of the token recurrence."""
-    monkeypatch.setenv("TREE_RECURRENCE_SSD_FUSED_BWD", fused_bwd)
     seg, par = BENCH_TRIE
     tabs = chunk_tables(seg, par, chunk, "cuda")
     base = bench_inputs(seg[-1])
@@ -424,11 +297,6 @@ def test_benchmark_argument_pattern(chunk, fused_bwd, monkeypatch):
                                  dt_limit=[0.0, float("inf")], D=base["D"], dt_bias=base["dt_bias"],
                                  dt_softplus=True, z=base["z"])
     assert torch.equal(y0, st[0]), "no_grad forward did not take the fused path"
-    if fused_bwd == "0" and chunk > 64:
-        # the interim backward recomputes the composite, whose state pass takes chunk <= 64: the variable is
-        # ignored there (one warning, fused backward). Not asserted on the GPU yet (the refusal this case
-        # asserted before crashed the process in GPU run 4: an open bug, docs/kernels.md).
-        pytest.skip("interim backward at chunk > 64: the variable is ignored (unverified on the GPU)")
     y = bench_call(ins, tabs)
     assert y.requires_grad and torch.equal(y.detach(), y0), "grad-mode forward differs from the no_grad one"
     oracle = {k: v.detach().cpu().double().requires_grad_() for k, v in base.items()}
@@ -440,17 +308,15 @@ def test_benchmark_argument_pattern(chunk, fused_bwd, monkeypatch):
     for n, a, b in zip(names, got, wanted):
         assert a is not None and a.shape == ins[n].shape and a.dtype == ins[n].dtype, n
         errors[n] = rel_rms(a.float(), b)
-    print(f"\n[benchmark pattern L{chunk} FUSED_BWD={fused_bwd}] rel RMS vs float64 token oracle:",
+    print(f"\n[benchmark pattern L{chunk}] rel RMS vs float64 token oracle:",
           " ".join(f"{k}={v:.2e}" for k, v in errors.items()))
     bad = {k: v for k, v in errors.items() if not v <= 2e-2}
     assert not bad, bad
 
 
-@pytest.mark.parametrize("fused_bwd", ["1", "0"], ids=["fused_bwd", "interim_bwd"])
-def test_absent_optionals_gradient_slots(fused_bwd, monkeypatch):
+def test_absent_optionals_gradient_slots():
     """D and initial_state absent, dt_bias present but not requiring grad, A not requiring grad: every gradient
-    lands on its own input (the interim backward maps needs_input_grad's edge index, which skips absent ones)."""
-    monkeypatch.setenv("TREE_RECURRENCE_SSD_FUSED_BWD", fused_bwd)
+    lands on its own input."""
     seg, par = BENCH_TRIE
     use = ("dt_bias", "z")
     tabs = chunk_tables(seg, par, 64, "cuda")
@@ -465,154 +331,14 @@ def test_absent_optionals_gradient_slots(fused_bwd, monkeypatch):
     wanted = torch.autograd.grad((want * w).sum(), [oracle[n] for n in names])
     errors = {"y": rel_rms(y, want)}
     errors.update({n: rel_rms(a.float(), b) for n, a, b in zip(names, got, wanted)})
-    print(f"\n[absent optionals FUSED_BWD={fused_bwd}] rel RMS vs float64 token oracle:",
+    print("\n[absent optionals] rel RMS vs float64 token oracle:",
           " ".join(f"{k}={v:.2e}" for k, v in errors.items()))
     bad = {k: v for k, v in errors.items() if not v <= 2e-2}
     assert not bad, bad
 
 
-@pytest.mark.parametrize("name", ["around_chunks", "wide", "one_token"])
-@pytest.mark.parametrize("chunk", [64, 128, 256])
-def test_fused_pass_vs_three_kernel_path(name, chunk, monkeypatch):
-    """The fused chunk-state + state-pass kernel (default) and the three-kernel path
-    (TREE_RECURRENCE_SSD_FWD_FUSED_PASS=0): each against the float64 stage reference (check_stages), dt / Lam
-    bitwise equal (same arithmetic), states and out equal up to fp32 summation order, per-root h0 and none."""
-    off, par = CRAFTED[name]
-    for use in (("D", "dt_bias", "z", "h0"), ("D", "z")):
-        monkeypatch.setenv("TREE_RECURRENCE_SSD_FWD_FUSED_PASS", "1")
-        _, _, fused = check_stages(off, par, chunk=chunk, use=use, label=f"{name} fused pass {len(use)}", H=4, P=64,
-                                   G=2, N=128)
-        monkeypatch.setenv("TREE_RECURRENCE_SSD_FWD_FUSED_PASS", "0")
-        monkeypatch.setenv("TREE_RECURRENCE_SSD_FWD_PIPELINED", "0")  # (chunk 64 would take the pipelined scan)
-        _, _, three = check_stages(off, par, chunk=chunk, use=use, label=f"{name} 3-kernel {len(use)}", H=4, P=64,
-                                   G=2, N=128)
-        monkeypatch.delenv("TREE_RECURRENCE_SSD_FWD_PIPELINED")
-        assert torch.equal(fused["dt"], three["dt"]) and torch.equal(fused["Lam"], three["Lam"])
-        e = {k: rel_rms(fused[k], three[k]) for k in ("states", "out")}
-        print(f"[fused pass vs 3-kernel {name} L={chunk}] " + " ".join(f"{k}={v:.2e}" for k, v in e.items()))
-        assert all(v <= 1e-2 for v in e.values()), e
-
-
-def test_fused_pass_bitwise_repeat_and_op_path(monkeypatch):
-    """Two runs of the op (fused pass) are bitwise identical; the op's output equals the stages op's out."""
-    monkeypatch.setenv("TREE_RECURRENCE_SSD_FWD_FUSED_PASS", "1")
-    off, par = random_trie(9, 30, 300)
-    roots = sum(p < 0 for p in par)
-    ins = make(off[-1], roots=roots, H=4, P=64, G=2, N=128)
-    for chunk in (64, 128):
-        tabs = chunk_tables(off, par, chunk, "cuda")
-        a = call(_ops().ssd_tree_scan, ins, tabs)
-        b = call(_ops().ssd_tree_scan, ins, tabs)
-        assert torch.equal(a, b), chunk
-        st = call(_ops().ssd_fused_stages, ins, tabs)
-        assert torch.equal(a, st[0]), chunk
-        e = rel_rms(a, oracle(ins, off, par))
-        print(f"\n[fused pass op L={chunk}] vs token oracle {e:.2e}")
-        assert e <= TOL[torch.bfloat16]
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("dims", [(4, 64, 2, 128), (8, 64, 1, 128), (4, 128, 2, 256), (2, 8, 2, 8), (8, 24, 4, 40),
-                                  (16, 32, 4, 64)], ids=["P64N128", "G1", "P128N256", "P8N8", "P24N40", "H16G4"])
-def test_scan_v3_random_trie_bitwise_equals_v2(dtype, dims, monkeypatch):
-    """Chunk 64 on a random trie: the default scan (v3; P128N256 takes v2) passes the per-stage check and gives
-    out and y bitwise equal to v2; z on and off."""
-    H, P, G, N = dims
-    off, par = random_trie(3, 16, 200)
-    for use in (("D", "dt_bias", "z", "h0"), ("dt_bias",)):
-        monkeypatch.setenv("TREE_RECURRENCE_SSD_FWD_SCAN", "v2")
-        _, _, base = check_stages(off, par, chunk=64, dtype=dtype, use=use, H=H, P=P, G=G, N=N,
-                                  label=f"v2 scan H{H}P{P}G{G}N{N}")
-        monkeypatch.delenv("TREE_RECURRENCE_SSD_FWD_SCAN", raising=False)
-        _, _, new = check_stages(off, par, chunk=64, dtype=dtype, use=use, H=H, P=P, G=G, N=N,
-                                 label=f"default scan H{H}P{P}G{G}N{N}")
-        diff = {k: rel_rms(new[k], base[k]) for k in ("out", "y") if base[k].numel()}
-        print(f"[default vs v2 scan {dims} {dtype} {len(use)}] rel diff {diff}")
-        assert torch.equal(new["out"], base["out"]), diff
-        assert torch.equal(new["y"], base["y"]), diff
-
-
-@pytest.mark.parametrize("name", ["flat", "around_chunks", "wide"])
-def test_state_pass_ahead_bitwise_equals_v1(name, monkeypatch):
-    """The three-kernel path's state pass with 4 chunks loaded ahead (default) and one at a time
-    (TREE_RECURRENCE_SSD_FWD_STATE_PASS=v1): states and out bitwise equal (same fmaf per chunk in order), on a
-    flat 8,200-token row (129 chunks: not a multiple of 4) and on crafted tries; the default against float64."""
-    off, par = (offsets_of([8200]), [-1]) if name == "flat" else CRAFTED[name]
-    monkeypatch.setenv("TREE_RECURRENCE_SSD_FWD_FUSED_PASS", "0")
-    monkeypatch.setenv("TREE_RECURRENCE_SSD_FWD_PIPELINED", "0")  # the three-kernel path (not the pipelined scan)
-    monkeypatch.delenv("TREE_RECURRENCE_SSD_FWD_STATE_PASS", raising=False)
-    _, _, ahead = check_stages(off, par, chunk=64, H=4, P=64, G=2, N=128, label=f"{name} state pass ahead")
-    monkeypatch.setenv("TREE_RECURRENCE_SSD_FWD_STATE_PASS", "v1")
-    _, _, one = check_stages(off, par, chunk=64, H=4, P=64, G=2, N=128, label=f"{name} state pass v1")
-    for k in ("states", "out", "y"):
-        assert torch.equal(ahead[k], one[k]), (k, rel_rms(ahead[k], one[k]))
-
-
-SCAN_V4_DIMS = [(16, 64, 2, 128), (8, 64, 1, 128), (2, 8, 2, 8), (8, 24, 4, 40), (6, 32, 3, 64), (4, 56, 2, 72),
-                (4, 32, 2, 176), (4, 64, 4, 256)]
-SCAN_V4_IDS = ["H16P64G2N128", "G1", "P8N8", "P24N40", "H6P32G3", "P56N72", "P32N176", "P64N256"]
-
-
-
-
-@pytest.mark.parametrize("name", ["around_chunks", "one_token", "wide"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("dims", SCAN_V4_DIMS, ids=SCAN_V4_IDS)
-def test_scan_v4_vs_v3_and_v2(dims, dtype, name, monkeypatch):
-    """The v4 chunk scan (default at chunk 64, P <= 64: 8 warps, key tiles above the diagonal skipped, the
-    epilogue on the fragments), v3 (TREE_RECURRENCE_SSD_FWD_SCAN=v3) and v2 (=v2): each against the float64
-    stage reference, then out / y of v4 bitwise equal to v3's and v2's (the same per-element arithmetic); odd P /
-    N (P 8, 24, 56; N 8, 40, 72, 176: v4's N-rounded-to-64 instantiations 64 / 128 / 192), 1-token segments,
-    z in-type / fp32 / none, D (H, P) / none, per-root h0. P64N256 does not fit v3 / v4 (shared memory): all
-    three runs take v2 there."""
-    H, P, G, N = dims
-    off, par = CRAFTED[name]
-    roots = sum(p < 0 for p in par)
-    for use, z_fp32 in ((("D", "dt_bias", "z", "h0"), False), (("dt_bias", "z"), True), (("D", "h0"), False), ((), False)):
-        ins = make(off[-1], dtype=dtype, roots=roots, H=H, P=P, G=G, N=N, D_per_channel=True, seed=7)
-        if z_fp32:
-            ins["z"] = ins["z"].float()
-        tabs = chunk_tables(off, par, 64, "cuda")
-        want = reference(ins, tabs, use)
-        runs = {}
-        for variant in ("default", "v3", "v2"):
-            scan_variant(monkeypatch, variant)
-            runs[variant] = scan_against_float64(variant, f"{name} {dims} {dtype} use={use} z_fp32={z_fp32}", ins, tabs,
-                                                 use, want, dtype)
-        for other in ("v3", "v2"):
-            diff = {k: rel_rms(runs["default"][k], runs[other][k]) for k in ("out", "y") if runs[other][k].numel()}
-            assert runs["default"]["y"].shape == runs[other]["y"].shape
-            assert torch.equal(runs["default"]["out"], runs[other]["out"]), (other, use, diff)
-            assert torch.equal(runs["default"]["y"], runs[other]["y"]), (other, use, diff)
-
-
-@pytest.mark.parametrize("dims", [(4, 64, 2, 128), (8, 64, 1, 128), (16, 32, 2, 64)], ids=["H4G2", "H8G1", "H16G2P32"])
-def test_scan_v4_head_slices_bitwise_equals_v3(dims, monkeypatch):
-    """~77k tokens (>= 1,024 chunks, v4's grid with 1 / 2 / 1 head slices per (chunk, group), up to 8 heads per
-    block through the double buffer): out and y of v4 bitwise equal to v3's, two v4 runs bitwise equal, the op
-    (ssd_tree_scan) with v4 equal to the stages op's out and within the bf16 bar of the float64 token oracle."""
-    ins, tabs, off, par = head_slice_row(dims)
-    scan_variant(monkeypatch, "default")
-    a = call(_ops().ssd_fused_stages, ins, tabs)
-    a2 = call(_ops().ssd_fused_stages, ins, tabs)
-    op = call(_ops().ssd_tree_scan, ins, tabs)
-    scan_variant(monkeypatch, "v3")
-    b = call(_ops().ssd_fused_stages, ins, tabs)
-    for k in ("out", "y"):
-        i = STAGES.index(k)
-        assert torch.isfinite(a[i].float()).all(), k
-        assert torch.equal(a[i], a2[i]), f"two v4 runs differ ({k})"
-        assert torch.equal(a[i], b[i]), (k, rel_rms(a[i], b[i]))
-    assert torch.equal(op, a[0])
-    if dims == (4, 64, 2, 128):
-        e = rel_rms(op, oracle(ins, off, par))
-        print(f"\n[v4 head slices {dims}] vs token oracle {e:.2e}")
-        assert e <= TOL[torch.bfloat16]
-    print(f"\n[v4 head slices {dims}] NC={tabs['gather'].shape[0]} bitwise equal to v3")
-
-
-# the pipelined chunk-state scan against the three-kernel path: (layout, dims) pairs; long layouts at two
-# dims, the crafted tries (short segments: forced off the fused pass) at the odd ones too
+# the pipelined chunk-state scan against the three-kernel path, both forced: (layout, dims) pairs; long layouts
+# at two dims, the crafted tries (short segments: the plan's own choice is the fused pass) at the odd ones too
 PIPE_LAYOUTS = {
     "flat_129": (offsets_of([8200]), [-1]),                               # 129 chunks in a row
     "long_tree": (offsets_of([5000, 3000, 2000, 700, 64]), [-1, 0, 0, 2, -1]),  # levels, a leaf root, h0 per root
@@ -625,41 +351,157 @@ PIPE_CASES = [("flat_129", (4, 64, 2, 128)), ("flat_129", (8, 24, 4, 40)), ("lon
               ("one_token", (4, 64, 2, 128)), ("wide", (6, 32, 3, 64))]
 
 
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("name,dims", PIPE_CASES, ids=[f"{n}-H{d[0]}P{d[1]}G{d[2]}N{d[3]}" for n, d in PIPE_CASES])
-def test_pipelined_pass_bitwise_three_kernel(name, dims, dtype, monkeypatch):
-    """Chunk 64 off the fused pass (TREE_RECURRENCE_SSD_FWD_FUSED_PASS=0): the pipelined chunk-state scan
-    (default) and the three-kernel path (TREE_RECURRENCE_SSD_FWD_PIPELINED=0) pass the float64 stage check and
-    give every stage bitwise equal (the same MMA on the same tiles, the same fmaf per chunk in order); with
-    initial states, D, dt_bias and z, and without h0 / dt_bias."""
+def test_pipelined_pass_bitwise_three_kernel(name, dims, dtype):
+    """Chunk 64: the pipelined chunk-state scan and the three-kernel path (both forced) pass the float64 stage
+    check and give every stage bitwise equal (the same MMA on the same tiles, the same fmaf per chunk in order);
+    with initial states, D, dt_bias and z, and without h0 / dt_bias."""
     H, P, G, N = dims
     off, par = PIPE_LAYOUTS[name]
-    monkeypatch.setenv("TREE_RECURRENCE_SSD_FWD_FUSED_PASS", "0")
     for use in (("D", "dt_bias", "z", "h0"), ("D", "z")):
-        monkeypatch.setenv("TREE_RECURRENCE_SSD_FWD_PIPELINED", "0")
-        _, _, three = check_stages(off, par, chunk=64, dtype=dtype, use=use, H=H, P=P, G=G, N=N,
-                                   label=f"{name} 3-kernel {len(use)}")
-        monkeypatch.delenv("TREE_RECURRENCE_SSD_FWD_PIPELINED")
-        _, _, pipe = check_stages(off, par, chunk=64, dtype=dtype, use=use, H=H, P=P, G=G, N=N,
-                                  label=f"{name} pipelined {len(use)}")
-        diff = [k for k in STAGES if not torch.equal(pipe[k], three[k])]
-        assert not diff, (name, dims, use, {k: rel_rms(pipe[k], three[k]) for k in diff})
+        runs = {plan: check_stages(off, par, chunk=64, dtype=dtype, use=use, H=H, P=P, G=G, N=N, plan=plan,
+                                   label=f"{name} {len(use)}")[2] for plan in ("three_kernel", "pipelined")}
+        diff = [k for k in STAGES if not torch.equal(runs["pipelined"][k], runs["three_kernel"][k])]
+        assert not diff, (name, dims, use, {k: rel_rms(runs["pipelined"][k], runs["three_kernel"][k]) for k in diff})
 
 
-def test_pipelined_pass_through_the_op(monkeypatch):
-    """The op on a flat 20,000-token row (313 chunks: the auto route takes the pipelined scan): two runs
-    bitwise equal, equal to the three-kernel path's output, within the bf16 tolerance of the token oracle."""
-    monkeypatch.delenv("TREE_RECURRENCE_SSD_FWD_FUSED_PASS", raising=False)
-    monkeypatch.delenv("TREE_RECURRENCE_SSD_FWD_PIPELINED", raising=False)
-    off, par = offsets_of([20000]), [-1]
-    ins = make(off[-1], H=4, P=64, G=2, N=128, seed=5)
-    tabs = chunk_tables(off, par, 64, "cuda")
+@pytest.mark.parametrize("name", ["around_chunks", "wide", "one_token"])
+@pytest.mark.parametrize("chunk", [64, 128, 256])
+def test_fused_pass_vs_three_kernel_path(name, chunk):
+    """The fused chunk-state + state-pass kernel and the three-kernel path (both forced): each against the float64
+    stage reference (check_stages), dt / Lam bitwise equal (same arithmetic), states and out equal up to fp32
+    summation order, per-root h0 and none."""
+    off, par = CRAFTED[name]
+    for use in (("D", "dt_bias", "z", "h0"), ("D", "z")):
+        fused, three = (check_stages(off, par, chunk=chunk, use=use, label=f"{name} {len(use)}", H=4, P=64, G=2, N=128,
+                                     plan=plan)[2] for plan in ("fused_pass", "three_kernel"))
+        assert torch.equal(fused["dt"], three["dt"]) and torch.equal(fused["Lam"], three["Lam"])
+        e = {k: rel_rms(fused[k], three[k]) for k in ("states", "out")}
+        print(f"[fused pass vs 3-kernel {name} L={chunk}] " + " ".join(f"{k}={v:.2e}" for k, v in e.items()))
+        assert all(v <= 1e-2 for v in e.values()), e
+
+
+# shapes that select each state path (kernels::fwd_plan): (offsets, parents), chunk, the path
+PLAN_ROWS = {
+    "trie_L64": (random_trie(9, 30, 300), 64, "fused_pass"),      # segments of a few chunks
+    "trie_L128": (random_trie(9, 30, 300), 128, "fused_pass"),
+    "flat_L64": ((offsets_of([20000]), [-1]), 64, "pipelined"),    # 313 chunks in one segment
+    "flat_L256": ((offsets_of([20000]), [-1]), 256, "three_kernel"),  # 79 chunks in one segment
+}
+
+
+@pytest.mark.parametrize("case", list(PLAN_ROWS))
+def test_plan_by_shape(case):
+    """The op on shapes that select each state path: two runs bitwise equal, its output equal to the stages op's
+    out under the plan's own choice and under that path forced, within the bf16 bar of the float64 token oracle."""
+    (off, par), chunk, path = PLAN_ROWS[case]
+    ins = make(off[-1], roots=sum(p < 0 for p in par), H=4, P=64, G=2, N=128, seed=5)
+    tabs = chunk_tables(off, par, chunk, "cuda")
     a = call(_ops().ssd_tree_scan, ins, tabs)
-    b = call(_ops().ssd_tree_scan, ins, tabs)
-    assert torch.equal(a, b)
-    monkeypatch.setenv("TREE_RECURRENCE_SSD_FWD_PIPELINED", "0")
-    three = call(_ops().ssd_tree_scan, ins, tabs)
-    assert torch.equal(a, three)
+    assert torch.equal(a, call(_ops().ssd_tree_scan, ins, tabs)), "two runs differ"
+    assert torch.equal(a, stages(ins, tabs)["out"]), "the op and the stages op took different plans"
+    assert torch.equal(a, stages(ins, tabs, plan=path)["out"]), f"the plan did not take {path}"
     e = rel_rms(a, oracle(ins, off, par))
-    print(f"\n[pipelined scan op, flat 20000] vs token oracle {e:.2e}")
+    print(f"\n[plan {case}: {path}] vs token oracle {e:.2e}")
     assert e <= TOL[torch.bfloat16]
+
+
+def test_plan_refuses_what_the_shapes_do_not_take():
+    """Forced plan parts the shapes do not take raise a ValueError (the pipelined scan at chunk 128, the grouped
+    scan at P 128, an unknown name); parts combine (three_kernel,head_scan equals pipelined bitwise)."""
+    off, par = CRAFTED["deep"]
+    ins = make(off[-1], H=4, P=128, G=2, N=64)
+    for chunk, plan, match in ((128, "pipelined", "pipelined"), (64, "group_scan", "grouped"),
+                               (64, "fused_pass,bogus", "unknown plan part")):
+        with pytest.raises(ValueError, match=match):
+            stages(ins, chunk_tables(off, par, chunk, "cuda"), plan=plan)
+    tabs = chunk_tables(off, par, 64, "cuda")
+    a, b = stages(ins, tabs, plan="three_kernel,head_scan"), stages(ins, tabs, plan="pipelined")
+    assert all(torch.equal(a[k], b[k]) for k in STAGES)
+
+
+# the chunk scans: the grouped kernel (chunk 64, P <= 64, N <= 128 or <= 192 at P <= 32) and the per-head one
+SCAN_DIMS = [(16, 64, 2, 128), (8, 64, 1, 128), (16, 32, 4, 64), (2, 8, 2, 8), (8, 24, 4, 40), (6, 32, 3, 64),
+             (4, 56, 2, 72), (4, 32, 2, 176), (4, 64, 4, 256), (4, 128, 2, 64), (4, 128, 1, 256)]
+SCAN_IDS = ["H16P64G2N128", "G1", "H16G4", "P8N8", "P24N40", "H6P32G3", "P56N72", "P32N176", "P64N256", "P128N64",
+            "P128N256"]
+SCAN_LAYOUTS = [("around_chunks", 64), ("one_token", 64), ("wide", 64), ("random", 64), ("around_chunks", 128)]
+SCAN_TRIES = {**CRAFTED, "random": random_trie(3, 16, 200)}
+SCAN_USES = ((("D", "dt_bias", "z", "h0"), False), (("dt_bias", "z"), True), (("D", "h0"), False), ((), False))
+
+
+def group_scan_takes(chunk, P, N):
+    """Whether the grouped chunk scan takes these dims (kernels::ssd_chunk_scan_group_supported, H % G == 0)."""
+    return chunk == 64 and P <= 64 and -(-N // 64) * 64 <= (192 if P <= 32 else 128)
+
+
+def scan_kernels_agree(ins, tabs, use, want, dtype, label):
+    """The stages under the plan's own chunk scan, the per-head one forced and (where it fits) the grouped one
+    forced: out and y within STAGE_TOL of the float64 ``want``, and bitwise equal to each other (the same
+    arithmetic per element; -0 and +0 compare equal). Where the grouped scan does not fit, forcing it raises."""
+    chunk, P, N = tabs["gather"].shape[1], ins["x"].shape[2], ins["B"].shape[2]
+    plans = [None, "head_scan"]
+    if group_scan_takes(chunk, P, N):
+        plans.append("group_scan")
+    else:
+        with pytest.raises(ValueError, match="grouped chunk scan"):
+            stages(ins, tabs, use, "group_scan")
+    runs = {}
+    for plan in plans:
+        got = runs[plan] = stages(ins, tabs, use, plan)
+        errors = {k: rel_rms(got[k], want[k]) for k in ("out", "y") if got[k].numel()}
+        print(f"\n[scan {plan} {label}] vs float64: " + " ".join(f"{k}={v:.2e}" for k, v in errors.items()))
+        assert all(torch.isfinite(got[k].float()).all() for k in ("out", "y")), plan
+        bad = {k: v for k, v in errors.items() if not v <= STAGE_TOL[dtype][k]}
+        assert not bad, (plan, bad)
+    for plan in plans[1:]:
+        for k in ("out", "y"):
+            assert runs[plan][k].shape == runs[None][k].shape, (plan, k)
+            assert torch.equal(runs[plan][k], runs[None][k]), (plan, k, rel_rms(runs[plan][k], runs[None][k]))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dims", SCAN_DIMS, ids=SCAN_IDS)
+@pytest.mark.parametrize("name,chunk", SCAN_LAYOUTS, ids=[f"{n}-L{c}" for n, c in SCAN_LAYOUTS])
+def test_scan_kernels_bitwise(name, chunk, dims, dtype):
+    """scan_kernels_agree on the crafted tries and a random one: odd P / N (P 8, 24, 56; N 8, 40, 72, 176: the
+    grouped scan's N-rounded-to-64 instantiations 64 / 128 / 192), 1-token segments, G 1, z in-type / fp32 /
+    none, D (H, P) / none, per-root h0. P64N256 and P 128 do not fit the grouped scan; chunk 128 takes the
+    per-head scan only."""
+    H, P, G, N = dims
+    off, par = SCAN_TRIES[name]
+    roots = sum(p < 0 for p in par)
+    for use, z_fp32 in SCAN_USES:
+        ins = make(off[-1], dtype=dtype, roots=roots, H=H, P=P, G=G, N=N, D_per_channel=True, seed=7)
+        if z_fp32:
+            ins["z"] = ins["z"].float()
+        tabs = chunk_tables(off, par, chunk, "cuda")
+        scan_kernels_agree(ins, tabs, use, reference(ins, tabs, use), dtype,
+                           f"{name} L={chunk} {dims} {dtype} use={use} z_fp32={z_fp32}")
+
+
+@pytest.mark.parametrize("dims", [(4, 64, 2, 128), (8, 64, 1, 128), (16, 32, 2, 64)], ids=["H4G2", "H8G1", "H16G2P32"])
+def test_scan_head_slices_bitwise(dims):
+    """~77k tokens of a random trie (>= 1,024 chunks of 64): the grouped scan's grid with 1 (H4G2), 2 (H8G1: 4
+    heads per block) and 1 (H16G2P32: 8 heads per block, the longest double-buffer chain) head slices per
+    (chunk, group); out and y bitwise equal to the per-head scan's, two runs bitwise equal, the op
+    (ssd_tree_scan) equal to the grouped run's out and within the bf16 bar of the float64 token oracle."""
+    H, P, G, N = dims
+    off, par = random_trie(11, 48, 3200)
+    ins = make(off[-1], roots=sum(p < 0 for p in par), H=H, P=P, G=G, N=N, D_per_channel=True, seed=5)
+    tabs = chunk_tables(off, par, 64, "cuda")
+    assert tabs["gather"].shape[0] >= 1024, tabs["gather"].shape
+    a, a2, b = (stages(ins, tabs, plan=plan) for plan in ("group_scan", "group_scan", "head_scan"))
+    op = call(_ops().ssd_tree_scan, ins, tabs)
+    for k in ("out", "y"):
+        assert torch.isfinite(a[k].float()).all(), k
+        assert torch.equal(a[k], a2[k]), f"two grouped runs differ ({k})"
+        assert torch.equal(a[k], b[k]), (k, rel_rms(a[k], b[k]))
+    assert torch.equal(op, a["out"])
+    if dims == (4, 64, 2, 128):
+        e = rel_rms(op, oracle(ins, off, par))
+        print(f"\n[grouped scan head slices {dims}] vs token oracle {e:.2e}")
+        assert e <= TOL[torch.bfloat16]

@@ -1,4 +1,4 @@
-"""Issue 20's "Done when": the fused SSD (Mamba2) path on a row whose tokens x heads x dim pass 2^31
+"""The fused SSD (Mamba2) path on a row whose tokens x heads x dim pass 2^31
 elements (300,700 tokens at H 128, P 64, N 128, G 8, bf16, chunk 64: x / z / y hold 2.46e9 elements,
 the chunk states 4.9e9).
 
@@ -24,9 +24,8 @@ P-chain's per-token gradients and d h0[1] equal R1's under the same output gradi
 d dt_bias sum over every token: finite only).
 
 Runs only with TREE_RECURRENCE_LARGE_TESTS=1 on a GPU with >= 75 GiB free (the device run sets it; 75 so that
-an H100's 79 GiB take it; the GDN row asks 80, its peak 71.6 GiB, 89.9 before 2026-12-03). Peaks on an H100,
-2026-12-07: forward 24.6 GiB, forward + backward 68.9 GiB; the backward test prints its peak, and skips with it
-when the card runs out of memory:
+an H100's 79 GiB take it). Peaks on an H100: forward 24.6 GiB, forward + backward 68.9 GiB; the backward test
+prints its peak, and skips with it when the card runs out of memory:
   TREE_RECURRENCE_LARGE_TESTS=1 python3 -m pytest tests/python/test_ssd_fused_large_gpu.py -q -s
 """
 
@@ -91,7 +90,7 @@ def big():
 
 
 def test_last_segments_match_their_paths_alone(big, monkeypatch):
-    monkeypatch.delenv("TREE_RECURRENCE_SSD_FUSED", raising=False)
+    monkeypatch.delenv("TREE_RECURRENCE_FUSED", raising=False)
 
     def check_out(y):
         assert y.shape == big["x"]["x"].shape
@@ -101,8 +100,7 @@ def test_last_segments_match_their_paths_alone(big, monkeypatch):
 
 
 def test_backward_smoke_and_p_chain_gradients(big, monkeypatch):
-    monkeypatch.delenv("TREE_RECURRENCE_SSD_FUSED", raising=False)
-    monkeypatch.delenv("TREE_RECURRENCE_SSD_FUSED_BWD", raising=False)
+    monkeypatch.delenv("TREE_RECURRENCE_FUSED", raising=False)
     gen = torch.Generator(device=DEVICE).manual_seed(7)
     dY = torch.randn(big["T"], H, P, generator=gen, device=DEVICE, dtype=torch.float32)
     check_p_chain_gradients(big, run, TOKEN, PARAMS, dY, GRAD_TOL)

@@ -3,8 +3,8 @@
 
 #include <ATen/ATen.h>
 
-#include <cmath>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #include "tree_recurrence/sdk/chunk_state_op.h"
@@ -17,58 +17,56 @@
 namespace tree_recurrence::gdn {
 namespace {
 
-void check(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta,
-           const at::Tensor& gather, const at::Tensor& scatter) {
-  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"q", &q}, {"k", &k}, {"v", &v}, {"g", &g}, {"beta", &beta}})
-    TR_CHECK_TYPE(at::isFloatingType(t->scalar_type()), "gdn_tree_scan: ", name, " has dtype ", t->scalar_type(),
-                     ", expected float32, float64, bfloat16 or float16");
-  TR_CHECK_VALUE(q.dim() == 3 && k.sizes() == q.sizes(), "gdn_tree_scan: q and k must be (tokens, heads, key_dim) alike, got ",
-                    q.sizes(), " and ", k.sizes());
+void check(const GdnArgs& a) {
+  const at::Tensor &q = a.q, &v = a.v, &gather = a.tables.gather, &scatter = a.tables.scatter;
+  GdnArgs::each_input(a, [](const char* name, const at::Tensor& t) {
+    TR_CHECK_TYPE(at::isFloatingType(t.scalar_type()), "gdn_tree_scan: ", name, " has dtype ", t.scalar_type(),
+                  ", expected float32, float64, bfloat16 or float16");
+  });
+  TR_CHECK_VALUE(q.dim() == 3 && a.k.sizes() == q.sizes(), "gdn_tree_scan: q and k must be (tokens, heads, key_dim) alike, got ",
+                 q.sizes(), " and ", a.k.sizes());
   const int64_t T = q.size(0);
   TR_CHECK_VALUE(v.dim() == 3 && v.size(0) == T, "gdn_tree_scan: v must be (tokens=", T, ", value_heads, value_dim), got ",
-                    v.sizes());
+                 v.sizes());
   TR_CHECK_VALUE(q.size(1) > 0 && v.size(1) % q.size(1) == 0, "gdn_tree_scan: value heads ", v.size(1),
-                    " must be a multiple of key heads ", q.size(1));
-  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"g", &g}, {"beta", &beta}})
+                 " must be a multiple of key heads ", q.size(1));
+  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"g", &a.g}, {"beta", &a.beta}})
     TR_CHECK_VALUE(t->dim() == 2 && t->size(0) == T && t->size(1) == v.size(1), "gdn_tree_scan: ", name,
-                      " must be (tokens, value_heads)=(", T, ", ", v.size(1), "), got ", t->sizes());
+                   " must be (tokens, value_heads)=(", T, ", ", v.size(1), "), got ", t->sizes());
   check_gather_scatter("gdn_tree_scan", gather, scatter, T);
-  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"k", &k}, {"v", &v}, {"g", &g}, {"beta", &beta},
-                                {"gather", &gather}, {"scatter", &scatter}})
-    TR_CHECK_VALUE(t->device() == q.device(), "gdn_tree_scan: ", name, " is on ", t->device(), " but q is on ", q.device(),
-                      " (the plan's tables: TreePlan.chunk_tables(chunk, device))");
+  const auto on_q_device = [&](const char* name, const at::Tensor& t) {
+    TR_CHECK_VALUE(t.device() == q.device(), "gdn_tree_scan: ", name, " is on ", t.device(), " but q is on ", q.device(),
+                   " (the plan's tables: TreePlan.chunk_tables(chunk, device))");
+  };
+  GdnArgs::each_input(a, on_q_device);
+  on_q_device("gather", gather);
+  on_q_device("scatter", scatter);
 }
 
 }  // namespace
 
-at::Tensor chunked_scan(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
-                        const at::Tensor& beta, TREE_RECURRENCE_CHUNK_TABLE_PARAMS,
-                        const std::optional<at::Tensor>& initial_state, double scale, bool use_qk_l2norm) {
-  check(q, k, v, g, beta, gather, scatter);
+at::Tensor chunked_scan(const GdnArgs& a) {
+  check(a);
 #ifdef TREE_RECURRENCE_WITH_CUDA
   // The fused bf16 / fp16 tensor-core kernels (csrc/gdn_fused/gdn_fused.h) when they take the call.
-  if (fused::supported(q, k, v, g, beta, gather)) {
-    return fused::scan(q, k, v, g, beta, fused::Tables::of(TREE_RECURRENCE_CHUNK_TABLE_ARGS), initial_state, scale,
-                       use_qk_l2norm);
-  }
+  if (fused::supported(a)) return fused::scan(a);
 #endif
-  return composite_scan(q, k, v, g, beta, TREE_RECURRENCE_CHUNK_TABLE_ARGS, initial_state, scale, use_qk_l2norm);
+  return composite_scan(a);
 }
 
-at::Tensor composite_scan(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& g_in,
-                          const at::Tensor& beta_in, TREE_RECURRENCE_CHUNK_TABLE_PARAMS,
-                          const std::optional<at::Tensor>& initial_state, double scale, bool use_qk_l2norm) {
-  check(q_in, k_in, v_in, g_in, beta_in, gather, scatter);
+at::Tensor composite_scan(const GdnArgs& a) {
+  check(a);
+  const at::Tensor &q_in = a.q, &v_in = a.v, &gather = a.tables.gather;
   const int64_t T = q_in.size(0), HK = q_in.size(1), K = q_in.size(2), HV = v_in.size(1), V = v_in.size(2);
   const int64_t groups = HV / HK, NC = gather.size(0), C = gather.size(1);
   const auto f = v_in.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
 
-  at::Tensor q = q_in.to(f), k = k_in.to(f);
-  if (use_qk_l2norm) {
+  at::Tensor q = q_in.to(f), k = a.k.to(f);
+  if (a.use_qk_l2norm) {
     q = l2norm(q);
     k = l2norm(k);
   }
-  q = q * (scale > 0 ? scale : 1.0 / std::sqrt(static_cast<double>(K)));
+  q = q * a.resolved_scale();
 
   // Chunk-major views (NC, heads, C, ...); padding reads an appended zero row (index T).
   const at::Tensor index = at::where(gather < 0, at::full({}, T, gather.options()), gather).reshape({-1});
@@ -81,8 +79,8 @@ at::Tensor composite_scan(const at::Tensor& q_in, const at::Tensor& k_in, const 
   };
   const at::Tensor qc = chunks(q), kc = chunks(k);      // (NC, HK, C, K)
   const at::Tensor vc = chunks(v_in.to(f));             // (NC, HV, C, V)
-  const at::Tensor gc = chunks(g_in.to(f));             // (NC, HV, C)
-  const at::Tensor bc = chunks(beta_in.to(f));          // (NC, HV, C)
+  const at::Tensor gc = chunks(a.g.to(f));             // (NC, HV, C)
+  const at::Tensor bc = chunks(a.beta.to(f));          // (NC, HV, C)
 
   // Decays. G (NC, HV, C) is <= 0 and non-increasing. The differences D_ij = G_i - G_j (j <= i) are
   // summed directly, D_ij = sum_{j<m<=i} g_m (a cumsum of the masked g), not subtracted: with
@@ -111,16 +109,15 @@ at::Tensor composite_scan(const at::Tensor& q_in, const at::Tensor& k_in, const 
   const at::Tensor decay = at::exp(G.narrow(-1, C - 1, 1).squeeze(-1)).contiguous();  // (NC, HV)
 
   // The state pass over the trie: h (NC, HV, K, V), the state entering each chunk; v_new = u - w h.
-  const auto h0 = chunked_initial_state("gdn_tree_scan", initial_state, {HV, K, V}, {"value_heads", "key_dim", "value_dim"},
+  const auto h0 = chunked_initial_state("gdn_tree_scan", a.initial_state, {HV, K, V}, {"value_heads", "key_dim", "value_dim"},
                                         "q", q_in.device(), f);
-  auto [h, v_new] = chunk_state_pass(w, u, kd.contiguous(), decay, h0, seg_chunk_offsets, parents, root_index, level_segments,
-                                     level_offsets, child_offsets, children);
+  auto [h, v_new] = chunk_state_pass(w, u, kd.contiguous(), decay, h0, a.tables);
 
   // Outputs: the entering state seen through exp(G) q, plus the chunk's own corrected values.
   const at::Tensor qg = (qc.unsqueeze(2) * at::exp(G).reshape({NC, HK, groups, C, 1})).reshape({NC, HV, C, K});
   const at::Tensor scores = (qk * E5).reshape({NC, HV, C, C});
   const at::Tensor o = at::matmul(qg, h.to(f)) + at::matmul(scores, v_new.to(f));  // (NC, HV, C, V)
-  return o.permute({0, 2, 1, 3}).reshape({NC * C, HV, V}).index_select(0, scatter).to(v_in.scalar_type());
+  return o.permute({0, 2, 1, 3}).reshape({NC * C, HV, V}).index_select(0, a.tables.scatter).to(v_in.scalar_type());
 }
 
 }  // namespace tree_recurrence::gdn

@@ -18,37 +18,26 @@
 // Every exponent is <= 0: differences G_i - G_j are masked to -inf above the diagonal BEFORE the
 // exp (never exp(-G)), so strong decays underflow to 0 and never overflow or make NaN.
 //
-// Arguments (the plan's chunk tables on the inputs' device: TreePlan.chunk_tables; no host sync):
-//   q, k (T, HK, K); v (T, HV, V), HV a multiple of HK (value head h reads key head h / (HV / HK));
-//   g (T, HV) log decays (<= 0); beta (T, HV);
+// Arguments: GdnArgs (gdn_args.h), with the plan's chunk tables on the inputs' device (no host sync):
 //   gather (NC, C) int64 token of each chunk position or -1; scatter (T) int64 flat position of each
 //   token in NC * C; seg_chunk_offsets, parents, root_index, level_segments, level_offsets,
-//   child_offsets, children: handed to chunk_state_pass as they are;
-//   initial_state None (zeros), (HV, K, V) or (1, HV, K, V) shared by every root, or (R, HV, K, V)
-//   one per root in root order; scale <= 0 means K^-0.5; use_qk_l2norm normalises q and k first
-//   (x * rsqrt(sum x^2 + 1e-6), transformers' l2norm).
+//   child_offsets, children: handed to chunk_state_pass as they are.
 // Computes in fp32 (float64 for float64 v; bf16 and fp16 inputs are widened); the state is fp32.
 // On CUDA, bf16 / fp16 calls the fused kernels take (gdn_fused/gdn_fused.h: fused::supported) run
-// there instead (TREE_RECURRENCE_GDN_FUSED=0 keeps them on the composite).
+// there instead (TREE_RECURRENCE_FUSED=0 keeps them on the composite).
 // Returns o (T, HV, V) in v's dtype.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 
-#include <optional>
-
-#include "tree_recurrence/sdk/chunk_tables.h"
+#include "gdn_args.h"
 
 namespace tree_recurrence::gdn {
 
-at::Tensor chunked_scan(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
-                        const at::Tensor& beta, TREE_RECURRENCE_CHUNK_TABLE_PARAMS,
-                        const std::optional<at::Tensor>& initial_state, double scale, bool use_qk_l2norm);
+at::Tensor chunked_scan(const GdnArgs& a);
 
 // The ATen composite itself (what chunked_scan runs when the fused CUDA kernels do not take the
-// call; the fused path's interim backward differentiates it). Same arguments and result.
-at::Tensor composite_scan(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
-                          const at::Tensor& beta, TREE_RECURRENCE_CHUNK_TABLE_PARAMS,
-                          const std::optional<at::Tensor>& initial_state, double scale, bool use_qk_l2norm);
+// call). Same arguments and result.
+at::Tensor composite_scan(const GdnArgs& a);
 
 }  // namespace tree_recurrence::gdn

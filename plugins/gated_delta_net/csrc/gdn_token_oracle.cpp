@@ -7,24 +7,15 @@
 #include "tree_recurrence/sdk/segment_walk.h"
 
 namespace tree_recurrence::gdn {
-namespace {
 
-void check(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta,
-           const at::Tensor& seg_offsets, const at::Tensor& parents) {
-  check_token_scan_inputs("gdn_token_scan", q, k, v, beta, seg_offsets, parents);
-  TR_CHECK_VALUE(g.sizes() == beta.sizes(), "gdn_token_scan: g must be (tokens, value_heads)=(", v.size(0), ", ", v.size(1),
-                 ") (one log decay per head), got ", g.sizes());
-}
-
-}  // namespace
-
-at::Tensor token_oracle(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& g_in,
-                      const at::Tensor& beta_in, const at::Tensor& seg_offsets, const at::Tensor& parents,
-                      const std::optional<at::Tensor>& initial_state, double scale, bool use_qk_l2norm) {
-  check(q_in, k_in, v_in, g_in, beta_in, seg_offsets, parents);
+at::Tensor token_oracle(const GdnTokenArgs& a) {
+  const at::Tensor &seg_offsets = a.tables.seg_offsets, &parents = a.tables.parents;
+  check_token_scan_inputs("gdn_token_scan", a.q, a.k, a.v, a.beta, seg_offsets, parents);
+  TR_CHECK_VALUE(a.g.sizes() == a.beta.sizes(), "gdn_token_scan: g must be (tokens, value_heads)=(", a.v.size(0), ", ",
+                 a.v.size(1), ") (one log decay per head), got ", a.g.sizes());
   // fp32 states, as the library kernels (float64 for float64 values); one gate per head; l2norm: x * rsqrt
-  return delta_rule_token_scan("gdn_token_scan", q_in, k_in, v_in, g_in, beta_in, seg_offsets, parents, initial_state, scale,
-                               use_qk_l2norm);
+  return delta_rule_token_scan("gdn_token_scan", a.q, a.k, a.v, a.g, a.beta, seg_offsets, parents, a.initial_state,
+                               a.scale, a.use_qk_l2norm);
 }
 
 }  // namespace tree_recurrence::gdn

@@ -1,6 +1,6 @@
 """Gated DeltaNet's component adapter: ``gdn_scan``, the gated delta rule over a tree-packed row for
 models that follow trees in their own code (``tree_recurrence.components.gdn_scan`` while this family is
-loaded). A thin front over the generic ``components.scan`` with this family's seam."""
+loaded). A thin front over the generic ``sdk.scan`` with this family's seam."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Callable
 
 import torch
 
-from tree_recurrence import components
+from tree_recurrence import sdk
 
 __all__ = ["gdn_scan"]
 
@@ -24,6 +24,6 @@ def gdn_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     Native: this family's ``gdn_tree_scan``; else fork / rescan over ``kernel``, a function with FLA's
     ``chunk_gated_delta_rule`` API (default: this family's stand-in). ``backend="kernel"`` skips the
     native op. Without a plan, ``kernel`` runs on the ordinary batch."""
-    return components.delta_rule_scan("gated_delta_net", "torch_chunk_gated_delta_rule", q, k, v, g, beta, plan,
-                                      scale=scale, initial_state=initial_state, kernel=kernel, backend=backend,
-                                      use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, policy=policy)
+    return sdk.delta_rule_scan("gated_delta_net", "torch_chunk_gated_delta_rule", q, k, v, g, beta, plan,
+                               scale=scale, initial_state=initial_state, kernel=kernel, backend=backend,
+                               use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, policy=policy)

@@ -43,7 +43,7 @@ at::Tensor chunked_scan(const at::Tensor& x, const at::Tensor& dt, const at::Ten
                         const std::optional<at::Tensor>& dt_bias, bool dt_softplus, const std::optional<at::Tensor>& z);
 
 // The ATen composite itself (what chunked_scan runs unless the fused CUDA kernels take the call,
-// ssd_fused/ssd_fused.h; the fused path's interim backward recomputes it). Same arguments.
+// ssd_fused/ssd_fused.h). Same arguments.
 at::Tensor composite_scan(const at::Tensor& x, const at::Tensor& dt, const at::Tensor& B, const at::Tensor& C,
                           TREE_RECURRENCE_CHUNK_TABLE_PARAMS, const std::optional<at::Tensor>& initial_state,
                           const at::Tensor& A, at::ArrayRef<double> dt_limit, const std::optional<at::Tensor>& D,

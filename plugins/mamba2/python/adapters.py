@@ -21,7 +21,7 @@ declines (answers None) where the bound kernel -- the one the samples alone call
 (``SeamCall.bound`` where backend ``stand_ins`` put a stand-in in its place) -- declines:
 
 * transformers' torch fallback (it always answers None): declined without a call (the seam's
-  binding is read per call, cached per seam object: ``driver.bound_implementation``);
+  binding is read per call, cached per seam object: ``sdk.bound_implementation``);
 * a library kernel, where the row does not call it (the native route; backend ``stand_ins``, whose
   stand-in never declines): the adapter asks it. The bound kernel, called the way the model called
   the seam on a probe under ``torch.no_grad``, declines when it answers None (``_declines``). The
@@ -30,7 +30,7 @@ declines (answers None) where the bound kernel -- the one the samples alone call
   the layer and its configuration (a quantized ``out_proj``, a dtype, an option it lacks), not by
   the tokens' values, and a causal kernel on a sample's opening tokens is that sample cut short.
   The answer is cached on the plan per layer: one plan serves every layer (its route,
-  ``driver.decide_route``, is one for all of them), and one layer's kernel may decline while
+  ``sdk.decide_route``, is one for all of them), and one layer's kernel may decline while
   another's does not, so the key is the call's signature (``_signature``): every parameter among
   the arguments (or the parameter a view is of: the conv weight) by identity, every other tensor by
   type, dtype, device and shape, every other argument by value. A checkpoint replay and any later
@@ -55,8 +55,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from tree_recurrence import _routes, driver, plugins
-from tree_recurrence._bound_kernels import instance_forward
+from tree_recurrence import sdk
 
 from .stand_ins import rms_norm_gated
 
@@ -110,7 +109,7 @@ def _declines(call, bound) -> bool:
     key = tuple((name, _signature(arguments[name], held)) for name in sorted(arguments))
     return call.plan.cached(("fused declines", call.family, call.seam, key),
                             lambda: _probe(dataclasses.replace(call, original=bound)),
-                            depends=(bound, instance_forward(bound), *held))
+                            depends=(bound, sdk.instance_forward(bound), *held))
 
 
 def _probe(call) -> bool:
@@ -132,25 +131,26 @@ def _decline(call, reason: str):
     return call.spec.extra.get("declined")
 
 
-def _decide(call, backend: str, policy, device: torch.device) -> driver.Route:
-    """The fused seam's route for a library kernel (``driver.decide_route`` caches it on the plan, one
+def _decide(call, backend: str, policy, device: torch.device) -> sdk.Route:
+    """The fused seam's route for a library kernel (``sdk.decide_route`` caches it on the plan, one
     for every layer; whether a layer's bound kernel declines is ``_declines``, per layer): native with
     the family's kernels on ``device`` (backend auto / native), else rescan."""
-    implementation, _, is_library = driver.bound_implementation(call.original)
-    record = plugins.families()[call.family]
-    native = all(plugins.has_kernel(record, k, device) for k in ("tree_conv", "ssd_tree_scan"))
+    implementation = sdk.bound_implementation(call.original)[0]
+    record = sdk.families()[call.family]
+    native = all(sdk.has_kernel(record, k, device) for k in ("tree_conv", "ssd_tree_scan"))
     if backend == "native" and not native:
         raise ValueError(f"{call.family}: backend 'native' has no tree_conv / ssd_tree_scan kernel for "
                          f"{device.type} in this build")
     if backend not in ("auto", "native") or not native:
-        return driver.Route("rescan", "fused seam: the bound kernel over every path as a padded batch")
-    if backend == "auto" and policy.strategy == "auto":  # auto never picks a slower route (manifest's routes:)
-        strategy, reason = _routes.decide(call.family, record, call.plan, device, call.named["zxbcdt"].dtype,
-                                          implementation, is_library, {"rescan": True}, None, call.seam)
-        if strategy == "rescan":
-            return driver.Route("rescan", f"fused seam over every path as a padded batch: {reason}")
-    return driver.Route("native", "fused seam over the trie: tree conv, chunked SSD tree scan, gated norm, out_proj",
-                        plugins.ops(call.family).ssd_tree_scan)
+        return sdk.Route("rescan", "fused seam: the bound kernel over every path as a padded batch")
+    over_trie = "fused seam over the trie: tree conv, chunked SSD tree scan, gated norm, out_proj"
+    strategy, reason = "native", over_trie
+    if backend == "auto" and policy.strategy == "auto":  # the router: a tune record may order rescan first
+        strategy, reason = sdk.route_decision(call, call.named["zxbcdt"], implementation, True, False,
+                                              (strategy, reason))
+    if strategy == "rescan":
+        return sdk.Route("rescan", f"fused seam over every path as a padded batch: {reason}")
+    return sdk.Route("native", reason, sdk.ops(call.family).ssd_tree_scan)
 
 
 def split_conv1d_scan(call, backend: str, policy):
@@ -163,9 +163,9 @@ def split_conv1d_scan(call, backend: str, policy):
     if rest.get("initial_states") is not None:
         raise ValueError(f"{call.seam}: initial_states on a tree-packed row are not supported by the fused seam")
     bound = call.bound if call.bound is not None else call.original  # what the samples alone call
-    if not driver.bound_implementation(bound)[2]:
+    if not sdk.bound_implementation(bound)[2]:
         return _decline(call, "fused seam bound to transformers' torch fallback (None)")
-    route = driver.decide_route(call, backend, policy, zxbcdt.device, _decide)
+    route = sdk.decide_route(call, backend, policy, zxbcdt.device, _decide)
     call.check_row(zxbcdt, 1, "zxbcdt")
     # the row calls no bound kernel on the native route, and a stand-in in its place under backend stand_ins
     if (route.strategy == "native" or bound is not call.original) and _declines(call, bound):
@@ -179,7 +179,7 @@ def split_conv1d_scan(call, backend: str, policy):
 
     weight, bias, dt_bias, A, D = (named.get(k) for k in ("conv1d_weight", "conv1d_bias", "dt_bias", "A", "D"))
     activation = rest.get("activation", "silu")
-    driver.check_activation(call.seam, activation)
+    sdk.check_activation(call.seam, activation)
     ngroups = int(rest.get("ngroups", 1))
     if D.dim() == 1:
         headdim = rest.get("headdim")
@@ -198,7 +198,7 @@ def split_conv1d_scan(call, backend: str, policy):
     zx0, z, xBC, dt = torch.split(zxbcdt[0], [2 * d_nonssm, dim, dim + 2 * ngroups * dstate, nheads], dim=-1)
 
     # tree conv over the trie (each token reads its own path's previous inputs)
-    xBC = driver.tree_conv(call.family, xBC.t().unsqueeze(0), weight, bias, activation, call.plan)[0].t()
+    xBC = sdk.native_tree_conv(call.family, xBC.t().unsqueeze(0), weight, bias, activation, call.plan)[0].t()
     x, B, C = torch.split(xBC, [dim, ngroups * dstate, ngroups * dstate], dim=-1)
     rmsnorm_weight = rest.get("rmsnorm_weight")
     tables = call.plan.chunk_tables(int(call.spec.extra.get("chunk", 64)), zxbcdt.device)

@@ -1,6 +1,6 @@
 """Mamba2's component adapter: ``ssd_scan``, the SSD scan over a tree-packed row for models that follow
 trees in their own code (``tree_recurrence.components.ssd_scan`` while this family is loaded). A thin
-front over the generic ``components.scan`` with this family's seam."""
+front over the generic ``sdk.scan`` with this family's seam."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 import torch
 
-from tree_recurrence import components
+from tree_recurrence import sdk
 
 __all__ = ["ssd_scan"]
 
@@ -29,5 +29,5 @@ def ssd_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor
                              "dt_limit": tuple(dt_limit), "z": z}
     if initial_state is not None:
         extra["initial_states"] = initial_state
-    return components.scan("mamba2", "mamba2_chunk_scan", x, dt, A, B, C, plan=plan, kernel=kernel, backend=backend,
-                           policy=policy, **extra)
+    return sdk.scan("mamba2", "mamba2_chunk_scan", x, dt, A, B, C, plan=plan, kernel=kernel, backend=backend,
+                    policy=policy, **extra)

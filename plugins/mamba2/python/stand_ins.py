@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from tree_recurrence.stand_ins import causal_conv1d_fn
+from tree_recurrence.sdk import causal_conv1d_fn
 
 __all__ = ["mamba_chunk_scan_combined", "mamba_split_conv1d_scan_combined"]
 

@@ -1,11 +1,13 @@
 // Host helpers of the fused GDN forward and backward (gdn_fused_fwd.cpp, gdn_fused_bwd.cpp; CUDA
-// builds only): 16-byte aligned inputs, the launch check, and the SDK tensor-core tree state pass's
-// parameters (the dims, the dtype and the plan's tables; each caller adds its direction's buffers).
+// builds only): 16-byte aligned inputs, the shared checks, the op's scalars into the kernels'
+// parameters, the launch check, and the SDK tensor-core tree state pass's parameters (the dims, the
+// dtype and the plan's tables; each caller adds its direction's buffers).
 #pragma once
 
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "gdn_fused.h"
 #include "tree_recurrence/kernels/chunk_state_pass_tc.h"
@@ -24,8 +26,8 @@ inline at::Tensor aligned(const at::Tensor& t) {
 // The checks the forward and the backward share, messages "<who>: ...": q, k (T, HK, K) alike and v
 // (T, HV, V), bf16 or fp16 alike, on CUDA; the plan's chunk 64; K and V multiples of 8 in 8..128; HV
 // a multiple of HK, at most 65535; fewer than 2^31 chunks.
-inline void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Tables& tables,
-                         const char* who) {
+inline void check_inputs(const GdnArgs& a, const char* who) {
+  const at::Tensor &q = a.q, &k = a.k, &v = a.v;
   TR_CHECK_VALUE(q.is_cuda(), who, ": inputs must be on CUDA, got ", q.device());
   const auto dt = v.scalar_type();
   TR_CHECK_TYPE((dt == at::kBFloat16 || dt == at::kHalf) && q.scalar_type() == dt && k.scalar_type() == dt, who,
@@ -33,13 +35,26 @@ inline void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Ten
   TR_CHECK_VALUE(q.dim() == 3 && k.sizes() == q.sizes() && v.dim() == 3 && v.size(0) == q.size(0), who,
                  ": q, k must be (T, HK, K) alike and v (T, HV, V), got ", q.sizes(), ", ", k.sizes(), ", ", v.sizes());
   const int64_t HK = q.size(1), K = q.size(2), HV = v.size(1), V = v.size(2);
-  const int64_t NC = tables.gather.size(0), C = tables.gather.size(1);
+  const int64_t NC = a.tables.gather.size(0), C = a.tables.gather.size(1);
   TR_CHECK_VALUE(C == 64, who, ": chunk must be 64, got ", C);
   TR_CHECK_VALUE(K % 8 == 0 && K >= 8 && K <= 128 && V % 8 == 0 && V >= 8 && V <= 128, who,
                  ": key and value dims must be multiples of 8 in 8..128, got ", K, " and ", V);
   TR_CHECK_VALUE(HK > 0 && HV % HK == 0 && HV <= 65535, who, ": value heads ", HV, " must be a multiple of key heads ",
                  HK, " and at most 65535");
   TR_CHECK_VALUE(NC < (int64_t{1} << 31), who, ": ", NC, " chunks (at most 2^31 - 1)");
+}
+
+template <class P, class = void>
+struct HasScale : std::false_type {};
+template <class P>
+struct HasScale<P, std::void_t<decltype(P::scale)>> : std::true_type {};
+
+// The op's scalars into a kernel parameter block (kernels/params.h, kernels/params_bwd.h): the one place
+// the kernels' l2norm flag and resolved scale are filled from the arguments.
+template <class P>
+void set_scalars(P& p, const GdnArgs& a) {
+  p.l2norm = a.use_qk_l2norm;
+  if constexpr (HasScale<P>::value) p.scale = static_cast<float>(a.resolved_scale());
 }
 
 // Throws "<where><stage>): <err>" unless the launcher returned "" (where: e.g. "fused GDN backward (").

@@ -1,12 +1,12 @@
-// The fused bf16 / fp16 tensor-core path of gdn_tree_scan on CUDA (issue 19). gdn_chunked.cpp's
+// The fused bf16 / fp16 tensor-core path of gdn_tree_scan on CUDA. gdn_chunked.cpp's
 // chunked_scan calls fused::scan when fused::supported(...) holds; everything else (CPU, fp32,
 // fp64, shapes outside the kernels' range) stays on the ATen composite, which is also the exact
 // twin these kernels are tested against.
 //
 // Math (chunk C = 64, chunks never cross a segment; tokens i, j of one chunk; HV value heads, HK key
 // heads, head hv reads key head hv / (HV / HK)):
-//   q^ = l2norm(q) * scale, k^ = l2norm(k) (l2norm(x) = x * rsqrt(sum x^2 + 1e-6); identity when
-//   use_qk_l2norm is false; scale = 1/sqrt(K) when 0)
+//   q^ = l2norm(q) * scale, k^ = l2norm(k) (l2norm(x) = x * rsqrt(sum x^2 + 1e-6), or the identity;
+//   the arguments: GdnArgs, ../gdn_args.h)
 //   G_i = sum_{m <= i} g_m (chunk-local, fp32, natural log), pad rows: g = 0, beta = 0, k = v = 0
 //   A_ij = beta_i exp(G_i - G_j) <k^_i, k^_j> (j < i), Ainv = (I + A)^-1 (unit lower)
 //   w = Ainv (beta exp(G) k^), u = Ainv (beta v), kd_j = exp(G_last - G_j) k^_j, decay = exp(G_last)
@@ -28,15 +28,12 @@
 
 #include <ATen/core/Tensor.h>
 
-#include <optional>
+#include <utility>
 #include <vector>
 
-#include "tree_recurrence/sdk/chunk_tables.h"
+#include "../gdn_args.h"
 
 namespace tree_recurrence::gdn::fused {
-
-// The plan's tables as the op receives them (TreePlan.chunk_tables(64, device); sdk/chunk_tables.h).
-using Tables = ::tree_recurrence::ChunkTableSet;
 
 struct Saved {
   at::Tensor G, Ainv, w, kd, h, v_new, rq, rk;
@@ -45,25 +42,20 @@ struct Saved {
 };
 
 // Whether the fused kernels take this call: CUDA, q/k/v bf16 or fp16 alike, chunk 64, K and V
-// multiples of 8 up to 128, and TREE_RECURRENCE_GDN_FUSED not "0".
-bool supported(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
-               const at::Tensor& beta, const at::Tensor& gather);
+// multiples of 8 up to 128, and the fused kernels not switched off (settings::fused_kernels(),
+// TREE_RECURRENCE_FUSED).
+bool supported(const GdnArgs& a);
 
 // The op with autograd (a torch::autograd::Function whose forward is forward() and whose backward
-// is backward() below). Arguments as gdn_tree_scan's, already checked by the caller.
-at::Tensor scan(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta,
-                const Tables& tables, const std::optional<at::Tensor>& initial_state, double scale, bool use_qk_l2norm);
+// is backward() below). Arguments already checked by the caller.
+at::Tensor scan(const GdnArgs& a);
 
 // Forward kernels (gdn_fused_fwd.cpp): o (T, HV, V) in v's dtype, and the saved buffers.
-std::pair<at::Tensor, Saved> forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
-                                     const at::Tensor& beta, const Tables& tables,
-                                     const std::optional<at::Tensor>& initial_state, double scale, bool use_qk_l2norm);
+std::pair<at::Tensor, Saved> forward(const GdnArgs& a);
 
 // Test-only (op gdn_fused_stages, arguments as gdn_tree_scan's): the forward's stages, no autograd:
 // [o, G, Ainv, w, u, kd, decay, h, v_new, final_state, rq, rk].
-std::vector<at::Tensor> stages(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
-                               const at::Tensor& beta, TREE_RECURRENCE_CHUNK_TABLE_PARAMS,
-                               const std::optional<at::Tensor>& initial_state, double scale, bool use_qk_l2norm);
+std::vector<at::Tensor> stages(const GdnArgs& a);
 
 struct Grads {
   at::Tensor dq, dk, dv, dg, dbeta;  // like q, k, v, g, beta (dtype and shape)
@@ -73,8 +65,6 @@ struct Grads {
 // Backward kernels (gdn_fused_bwd.cpp) from the saved buffers and grad_o (T, HV, V). Takes `saved` over
 // and drops each buffer right after its last reader (w, kd after the state pass; Ainv, h, v_new after
 // the WY stage): a buffer the caller keeps a reference to stays alive (pass a copy to keep them).
-Grads backward(const at::Tensor& grad_o, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-               const at::Tensor& g, const at::Tensor& beta, const Tables& tables,
-               const std::optional<at::Tensor>& initial_state, double scale, bool use_qk_l2norm, Saved&& saved);
+Grads backward(const at::Tensor& grad_o, const GdnArgs& a, Saved&& saved);
 
 }  // namespace tree_recurrence::gdn::fused

@@ -1,13 +1,10 @@
-// The fused GDN forward (issue 19), host side: checks, allocation, and the three stages
+// The fused GDN forward, host side: checks, allocation, and the three stages
 // (kernels/prep_fwd.cu, the SDK's tensor-core tree state pass, kernels/out_fwd.cu). No host sync:
 // the only host table is level_offsets.
 #include <ATen/ATen.h>
 #include "tree_recurrence/sdk/check.h"
 #include "tree_recurrence/sdk/element_type.h"
 #include <ATen/core/grad_mode.h>
-
-#include <cmath>
-#include <string>
 
 #include "gdn_fused.h"
 
@@ -21,18 +18,14 @@
 
 namespace tree_recurrence::gdn::fused {
 
-std::vector<at::Tensor> stages(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
-                               const at::Tensor& beta, TREE_RECURRENCE_CHUNK_TABLE_PARAMS,
-                               const std::optional<at::Tensor>& initial_state, double scale, bool use_qk_l2norm) {
-  const Tables t = Tables::of(TREE_RECURRENCE_CHUNK_TABLE_ARGS);
+std::vector<at::Tensor> stages(const GdnArgs& a) {
   at::AutoGradMode no_grad(false);
-  auto [o, sv] = forward(q, k, v, g, beta, t, initial_state, scale, use_qk_l2norm);
+  auto [o, sv] = forward(a);
   return {o, sv.G, sv.Ainv, sv.w, sv.u, sv.kd, sv.decay, sv.h, sv.v_new, sv.final_state, sv.rq, sv.rk};
 }
 
 #ifndef TREE_RECURRENCE_WITH_CUDA
-std::pair<at::Tensor, Saved> forward(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                     const at::Tensor&, const Tables&, const std::optional<at::Tensor>&, double, bool) {
+std::pair<at::Tensor, Saved> forward(const GdnArgs&) {
   TR_CHECK(false, "gdn_tree_scan (fused): this build has no CUDA kernels");
 }
 #else
@@ -44,16 +37,15 @@ void check_launch(const char* err, const char* stage) {
 
 // The fields the prep and the out stages' parameters share.
 template <typename P>
-P tile_params(int64_t NC, int64_t T, int64_t HK, int64_t HV, int64_t K, int64_t V, bool use_qk_l2norm, kernels::InType it,
-              const at::Tensor& gather) {
+P tile_params(const GdnArgs& a, int64_t NC, kernels::InType it, const at::Tensor& gather) {
   P p;
   p.num_chunks = NC;
-  p.tokens = T;
-  p.key_heads = static_cast<int>(HK);
-  p.value_heads = static_cast<int>(HV);
-  p.k_dim = static_cast<int>(K);
-  p.v_dim = static_cast<int>(V);
-  p.use_qk_l2norm = use_qk_l2norm;
+  p.tokens = a.q.size(0);
+  p.key_heads = static_cast<int>(a.q.size(1));
+  p.value_heads = static_cast<int>(a.v.size(1));
+  p.k_dim = static_cast<int>(a.q.size(2));
+  p.v_dim = static_cast<int>(a.v.size(2));
+  set_scalars(p, a);
   p.in = it;
   p.gather = gather.data_ptr<int64_t>();
   return p;
@@ -61,28 +53,27 @@ P tile_params(int64_t NC, int64_t T, int64_t HK, int64_t HV, int64_t K, int64_t 
 
 }  // namespace
 
-std::pair<at::Tensor, Saved> forward(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
-                                     const at::Tensor& g_in, const at::Tensor& beta_in, const Tables& tables,
-                                     const std::optional<at::Tensor>& initial_state, double scale, bool use_qk_l2norm) {
-  check_inputs(q_in, k_in, v_in, tables, "gdn_tree_scan (fused)");
+std::pair<at::Tensor, Saved> forward(const GdnArgs& a) {
+  const Tables& tables = a.tables;
+  check_inputs(a, "gdn_tree_scan (fused)");
   static_assert(kernels::kChunk == 64, "check_inputs checks chunk 64");
-  const auto dt = v_in.scalar_type();
-  const int64_t T = q_in.size(0), HK = q_in.size(1), K = q_in.size(2), HV = v_in.size(1), V = v_in.size(2);
+  const auto dt = a.v.scalar_type();
+  const int64_t T = a.q.size(0), HK = a.q.size(1), K = a.q.size(2), HV = a.v.size(1), V = a.v.size(2);
   const int64_t NC = tables.gather.size(0), C = tables.gather.size(1);
   const int64_t S = tables.parents.size(0);
   const int64_t L = static_cast<int64_t>(tables.level_offsets.size()) - 1;
   TR_CHECK_VALUE(L >= 0 || S == 0, "gdn_tree_scan (fused): level_offsets must have num_levels + 1 entries");
   const int64_t R = L >= 1 ? tables.level_offsets[1] : 0;
 
-  c10::cuda::CUDAGuard guard(q_in.device());
+  c10::cuda::CUDAGuard guard(a.q.device());
   const auto stream = c10::cuda::getCurrentCUDAStream().stream();
-  const at::Tensor q = aligned(q_in), k = aligned(k_in), v = aligned(v_in);
+  const at::Tensor q = aligned(a.q), k = aligned(a.k), v = aligned(a.v);
   // g, beta as they come (fp32 or the inputs' 16-bit type, fused::supported): prep widens them, no cast copy
   const auto row_input = [](const at::Tensor& x) {
     const auto kt = sdk::kernel_dtype<tree_recurrence::kernels::DType>(x.scalar_type());
     return kt && *kt != tree_recurrence::kernels::DType::Float64 ? x.contiguous() : x.to(at::kFloat).contiguous();
   };
-  const at::Tensor g = row_input(g_in), beta = row_input(beta_in);
+  const at::Tensor g = row_input(a.g), beta = row_input(a.beta);
   const at::Tensor gather = tables.gather.contiguous();
   const auto f32 = q.options().dtype(at::kFloat), in = v.options();
   const kernels::InType it = dt == at::kBFloat16 ? kernels::InType::BFloat16 : kernels::InType::Float16;
@@ -103,7 +94,7 @@ std::pair<at::Tensor, Saved> forward(const at::Tensor& q_in, const at::Tensor& k
   if (NC == 0 || T == 0) return {o, sv};
 
   // 1. prep
-  auto pp = tile_params<kernels::PrepParams>(NC, T, HK, HV, K, V, use_qk_l2norm, it, gather);
+  auto pp = tile_params<kernels::PrepParams>(a, NC, it, gather);
   pp.k = k.data_ptr();
   pp.v = v.data_ptr();
   pp.g = g.data_ptr();
@@ -122,13 +113,13 @@ std::pair<at::Tensor, Saved> forward(const at::Tensor& q_in, const at::Tensor& k
   // 2. the tree state pass on tensor cores
   at::Tensor h0;
   bool per_root = false;
-  if (initial_state && initial_state->defined()) {
-    at::Tensor s0 = *initial_state;
+  if (a.has_initial_state()) {
+    at::Tensor s0 = *a.initial_state;
     if (s0.dim() == 4 && s0.size(0) == 1) s0 = s0[0];
     TR_CHECK_VALUE((s0.dim() == 3 || (s0.dim() == 4 && s0.size(0) == R)) && s0.size(-3) == HV && s0.size(-2) == K &&
                           s0.size(-1) == V,
                       "gdn_tree_scan: initial_state must be (value_heads=", HV, ", key_dim=", K, ", value_dim=", V,
-                      ") or (roots=", R, ", ", HV, ", ", K, ", ", V, "), got ", initial_state->sizes());
+                      ") or (roots=", R, ", ", HV, ", ", K, ", ", V, "), got ", a.initial_state->sizes());
     per_root = s0.dim() == 4;
     h0 = s0.to(at::kFloat).contiguous();
   }
@@ -146,8 +137,7 @@ std::pair<at::Tensor, Saved> forward(const at::Tensor& q_in, const at::Tensor& k
   check_launch(tree_recurrence::kernels::chunk_state_pass_tc_forward(sp, stream), "tree state pass");
 
   // 3. outputs
-  auto op = tile_params<kernels::OutParams>(NC, T, HK, HV, K, V, use_qk_l2norm, it, gather);
-  op.scale = static_cast<float>(scale > 0 ? scale : 1.0 / std::sqrt(static_cast<double>(K)));
+  auto op = tile_params<kernels::OutParams>(a, NC, it, gather);
   op.q = q.data_ptr();
   op.k = k.data_ptr();
   op.G = sv.G.data_ptr<float>();

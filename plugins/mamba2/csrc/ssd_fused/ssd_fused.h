@@ -1,4 +1,4 @@
-// The fused bf16 / fp16 tensor-core path of ssd_tree_scan on CUDA (issue 20). ssd_chunked.cpp's
+// The fused bf16 / fp16 tensor-core path of ssd_tree_scan on CUDA. ssd_chunked.cpp's
 // chunked_scan calls fused::scan when fused::supported(...) holds; everything else (CPU, fp32,
 // fp64, shapes outside the kernels' range) stays on the ATen composite, the exact twin these
 // kernels are tested against.
@@ -28,6 +28,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <optional>
+#include <string_view>
 #include <vector>
 
 #include "tree_recurrence/sdk/chunk_tables.h"
@@ -55,7 +56,8 @@ struct Saved {
 };
 
 // Whether the fused kernels take this call: CUDA, x/B/C bf16 or fp16 alike, L in {64, 128, 256},
-// P and N multiples of 8 with P <= 128 and N <= 256, and TREE_RECURRENCE_SSD_FUSED not "0".
+// P and N multiples of 8 with P <= 128 and N <= 256, and the fused kernels on (settings::fused_kernels(),
+// TREE_RECURRENCE_FUSED).
 bool supported(const Args& a, const Tables& t);
 
 // The op with autograd (a torch::autograd::Function around forward() and backward()). Returns out
@@ -75,9 +77,8 @@ struct Grads {
 
 // The auto rule of both fused sequential passes (the forward's chunk-state pass, the backward's reverse local +
 // state pass), on host counts only: fused when the plan's segments average at most 64 chunks. A pass walks each
-// (segment, head) chunk by chunk, so one long row (one segment of 768 chunks at GRPO) leaves it a CTA per head
-// walking every chunk in turn, where the unfused kernels work on all chunks at once (measured on the H200:
-// docs/kernels.md, the SSD switch rows).
+// (segment, head) chunk by chunk, so one long row (one segment of hundreds of chunks) leaves it a CTA per head
+// walking every chunk in turn, where the unfused kernels work on all chunks at once (docs/kernels.md).
 inline bool fused_passes_suit(int64_t num_chunks, int64_t num_segments) {
   return num_chunks <= 64 * std::max<int64_t>(num_segments, 1);
 }
@@ -88,15 +89,18 @@ inline bool fused_passes_suit(int64_t num_chunks, int64_t num_segments) {
 Grads backward(const at::Tensor& grad_out, const Args& a, const Tables& t, const Saved& saved);
 
 // (ssd_fused_bwd.cpp) Whether the backward's post kernel will form the pre-gate y itself for these inputs: only in the
-// memory mode, TREE_RECURRENCE_SSD_RECOMPUTE_Y=1 (2.0 ms slower at GRPO for 0.72 GiB less; docs/kernels.md); (z given,
-// x / B / C / z of one 16-bit type, dense, the bf16 post kernel's shapes and routes): then the forward does not store
-// y (0.75 GiB at GRPO). Host-side only. A backward that finds y missing on another route (grad_out misaligned, an
-// environment variable changed in between) recomputes it with the forward kernels: correct, slower.
+// memory mode (settings::ssd_recompute_y(), TREE_RECURRENCE_SSD_RECOMPUTE_Y), with z given, x / B / C / z of one
+// 16-bit type, dense, where the backward's plan takes its 16-bit route: then the forward does not store y (one
+// (T, H, P) buffer less). Host-side only. A backward that finds y missing on another route (grad_out misaligned, a
+// setting changed in between) recomputes it with the forward kernels: correct, slower.
 bool forms_y_itself(const Args& a, const Tables& t);
 
 // (ssd_fused_fwd.cpp) The forward's stages for tests: {out, dt, Lam, chunk_states (fp32
-// (NC, H, P, N), the transient S_c), states, y (undefined without z)}.
-std::vector<at::Tensor> forward_stages(const Args& a, const Tables& t);
+// (NC, H, P, N), the transient S_c), states, y (undefined without z)}. `plan` forces parts of the
+// forward plan, comma-separated: fused_pass, pipelined, three_kernel (the state path), group_scan,
+// head_scan (the chunk scan); empty keeps the plan's own choice; a part these shapes cannot run, or
+// an unknown name, is a ValueError.
+std::vector<at::Tensor> forward_stages(const Args& a, const Tables& t, std::string_view plan);
 
 // (ssd_fused.cpp) Args / Tables from ssd_tree_scan's arguments (z (1, T, H, P) and initial_state
 // (1, H, P, N) squeezed), and the test-only op ssd_fused_stages (same arguments as ssd_tree_scan;
@@ -108,6 +112,7 @@ std::pair<Args, Tables> bind(const at::Tensor& x, const at::Tensor& dt, const at
 std::vector<at::Tensor> stages_op(const at::Tensor& x, const at::Tensor& dt, const at::Tensor& B, const at::Tensor& C,
                                   TREE_RECURRENCE_CHUNK_TABLE_PARAMS, const std::optional<at::Tensor>& initial_state,
                                   const at::Tensor& A, at::ArrayRef<double> dt_limit, const std::optional<at::Tensor>& D,
-                                  const std::optional<at::Tensor>& dt_bias, bool dt_softplus, const std::optional<at::Tensor>& z);
+                                  const std::optional<at::Tensor>& dt_bias, bool dt_softplus, const std::optional<at::Tensor>& z,
+                                  c10::string_view plan);
 
 }  // namespace tree_recurrence::ssd::fused

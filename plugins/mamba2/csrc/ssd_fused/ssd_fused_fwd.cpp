@@ -1,26 +1,21 @@
 // fused::forward (ssd_fused.h): the fused SSD forward's launches (kernels/params.h) on the current
-// stream, no host sync (the host level_offsets drive the per-level loops).
-//   default: chunk state + tree state pass in one kernel per level (ssd_chunk_state_pass_fwd.cu, the
-//            fp32 chunk states never reach memory), then the chunk scan, when the segments average
-//            <= 64 chunks (fused_pass_enabled); else, or with TREE_RECURRENCE_SSD_FWD_FUSED_PASS=0,
-//            the pipelined chunk-state scan (ssd_chunk_state_scan_fwd.cu, chunk 64: dt / Lam, then per
-//            level one kernel computing each S_c and the states with chunk c + 2's rows in flight; no
-//            fp32 chunk_states), bitwise equal to the three-kernel path (chunk state -> fp32
-//            chunk_states -> state pass -> chunk scan), which runs for chunks 128 / 256 or with
-//            TREE_RECURRENCE_SSD_FWD_PIPELINED=0; TREE_RECURRENCE_SSD_FWD_FUSED_PASS=1 forces the fused
-//            pass. The three-kernel path's state pass loads 4 chunks ahead;
-//            TREE_RECURRENCE_SSD_FWD_STATE_PASS=v1 one at a time (the previous kernel, until the GPU
-//            confirms; same arithmetic).
-//   chunk scan: v4 (ssd_chunk_scan_v4_fwd.cu: v3's blocks with 8 warps, the epilogue on the
-//            fragments) where ssd_chunk_scan_v4_supported holds, else v3 (ssd_chunk_scan_group_fwd.cu:
-//            per (chunk, group, head slice), C B^T once, the heads' state / x / z double-buffered) where
-//            ssd_chunk_scan_v3_supported holds (chunk 64, P <= 64), else v2 (ssd_chunk_scan_fwd.cu: per
-//            (chunk, tile, head), head-fastest grid, every shape); TREE_RECURRENCE_SSD_FWD_SCAN=v3
-//            forces v3 where supported (the fallback until the GPU confirms v4), =v2 forces v2 (same
-//            arithmetic in all three, expected bitwise equal).
+// stream, no host sync (the host level_offsets drive the per-level loops). One kernel plan per call
+// (kernels::fwd_plan, from the shapes only):
+//   the states entering each chunk: the fused chunk-state + state pass (ssd_chunk_state_pass_fwd.cu,
+//     the fp32 chunk states never reach memory) where the segments average <= 64 chunks
+//     (fused_passes_suit); else at chunk 64 the pipelined chunk-state scan (ssd_chunk_state_scan_fwd.cu:
+//     dt / Lam, then per level one kernel computing each S_c and the states with chunk c + 2's rows in
+//     flight; no fp32 chunk_states); else (chunk 128 / 256) the three-kernel path's chunk state
+//     (ssd_chunk_state_fwd.cu: fp32 chunk_states) and state pass (ssd_state_pass_fwd.cu). The
+//     pipelined scan and the three-kernel path give bitwise equal dt, Lam, states and workspace.
+//   the chunk scan: the grouped kernel (ssd_chunk_scan_group_fwd.cu: per (chunk, group, head slice),
+//     C B^T once, the heads double-buffered) where ssd_chunk_scan_group_supported holds (chunk 64,
+//     P <= 64, its shared memory), else the per-head kernel (ssd_chunk_scan_fwd.cu, every shape);
+//     bitwise equal outputs.
 // forward_stages (tests) also runs the chunk-state kernel, for the transient chunk_states stage; with
-// the fused pass or the pipelined scan, dt / Lam / states then come from that kernel (which rewrites
-// the same dt / Lam).
+// the fused pass or the pipelined scan, dt / Lam / states then come from that path's kernel (which
+// rewrites the same dt / Lam). Its plan argument forces a state path and / or a chunk scan where the
+// shapes take it, so the tests compare the variants bitwise in one process.
 #include "ssd_fused.h"
 #include "tree_recurrence/sdk/check.h"
 
@@ -28,8 +23,7 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
-#include <string>
+#include <string_view>
 
 #ifdef TREE_RECURRENCE_WITH_CUDA
 #include <c10/cuda/CUDAGuard.h>
@@ -63,52 +57,49 @@ const int64_t* table(const at::Tensor& t, const at::Tensor& x, const char* name)
                     t.device());
   return t.data_ptr<int64_t>();
 }
+
+// The plan with the parts `force` names replaced: comma-separated names among "fused_pass",
+// "pipelined", "three_kernel" (the state path) and "group_scan", "head_scan" (the chunk scan); ""
+// keeps the forward's own plan. A forced kernel these shapes do not take is refused.
+kernels::FwdPlan forced(kernels::FwdPlan plan, std::string_view force, const kernels::FwdParams& p) {
+  using kernels::ScanKernel;
+  using kernels::StatePath;
+  while (!force.empty()) {
+    const size_t comma = force.find(',');
+    const std::string_view name = force.substr(0, comma);
+    force = comma == std::string_view::npos ? std::string_view() : force.substr(comma + 1);
+    if (name == "fused_pass") {
+      plan.path = StatePath::FusedPass;
+    } else if (name == "three_kernel") {
+      plan.path = StatePath::ThreeKernel;
+    } else if (name == "pipelined") {
+      TR_CHECK_VALUE(kernels::ssd_chunk_state_scan_supported(p),
+                     "ssd_fused_stages: the pipelined chunk-state scan does not take this call (chunk 64 only), chunk ",
+                     p.chunk);
+      plan.path = StatePath::Pipelined;
+    } else if (name == "group_scan") {
+      TR_CHECK_VALUE(kernels::ssd_chunk_scan_group_supported(p), "ssd_fused_stages: the grouped chunk scan does not ",
+                     "take chunk ", p.chunk, ", head_dim ", p.head_dim, ", state ", p.state_dim);
+      plan.scan = ScanKernel::Grouped;
+    } else if (name == "head_scan") {
+      plan.scan = ScanKernel::PerHead;
+    } else {
+      TR_CHECK_VALUE(false, "ssd_fused_stages: unknown plan part '", name,
+                     "' (fused_pass, pipelined, three_kernel, group_scan, head_scan)");
+    }
+  }
+  return plan;
+}
 #endif
 
-// The fused pass walks a segment's chunks in order with a matmul per step (~2 us each), the
-// three-kernel path computes every chunk state in parallel and then walks them elementwise: on few,
-// long segments (one 49k-token row: 768 chunks in a row) the latter is faster. Auto (unset): fused
-// when the segments average at most 64 chunks (host counts only: NC and S); "1" always, "0" never.
-bool fused_pass_enabled(int64_t num_chunks, int64_t num_segments) {
-  const char* v = std::getenv("TREE_RECURRENCE_SSD_FWD_FUSED_PASS");
-  if (v && std::string(v) == "0") return false;
-  if (v && std::string(v) == "1") return true;
-  return fused_passes_suit(num_chunks, num_segments);
-}
-
-// TREE_RECURRENCE_SSD_FWD_SCAN: "v2" the per-head v2 kernel everywhere; "v3" v3 where it is
-// supported, else v2; anything else (unset) v4 where it is supported, else v3, else v2. Read per
-// forward, as TREE_RECURRENCE_SSD_FWD_FUSED_PASS is (the GPU tests switch it in-process; one getenv
-// per forward).
-enum class Scan { Default, V3, V2 };
-Scan scan_forced() {
-  const char* v = std::getenv("TREE_RECURRENCE_SSD_FWD_SCAN");
-  if (v && std::string(v) == "v2") return Scan::V2;
-  if (v && std::string(v) == "v3") return Scan::V3;
-  return Scan::Default;
-}
-
-// TREE_RECURRENCE_SSD_FWD_PIPELINED: "0" the three-kernel path where the fused pass does not run; else
-// the pipelined chunk-state scan where it is supported (chunk 64). Read per forward (the GPU tests
-// compare both paths in-process).
-bool pipelined_enabled() {
-  const char* v = std::getenv("TREE_RECURRENCE_SSD_FWD_PIPELINED");
-  return !(v && std::string(v) == "0");
-}
-
-// TREE_RECURRENCE_SSD_FWD_STATE_PASS: "v1" the state pass one chunk at a time; else 4 chunks ahead.
-bool state_pass_ahead() {
-  const char* v = std::getenv("TREE_RECURRENCE_SSD_FWD_STATE_PASS");
-  return !(v && std::string(v) == "v1");
-}
-
-// with_chunk_states: also compute the transient fp32 chunk states (forward_stages).
-Stages run(const Args& a, const Tables& t, bool with_chunk_states, bool save_y) {
+// with_chunk_states: also compute the transient fp32 chunk states (forward_stages); force: forced().
+Stages run(const Args& a, const Tables& t, bool with_chunk_states, bool save_y, std::string_view force) {
 #ifndef TREE_RECURRENCE_WITH_CUDA
   (void)a;
   (void)t;
   (void)with_chunk_states;
   (void)save_y;
+  (void)force;
   TR_CHECK(false, "fused SSD forward: this build has no CUDA kernels");
 #else
   const c10::cuda::CUDAGuard guard(a.x.device());
@@ -119,7 +110,6 @@ Stages run(const Args& a, const Tables& t, bool with_chunk_states, bool save_y) 
   const at::Tensor x = dense(a.x), B = dense(a.B), C = dense(a.C);
   const int64_t T = x.size(0), H = x.size(1), P = x.size(2), G = B.size(1), N = B.size(2);
   const int64_t NC = t.gather.size(0), L = t.gather.size(1), S = t.parents.size(0);
-  // (no numbers in the message: see docs/kernels.md, the crash on a thrown error that formats one)
   TR_CHECK_VALUE(G > 0 && H % G == 0, "fused SSD forward: the heads must be a multiple of the groups");
   TR_CHECK_VALUE(kernels::fwd_shape_supported(L, P, N), "fused SSD forward: chunk ", L, ", head_dim ", P, ", state ", N,
                     " outside the kernels' range (chunk 64/128/256; head_dim, state multiples of 8, <= 128, <= 256)");
@@ -165,7 +155,6 @@ Stages run(const Args& a, const Tables& t, bool with_chunk_states, bool save_y) 
   p.dt_min = static_cast<float>(a.dt_min), p.dt_max = static_cast<float>(a.dt_max);
   p.initial_state = a.initial_state ? h0.data_ptr<float>() : nullptr;
   p.initial_per_root = per_root;
-  p.state_pass_ahead = state_pass_ahead();
   p.gather = table(t.gather, x, "gather");
   p.seg_chunk_offsets = table(t.seg_chunk_offsets, x, "seg_chunk_offsets");
   p.parents = table(t.parents, x, "parents");
@@ -180,11 +169,11 @@ Stages run(const Args& a, const Tables& t, bool with_chunk_states, bool save_y) 
   p.workspace = workspace.data_ptr<float>();
   p.y = a.z && save_y ? o.y.data_ptr() : nullptr;
   p.out = o.out.data_ptr();
-  // the route, from the filled parameters (the pipelined scan's support: shapes, x / B / dt / Lam aligned);
-  // the fp32 chunk states exist only for the three-kernel path and the stages op
-  const bool fused_pass = fused_pass_enabled(NC, S);
-  const bool pipelined = !fused_pass && pipelined_enabled() && kernels::ssd_chunk_state_scan_supported(p);
-  const bool chunk_state_kernel = (!fused_pass && !pipelined) || with_chunk_states;
+  // the plan, from the filled parameters (the pipelined scan's and the grouped scan's support: shapes,
+  // z's type, x / B / dt / Lam / z / y / out aligned); the fp32 chunk states exist only for the
+  // three-kernel path and the stages op
+  const kernels::FwdPlan plan = forced(kernels::fwd_plan(p), force, p);
+  const bool chunk_state_kernel = plan.path == kernels::StatePath::ThreeKernel || with_chunk_states;
   if (chunk_state_kernel) {
     o.chunk_states = at::empty({NC, H, P, N}, f32);
     p.chunk_states = o.chunk_states.data_ptr<float>();
@@ -192,32 +181,52 @@ Stages run(const Args& a, const Tables& t, bool with_chunk_states, bool save_y) 
 
   void* stream = c10::cuda::getCurrentCUDAStream().stream();
   if (chunk_state_kernel) check_launch(kernels::ssd_chunk_state_fwd(p, stream), "chunk state");
-  if (fused_pass)
-    check_launch(kernels::ssd_chunk_state_pass_fwd(p, stream), "fused chunk state + state pass");
-  else if (pipelined)  // (after the chunk-state kernel in forward_stages: rewrites the same dt / Lam)
-    check_launch(kernels::ssd_chunk_state_scan_fwd(p, stream), "pipelined chunk state scan");
+  switch (plan.path) {
+    case kernels::StatePath::FusedPass:
+      check_launch(kernels::ssd_chunk_state_pass_fwd(p, stream), "fused chunk state + state pass");
+      break;
+    case kernels::StatePath::Pipelined:  // (after the chunk-state kernel in forward_stages: rewrites the same dt / Lam)
+      check_launch(kernels::ssd_chunk_state_scan_fwd(p, stream), "pipelined chunk state scan");
+      break;
+    case kernels::StatePath::ThreeKernel:
+      check_launch(kernels::ssd_state_pass_fwd(p, stream), "state pass");
+      break;
+  }
+  if (plan.scan == kernels::ScanKernel::Grouped)
+    check_launch(kernels::ssd_chunk_scan_group_fwd(p, stream), "grouped chunk scan");
   else
-    check_launch(kernels::ssd_state_pass_fwd(p, stream), "state pass");
-  const Scan scan = scan_forced();
-  if (scan == Scan::Default && kernels::ssd_chunk_scan_v4_supported(p))
-    check_launch(kernels::ssd_chunk_scan_fwd_v4(p, stream), "chunk scan (v4)");
-  else if (scan != Scan::V2 && kernels::ssd_chunk_scan_v3_supported(p))
-    check_launch(kernels::ssd_chunk_scan_fwd_v3(p, stream), "chunk scan (v3)");
-  else
-    check_launch(kernels::ssd_chunk_scan_fwd_v2(p, stream), "chunk scan (v2)");
+    check_launch(kernels::ssd_chunk_scan_fwd(p, stream), "chunk scan");
   return o;
 #endif
 }
 
 }  // namespace
 
+#ifdef TREE_RECURRENCE_WITH_CUDA
+namespace kernels {
+
+FwdPlan fwd_plan(const FwdParams& p) {
+  FwdPlan plan;
+  if (fused_passes_suit(p.num_chunks, p.num_segments))
+    plan.path = StatePath::FusedPass;
+  else if (ssd_chunk_state_scan_supported(p))
+    plan.path = StatePath::Pipelined;
+  else
+    plan.path = StatePath::ThreeKernel;
+  plan.scan = ssd_chunk_scan_group_supported(p) ? ScanKernel::Grouped : ScanKernel::PerHead;
+  return plan;
+}
+
+}  // namespace kernels
+#endif
+
 std::pair<at::Tensor, Saved> forward(const Args& a, const Tables& t, bool save_y) {
-  Stages o = run(a, t, /*with_chunk_states=*/false, save_y);
+  Stages o = run(a, t, /*with_chunk_states=*/false, save_y, /*force=*/{});
   return {o.out, Saved{o.dt, o.Lam, o.states, o.y}};
 }
 
-std::vector<at::Tensor> forward_stages(const Args& a, const Tables& t) {
-  Stages o = run(a, t, /*with_chunk_states=*/true, /*save_y=*/true);
+std::vector<at::Tensor> forward_stages(const Args& a, const Tables& t, std::string_view plan) {
+  Stages o = run(a, t, /*with_chunk_states=*/true, /*save_y=*/true, plan);
   return {o.out, o.dt, o.Lam, o.chunk_states, o.states, o.y};
 }
 

@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from tree_recurrence.stand_ins import delta_rule, delta_rule_layout
+from tree_recurrence.sdk import delta_rule, delta_rule_layout
 
 __all__ = ["chunk_kda"]
 

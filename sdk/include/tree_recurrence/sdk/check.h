@@ -9,7 +9,7 @@
 // Why not TORCH_CHECK itself: on the GPU machine's build (Ubuntu 24.04, g++ 13.3, the libstdc++ of
 // GCC 14, torch 2.11 wheels) a message that inserted a number into c10::str's std::ostringstream from our
 // plugin libraries ended the process with SIGSEGV instead of raising, while string-only messages raised
-// (benchmarks/gpu/diag_throw.py, benchmarks/gpu/diag_abi.sh; docs/kernels.md). Here a message is one
+// (docs/kernels.md, "Errors on the CUDA paths"). Here a message is one
 // std::string built with std::to_string / snprintf and handed to TORCH_CHECK as its only argument, which
 // c10 passes through without an ostream. Like TORCH_CHECK, nothing is formatted unless the check fails.
 #include <c10/core/Device.h>

@@ -11,7 +11,8 @@
 //            + [i == L] (exp(G_last) <h, dS> + sum_{j != L} T_j)
 //   L = the chunk's last row holding a token (C - 1 when none; pad rows have g = 0, so G_L = G_last
 //   and T_L = exp(0) <..> is the exactly cancelling term left out).
-// dq^, dk^ (fp32, chunk-major per value head) and dG go to workspaces; (c) adds the WY terms.
+// dq^ (fp32, chunk-major, summed per key head), dk^ (fp32, chunk-major per value head) and dG go to
+// workspaces; (c) adds the WY terms.
 #include "common_bwd.cuh"
 
 namespace tree_recurrence::gdn::fused::kernels {
@@ -19,9 +20,7 @@ namespace bwd {
 namespace {
 
 // 16 warps per CTA, two CTAs per SM (112,480 B of shared memory at K = V = 128); the kernel
-// (dqk_kernel_v3, "version 3") follows its tile helpers. (Version 1, one max(K, C) x V state buffer
-// with v_new loaded twice and dS read twice, was deleted after version 3 passed its GPU runs against it
-// and the float64 twin; version 2, a persistent one-CTA-per-SM kernel, measured slower and was removed.)
+// (dqk_kernel) follows its tile helpers.
 constexpr int kDqkWarps = kTileWarps;  // one C x C tile of dP / D per warp
 constexpr int kDqkThreads = kTileThreads;
 
@@ -119,9 +118,9 @@ __device__ __forceinline__ void dqk_store(const FragC (&acc)[1][2], float* out, 
             make_float2(acc[0][nt].x[2 * eh], acc[0][nt].x[2 * eh + 1]);
     }
 }
-// dqk_store of dq^, or (sum 1) 0 + acc, (sum 2) out + acc: dq^ summed over the value heads of a key head,
-// element by element (each element read and written by this lane only).
-__device__ __forceinline__ void dqk_store_sum(const FragC (&acc)[1][2], float* out, int K, int r0, int c0, int sum) {
+// dqk_store of 0 + acc (first value head of the key head) or out + acc (the next ones): dq^ summed over the
+// value heads of a key head, element by element (each element read and written by this lane only).
+__device__ __forceinline__ void dqk_store_sum(const FragC (&acc)[1][2], float* out, int K, int r0, int c0, bool add) {
 #pragma unroll
   for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
@@ -130,12 +129,8 @@ __device__ __forceinline__ void dqk_store_sum(const FragC (&acc)[1][2], float* o
       if (col < K) {
         float2* o = reinterpret_cast<float2*>(out + static_cast<int64_t>(i) * K + col);
         const float x = acc[0][nt].x[2 * eh], y = acc[0][nt].x[2 * eh + 1];
-        if (sum == 0) {
-          *o = make_float2(x, y);
-        } else {
-          const float2 prev = sum == 2 ? *o : make_float2(0.f, 0.f);
-          *o = make_float2(prev.x + x, prev.y + y);
-        }
+        const float2 prev = add ? *o : make_float2(0.f, 0.f);
+        *o = make_float2(prev.x + x, prev.y + y);
       }
     }
 }
@@ -155,10 +150,8 @@ __device__ __forceinline__ void dqk_scale_rowdot(FragC (&acc)[1][2], Scale rowsc
   tile_rowdot_store(s[0], s[1], part, r0, c0);
 }
 
-// ---- Version 3 --------------------------------------------------------------------------------
-// The (NC, HV) grid (read head-fastest), CTA (16 warps, 2 CTA/SM, 112,480 B at K = V = 128),
-// tile work split and math of version 1 (deleted; dq^, dk^ and the
-// row parts of dG were bit for bit the same; <h, dS> is summed in another fixed order), with the loads
+// ---- One (chunk, value head) ---------------------------------------------------------------------
+// CTA of 16 warps (2 CTA/SM, 112,480 B at K = V = 128), one 16 x 16 tile per warp, with the loads
 // issued as soon as a buffer frees so that each one overlaps the MMAs before its first use. The
 // K x V states travel in two 64-row halves (K <= 64: one), through two C x V buffers:
 //   A:  dO (dP, dq^)                                  -> v_new (dk^)
@@ -168,24 +161,23 @@ __device__ __forceinline__ void dqk_scale_rowdot(FragC (&acc)[1][2], Scale rowsc
 // MMAs of half 0) g5 dS0 | (after those of the last half) g6 v_new, g7 dS1. <h, dS> from smem: each
 // thread keeps its 16 elements of an h half (the second half's last 8 in an 8 KB smem stash, which
 // keeps ptxas at 64 registers without spills) until the dS half replaces it. exp(G_i)
-// and exp(G_last - G_j) once per row (the same expf of the same value as version 1's per element).
-// dq^ / dk^ stored as float2; the grid taken head-fastest (below). No second dS read from global
+// and exp(G_last - G_j) once per row. dq^ / dk^ stored as float2. No second dS read from global
 // memory, no load waited on with nothing in flight but the first (dO, v_new) and, partly, v_new's reload.
 constexpr int kDqkHalf = 64;  // rows of a state half
-static_assert(kDqkHalf == C && (kDqkHalf / 16) * (kDqkHalf / 16) == kDqkWarps, "dqk v3: one 16 x 16 tile per warp and half");
+static_assert(kDqkHalf == C && (kDqkHalf / 16) * (kDqkHalf / 16) == kDqkWarps, "dqk: one 16 x 16 tile per warp and half");
 constexpr int kDqkHdsRegs = kDqkHalf * (kBwdMaxDim / 8) / kDqkThreads;  // uint4 of an h half per thread (2)
-static_assert(kDqkHalf * (kBwdMaxDim / 8) % kDqkThreads == 0, "dqk v3: <h, dS> registers");
+static_assert(kDqkHalf * (kBwdMaxDim / 8) % kDqkThreads == 0, "dqk: <h, dS> registers");
 
 // Rows kb.. of a K x V state (h or dS) into a half buffer: min(64, K - kb) rows, zero rows up to
 // min(64, Kp - kb).
 template <typename T>
-__device__ __forceinline__ void dqk3_state_half(T* dst, int ldv, const T* src, int hf, int K, int Kp, int V, int Vp) {
+__device__ __forceinline__ void dqk_state_half(T* dst, int ldv, const T* src, int hf, int K, int Kp, int V, int Vp) {
   const int kb = hf * kDqkHalf;
   async_matrix<T>(dst, ldv, src + static_cast<int64_t>(kb) * V, min(kDqkHalf, K - kb), min(kDqkHalf, Kp - kb), V, Vp);
 }
 // This thread's uint4 of a half buffer in <h, dS>'s order (idx = tid, tid + 512).
 template <typename T>
-__device__ __forceinline__ void dqk3_grab(uint4 (&r)[kDqkHdsRegs], const T* buf, int ldv, int rows_p, int Vp) {
+__device__ __forceinline__ void dqk_grab(uint4 (&r)[kDqkHdsRegs], const T* buf, int ldv, int rows_p, int Vp) {
   const int per_row = Vp / 8;
 #pragma unroll
   for (int m = 0; m < kDqkHdsRegs; ++m) {
@@ -195,7 +187,7 @@ __device__ __forceinline__ void dqk3_grab(uint4 (&r)[kDqkHdsRegs], const T* buf,
   }
 }
 template <typename T>
-__device__ __forceinline__ float dqk3_dot(const uint4 (&a)[kDqkHdsRegs], const uint4 (&b)[kDqkHdsRegs], float s) {
+__device__ __forceinline__ float dqk_dot(const uint4 (&a)[kDqkHdsRegs], const uint4 (&b)[kDqkHdsRegs], float s) {
 #pragma unroll
   for (int m = 0; m < kDqkHdsRegs; ++m) {
     const T* x = reinterpret_cast<const T*>(&a[m]);
@@ -205,11 +197,11 @@ __device__ __forceinline__ float dqk3_dot(const uint4 (&a)[kDqkHdsRegs], const u
   }
   return s;
 }
-// One (chunk c, value head: ch = c * HV + hv, of key head hk) of version 3. dq_out: the C x K dq^ tile to
-// write (dq_sum 0: dq^; 1: 0 + dq^; 2: the value there + dq^, read and written by the same thread).
+// One (chunk c, value head: ch = c * HV + hv, of key head hk). dq_out: the C x K dq^ tile of the key head
+// (dq_add false: 0 + dq^; true: the value there + dq^, read and written by the same thread).
 template <typename T>
-__device__ __forceinline__ void dqk_v3_head(const GdnBwdParams& p, char* smem_raw, int64_t ch, int64_t c, int64_t hk,
-                                            float* dq_out, int dq_sum) {
+__device__ __forceinline__ void dqk_head(const GdnBwdParams& p, char* smem_raw, int64_t ch, int64_t c, int64_t hk,
+                                         float* dq_out, bool dq_add) {
   const int64_t HK = p.hk;
   const int K = static_cast<int>(p.k_dim), V = static_cast<int>(p.v_dim);
   const int Kp = round16(K), Vp = round16(V), ldk = pitch_of(Kp), ldv = pitch_of(Vp);
@@ -239,16 +231,14 @@ __device__ __forceinline__ void dqk_v3_head(const GdnBwdParams& p, char* smem_ra
   const T* vn_g = static_cast<const T*>(p.v_new) + ch * C * V;
   const T* h_g = static_cast<const T*>(p.h) + ch * static_cast<int64_t>(K) * V;
   const T* dS_g = static_cast<const T*>(p.grad_state_out) + ch * static_cast<int64_t>(K) * V;
-  if (p.do_c)  // g1: A = dO (chunk-major copy, or at the tokens: the same tile, pads zero)
-    async_matrix<T>(A, ldv, static_cast<const T*>(p.do_c) + ch * C * V, C, C, V, Vp);
-  else
-    async_token_rows<T>(A, ldv, static_cast<const T*>(p.grad_o), tok, p.hv, ch - c * p.hv, V, Vp);
+  // g1: A = dO (at the tokens, pads zero)
+  async_token_rows<T>(A, ldv, static_cast<const T*>(p.grad_o), tok, p.hv, ch - c * p.hv, V, Vp);
   async_matrix<T>(B0, ldv, vn_g, C, C, V, Vp);                                         //     B0 = v_new
   mma::cp_async_commit();
   async_token_rows<T>(qh, ldk, static_cast<const T*>(p.q), tok, HK, hk, K, Kp);  // g2
   async_token_rows<T>(kh, ldk, static_cast<const T*>(p.k), tok, HK, hk, K, Kp);
   mma::cp_async_commit();
-  dqk3_state_half<T>(B1, ldv, h_g, 0, K, Kp, V, Vp);  // g3: B1 = h rows 0..63
+  dqk_state_half<T>(B1, ldv, h_g, 0, K, Kp, V, Vp);  // g3: B1 = h rows 0..63
   mma::cp_async_commit();
   const float g_last = G[C - 1];
   if (threadIdx.x < C)
@@ -264,7 +254,7 @@ __device__ __forceinline__ void dqk_v3_head(const GdnBwdParams& p, char* smem_ra
   dp_tile<T>(dpf, A, ldv, B0, ldv, dP, G, dr0, dc0, Vp);
   __syncthreads();  // every warp is done with B0 = v_new
   if (two) {
-    dqk3_state_half<T>(B0, ldv, h_g, 1, K, Kp, V, Vp);  // g4: B0 = h rows 64..
+    dqk_state_half<T>(B0, ldv, h_g, 1, K, Kp, V, Vp);  // g4: B0 = h rows 64..
     mma::cp_async_commit();
     mma::cp_async_wait<2>();
   } else {
@@ -277,7 +267,7 @@ __device__ __forceinline__ void dqk_v3_head(const GdnBwdParams& p, char* smem_ra
   d_parts<T>(dpf, qh, kh, ldk, partD, dr0, dc0, Kp);
 
   // dq^ = exp(G) (dO h^T) + dP k^ by state half; partQ: <exp(G_i) (dO h^T)_i, q^_i>. Warp's tile:
-  // rows r0.., columns kb + cl.. (version 1's tiles of those columns).
+  // rows r0.., columns kb + cl..
   const int r0 = (warp / (kDqkHalf / 16)) * 16, cl = (warp % (kDqkHalf / 16)) * 16;
   float* dk_out = p.dk_hv + ch * C * K;
   uint4 hr0[kDqkHdsRegs], hr1[kDqkHdsRegs];
@@ -286,7 +276,7 @@ __device__ __forceinline__ void dqk_v3_head(const GdnBwdParams& p, char* smem_ra
   auto dq_finish = [&](FragC(&acc)[1][2], int c0) {
     dqk_scale_rowdot<T>(acc, [&](int i) { return eG[i]; }, qh, ldk, partQ, r0, c0);
     tile_mma<T, true, true>(acc, dP, kPitchC, kh, ldk, r0, c0, C / 16);
-    dqk_store_sum(acc, dq_out, K, r0, c0, dq_sum);
+    dqk_store_sum(acc, dq_out, K, r0, c0, dq_add);
   };
   {
     if (two)
@@ -298,9 +288,9 @@ __device__ __forceinline__ void dqk_v3_head(const GdnBwdParams& p, char* smem_ra
     FragC acc[1][2];
     zero(acc);
     if (act) tile_mma<T, true, false>(acc, A, ldv, B1, ldv, r0, cl, Vp / 16);
-    dqk3_grab<T>(hr0, B1, ldv, min(kDqkHalf, Kp), Vp);
+    dqk_grab<T>(hr0, B1, ldv, min(kDqkHalf, Kp), Vp);
     __syncthreads();  // every warp is done with B1 (and, with one half, with A)
-    dqk3_state_half<T>(B1, ldv, dS_g, 0, K, Kp, V, Vp);  // g5: B1 = dS rows 0..63
+    dqk_state_half<T>(B1, ldv, dS_g, 0, K, Kp, V, Vp);  // g5: B1 = dS rows 0..63
     mma::cp_async_commit();
     if (!two) {
       async_matrix<T>(A, ldv, vn_g, C, C, V, Vp);  // g6: A = v_new
@@ -315,13 +305,13 @@ __device__ __forceinline__ void dqk_v3_head(const GdnBwdParams& p, char* smem_ra
     const bool act = c0 < Kp;
     FragC acc[1][2];
     zero(acc);
-    dqk3_grab<T>(hr1, B0, ldv, rows_p1, Vp);
+    dqk_grab<T>(hr1, B0, ldv, rows_p1, Vp);
     hstash[threadIdx.x] = hr1[kDqkHdsRegs - 1];
     if (act) tile_mma<T, true, false>(acc, A, ldv, B0, ldv, r0, cl, Vp / 16);
     __syncthreads();  // every warp is done with A and B0
     async_matrix<T>(A, ldv, vn_g, C, C, V, Vp);  // g6: A = v_new
     mma::cp_async_commit();
-    dqk3_state_half<T>(B0, ldv, dS_g, 1, K, Kp, V, Vp);  // g7: B0 = dS rows 64..
+    dqk_state_half<T>(B0, ldv, dS_g, 1, K, Kp, V, Vp);  // g7: B0 = dS rows 64..
     mma::cp_async_commit();
     if (act) dq_finish(acc, c0);
   }
@@ -332,8 +322,8 @@ __device__ __forceinline__ void dqk_v3_head(const GdnBwdParams& p, char* smem_ra
     __syncthreads();  // v_new, the dS half
     const T* Sb = hf == 0 ? B1 : B0;
     uint4 sr[kDqkHdsRegs];
-    dqk3_grab<T>(sr, Sb, ldv, hf == 0 ? min(kDqkHalf, Kp) : rows_p1, Vp);
-    hds = dqk3_dot<T>(hr, sr, hds);
+    dqk_grab<T>(sr, Sb, ldv, hf == 0 ? min(kDqkHalf, Kp) : rows_p1, Vp);
+    hds = dqk_dot<T>(hr, sr, hds);
     const int c0 = hf * kDqkHalf + cl;
     if (c0 < Kp) {
       FragC acc[1][2];
@@ -358,27 +348,20 @@ __device__ __forceinline__ void dqk_v3_head(const GdnBwdParams& p, char* smem_ra
   dg_rows(p.dG + ch * C, partQ, partT, partD, *lastRow, Kp, g_last, hds_all);
 }
 
-// Version 3's kernel. p.dq_key_heads false: the (NC, HV) grid read head-fastest: block ch of the dispatch
-// order (x fastest) is (c, hv) = (ch / HV, ch % HV), so the value heads of a chunk run side by side (the
-// second reads q, k rows, rq, rk and the gather row from L2; the chunk-major h, dS, dO, v_new are read in
-// address order); dq^ per value head. p.dq_key_heads true: the (NC, HK) grid, block b = c * HK + hk, which
-// runs the value heads hk * G .. hk * G + G - 1 of its key head one after the other (the same per-head work
-// and order) and sums their dq^ into the (NC, HK, C, K) tile b in increasing head order, starting from 0
-// (bit for bit the finalize stage's group sum of the per-value-head path; no atomics).
-template <typename T, bool kKeyHeads>
-__global__ void __launch_bounds__(kDqkThreads, 2) dqk_kernel_v3(GdnBwdParams p) {
+// The (NC, HK) grid, block b = c * HK + hk (b from the dispatch order, x fastest), which runs the value
+// heads hk * G .. hk * G + G - 1 of its key head one after the other and sums their dq^ into the
+// (NC, HK, C, K) tile b in increasing head order, starting from 0 (no atomics). The value heads of a key
+// head share its q, k rows, rq, rk and the gather row; the chunk-major h, dS, v_new are read in address
+// order.
+template <typename T>
+__global__ void __launch_bounds__(kDqkThreads, 2) dqk_kernel(GdnBwdParams p) {
   extern __shared__ __align__(16) char smem_raw[];
   const int64_t b = static_cast<int64_t>(blockIdx.y) * gridDim.x + blockIdx.x;
-  if constexpr (!kKeyHeads) {
-    const int64_t HV = p.hv, c = b / HV, hk = (b - c * HV) / (HV / p.hk);  // b = ch = c * HV + hv
-    dqk_v3_head<T>(p, smem_raw, b, c, hk, p.dq_hv + b * C * p.k_dim, 0);
-  } else {
-    const int groups = static_cast<int>(p.hv / p.hk);
-    for (int gi = 0; gi < groups; ++gi) {
-      if (gi > 0) __syncthreads();  // the previous head's last reads of shared memory are done
-      const int64_t c = b / p.hk, hk = b - c * p.hk;
-      dqk_v3_head<T>(p, smem_raw, c * p.hv + hk * groups + gi, c, hk, p.dq_hv + b * C * p.k_dim, gi > 0 ? 2 : 1);
-    }
+  const int groups = static_cast<int>(p.hv / p.hk);
+  for (int gi = 0; gi < groups; ++gi) {
+    if (gi > 0) __syncthreads();  // the previous head's last reads of shared memory are done
+    const int64_t c = b / p.hk, hk = b - c * p.hk;
+    dqk_head<T>(p, smem_raw, c * p.hv + hk * groups + gi, c, hk, p.dq_hv + b * C * p.k_dim, gi > 0);
   }
 }
 
@@ -393,9 +376,7 @@ const char* gdn_bwd_dqk(const GdnBwdParams& p, void* stream) {
                        2 * smem_bytes<uint16_t>(kDqkHalf * ldv) + smem_bytes<uint16_t>(C * kPitchC) + 3 * smem_bytes<float>(C) +
                        3 * smem_bytes<float>(C * 8) + smem_bytes<int>(4) + smem_bytes<float>(kDqkWarps + 1) +
                        2 * smem_bytes<float>(C) + smem_bytes<int64_t>(C) + smem_bytes<uint4>(kDqkThreads);
-  if (!p.dq_key_heads)
-    return launch_chunks(dqk_kernel_v3<__nv_bfloat16, false>, dqk_kernel_v3<__half, false>, kDqkThreads, bytes, p, stream);
-  return launch_chunks(dqk_kernel_v3<__nv_bfloat16, true>, dqk_kernel_v3<__half, true>, kDqkThreads, bytes, p, stream,
+  return launch_chunks(dqk_kernel<__nv_bfloat16>, dqk_kernel<__half>, kDqkThreads, bytes, p, stream,
                        dim3(static_cast<unsigned>(p.num_chunks), static_cast<unsigned>(p.hk)));
 }
 

@@ -1,7 +1,7 @@
 // (a) of the fused GDN backward, per (chunk, value head), before the reverse state pass:
 //   dv_local_j = sum_{i >= j} exp(G_i - G_j) <q^_i, k^_j> dO_i   (Pt = (E * q^ k^T)^T, then Pt dO)
-//   q_g = exp(G) q^ in chunk-major layout (the pass reads it), and dO chunk-major (do_c) when asked
-//   (else the pass and (b) read grad_o at the tokens).
+//   q_g = exp(G) q^ in chunk-major layout (the pass reads it); dO is read at the tokens (grad_o
+//   through gather, pads zero).
 #include "common_bwd.cuh"
 
 namespace tree_recurrence::gdn::fused::kernels {
@@ -10,8 +10,8 @@ namespace {
 
 // 8 warps per CTA, about 53 KB of shared memory at K = V = 128 (4 CTAs per SM, <= 64 registers);
 // tiles by cp.async; Pt is computed into registers and, after a barrier, written over the dead
-// q^ / k^ rows; dv_local is staged in the dead dO rows and leaves with 16-byte stores, q_g and dO
-// 16 bytes at a time.
+// q^ / k^ rows; dv_local is staged in the dead dO rows and leaves with 16-byte stores, q_g 16 bytes
+// at a time.
 constexpr int kDvWarps = 8;
 constexpr int kDvThreads = kDvWarps * 32;
 
@@ -67,13 +67,6 @@ __global__ void __launch_bounds__(kDvThreads, 4) dv_local_kernel(GdnBwdParams p)
 #pragma unroll
       for (int m = 0; m < 8; ++m) e[m] = mma::Elem<T>::from_float(mma::Elem<T>::to_float(e[m]) * eg);
       *reinterpret_cast<uint4*>(qg + i * K + c8) = val;
-    }
-    if (p.do_c) {  // the chunk-major copy (TREE_RECURRENCE_GDN_BWD_DO_TOKENS=0; else the readers gather grad_o)
-      T* doc = static_cast<T*>(p.do_c) + ch * C * V;
-      for (int idx = threadIdx.x; idx < C * (V / 8); idx += blockDim.x) {
-        const int i = idx / (V / 8), c8 = (idx % (V / 8)) * 8;
-        *reinterpret_cast<uint4*>(doc + i * V + c8) = *reinterpret_cast<const uint4*>(dO + i * ldv + c8);
-      }
     }
   }
 

@@ -1,7 +1,7 @@
-// (d) of the fused GDN backward: dq, dk at the tokens. One warp per (token, key head): the value
-// heads of the key head summed in increasing order (no atomics; for q already done by (b) when
-// p.dq_key_heads, the same sum: dy = 0 + that), times scale for q, then
-// l2norm's backward (y = x r: dx = r (dy - y <y, dy>), the dot a fixed butterfly).
+// (d) of the fused GDN backward: dq, dk at the tokens. One warp per (token, key head): dk^ of the
+// value heads of the key head summed in increasing order (no atomics; dq^ comes summed per key head
+// from (b), in the same order: dy = 0 + that), times scale for q, then l2norm's backward (y = x r:
+// dx = r (dy - y <y, dy>), the dot a fixed butterfly).
 #include "common_bwd.cuh"
 
 namespace tree_recurrence::gdn::fused::kernels {
@@ -25,7 +25,7 @@ __global__ void __launch_bounds__(kThreads) finalize_kernel(GdnBwdParams p) {
   float dy[2][kBwdMaxDim / 32], y[2][kBwdMaxDim / 32], rr[2], dot[2];
 #pragma unroll
   for (int a = 0; a < 2; ++a) {
-    rr[a] = p.use_qk_l2norm ? r[a][t * HK + hk] : 1.f;
+    rr[a] = p.l2norm ? r[a][t * HK + hk] : 1.f;
 #pragma unroll
     for (int m = 0; m < kBwdMaxDim / 32; ++m) {
       const int col = lane + 32 * m;
@@ -33,19 +33,15 @@ __global__ void __launch_bounds__(kThreads) finalize_kernel(GdnBwdParams p) {
       y[a][m] = col < K ? mma::Elem<T>::to_float(x[a][(t * HK + hk) * K + col]) : 0.f;
     }
   }
-  for (int64_t gi = 0; gi < groups; ++gi) {  // value heads of the key head in increasing order
+  for (int64_t gi = 0; gi < groups; ++gi) {  // dk^: value heads of the key head in increasing order
     const int64_t base = ((c * HV + hk * groups + gi) * C + pos) * K;
 #pragma unroll
-    for (int a = 0; a < 2; ++a) {
-      if (a == 0 && p.dq_key_heads) continue;  // dq^ already summed per key head by (b)
-#pragma unroll
-      for (int m = 0; m < kBwdMaxDim / 32; ++m) {
-        const int col = lane + 32 * m;
-        if (col < K) dy[a][m] += dhv[a][base + col];
-      }
+    for (int m = 0; m < kBwdMaxDim / 32; ++m) {
+      const int col = lane + 32 * m;
+      if (col < K) dy[1][m] += dhv[1][base + col];
     }
   }
-  if (p.dq_key_heads) {  // dq^ of the key head: (NC, HK, C, K), the group sum (from 0, in order) of (b)
+  {  // dq^ of the key head: (NC, HK, C, K), the group sum (from 0, in order) of (b)
     const int64_t base = ((c * HK + hk) * C + pos) * K;
 #pragma unroll
     for (int m = 0; m < kBwdMaxDim / 32; ++m) {
@@ -74,7 +70,7 @@ __global__ void __launch_bounds__(kThreads) finalize_kernel(GdnBwdParams p) {
       const int col = lane + 32 * m;
       if (col < K)
         out[a][(t * HK + hk) * K + col] =
-            mma::Elem<T>::from_float(p.use_qk_l2norm ? rr[a] * (dy[a][m] - y[a][m] * dot[a]) : dy[a][m]);
+            mma::Elem<T>::from_float(p.l2norm ? rr[a] * (dy[a][m] - y[a][m] * dot[a]) : dy[a][m]);
     }
 }
 

@@ -1,5 +1,6 @@
-// Device helpers shared by prep_fwd.cu and out_fwd.cu (CUDA only, no ATen): the tile grid, the
-// gathered and the contiguous row copies (cp.async), the in-place l2norm of the rows (8-element packs: mma.cuh's).
+// Device helpers of prep_fwd.cu and out_fwd.cu (CUDA only, no ATen): the tile grid, the gathered
+// and the contiguous row copies (cp.async), the in-place l2norm of the rows (8-element packs), the
+// chunk-local cumsum of g and the per-row scalar loads, the launchers.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -7,8 +8,6 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 #include <type_traits>
 
 #include "params.h"
@@ -18,19 +17,7 @@ namespace tree_recurrence::gdn::fused::kernels {
 
 namespace mm = tree_recurrence::kernels::mma;
 
-using mm::pack8;  // mma.cuh's: 8 consecutive elements of T (one 16-byte word) <-> 8 floats
-using mm::unpack8;
-
-// The kernels' versions (template argument Ver; the host picks one per process, see launch_prep_fwd /
-// launch_out_fwd): 1 = the kernels as profiled on 2026-12-03 (kept selectable by
-// TREE_RECURRENCE_GDN_PREP_V1=1 / TREE_RECURRENCE_GDN_OUT_V1=1 until the GPU confirms version 2);
-// 2 = the same arithmetic in the same order (bit for bit the same results by construction) with
-// the 16-byte shared-memory rows read as one LDS.128 into registers (load8) instead of eight
-// 16-bit loads: mma.cuh's unpack8 takes a reference, so on a shared-memory row it compiled to 8
-// LDS.U16, 4 wavefronts each (16 threads of a row at a 16-byte stride), 12.6M scalar loads and
-// 37.7M excess wavefronts per kernel at the GRPO shape (ncu 2026-12-03).
-constexpr int kVerV1 = 1;
-constexpr int kVerV2 = 2;
+using mm::pack8;  // mma.cuh's: 8 floats -> 8 consecutive elements of T (one 16-byte word)
 
 // 8 elements of T packed in a 16-byte word held in registers -> 8 floats, by bit operations on the
 // words (the same values as Elem<T>::to_float: bf16 -> f32 is the 16-bit shift, exact; half ->
@@ -49,16 +36,13 @@ __device__ __forceinline__ void unpack8_reg(const uint4 raw, float (&f)[8]) {
     }
   }
 }
-// 8 consecutive elements at p (16-byte aligned, shared or global) -> 8 floats: Ver 2 one 16-byte
-// load into registers, Ver 1 mma.cuh's unpack8 on the reference (8 scalar loads).
-template <typename T, int Ver>
+// 8 consecutive elements at p (16-byte aligned, shared or global) -> 8 floats: one 16-byte load
+// into registers (one LDS.128 on a shared row; mma.cuh's unpack8 takes a reference, which compiles
+// to eight 16-bit loads there).
+template <typename T>
 __device__ __forceinline__ void load8(const T* p, float (&f)[8]) {
-  if constexpr (Ver >= kVerV2) {
-    const uint4 raw = *reinterpret_cast<const uint4*>(p);
-    unpack8_reg<T>(raw, f);
-  } else {
-    unpack8<T>(*reinterpret_cast<const uint4*>(p), f);
-  }
+  const uint4 raw = *reinterpret_cast<const uint4*>(p);
+  unpack8_reg<T>(raw, f);
 }
 
 // The (chunk, value head) tiles' grid, value head fastest (blockIdx.x = hv; chunk = tile_chunk()):
@@ -134,8 +118,8 @@ __device__ __forceinline__ void cp_tile_async(T* dst, int ld, const T* __restric
 // and out_fwd compute q^, k^ with this one function, so bit for bit alike): half a warp per row,
 // with `norms` the factor is rsqrt(sum x^2 + 1e-6) * mult (else mult); the norm factor is written
 // to norm_out[token * HK + hk] when norm_out is set. With write_back false the rows are only read
-// (for the norms). NWARPS = blockDim.x / 32. Ver: load8's (the same bits either way).
-template <typename T, int NWARPS, int Ver = kVerV1>
+// (for the norms). NWARPS = blockDim.x / 32.
+template <typename T, int NWARPS>
 __device__ __forceinline__ void scale_rows_smem(T* sX, int ld, const int64_t* sTok, int HK, int hk, bool norms, float mult,
                                                 float* __restrict__ norm_out, bool write_back) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, hl = lane & 15;
@@ -144,7 +128,7 @@ __device__ __forceinline__ void scale_rows_smem(T* sX, int ld, const int64_t* sT
     const int row = r0 + (lane >> 4);
     const int64_t tok = sTok[row];
     float f[8];
-    load8<T, Ver>(sX + row * ld + hl * 8, f);
+    load8<T>(sX + row * ld + hl * 8, f);
     float r = 1.f;
     if (norms) {
       float ss = 0.f;
@@ -187,6 +171,37 @@ __device__ __forceinline__ void lower_nt(mm::FragC (&acc)[8], const T* X, const 
 
 __device__ __forceinline__ float exp_nonpos(float x) { return expf(fminf(x, 0.f)); }
 
+// Thread 0: G = cumsum(g) over the chunk (sequential from registers: G is non-increasing exactly
+// for g <= 0), from graw into G (may be the same buffer); returns decay = exp(G_63).
+__device__ __forceinline__ float chunk_cumsum(const float* graw, float* G) {
+  float gr[kChunk];
+#pragma unroll
+  for (int i = 0; i < kChunk; i += 4) {
+    const float4 g4 = *reinterpret_cast<const float4*>(graw + i);
+    gr[i] = g4.x;
+    gr[i + 1] = g4.y;
+    gr[i + 2] = g4.z;
+    gr[i + 3] = g4.w;
+  }
+  float acc = 0.f;
+#pragma unroll
+  for (int i = 0; i < kChunk; ++i) {
+    acc += gr[i];
+    gr[i] = acc;
+  }
+#pragma unroll
+  for (int i = 0; i < kChunk; i += 4) *reinterpret_cast<float4*>(G + i) = make_float4(gr[i], gr[i + 1], gr[i + 2], gr[i + 3]);
+  return exp_nonpos(acc);
+}
+
+// Element i of a per-row scalar input (g, beta) of type t, widened to fp32 (exact).
+__device__ __forceinline__ float row_scalar(const void* x, tree_recurrence::kernels::DType t, int64_t i) {
+  using tree_recurrence::kernels::DType;
+  if (t == DType::BFloat16) return __bfloat162float(static_cast<const __nv_bfloat16*>(x)[i]);
+  if (t == DType::Float16) return __half2float(static_cast<const __half*>(x)[i]);
+  return static_cast<const float*>(x)[i];
+}
+
 inline const char* launch_error(cudaError_t e) { return e == cudaSuccess ? "" : cudaGetErrorString(e); }
 
 // Launches kernel(p) over tile_grid(p.num_chunks, p.value_heads) with `threads` threads and `smem`
@@ -213,41 +228,6 @@ inline const char* launch_checked(void (*bf16)(Params), void (*fp16)(Params), in
     return "gdn fused forward: chunks must be < 2^31, value heads <= 65535 and a multiple of key heads";
   if (p.num_chunks == 0) return "";
   return launch_tiles(p.in == InType::BFloat16 ? bf16 : fp16, threads, smem, p, static_cast<cudaStream_t>(cuda_stream));
-}
-
-// The stages' version switches, each read once per process: TREE_RECURRENCE_GDN_PREP_V1=1 /
-// TREE_RECURRENCE_GDN_OUT_V1=1 select version 1 (kVerV1) of prep_fwd_kernel / out_fwd_kernel,
-// otherwise version 2 (the same bits).
-enum class FwdStage { Prep = 0, Out = 1 };
-inline bool env_is_one(const char* name) {
-  const char* e = std::getenv(name);
-  return e != nullptr && std::strcmp(e, "1") == 0;
-}
-inline bool v1_selected(FwdStage stage) {
-  static const bool v1[2] = {env_is_one("TREE_RECURRENCE_GDN_PREP_V1"), env_is_one("TREE_RECURRENCE_GDN_OUT_V1")};
-  return v1[static_cast<int>(stage)];
-}
-
-template <typename T>
-struct TypeTag {
-  using type = T;
-};
-
-// A stage's entry with the kernel's version picked by the host: launch_checked of the bf16 / fp16
-// instances of version 1 (kVerV1) when v1, else of version 2 (kVerV2). kernel_of(TypeTag<T>{},
-// std::integral_constant<int, Ver>{}) names the instance (the stage's kernel<T, Ver>).
-template <typename KernelOf, typename Params>
-inline const char* launch_version(bool v1, KernelOf kernel_of, int threads, size_t smem, const Params& p,
-                                  void* cuda_stream) {
-  const TypeTag<__nv_bfloat16> bf16;
-  const TypeTag<__half> fp16;
-  const int bytes = static_cast<int>(smem);
-  if (v1) {
-    const std::integral_constant<int, kVerV1> ver;
-    return launch_checked(kernel_of(bf16, ver), kernel_of(fp16, ver), threads, bytes, p, cuda_stream);
-  }
-  const std::integral_constant<int, kVerV2> ver;
-  return launch_checked(kernel_of(bf16, ver), kernel_of(fp16, ver), threads, bytes, p, cuda_stream);
 }
 
 }  // namespace tree_recurrence::gdn::fused::kernels

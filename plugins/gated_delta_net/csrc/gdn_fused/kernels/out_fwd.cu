@@ -2,18 +2,15 @@
 // 256 threads (8 warps; warp w owns rows 16 (w % 4).. and output columns 64 (w / 4)..), 70 KB of
 // shared memory and at most 80 registers (3 blocks per SM, 24 warps); grid value head fastest
 // (tile_grid):
-//   rows 0..63 of h[c] (K x V), the q, k rows (through gather) in a first group of cp.async copies,
-//   v_new[c] (64 x V) in a second (zero-filled pad rows and columns); q^ = l2norm(q) scale,
-//   k^ = l2norm(k) in place (scale_rows_smem: bit for bit as prep_fwd computes them); rq, q's norm
-//   factors, by the hv % groups == 0 block of each key head;
+//   rows 0..63 of h[c] (K x V) and the q, k rows (through gather) in a first group of cp.async
+//   copies, rows 64..127 of h[c] in a second (zero-filled pad rows and columns); q^ = l2norm(q)
+//   scale, k^ = l2norm(k) in place (scale_rows_smem, 16-byte shared loads: bit for bit as prep_fwd
+//   computes them); rq, q's norm factors, by the hv % groups == 0 block of each key head;
 //   S = (q^ k^T) * exp(G_i - G_j) (j <= i; both warps of a row block compute it), rounded to the
-//   input type into four A fragments; the k rows are then dead and rows 64..127 of h are copied there
-//   while O = q^ h[0:64] runs; O += q^ h[64:128], O *= exp(G_i), O += S v_new (tensor cores, fp32
-//   acc); o is staged in the q rows (after a barrier) and written at the chunk's tokens with 16-byte
-//   stores. Version 2 (the default; TREE_RECURRENCE_GDN_OUT_V1=1 keeps version 1): 16-byte shared
-//   loads in the l2norm (fwd_common.cuh's load8), rows 64..127 of h in the second group (into the
-//   v_new buffer) and v_new into the dead k rows after S, so the late copy has all of q^ h to hide
-//   behind; the same products in the same order (bit for bit version 1's results).
+//   input type into four A fragments; the k rows are then dead and v_new[c] (64 x V) is copied there
+//   while O = q^ h runs (the late copy has all 8 k blocks of q^ h to hide behind); O *= exp(G_i),
+//   O += S v_new (tensor cores, fp32 acc); o is staged in the q rows (after a barrier) and written at
+//   the chunk's tokens with 16-byte stores.
 
 #include "fwd_common.cuh"
 
@@ -28,9 +25,9 @@ constexpr int kLdX = kMaxDim + 8;  // pitch of every tile (q, k, h, v_new, the o
 template <typename T>
 struct OutSmem {
   T q[kChunk * kLdX];   // q^, then the o staging
-  T k[kChunk * kLdX];   // k^, then rows 64.. of h (version 1) or v_new (version 2)
+  T k[kChunk * kLdX];   // k^, then v_new
   T h[kChunk * kLdX];   // rows 0..63 of h
-  T vn[kChunk * kLdX];  // v_new (version 1) or rows 64.. of h (version 2)
+  T hh[kChunk * kLdX];  // rows 64.. of h
   float G[kChunk];
   int64_t tok[kChunk];
 };
@@ -63,7 +60,7 @@ __device__ __forceinline__ void store_o_word(T* __restrict__ o, int64_t ldo, con
   if (t >= 0) *reinterpret_cast<uint4*>(o + t * ldo + c8 * 8) = *reinterpret_cast<const uint4*>(st + r * kLdX + c8 * 8);
 }
 
-template <typename T, int Ver>
+template <typename T>
 __global__ void __launch_bounds__(kThreads, 3) out_fwd_kernel(const OutParams p) {
   OutSmem<T>& s = *reinterpret_cast<OutSmem<T>*>(smem_raw);
   if (tile_chunk() >= p.num_chunks) return;
@@ -79,26 +76,17 @@ __global__ void __launch_bounds__(kThreads, 3) out_fwd_kernel(const OutParams p)
   const T* hp = static_cast<const T*>(p.h) + tile * static_cast<int64_t>(K) * V;
   const T* vnp = static_cast<const T*>(p.v_new) + tile * static_cast<int64_t>(kChunk) * V;
   const bool hi = kb16 > 4;
-  // Version 1: rows 64.. of h go to s.k once k^ is dead (after S), v_new to s.vn at the start.
-  // Version 2: the other way round: rows 64.. of h to s.vn at the start, v_new to s.k after S, so the
-  // copy issued late (v_new) is needed only after all of q^ h (8 k blocks of MMAs to hide it behind,
-  // not 4). The same products in the same order: the same bits.
-  constexpr bool kV2 = Ver >= kVerV2;
-  T* const h_hi = kV2 ? s.vn : s.k;  // h's row 64 at row 0
-  const T* const vn = kV2 ? s.k : s.vn;
+  T* const h_hi = s.hh;     // h's row 64 at row 0
+  const T* const vn = s.k;  // v_new, once k^ is dead (the copy issued late: needed only after all of q^ h)
 
-  // groups: (rows 0..63 of h, q, k), then v_new (version 2: rows 64.. of h)
+  // groups: (rows 0..63 of h, q, k), then rows 64.. of h
   cp_tile_async<kThreads>(s.h, kLdX, hp, 0, kb_lo * 16, K, V);
   ChunkRows<kThreads> rows;
   rows.load(p.gather + c * kChunk);
   rows.copy<T>(s.q, kLdX, static_cast<const T*>(p.q), HK, hk, K);
   rows.copy<T>(s.k, kLdX, static_cast<const T*>(p.k), HK, hk, K);
   mm::cp_async_commit();
-  if constexpr (kV2) {
-    if (hi) cp_tile_async<kThreads>(h_hi, kLdX, hp, 64, (kb16 - 4) * 16, K, V);
-  } else {
-    cp_tile_async<kThreads>(s.vn, kLdX, vnp, 0, kChunk, kChunk, V);
-  }
+  if (hi) cp_tile_async<kThreads>(h_hi, kLdX, hp, 64, (kb16 - 4) * 16, K, V);
   mm::cp_async_commit();
   if (tid < kChunk) {
     s.tok[tid] = p.gather[c * kChunk + tid];
@@ -106,9 +94,9 @@ __global__ void __launch_bounds__(kThreads, 3) out_fwd_kernel(const OutParams p)
   }
   mm::cp_async_wait<1>();  // h rows 0..63, q, k landed
   __syncthreads();
-  scale_rows_smem<T, kWarps, Ver>(s.q, kLdX, s.tok, HK, hk, p.use_qk_l2norm, p.scale, hv % groups == 0 ? p.rq : nullptr,
-                                  true);
-  scale_rows_smem<T, kWarps, Ver>(s.k, kLdX, s.tok, HK, hk, p.use_qk_l2norm, 1.f, nullptr, true);
+  scale_rows_smem<T, kWarps>(s.q, kLdX, s.tok, HK, hk, p.l2norm, p.scale, hv % groups == 0 ? p.rq : nullptr,
+                             true);
+  scale_rows_smem<T, kWarps>(s.k, kLdX, s.tok, HK, hk, p.l2norm, 1.f, nullptr, true);
   __syncthreads();
 
   // S on the blocks at or below the diagonal, gated, then rounded into A fragments
@@ -134,12 +122,8 @@ __global__ void __launch_bounds__(kThreads, 3) out_fwd_kernel(const OutParams p)
 #pragma unroll
     for (int kt = 0; kt < 4; ++kt) Sa[kt] = mm::c_to_a<T>(S[2 * kt], S[2 * kt + 1]);
   }
-  __syncthreads();  // every warp is done reading k^: rows 64.. of h (version 2: v_new) go there
-  if constexpr (kV2) {
-    cp_tile_async<kThreads>(s.k, kLdX, vnp, 0, kChunk, kChunk, V);
-  } else {
-    if (hi) cp_tile_async<kThreads>(h_hi, kLdX, hp, 64, (kb16 - 4) * 16, K, V);
-  }
+  __syncthreads();  // every warp is done reading k^: v_new goes there
+  cp_tile_async<kThreads>(s.k, kLdX, vnp, 0, kChunk, kChunk, V);
   mm::cp_async_commit();
 
   // O = q^ h, k blocks 0..3 from s.h while the last group flies, then 4.. from h_hi
@@ -147,15 +131,12 @@ __global__ void __launch_bounds__(kThreads, 3) out_fwd_kernel(const OutParams p)
 #pragma unroll
   for (int nt = 0; nt < 8; ++nt) O[nt].zero();
   if (vb16 > 0) q_times_h<T>(O, s.q, s.h, rw, v0, vb16, 0, kb_lo);
-  if constexpr (kV2) {
-    mm::cp_async_wait<1>();
-    __syncthreads();  // rows 64.. of h (the second group) visible to every warp; v_new may still fly
-    if (vb16 > 0) q_times_h<T>(O, s.q, h_hi, rw, v0, vb16, 4, kb16);
-  }
+  mm::cp_async_wait<1>();
+  __syncthreads();  // rows 64.. of h (the second group) visible to every warp; v_new may still fly
+  if (vb16 > 0) q_times_h<T>(O, s.q, h_hi, rw, v0, vb16, 4, kb16);
   mm::cp_async_wait<0>();
-  __syncthreads();  // rows 64.. of h and v_new visible to every warp
+  __syncthreads();  // v_new visible to every warp
   if (vb16 > 0) {
-    if constexpr (!kV2) q_times_h<T>(O, s.q, h_hi, rw, v0, vb16, 4, kb16);
     const float e0 = exp_nonpos(s.G[rw * 16 + mm::c_row(lane, 0)]);
     const float e1 = exp_nonpos(s.G[rw * 16 + mm::c_row(lane, 2)]);
 #pragma unroll
@@ -196,23 +177,19 @@ __global__ void __launch_bounds__(kThreads, 3) out_fwd_kernel(const OutParams p)
   T* o = static_cast<T*>(p.o) + static_cast<int64_t>(hv) * V + v0;  // token t's row at o + t HV V
   const int64_t ldo = static_cast<int64_t>(HV) * V;
   const int per_row = vt >> 3;
-  if constexpr (Ver >= kVerV2) {
-    if (per_row == kTileV / 8) {  // the full 64-column half: constant shifts, unrolled (same words, same lanes)
+  if (per_row == kTileV / 8) {  // the full 64-column half: constant shifts, unrolled (same words, same lanes)
 #pragma unroll
-      for (int i = lane; i < 16 * (kTileV / 8); i += 32) store_o_word(o, ldo, st, s.tok, rw * 16 + (i >> 3), i & 7);
-      return;
-    }
+    for (int i = lane; i < 16 * (kTileV / 8); i += 32) store_o_word(o, ldo, st, s.tok, rw * 16 + (i >> 3), i & 7);
+    return;
   }
   for (int i = lane; i < 16 * per_row; i += 32) store_o_word(o, ldo, st, s.tok, rw * 16 + i / per_row, i % per_row);
 }
 
 }  // namespace
 
-// TREE_RECURRENCE_GDN_OUT_V1=1 (read once per process): version 1 of the kernel (fwd_common.cuh's
-// kVerV1: the 16-bit scalar shared loads of the l2norm); otherwise version 2 (the same bits).
 const char* launch_out_fwd(const OutParams& p, void* cuda_stream) {
-  auto kernel = [](auto t, auto ver) { return out_fwd_kernel<typename decltype(t)::type, decltype(ver)::value>; };
-  return launch_version(v1_selected(FwdStage::Out), kernel, kThreads, sizeof(OutSmem<__half>), p, cuda_stream);
+  return launch_checked(out_fwd_kernel<__nv_bfloat16>, out_fwd_kernel<__half>, kThreads,
+                        static_cast<int>(sizeof(OutSmem<__half>)), p, cuda_stream);
 }
 
 }  // namespace tree_recurrence::gdn::fused::kernels

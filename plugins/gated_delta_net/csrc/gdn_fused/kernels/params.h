@@ -1,4 +1,4 @@
-// POD parameter blocks and launchers of the fused GDN forward kernels (issue 19): prep_fwd.cu and
+// POD parameter blocks and launchers of the fused GDN forward kernels: prep_fwd.cu and
 // out_fwd.cu. No ATen: the only header the .cu files share with gdn_fused_fwd.cpp. Math and buffer
 // layouts: ../gdn_fused.h. All pointers are device pointers to contiguous row-major arrays, 16-byte
 // aligned (q, k, v, and every in-type buffer); K and V are multiples of 8, 8..128.
@@ -27,7 +27,7 @@ struct PrepParams {
   int value_heads = 0;     // HV (multiple of HK)
   int k_dim = 0;           // K
   int v_dim = 0;           // V
-  bool use_qk_l2norm = true;
+  bool l2norm = true;      // q and k l2-normalised first (fused_host.h: set_scalars)
   InType in = InType::BFloat16;
 
   const int64_t* gather = nullptr;  // (NC, C)
@@ -61,7 +61,7 @@ struct OutParams {
   int k_dim = 0;
   int v_dim = 0;
   float scale = 1.f;
-  bool use_qk_l2norm = true;
+  bool l2norm = true;      // q and k l2-normalised first (fused_host.h: set_scalars)
   InType in = InType::BFloat16;
 
   const int64_t* gather = nullptr;  // (NC, C)

@@ -1,7 +1,6 @@
 // Stage 1 of the fused GDN forward (../gdn_fused.h, params.h): per (chunk, value head) one block of
 // 128 threads (4 warps, warp w owns rows 16w..16w+15), grid value head fastest (tile_grid), 54 KB of
-// shared memory (4 blocks per SM). ("Version 2": version 1, a column-wise forward substitution, and
-// version 3, 44.5 KB with w and u from Ainv rounded once, were deleted after GPU runs preferred this one.)
+// shared memory (4 blocks per SM).
 //   1. rows through gather: k, then v in two cp.async groups (zero-filled pad rows and columns; each
 //      thread reads its rows' tokens from gather itself, ChunkRows); then k^ = l2norm(k) in place, rk
 //      (q is not read: the out stage, which loads q anyway, writes rq);
@@ -97,17 +96,14 @@ __device__ __forceinline__ void stash_cols(T* dst, const mm::FragC (&acc)[16], i
 }
 
 // body(r, c8) for every 16-byte word (row r < 64, word c8 < per_row) of a 64-row tile, word i =
-// r per_row + c8 by thread i % kThreads. Ver 2 runs the full-width case (per_row 16, K or V = 128)
-// with constant shifts, unrolled (Ver 1: a runtime division per word in every case). Same words,
-// same threads, same values either way.
-template <int Ver, typename F>
+// r per_row + c8 by thread i % kThreads. The full-width case (per_row 16, K or V = 128) runs with
+// constant shifts, unrolled; the others with a division per word (the same words and threads).
+template <typename F>
 __device__ __forceinline__ void for_row_words(int per_row, F&& body) {
-  if constexpr (Ver >= kVerV2) {
-    if (per_row == kMaxDim / 8) {
+  if (per_row == kMaxDim / 8) {
 #pragma unroll
-      for (int i = threadIdx.x; i < kChunk * (kMaxDim / 8); i += kThreads) body(i >> 4, i & 15);
-      return;
-    }
+    for (int i = threadIdx.x; i < kChunk * (kMaxDim / 8); i += kThreads) body(i >> 4, i & 15);
+    return;
   }
   for (int i = threadIdx.x; i < kChunk * per_row; i += kThreads) {
     const int r = i / per_row, c8 = i - r * per_row;
@@ -117,66 +113,21 @@ __device__ __forceinline__ void for_row_words(int per_row, F&& body) {
 
 // 64 rows x ncols (multiple of 8) from shared (pitch kLdX) to global rows of pitch ncols, 16 bytes
 // per thread and step.
-template <typename T, int Ver>
+template <typename T>
 __device__ __forceinline__ void store_rows(T* __restrict__ dst, const T* src, int ncols) {
-  if constexpr (Ver == kVerV1) {  // version 1 as it was
-    const int per_row = ncols >> 3;
-    for (int i = threadIdx.x; i < kChunk * per_row; i += blockDim.x) {
-      const int r = i / per_row, c8 = i - r * per_row;
-      *reinterpret_cast<uint4*>(dst + static_cast<int64_t>(r) * ncols + c8 * 8) =
-          *reinterpret_cast<const uint4*>(src + r * kLdX + c8 * 8);
-    }
-    return;
-  }
-  for_row_words<Ver>(ncols >> 3, [&](int r, int c8) {
+  for_row_words(ncols >> 3, [&](int r, int c8) {
     *reinterpret_cast<uint4*>(dst + static_cast<int64_t>(r) * ncols + c8 * 8) =
         *reinterpret_cast<const uint4*>(src + r * kLdX + c8 * 8);
   });
 }
 
-// Thread 0: G = cumsum(g) over the chunk (sequential from registers: G is non-increasing exactly
-// for g <= 0), from graw into G (may be the same buffer); returns decay = exp(G_63).
-__device__ __forceinline__ float chunk_cumsum(const float* graw, float* G) {
-  float gr[kChunk];
-#pragma unroll
-  for (int i = 0; i < kChunk; i += 4) {
-    const float4 g4 = *reinterpret_cast<const float4*>(graw + i);
-    gr[i] = g4.x;
-    gr[i + 1] = g4.y;
-    gr[i + 2] = g4.z;
-    gr[i + 3] = g4.w;
-  }
-  float acc = 0.f;
-#pragma unroll
-  for (int i = 0; i < kChunk; ++i) {
-    acc += gr[i];
-    gr[i] = acc;
-  }
-#pragma unroll
-  for (int i = 0; i < kChunk; i += 4) *reinterpret_cast<float4*>(G + i) = make_float4(gr[i], gr[i + 1], gr[i + 2], gr[i + 3]);
-  return exp_nonpos(acc);
-}
-
 // kd_j = exp(G_63 - G_j) k^_j (dlast[j] = exp(G_63 - G_j); k^ rows pitch kLdX) to global rows of
-// pitch K, 16-byte stores, all threads (Ver: load8's and for_row_words').
-template <typename T, int Ver>
+// pitch K, 16-byte stores, all threads.
+template <typename T>
 __device__ __forceinline__ void store_kd(T* __restrict__ kd, const T* kh, const float* dlast, int K) {
-  if constexpr (Ver == kVerV1) {  // version 1 as it was
-    const int per_row = K >> 3;
-    for (int i = threadIdx.x; i < kChunk * per_row; i += kThreads) {
-      const int r = i / per_row, c8 = i - r * per_row;
-      float f[8];
-      unpack8<T>(*reinterpret_cast<const uint4*>(kh + r * kLdX + c8 * 8), f);
-      const float d = dlast[r];
-#pragma unroll
-      for (int e = 0; e < 8; ++e) f[e] *= d;
-      *reinterpret_cast<uint4*>(kd + static_cast<int64_t>(r) * K + c8 * 8) = pack8<T>(f);
-    }
-    return;
-  }
-  for_row_words<Ver>(K >> 3, [&](int r, int c8) {
+  for_row_words(K >> 3, [&](int r, int c8) {
     float f[8];
-    load8<T, Ver>(kh + r * kLdX + c8 * 8, f);
+    load8<T>(kh + r * kLdX + c8 * 8, f);
     const float d = dlast[r];
 #pragma unroll
     for (int e = 0; e < 8; ++e) f[e] *= d;
@@ -261,8 +212,7 @@ __device__ __forceinline__ void block_inverse(float* M, int tid) {
     }
     // Every read of the diagonal blocks done before D_b goes over them: the compiler reads the
     // A(o + r, o + m) above 16 bytes at a time (M[o + 4t][o + 4t..o + 4t + 3], the diagonal entry
-    // included, which thread cc = 4t writes below). Without this barrier racecheck reported exactly
-    // those 4 loads (2026-12-02: the 4 hazards of version 2).
+    // included, which thread cc = 4t writes below): a read-after-write race without this barrier.
     __syncthreads();
     if (tid < kChunk) {  // the whole column: zeros above the diagonal (A_bb^T there is dead now)
 #pragma unroll
@@ -325,15 +275,7 @@ __device__ __forceinline__ void block_inverse(float* M, int tid) {
   }
 }
 
-// Element i of a per-row scalar input (g, beta) of type t, widened to fp32 (exact).
-__device__ __forceinline__ float row_scalar(const void* x, tree_recurrence::kernels::DType t, int64_t i) {
-  using tree_recurrence::kernels::DType;
-  if (t == DType::BFloat16) return __bfloat162float(static_cast<const __nv_bfloat16*>(x)[i]);
-  if (t == DType::Float16) return __half2float(static_cast<const __half*>(x)[i]);
-  return static_cast<const float*>(x)[i];
-}
-
-template <typename T, int Ver>
+template <typename T>
 __global__ void __launch_bounds__(kThreads, 4) prep_fwd_kernel(const PrepParams p) {
   PrepSmem<T>& s = *reinterpret_cast<PrepSmem<T>*>(smem_raw);
   if (tile_chunk() >= p.num_chunks) return;
@@ -368,7 +310,7 @@ __global__ void __launch_bounds__(kThreads, 4) prep_fwd_kernel(const PrepParams 
     s.bg[tid] = s.beta[tid] * exp_nonpos(Gi);
     s.dlast[tid] = exp_nonpos(s.G[kChunk - 1] - Gi);
   }
-  scale_rows_smem<T, kThreads / 32, Ver>(s.k, kLdX, s.tok, HK, hk, p.use_qk_l2norm, 1.f, writer ? p.rk : nullptr, true);
+  scale_rows_smem<T, kThreads / 32>(s.k, kLdX, s.tok, HK, hk, p.l2norm, 1.f, writer ? p.rk : nullptr, true);
   __syncthreads();  // k^, bg, dlast complete
   if (tid < kChunk) p.G[tile * kChunk + tid] = s.G[tid];
 
@@ -379,7 +321,7 @@ __global__ void __launch_bounds__(kThreads, 4) prep_fwd_kernel(const PrepParams 
     store_gated_A(s.u.A, acc, s.G, s.beta, warp);
   }
   // 3b. kd_j = exp(G_63 - G_j) k^_j (16-byte stores)
-  store_kd<T, Ver>(static_cast<T*>(p.kd) + tile * kChunk * K, s.k, s.dlast, K);
+  store_kd<T>(static_cast<T*>(p.kd) + tile * kChunk * K, s.k, s.dlast, K);
   __syncthreads();
 
   {
@@ -427,17 +369,15 @@ __global__ void __launch_bounds__(kThreads, 4) prep_fwd_kernel(const PrepParams 
   __syncwarp();
   stash_cols<T>(s.v, acc, warp, vb16);
   __syncthreads();
-  store_rows<T, Ver>(static_cast<T*>(p.w) + tile * kChunk * K, s.k, K);
-  store_rows<T, Ver>(static_cast<T*>(p.u) + tile * kChunk * V, s.v, V);
+  store_rows<T>(static_cast<T*>(p.w) + tile * kChunk * K, s.k, K);
+  store_rows<T>(static_cast<T*>(p.u) + tile * kChunk * V, s.v, V);
 }
 
 }  // namespace
 
-// TREE_RECURRENCE_GDN_PREP_V1=1 (read once per process): version 1 of the kernel (fwd_common.cuh's
-// kVerV1: the 16-bit scalar shared loads); otherwise version 2 (the same bits).
 const char* launch_prep_fwd(const PrepParams& p, void* cuda_stream) {
-  auto kernel = [](auto t, auto ver) { return prep_fwd_kernel<typename decltype(t)::type, decltype(ver)::value>; };
-  return launch_version(v1_selected(FwdStage::Prep), kernel, kThreads, sizeof(PrepSmem<__half>), p, cuda_stream);
+  return launch_checked(prep_fwd_kernel<__nv_bfloat16>, prep_fwd_kernel<__half>, kThreads,
+                        static_cast<int>(sizeof(PrepSmem<__half>)), p, cuda_stream);
 }
 
 }  // namespace tree_recurrence::gdn::fused::kernels

@@ -15,12 +15,10 @@ namespace bwd {
 namespace {
 
 // 16 warps per CTA, 2 CTAs per SM (~104 KB at K = V = 128), a head-fastest 1-D grid (NC * HV blocks).
-// (Version 1, with dA from a recomputed u = Ainv vb and w, nine barriers and an (NC, HV) grid, was
-// deleted after version 2 passed its GPU runs against it and the float64 twin.)
 constexpr int kWyWarps = kTileWarps;  // one C x C tile of dA per warp
 constexpr int kWyThreads = kTileThreads;
 
-// Version 2 (version 1's quantities, reorganised for latency):
+// Organised for latency:
 //  * dA = -(dvb u^T + dkb w^T) = -dvb v_new^T: with dkb = -dvb h^T, dvb u^T + dkb w^T = dvb (u - w h)^T
 //    and v_new = u - w h is what the forward saved. So no u = Ainv vb product, no w, no vb buffer.
 //  * Every global operand is requested at the start (cp.async: Ainv, dv_total | h, v_new | k), the
@@ -32,11 +30,9 @@ constexpr int kWyThreads = kTileThreads;
 //    the barrier that publishes dKK (the warps idle in the C x C phase start on it at once).
 //  * rowsum(W2) and colsum(beta W2) from the accumulators (quad and column butterflies, fixed
 //    order) into per-tile partials: no fp32 W2 buffer. The zero blocks of dKK are skipped.
-//  * Four CTA-wide barriers (version 1: nine); the per-row tail (dbeta, dG, dg) in one warp.
-//  * A head-fastest 1-D grid (NC * HV blocks; version 1: (NC, HV)).
-// Rounding differences from version 1: dA from v_new (not from a recomputed bf16 u and a bf16 dkb),
-// dkb fp32 throughout, W2 sums in a different fixed order, the reverse cumsum as a warp suffix scan.
-constexpr int kWy2PartV = 16;  // V column blocks of 8 (V <= 128)
+//  * Four CTA-wide barriers; the per-row tail (dbeta, dG, dg) in one warp, the reverse cumsum as a warp
+//    suffix scan.
+constexpr int kWyPartV = 16;  // V column blocks of 8 (V <= 128)
 
 __device__ __forceinline__ void ldsm_x2_trans(uint32_t (&r)[2], const void* ptr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
@@ -66,7 +62,7 @@ __device__ __forceinline__ void tile_mma_range(FragC (&acc)[1][2], const T* A, i
 __device__ __forceinline__ void prefetch_l2(const void* ptr) { asm volatile("prefetch.L2 [%0];\n" ::"l"(ptr)); }
 
 template <typename T>
-__global__ void __launch_bounds__(kWyThreads, 2) wy_kernel_v2(GdnBwdParams p) {
+__global__ void __launch_bounds__(kWyThreads, 2) wy_kernel(GdnBwdParams p) {
   extern __shared__ __align__(16) char smem_raw[];
   // head-fastest 1-D grid: the value heads of a chunk (and so of a key head) run side by side, so k
   // rows come from L2 the second time and the token-major rows (v, dv, beta, dbeta, dg) are read and
@@ -87,7 +83,7 @@ __global__ void __launch_bounds__(kWyThreads, 2) wy_kernel_v2(GdnBwdParams p) {
   float* beta = sm.take<float>(C);
   float* dGin = sm.take<float>(C);
   float* rks = sm.take<float>(C);
-  float* partV = sm.take<float>(C * kWy2PartV);  // <dvb, v> per row and 8-column block
+  float* partV = sm.take<float>(C * kWyPartV);  // <dvb, v> per row and 8-column block
   float* partKB = sm.take<float>(C * 8);         // <dkb, k^> per row and 16-column block
   float* rowP = sm.take<float>(C * 4);           // rowsum(W2) per row and 16-column block
   float* colP = sm.take<float>(C * 4);           // colsum(beta W2) per column and 16-row block
@@ -169,7 +165,7 @@ __global__ void __launch_bounds__(kWyThreads, 2) wy_kernel_v2(GdnBwdParams p) {
         }
         s += __shfl_xor_sync(0xffffffffu, s, 1);
         s += __shfl_xor_sync(0xffffffffu, s, 2);
-        if (tq == 0) partV[j * kWy2PartV + warp] = s;
+        if (tq == 0) partV[j * kWyPartV + warp] = s;
       }
   }
   mma::cp_async_wait<0>();
@@ -300,7 +296,7 @@ __global__ void __launch_bounds__(kWyThreads, 2) wy_kernel_v2(GdnBwdParams p) {
       const float eg = expf(G[i]);
       const float kb = row_parts(partKB, i, Kp / 16);
       float pv = 0.f;
-      for (int b = 0; b < Vp / 8; ++b) pv += partV[i * kWy2PartV + b];
+      for (int b = 0; b < Vp / 8; ++b) pv += partV[i * kWyPartV + b];
       float row = 0.f, colsum = 0.f;
 #pragma unroll
       for (int b = 0; b < 4; ++b) {
@@ -327,11 +323,11 @@ __global__ void __launch_bounds__(kWyThreads, 2) wy_kernel_v2(GdnBwdParams p) {
   }
 }
 
-size_t wy_smem_v2(const GdnBwdParams& p) {
+size_t wy_smem(const GdnBwdParams& p) {
   const int Kp = round16(static_cast<int>(p.k_dim)), ldk = pitch_of(Kp), ldv = pitch_of(round16(static_cast<int>(p.v_dim)));
   return 2 * smem_bytes<uint16_t>(C * ldv) + smem_bytes<uint16_t>(static_cast<size_t>(Kp) * ldv) +
          smem_bytes<uint16_t>(C * ldk) + smem_bytes<uint16_t>(C * kPitchC) + 4 * smem_bytes<float>(C) +
-         smem_bytes<float>(C * kWy2PartV) + smem_bytes<float>(C * 8) + 2 * smem_bytes<float>(C * 4) +
+         smem_bytes<float>(C * kWyPartV) + smem_bytes<float>(C * 8) + 2 * smem_bytes<float>(C * 4) +
          smem_bytes<int64_t>(C);
 }
 
@@ -342,7 +338,7 @@ const char* gdn_bwd_wy(const GdnBwdParams& p, void* stream) {
   const int64_t blocks = p.num_chunks * p.hv;  // the head-fastest 1-D grid
   if (blocks > 2147483647) return "wy: num_chunks * hv exceeds the grid";
   using namespace bwd;
-  return launch_chunks(wy_kernel_v2<__nv_bfloat16>, wy_kernel_v2<__half>, kWyThreads, wy_smem_v2(p), p, stream,
+  return launch_chunks(wy_kernel<__nv_bfloat16>, wy_kernel<__half>, kWyThreads, wy_smem(p), p, stream,
                        dim3(static_cast<unsigned>(blocks)));
 }
 

@@ -2,7 +2,7 @@
 // operands split into bf16 hi + lo) and post_bf16 (ssd_post_bwd.cu, 16-bit operands): the quad sums and
 // stores of the ddt_direct / v partials, the row-exclusive prefixes of W and the per-head row tail (q, v,
 // ddt_direct, the d(dt A) scan, ddt, ddt_raw, the dA partial; its layout, row stores and ddt_raw step are shared with
-// post_bf16's version 3 tail, head_rows_v3). One definition, so both kernels do the same
+// post_bf16's warp-0 tail, head_rows_warp). One definition, so both kernels do the same
 // arithmetic in the same order; the 16-bit pair unpack (unpack2) of the 16-bit backward kernels; the typed load
 // (ld) and e^min(v, 0) (exp_le0) of the fp32 kernels (ssd_bwd.cu) and the tensor-core ones (ssd_tc_bwd.cu).
 // CUDA only; include from .cu files.
@@ -105,7 +105,7 @@ __device__ __forceinline__ void row_exclusive_prefix(float* w, int n) {
 }
 
 // head_rows's small arrays after lam (kChunk floats each, in this order): dts, el (e^Lam), wl (e^{Lam_last - Lam}),
-// qs, vs, red; the layout of head_rows, head_rows_v3 (ssd_post_bwd.cu) and store_row_qvd in one place
+// qs, vs, red; the layout of head_rows, head_rows_warp (ssd_post_bwd.cu) and store_row_qvd in one place
 struct RowSmall {
   float* dts;
   float* el;
@@ -121,7 +121,7 @@ __device__ __forceinline__ RowSmall row_small(float* small) {
 
 // Row k's q, v and ddt_direct from its sums q, v, d over the column-tile partials: q e^Lam_k into qs[k] and p.q,
 // v dt_k e^{Lam_last - Lam_k} into vs[k] and p.v, d into p.ddt_direct. small: head_rows's layout. The first step's
-// end in head_rows and in post_bf16's head_rows_v3 (ssd_post_bwd.cu): one definition. (The sums stay in the
+// end in head_rows and in post_bf16's head_rows_warp (ssd_post_bwd.cu): one definition. (The sums stay in the
 // callers: declared there, in each caller's order, the register assignment and so the code of both is unchanged.)
 __device__ __forceinline__ void store_row_qvd(const BwdParams& p, int k, float* small, int64_t chl, float q, float v,
                                               float d) {
@@ -139,7 +139,7 @@ __device__ __forceinline__ void store_row_qvd(const BwdParams& p, int k, float* 
 
 // ddt_raw's value at a token from its ddt and the pre-activation v = dt_raw + dt_bias: ddt softplus'(v) (softplus
 // where p.dt_softplus and v <= 20, else the identity), 0 where dt = softplus(v) falls outside [dt_min, dt_max].
-// head_rows's and head_rows_v3's (ssd_post_bwd.cu): one definition.
+// head_rows's and head_rows_warp's (ssd_post_bwd.cu): one definition.
 __device__ __forceinline__ float ddt_raw_of(const BwdParams& p, float ddt, float v) {
   float deriv = 1.f, pre = v;
   if (p.dt_softplus && v <= 20.f) {

@@ -1,12 +1,10 @@
-// Device pieces shared by the fused SSD forward's kernels: for the chunk scans (ssd_chunk_scan_fwd.cu:
-// v2, ssd_chunk_scan_group_fwd.cu: v3) the cp.async tile loaders (rows at the tokens' positions, dense
-// rows), the masked / decayed score, the row scale by exp(Lam), 8-wide pack / unpack (mma.cuh's) and the
-// 16-byte epilogue (D x, y saved pre-gate, the z gate, out); for the chunk-state kernels
-// (ssd_chunk_state_fwd.cu, ssd_chunk_state_pass_fwd.cu) dt's preparation, the block cumsum of dt A,
-// the weights w and the (P x 64-column) accumulator walk. One definition, so the kernels' arithmetic
-// is the same expression in each (their outputs are expected bitwise equal); for the grouped chunk
-// scans (v3, v4: ssd_chunk_scan_v4_fwd.cu) their common shared-memory pieces, block numbers, token
-// rows, C / B copies, head prefetch and host entry steps. CUDA only; include from .cu files.
+// Device pieces shared by the fused SSD forward's kernels, one definition so the arithmetic is the same
+// expression in each (their outputs are bitwise equal): for the chunk scans (ssd_chunk_scan_fwd.cu,
+// ssd_chunk_scan_group_fwd.cu) the cp.async tile loaders, the masked / decayed score, the row scale by
+// exp(Lam), 8-wide pack / unpack (mma.cuh's) and the 16-byte epilogue (D x, y saved pre-gate, the z gate,
+// out), and the grouped scan's base layout, block numbers, token rows, C / B copies, head prefetch and host
+// entry; for the chunk-state kernels dt's preparation, the block cumsum of dt A, the weights w and the
+// (P x 64-column) accumulator walk. CUDA only; include from .cu files.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -156,11 +154,11 @@ __device__ __forceinline__ void epilogue8(const FwdParams& p, const float* stage
   *reinterpret_cast<uint4*>(out + idx) = pack8<T>(f);
 }
 
-// --- the grouped chunk scans (v3: ssd_chunk_scan_group_fwd.cu, v4: ssd_chunk_scan_v4_fwd.cu) ------
+// --- the grouped chunk scan (ssd_chunk_scan_group_fwd.cu) -----------------------------------------
 
-// their shared-memory pieces common to both, in elements of the in-type: c_s (L x ldc), sb[2]
-// (max(PT, L) x ldc: the states; sb[1] first holds B), x_s[2] (L x PT + 8), z_s[2] (L x PT + 8,
-// in-type z only); each kernel's layout adds its own pieces after these
+// its base shared-memory pieces, in elements of the in-type: c_s (L x ldc), sb[2] (max(PT, L) x ldc:
+// the states; sb[1] first holds B), x_s[2] (L x PT + 8), z_s[2] (L x PT + 8, in-type z only); the
+// kernel's layout adds its own pieces after these
 struct ScanSmem {
   int64_t ldc, c_elems, sb_elems, x_elems, z_elems;
 };
@@ -352,9 +350,9 @@ int dispatch(const FwdParams& p, F&& f) {
 
 inline int padded_p(int64_t P) { return P <= 32 ? 32 : P <= 64 ? 64 : 128; }
 
-// --- host: the grouped chunk scans' (v3 / v4) entries ---------------------------------------------
+// --- host: the grouped chunk scan's entry ------------------------------------------------------
 
-// the shape conditions both take: chunk L, a supported shape with P <= 64, heads a multiple of groups
+// its shape conditions: chunk L, a supported shape with P <= 64, heads a multiple of groups
 inline bool grouped_scan_shape(const FwdParams& p, int L) {
   return p.chunk == L && fwd_shape_supported(p.chunk, p.head_dim, p.state_dim) && p.head_dim <= 64 && p.groups > 0 &&
          p.heads % p.groups == 0;

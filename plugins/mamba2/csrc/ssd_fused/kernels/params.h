@@ -38,7 +38,6 @@ struct FwdParams {
   float dt_min = 0.f, dt_max = 0.f;  // dt_max may be +inf
   const float* initial_state = nullptr;
   bool initial_per_root = false;
-  bool state_pass_ahead = true;  // ssd_state_pass_fwd: 4 chunks loaded ahead (false: one at a time)
 
   // tables (device), int64
   const int64_t* gather = nullptr;             // NC x L
@@ -79,24 +78,39 @@ int ssd_chunk_state_pass_fwd(const FwdParams& p, void* stream);
 // dt, Lam, states and the workspace are bitwise the three-kernel path's (a+b, c above).
 bool ssd_chunk_state_scan_supported(const FwdParams& p);
 int ssd_chunk_state_scan_fwd(const FwdParams& p, void* stream);
-// d: the chunk scan (C s^T, C B^T masked and decayed times dt x, D x, z gate), tensor cores.
-// v2 (ssd_chunk_scan_fwd.cu): per (chunk, 64-row tile, head), head-fastest grid (C / B rows shared
-// through L2 by a group's heads), all first-block operands in flight at once, 16-byte epilogue; every
-// supported shape (<= ~155 KB of shared memory) with 16-byte aligned x / z / y / out.
-bool ssd_chunk_scan_v2_supported(const FwdParams& p);
-int ssd_chunk_scan_fwd_v2(const FwdParams& p, void* stream);
-// v3 (where v4 is not supported, or TREE_RECURRENCE_SSD_FWD_SCAN=v3; ssd_chunk_scan_group_fwd.cu):
-// chunk 64, per (chunk, group, head slice): C B^T once, the heads' state / x / z double-buffered by cp.async, per-warp 16-byte
-// epilogue; same arithmetic as v2 (expected bitwise equal). Supported: chunk 64, P <= 64, H a
-// multiple of G, shared memory <= 112 KB (2 CTAs per SM), 16-byte aligned x / z / y / out.
-bool ssd_chunk_scan_v3_supported(const FwdParams& p);
-int ssd_chunk_scan_fwd_v3(const FwdParams& p, void* stream);
-// v4 (the default where supported; ssd_chunk_scan_v4_fwd.cu): v3's blocks with 256 threads (rows x
-// column halves), key tiles above the diagonal skipped, the epilogue on the accumulator fragments;
-// same arithmetic per element (expected bitwise equal to v3). Supported: as v3, its shared memory
-// (v3's less the fp32 stage plus per-warp output tiles) <= 112 KB.
-bool ssd_chunk_scan_v4_supported(const FwdParams& p);
-int ssd_chunk_scan_fwd_v4(const FwdParams& p, void* stream);
+// d: the chunk scan (C s^T, C B^T masked and decayed times dt x, D x, z gate), tensor cores; two
+// kernels with the same arithmetic per element (fwd_tiles.cuh's expressions in the same order: their
+// outputs are bitwise equal).
+// Per head (ssd_chunk_scan_fwd.cu): per (chunk, 64-row tile, head), head-fastest grid (C / B rows
+// shared through L2 by a group's heads), all first-block operands in flight at once, 16-byte
+// epilogue; every supported shape (<= ~155 KB of shared memory) with 16-byte aligned x / z / y / out.
+bool ssd_chunk_scan_supported(const FwdParams& p);
+int ssd_chunk_scan_fwd(const FwdParams& p, void* stream);
+// Grouped (ssd_chunk_scan_group_fwd.cu): per (chunk, group, head slice), C B^T once, the heads'
+// state / x / z double-buffered by cp.async, 256 threads (rows x column halves), key tiles above the
+// diagonal skipped, the epilogue on the accumulator fragments. Supported: chunk 64, P <= 64, H a
+// multiple of G, shared memory <= 112 KB (2 CTAs per SM), N <= 128 (<= 192 at P <= 32), 16-byte
+// aligned x / z / y / out.
+bool ssd_chunk_scan_group_supported(const FwdParams& p);
+int ssd_chunk_scan_group_fwd(const FwdParams& p, void* stream);
+
+// The forward's kernel plan: how the states entering each chunk are formed and which chunk scan
+// runs. fwd_plan (ssd_fused_fwd.cpp) picks it once per forward call from the filled parameters
+// (chunk count, segment count, chunk, P, N, G, H, z's type, alignment):
+//   FusedPass    a+b+c in ssd_chunk_state_pass_fwd, where the segments are short (fused_passes_suit:
+//                they average <= 64 chunks; the pass walks each segment's chunks in order, so one
+//                long row would leave it a CTA per head);
+//   Pipelined    ssd_chunk_state_scan_fwd: long segments at chunk 64 (ssd_chunk_state_scan_supported);
+//   ThreeKernel  ssd_chunk_state_fwd (fp32 chunk_states) then ssd_state_pass_fwd: long segments at
+//                chunk 128 / 256 (and at chunk 64 where ssd_chunk_state_scan_supported fails);
+//   and the chunk scan Grouped where ssd_chunk_scan_group_supported holds, else PerHead.
+enum class StatePath { FusedPass, Pipelined, ThreeKernel };
+enum class ScanKernel { Grouped, PerHead };
+struct FwdPlan {
+  StatePath path = StatePath::FusedPass;
+  ScanKernel scan = ScanKernel::PerHead;
+};
+FwdPlan fwd_plan(const FwdParams& p);
 
 const char* ssd_fwd_error_string(int error);
 

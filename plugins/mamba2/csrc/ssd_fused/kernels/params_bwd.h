@@ -1,5 +1,6 @@
-// POD parameters and launchers of the fused SSD (Mamba2) backward kernels (ssd_bwd.cu; the math is
-// in ssd_fused.h and, stage by stage, in tests/python/ssd_bwd_reference.py). No ATen, no CUDA headers:
+// POD parameters and launchers of the fused SSD (Mamba2) backward kernels (*_bwd.cu; the math is in
+// ssd_fused.h and, stage by stage, in tests/python/ssd_bwd_reference.py; ssd_fused_bwd.cpp's plan says which
+// route runs which). No ATen, no CUDA headers:
 // the launchers take the stream as void* (a cudaStream_t) and return the cudaError_t of their launch
 // as an int (0 = success).
 //
@@ -15,7 +16,7 @@
 //                                     in place into the row-exclusive prefix sums of W (below)
 //   ds (NC, H, P, N)                  first the local entering-state gradient, then (in place, by the
 //                                     state pass) ds_leave: the gradient of each chunk's leaving state
-//                                     (the bf16 path: ds16 below, in the input type, instead)
+//                                     (the Half route: ds16 below, in the input type, instead)
 //   ws (S, H, P, N)                   entering-state gradient of each segment's first chunk
 //   droots (R, H, P, N) or null       the same, per root (row root_index[s])
 //   ddecay (NC, H)                    <s[c], ds_leave[c]> (the gradient of exp(Lam_last))
@@ -82,42 +83,37 @@ struct BwdParams {
   float* dB = nullptr;
   float* dC = nullptr;
   float* dA_part = nullptr;
-  // tensor-core path only: dx written in this type (x's), rounded once from fp32 (dx above unused)
+  // TensorCore and Half routes: dx written in this type (x's), rounded once from fp32 (dx above unused)
   void* dx_out = nullptr;
   BwdType dx_type = BwdType::Float32;
-  // H4 (ssd_local_bwd.cu, folded ddecay): ddecay_part (NC, H, ddecay_parts) fp32, one partial of
-  // <s[c], ds_leave[c]> per warp of the state pass (ssd_bwd_ddecay_parts says how many); when set, the
-  // state pass writes the partials and ssd_bwd_ddecay_finish sums them in order into ddecay (the
-  // ddecay kernel's re-read of ds is not run). Null: the ddecay kernel.
+  // ddecay_part (NC, H, ddecay_parts) fp32: one partial of <s[c], ds_leave[c]> per warp of the reverse pass
+  // (ssd_bwd_ddecay_parts / ssd_bwd_fused_pass_ddecay_parts say how many), summed in order into ddecay by
+  // ssd_bwd_ddecay_finish.
   float* ddecay_part = nullptr;
   int64_t ddecay_parts = 0;
-  // H3 (ssd_post_bwd.cu, bf16 / fp16 post kernel): post_dy_from_dout computes dy = dout silu(z) (dout
-  // without z) on the fly from dout, z, y (p.dy unused) and then writes dz_out (T, H, P) in z's type
-  // (when z and dz_out are set); false reads the precomputed fp32 p.dy. dD_part (NC, H, P) fp32 or
-  // null: per (chunk, head, p) the partial sum over the chunk's tokens of dy x (ATen sums chunks).
-  bool post_dy_from_dout = false;
+  // The Half route (post_bf16 forms dy = dout silu(z), dout without z, from dout, z, y itself): dz_out (T, H, P) in
+  // z's type (when z is given); dD_part (NC, H, P) fp32 or null: per (chunk, head, p) the partial sum over the
+  // chunk's tokens of dy x (ATen sums chunks).
   void* dz_out = nullptr;  // may be y itself (dz written in place over y: each element read, then written, by one thread)
   float* dD_part = nullptr;
-  // H1: set by a caller that has just evaluated ssd_bwd_post_bf16_supported(p) as true for these params (and
-  // changed only what the support check allows since): ssd_bwd_post_bf16 then launches without checking again
+  // set by a caller that has just evaluated ssd_bwd_post_bf16_supported(p) as true for these params (and changed
+  // only what the support check allows since): ssd_bwd_post_bf16 then launches without checking again
   bool post_bf16_checked = false;
-  // H5 (issue 20): the state gradient in the input type. When ds16 is set (NC, H, P, N) of ds16_type (bf16 /
-  // fp16, x's type), it replaces the fp32 ds above (then null): the bf16 local kernel writes ds_local rounded
-  // once (RN) from its fp32 accumulators, the state pass reads it, keeps the carry (and the folded ddecay
-  // partials) in fp32 and writes ds_leave rounded (RN) in place, the post kernel reads the 16-bit values (it
-  // rounded the fp32 ds_leave the same way before: same operand bits for the same ds_leave). Only the bf16
-  // path sets it (local_bf16 + folded ddecay + post_bf16); the fp32-ds kernels (local, local_tc, ddecay,
-  // rows, dB / dC, post_tc) refuse it. ws and droots stay fp32. TREE_RECURRENCE_SSD_DS_FP32=1: fp32 ds.
+  // The state gradient in the input type (the Half route): ds16 (NC, H, P, N) of ds16_type (x's bf16 / fp16)
+  // replaces the fp32 ds above (then null): local_bf16 (or the fused pass) rounds ds_local once (RN) from its fp32
+  // accumulators, the state pass keeps the carry (and the ddecay partials) in fp32 and writes ds_leave rounded (RN)
+  // in place, the post kernel reads the 16-bit values. The fp32-ds kernels (local, local_tc, rows, dB / dC,
+  // post_tc) refuse it; the 16-bit kernels (local_bf16, the fused pass, post_bf16) require it. ws and droots stay
+  // fp32.
   void* ds16 = nullptr;
   BwdType ds16_type = BwdType::BFloat16;
-  // Issue 20, memory (the bf16 post kernel only):
+  // post_bf16 only:
   //   recompute_y: with z, y is not read (may be null): the post kernel recomputes it from C, s, cb, x, dt, Lam
-  //     and D (needs post_dy_from_dout and version 3), so the forward need not store it (0.75 GiB at GRPO);
+  //     and D, so the forward need not store it (the memory mode);
   //   y_scratch: (NC * G, L, P) in x's type, the per-CTA scratch the recomputed y passes through (L2-resident:
   //     each CTA reuses its L x P for every head); required with recompute_y (the check accepts it null: a caller
   //     allocates it after deciding);
-  //   dB_out / dC_out (T, G, N) in B's 16-bit type, or null: the post kernel writes dB / dC there, rounded once
-  //     from fp32 (the fp32 dB / dC above unused), instead of an fp32 buffer and a cast.
+  //   dB_out / dC_out (T, G, N) in B's 16-bit type: dB / dC rounded once from fp32 (no fp32 buffer, no cast).
   bool recompute_y = false;
   void* y_scratch = nullptr;
   void* dB_out = nullptr;
@@ -128,50 +124,47 @@ constexpr int64_t kBwdMaxChunk = 256;
 // The one chunk the tensor-core backward takes (ssd_bwd_tc_supported); wider tables run the fp32 CUDA-core kernels.
 constexpr int kTcBwdChunk = 64;
 
-// In launch order (ssd_fused_bwd.cpp):
-int ssd_bwd_gate(const BwdParams& p, void* stream);        // dy, dz
+// Shared by every route (ssd_bwd.cu):
+int ssd_bwd_gate(const BwdParams& p, void* stream);        // dy, dz (TensorCore, CudaCore; the stage op)
+// The reverse state pass, one launch per level, deepest first: the level's segments are
+// level_segments[begin, begin + count). fp32 ds, or the 16-bit ds16 (the ring kernel: 16-byte-aligned buffers,
+// states in ds16's type, ddecay_part set). Writes ds_leave in place, ws, droots, the ddecay partials.
+int ssd_bwd_state_pass(const BwdParams& p, int64_t begin, int64_t count, void* stream);
+int64_t ssd_bwd_ddecay_parts(const BwdParams& p);             // partials per (chunk, head) (after ds, ws, droots, states)
+int ssd_bwd_ddecay_finish(const BwdParams& p, void* stream);  // ddecay from ddecay_part
+const char* ssd_bwd_error_string(int error);
+
+// The CudaCore route (ssd_bwd.cu), fp32 ds, any chunk up to kBwdMaxChunk, in launch order around the state pass:
 int ssd_bwd_cb(const BwdParams& p, void* stream);          // cb
 int ssd_bwd_dyx(const BwdParams& p, void* stream);         // dyx (needs dy)
 int ssd_bwd_local(const BwdParams& p, void* stream);       // ds = local (needs dy)
-// One launch per level, deepest first: the level's segments are level_segments[begin, begin + count).
-int ssd_bwd_state_pass(const BwdParams& p, int64_t begin, int64_t count, void* stream);  // ds, ws, droots
-int ssd_bwd_ddecay(const BwdParams& p, void* stream);      // ddecay (needs ds_leave)
-int ssd_bwd_rows(const BwdParams& p, void* stream);        // dx, ddt_direct, q, v
+int ssd_bwd_rows(const BwdParams& p, void* stream);        // dx, ddt_direct, q, v (needs ds_leave, ddecay)
 int ssd_bwd_dbdc(const BwdParams& p, void* stream);        // dB, dC (needs dyx untouched)
 int ssd_bwd_dtA(const BwdParams& p, void* stream);         // d_dtA, ddt, ddt_raw, dA_part (overwrites dyx)
-const char* ssd_bwd_error_string(int error);
-// Folded ddecay (ssd_bwd.cu): partials per (chunk, head) written by the state pass, then summed.
-int64_t ssd_bwd_ddecay_parts(const BwdParams& p);         // partials per (chunk, head)
-int ssd_bwd_ddecay_finish(const BwdParams& p, void* stream);  // ddecay from ddecay_part
 
-// bf16 / fp16 local state gradient (ssd_local_bwd.cu, round 3): ds = (e^Lam . dy)^T C with dy = dout
-// silu(z) computed from dout and z (p.dy unused), one bf16 / fp16 MMA per product. Chunk 64, P and N
-// in 1..128 multiples of 8, C / dout / z of one 16-bit type, 16-byte aligned pointers.
+// The Half route's 16-bit kernels: chunk 64, P and N in 1..128 multiples of 8, one 16-bit type for their inputs
+// and ds16, 16-byte aligned pointers (each _supported says exactly).
+// local_bf16 (ssd_local_bwd.cu): ds16 = (e^Lam . dy)^T C with dy from dout and z (p.dy unused), one MMA per product.
 bool ssd_bwd_local_bf16_supported(const BwdParams& p);
-int ssd_bwd_local_bf16(const BwdParams& p, void* stream);  // ds = local (reads dout, z; not dy)
-
-// Fused reverse local + state pass (ssd_state_pass_bwd.cu, issue 20): per level (deepest first), local_bf16's
-// ds_local formed inside the reverse pass (never stored) and state_pass_kernel's ds_leave (into ds16 or ds), ws,
-// d_roots and folded ddecay partials (ddecay_part with ssd_bwd_fused_pass_ddecay_parts(p) partials per (chunk,
-// head), then ssd_bwd_ddecay_finish). Replaces ssd_bwd_local_bf16 + ssd_bwd_state_pass; ds_leave, ws and
-// d_roots bitwise equal to theirs. Chunk 64, P and N in 1..128 multiples of 8, C / dout / states (/ z) of one
-// 16-bit type (ds16, when set, too), C / dout / z 16-byte and states / ds / ws / droots 8-byte aligned.
+int ssd_bwd_local_bf16(const BwdParams& p, void* stream);
+// The fused reverse local + state pass (ssd_state_pass_bwd.cu), per level (deepest first): local_bf16's ds_local
+// formed inside the reverse pass (never stored) and the state pass's ds_leave, ws, d_roots (bitwise theirs) and
+// ddecay partials of its own layout (ssd_bwd_fused_pass_ddecay_parts, then ssd_bwd_ddecay_finish). Replaces
+// ssd_bwd_local_bf16 + ssd_bwd_state_pass; also needs states (/ ds16, ws, droots) 8-byte aligned.
 bool ssd_bwd_fused_pass_supported(const BwdParams& p);
 int64_t ssd_bwd_fused_pass_ddecay_parts(const BwdParams& p);
-int ssd_bwd_fused_pass(const BwdParams& p, int64_t begin, int64_t count, void* stream);  // ds_leave, ws, droots
-
-// bf16 / fp16 post kernel (ssd_post_bwd.cu, round 3): post_tc's outputs (cb if set, dx in dx_type, q, v,
-// ddt_direct, d_dtA when set, ddt, ddt_raw, dA_part, dB, dC or dB_out / dC_out) and, per the fields above,
-// dz_out and dD_part; one bf16 / fp16 MMA per product, ldmatrix fragments. Chunk 64, P and N in 1..128
-// multiples of 8, x / B / C / dout / states (/ z / y) of one 16-bit type, 16-byte aligned pointers
-// (ssd_bwd_post_bf16_supported). The support check accepts null outputs (dx_out, dz_out, dB / dC or dB_out /
-// dC_out): a caller may allocate them after deciding (fresh buffers are aligned); the launch refuses them null.
+int ssd_bwd_fused_pass(const BwdParams& p, int64_t begin, int64_t count, void* stream);
+// post_bf16 (ssd_post_bwd.cu): post_tc's outputs (cb if set, dx_out, q, v, ddt_direct, d_dtA when set, ddt,
+// ddt_raw, dA_part, dB_out, dC_out) and dz_out, dD_part; one bf16 / fp16 MMA per product, ldmatrix fragments; x /
+// B / C / dout / states (/ z / y) of one 16-bit type. The support check accepts null outputs (dx_out, dz_out,
+// dB_out / dC_out): a caller may allocate them after deciding (fresh buffers are aligned); the launch refuses them
+// null.
 bool ssd_bwd_post_bf16_supported(const BwdParams& p);
 int ssd_bwd_post_bf16(const BwdParams& p, void* stream);  // needs ds_leave, ddecay
 
-// Tensor-core path (ssd_tc_bwd.cu), chunk 64 with P, N <= 128 and its shared-memory plan within the
-// device's opt-in limit (P, N <= 64 or so; ssd_bwd_tc_supported says). Order: gate -> local_tc ->
-// state pass levels -> ddecay -> post_tc. dyx is not used (may be null).
+// The TensorCore route (ssd_tc_bwd.cu), chunk 64 with P, N <= 128 and post_tc's shared-memory plan within the
+// device's opt-in limit (ssd_bwd_tc_supported; the Half route asks it too). Order: gate -> local_tc -> state pass
+// levels -> ddecay finish -> post_tc. dyx is not used (may be null).
 bool ssd_bwd_tc_supported(const BwdParams& p);
 int ssd_bwd_local_tc(const BwdParams& p, void* stream);  // ds = local (needs dy)
 int ssd_bwd_post_tc(const BwdParams& p, void* stream);   // cb, dx, ddt_direct, q, v, d_dtA, ddt, ddt_raw,

@@ -1,15 +1,14 @@
-// Fused SSD (Mamba2) backward, first version (params_bwd.h has the layouts, ssd_fused.h the math,
-// tests/python/ssd_bwd_reference.py the same stages in float64). Plain fp32 CUDA cores, one thread
-// per output element or row, inputs widened on load from fp32 / bf16 / fp16: the correctness
-// baseline the tensor-core version is checked against stage by stage. Every sum runs in a fixed
-// order (no atomics), so two runs give identical bits. 64-bit indexing throughout.
+// Fused SSD (Mamba2) backward on fp32 CUDA cores (params_bwd.h has the layouts, ssd_fused.h the math,
+// tests/python/ssd_bwd_reference.py the same stages in float64): the CudaCore route (chunk 128 / 256, P / N beyond
+// the tensor-core plan), one thread per output element or row, inputs widened on load from fp32 / bf16 / fp16;
+// and the kernels every route shares: the gate (dy, dz), the reverse tree state pass (fp32 ds, or the 16-bit ds of
+// the Half route by the ring kernel) and the ddecay sum. Every sum runs in a fixed order (no atomics), so two runs
+// give identical bits. 64-bit indexing throughout.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 #include <type_traits>
 
 #include "bwd_tiles.cuh"
@@ -101,8 +100,7 @@ __global__ void local_kernel(BwdParams p) {
 // warp; V = 1 when P N % 4 != 0 or a buffer is not 16-byte aligned). The loads of kAhead chunks
 // (and their decays) are issued before the first of their updates, and the children's indices
 // before their gradients, so each thread keeps kAhead x 16 bytes in flight instead of one
-// dependent 4-byte load per chunk. Same arithmetic, same order per element as the round-1 kernel
-// (children summed in children order from 0, then one fma per chunk).
+// dependent 4-byte load per chunk (children summed in children order from 0, then one fma per chunk).
 constexpr int kAhead = 4;  // chunks loaded ahead of their updates
 constexpr int kKids = 4;   // children's gradients loaded together
 
@@ -149,7 +147,7 @@ __device__ __forceinline__ void ld_states(const void* base, BwdType t, int64_t i
     for (int k = 0; k < V; ++k) v[k] = ld(base, t, i + k);
   }
 }
-// the state gradient's element type DsT: float (p.ds) or the 16-bit input type (p.ds16, H5); 16-bit values are
+// the state gradient's element type DsT: float (p.ds) or the 16-bit input type (p.ds16); 16-bit values are
 // widened exactly on load and rounded once (RN, mma.cuh's Elem: the post kernel's own rounding) on store
 template <typename DsT>
 __device__ __forceinline__ DsT* ds_base(const BwdParams& p) {
@@ -220,9 +218,8 @@ __device__ __forceinline__ void children_carry(const BwdParams& p, bool on, int6
 // 32 V elements (fma in element order, then the xor butterfly) is written to
 // ddecay_part[(c H + h) parts + blockIdx.y warps + warp]; ssd_bwd_ddecay_finish sums them in order.
 // Lanes past PN then stay (with zeros) for the shuffles instead of returning.
-// DsT (H5): float (p.ds) or the 16-bit input type (p.ds16): local read and widened, ds_leave rounded on store;
-// the carry, the children's sums (ws), d_roots and the ddecay partials (from the fp32 carry) stay fp32, so the
-// arithmetic is the fp32 instantiation's on the rounded locals.
+// Instantiated for the fp32 ds (the TensorCore and CudaCore routes); the 16-bit ds of the Half route takes
+// state_pass_ring_kernel, the same element mapping and arithmetic.
 template <int V, typename DsT>
 __global__ void __launch_bounds__(kThreads) state_pass_kernel(BwdParams p, int64_t begin) {
   const int64_t H = p.heads, PN = p.head_dim * p.state_dim, L = p.chunk;
@@ -281,13 +278,13 @@ __global__ void __launch_bounds__(kThreads) state_pass_kernel(BwdParams p, int64
   if (r >= 0 && p.droots != nullptr) st_vec<V>(p.droots + (r * H + h) * PN + el, carry);
 }
 
-// The 16-bit state pass with the folded ddecay (the bf16 / fp16 backward's two-kernel route: long segments, e.g. one
+// The 16-bit state pass with the folded ddecay (the Half route's two-kernel reverse pass: long segments, e.g. one
 // flat row) with its loads deepened: each thread streams its 4 elements of ds_local and of s (8 bytes each) and its
 // warp's Lam_last (lane 0, 4 bytes) through a ring of kRing chunks in shared memory by cp.async, every slot read only
 // by the thread that filled it (no block barrier), so kRing - 1 chunks of loads stay in flight through each chunk's
-// arithmetic and stores (state_pass_kernel keeps kAhead = 4 in registers and waits for them all each 4 chunks: 2.06
-// ms for 4.8 GB at GRPO's flat row on the H200, 2.3 TB/s). The element mapping, the fmaf chain, the rounding and
-// the per-warp ddecay partials are state_pass_kernel<4, DsT>'s: bitwise equal.
+// arithmetic and stores (kAhead chunks in registers, waiting for them all each kAhead chunks, leaves the pass
+// latency-bound). ds_local ds_leave rounded to DsT (RN), the carry, ws, d_roots and the ddecay partials in fp32;
+// the element mapping, the fmaf chain and the per-warp partials are state_pass_kernel<4>'s.
 // A slot is refilled only after the chunk read from it was consumed by the arithmetic (the reads completed: the
 // refill follows in program order, after the values' uses).
 constexpr int kRing = 8;
@@ -378,23 +375,6 @@ __global__ void __launch_bounds__(kThreads) ddecay_finish_kernel(BwdParams p) {
   for (int64_t j = lane; j < p.ddecay_parts; j += 32) acc += part[j];
   acc = warp_sum(acc);
   if (lane == 0) p.ddecay[w] = acc;
-}
-
-// ---- ddecay[c, h] = <s[c], ds_leave[c]>: block per (c, h), fixed-order tree reduction -----------
-__global__ void ddecay_kernel(BwdParams p) {
-  __shared__ float red[kThreads];
-  const int64_t PN = p.head_dim * p.state_dim;
-  const int64_t ch = blockIdx.x;
-  float acc = 0.f;
-  for (int64_t el = threadIdx.x; el < PN; el += kThreads)
-    acc += ld(p.states, p.states_type, ch * PN + el) * p.ds[ch * PN + el];
-  red[threadIdx.x] = acc;
-  __syncthreads();
-  for (int w = kThreads / 2; w > 0; w >>= 1) {
-    if (threadIdx.x < w) red[threadIdx.x] += red[threadIdx.x + w];
-    __syncthreads();
-  }
-  if (threadIdx.x == 0) p.ddecay[ch] = red[0];
 }
 
 // ---- rows: per (c, h, j) the P-vector g_j, dx_j, ddt_direct_j, Q_j, V_j -----------------------
@@ -585,12 +565,6 @@ int ssd_bwd_local(const BwdParams& p, void* stream) {
   local_kernel<<<blocks_for(n, kThreads), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(p);
   return launched();
 }
-// TREE_RECURRENCE_SSD_BWD_STATE_RING=0 (read per launch): the 16-bit state pass without the cp.async ring
-// (state_pass_kernel<4>, bitwise equal), for comparisons
-bool state_pass_ring_selected() {
-  const char* v = std::getenv("TREE_RECURRENCE_SSD_BWD_STATE_RING");
-  return v == nullptr || std::strcmp(v, "0") != 0;
-}
 // V = 4 (16-byte) variant when PN % 4 == 0 and the buffers (states included: the folded ddecay reads
 // them) are 16-byte aligned, else V = 1
 static bool state_pass_vec(const BwdParams& p) {
@@ -612,30 +586,16 @@ int ssd_bwd_state_pass(const BwdParams& p, int64_t begin, int64_t count, void* s
   if (p.ddecay_part != nullptr && p.ddecay_parts != ys * kWarpsPerBlock) return static_cast<int>(cudaErrorInvalidValue);
   const dim3 grid(static_cast<unsigned>(xs), static_cast<unsigned>(ys));
   const auto st = static_cast<cudaStream_t>(stream);
-  if (p.ds16 != nullptr) {  // H5: ds in the input type (the bf16 path)
-    // the ring kernel: 16-byte-aligned buffers, the folded ddecay, states in ds's type (bitwise state_pass_kernel<4>)
-    const bool ring = vec && p.ddecay_part != nullptr && p.states_type == p.ds16_type && state_pass_ring_selected();
-    if (ring && p.ds16_type == BwdType::BFloat16) {
+  if (p.ds16 != nullptr) {
+    // the 16-bit ds (the Half route): the ring kernel, which needs 16-byte-aligned buffers, the folded ddecay and
+    // states in ds's type (the plan's checks and fresh workspaces guarantee them)
+    if (!vec || p.ddecay_part == nullptr || p.states_type != p.ds16_type) return static_cast<int>(cudaErrorInvalidValue);
+    if (p.ds16_type == BwdType::BFloat16)
       state_pass_ring_kernel<__nv_bfloat16><<<grid, kThreads, 0, st>>>(p, begin);
-      return launched();
-    }
-    if (ring && p.ds16_type == BwdType::Float16) {
+    else if (p.ds16_type == BwdType::Float16)
       state_pass_ring_kernel<__half><<<grid, kThreads, 0, st>>>(p, begin);
-      return launched();
-    }
-    if (p.ds16_type == BwdType::BFloat16) {
-      if (vec)
-        state_pass_kernel<4, __nv_bfloat16><<<grid, kThreads, 0, st>>>(p, begin);
-      else
-        state_pass_kernel<1, __nv_bfloat16><<<grid, kThreads, 0, st>>>(p, begin);
-    } else if (p.ds16_type == BwdType::Float16) {
-      if (vec)
-        state_pass_kernel<4, __half><<<grid, kThreads, 0, st>>>(p, begin);
-      else
-        state_pass_kernel<1, __half><<<grid, kThreads, 0, st>>>(p, begin);
-    } else {
+    else
       return static_cast<int>(cudaErrorInvalidValue);
-    }
     return launched();
   }
   if (vec)
@@ -651,13 +611,6 @@ int ssd_bwd_ddecay_finish(const BwdParams& p, void* stream) {
   if (n == 0) return 0;
   if (p.ddecay_part == nullptr || p.ddecay_parts < 1) return static_cast<int>(cudaErrorInvalidValue);
   ddecay_finish_kernel<<<blocks_for(n, kWarpsPerBlock), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(p);
-  return launched();
-}
-int ssd_bwd_ddecay(const BwdParams& p, void* stream) {
-  if (p.ds16 != nullptr) return static_cast<int>(cudaErrorInvalidValue);  // reads the fp32 ds
-  const int64_t n = p.num_chunks * p.heads;
-  if (n == 0) return 0;
-  ddecay_kernel<<<static_cast<unsigned>(n), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(p);
   return launched();
 }
 int ssd_bwd_rows(const BwdParams& p, void* stream) {

@@ -1,8 +1,9 @@
-// Fused SSD forward, stage d (params.h, ssd_fused.h): the chunk scan v2, on tensor cores.
+// Fused SSD forward, stage d (params.h, ssd_fused.h): the chunk scan per head, on tensor cores.
 //   y_i = exp(Lam_i) C_i s[c]^T + sum_{j <= i} <C_i, B_j> exp(Lam_i - Lam_j) dt_j x_j + D x_i
 //   out_i = y_i * silu(z_i) (z given; y saved pre-gate), else y_i; written at the tokens' rows.
-// Every chunk (64 / 128 / 256) and every supported P / N; at chunk 64 the default is v3
-// (ssd_chunk_scan_group_fwd.cu, same arithmetic); TREE_RECURRENCE_SSD_FWD_SCAN=v2 forces this one.
+// Every chunk (64 / 128 / 256) and every supported P / N: the plan (FwdPlan) runs it wherever the
+// grouped scan (ssd_chunk_scan_group_fwd.cu, chunk 64, P <= 64; the same arithmetic, bitwise equal
+// outputs) does not fit.
 // A block owns 64 rows i of one (chunk, head) and every P column (PT = P padded to 32 / 64 / 128);
 // 128 threads, warp w rows [16 w, 16 w + 16):
 //  * 1-D grid with the head fastest: the H / G heads of one (chunk, row tile) run next to each other,
@@ -33,15 +34,15 @@ constexpr int kThreads = 128;
 constexpr int kRows = 64;   // rows i per block; key rows j per block step
 // the opt-in maximum of dynamic shared memory per block on sm_90 (227 KB); the largest shape
 // (P 128, N 256, chunk 256) takes ~155 KB
-constexpr size_t kV2MaxSmem = 227 * 1024;
+constexpr size_t kMaxSmem = 227 * 1024;
 
-struct SmemV2 {
+struct ScanLayout {
   int64_t ldc, c_elems, st_elems, b_elems, x_elems, stage_floats;
   size_t lo_bytes;  // c_s + st_s (bf16), or the fp32 stage when larger
   size_t bytes;
 };
-__host__ __device__ inline SmemV2 smem_layout_v2(int64_t N, int PT, int L) {
-  SmemV2 m;
+__host__ __device__ inline ScanLayout scan_layout(int64_t N, int PT, int L) {
+  ScanLayout m;
   m.ldc = round64(N) + 8;
   m.c_elems = kRows * m.ldc;
   m.st_elems = int64_t(PT) * m.ldc;
@@ -56,13 +57,13 @@ __host__ __device__ inline SmemV2 smem_layout_v2(int64_t N, int PT, int L) {
 }
 
 template <typename T, int L, int PT>
-__global__ void __launch_bounds__(kThreads, PT > 64 ? 2 : 3) chunk_scan_kernel_v2(FwdParams p) {
+__global__ void __launch_bounds__(kThreads, PT > 64 ? 2 : 3) chunk_scan_kernel(FwdParams p) {
   constexpr int NTP = PT / 8;
   constexpr int kLdX = PT + 8;
   constexpr int kLdStage = PT + 4;
   constexpr int kTiles = L / kRows;
   const int64_t H = p.heads, P = p.head_dim, N = p.state_dim, G = p.groups;
-  const SmemV2 lay = smem_layout_v2(N, PT, L);
+  const ScanLayout lay = scan_layout(N, PT, L);
   const int ldc = static_cast<int>(lay.ldc);
   const int NP = ldc - 8;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -163,9 +164,9 @@ __global__ void __launch_bounds__(kThreads, PT > 64 ? 2 : 3) chunk_scan_kernel_v
 }
 
 template <typename T, int L, int PT>
-int launch_v2(const FwdParams& p, cudaStream_t stream) {
-  const SmemV2 lay = smem_layout_v2(p.state_dim, PT, L);
-  auto kernel = chunk_scan_kernel_v2<T, L, PT>;
+int launch(const FwdParams& p, cudaStream_t stream) {
+  const ScanLayout lay = scan_layout(p.state_dim, PT, L);
+  auto kernel = chunk_scan_kernel<T, L, PT>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(lay.bytes));
   if (err != cudaSuccess) return static_cast<int>(err);
   const int64_t blocks = p.num_chunks * (L / kRows) * p.heads;
@@ -175,20 +176,20 @@ int launch_v2(const FwdParams& p, cudaStream_t stream) {
 
 }  // namespace
 
-bool ssd_chunk_scan_v2_supported(const FwdParams& p) {
+bool ssd_chunk_scan_supported(const FwdParams& p) {
   if (!fwd_shape_supported(p.chunk, p.head_dim, p.state_dim) || p.groups <= 0 || p.heads % p.groups != 0) return false;
-  if (smem_layout_v2(p.state_dim, tiles::padded_p(p.head_dim), static_cast<int>(p.chunk)).bytes > kV2MaxSmem) return false;
+  if (scan_layout(p.state_dim, tiles::padded_p(p.head_dim), static_cast<int>(p.chunk)).bytes > kMaxSmem) return false;
   const int64_t blocks = p.num_chunks * (p.chunk / kRows) * p.heads;
   if (blocks > 2147483647LL) return false;
   return tiles::rows_aligned16(p);  // 16-byte vectors of x / z / y / out rows (P % 8 == 0)
 }
 
-int ssd_chunk_scan_fwd_v2(const FwdParams& p, void* stream) {
-  if (!ssd_chunk_scan_v2_supported(p)) return static_cast<int>(cudaErrorInvalidValue);
+int ssd_chunk_scan_fwd(const FwdParams& p, void* stream) {
+  if (!ssd_chunk_scan_supported(p)) return static_cast<int>(cudaErrorInvalidValue);
   if (p.num_chunks == 0) return 0;
   auto s = static_cast<cudaStream_t>(stream);
   return tiles::dispatch(p, [&](auto t, auto l, auto pt) {
-    return launch_v2<typename decltype(t)::type, decltype(l)::value, decltype(pt)::value>(p, s);
+    return launch<typename decltype(t)::type, decltype(l)::value, decltype(pt)::value>(p, s);
   });
 }
 

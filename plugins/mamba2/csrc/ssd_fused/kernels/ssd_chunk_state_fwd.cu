@@ -1,4 +1,5 @@
-// Fused SSD forward, stages a + b (params.h, ssd_fused.h): per (chunk, head) the prepared dt
+// Fused SSD forward, stages a + b of the three-kernel path (params.h: FwdPlan; ssd_fused.h; the
+// stages op runs it on every path for its chunk_states): per (chunk, head) the prepared dt
 // (bias, softplus, clamp; 0 on pad rows), the chunk-local cumsum Lam of dt * A, and the chunk's own
 // state S_c (P x N) = X^T (P x L) . (w B) (L x N) with w_j = exp(Lam_last - Lam_j) dt_j, on tensor
 // cores (bf16 / fp16 operands, fp32 accumulation; w B rounded to the in-type like mamba-ssm).

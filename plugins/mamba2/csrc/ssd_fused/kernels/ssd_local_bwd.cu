@@ -1,5 +1,6 @@
-// Fused SSD (Mamba2) backward, local entering-state gradient on bf16 / fp16 tensor cores (round 3, H4):
-//   ds_local[c, h] = (e^Lam . dy)^T C      (P x N, fp32 out), dy = dout silu(z) (= dout without z)
+// Fused SSD (Mamba2) backward, the local entering-state gradient on bf16 / fp16 tensor cores (the Half route's
+// two-kernel reverse pass, long segments):
+//   ds_local[c, h] = (e^Lam . dy)^T C      (P x N), dy = dout silu(z) (= dout without z)
 // with dy computed on the fly from dout and z (no gate kernel, no fp32 dy buffer). Block per
 // (chunk, head), 4 warps; heads of a group are neighbours in the grid, so their C tile is an L2 hit.
 //   * C (L x N, the input dtype) -> shared memory by 16-byte cp.async (pad rows / columns zero-filled);
@@ -7,24 +8,20 @@
 //     rounded ONCE to the input dtype into shared memory (stored (L x P), so it is the A operand
 //     transposed: ldmatrix.trans);
 //   * one mma.sync m16n8k16 per product (bf16 or fp16 operands, fp32 accumulation), warp tiles of
-//     32 x 64 (P x N) over the zero-padded (ceil32(P) x ceil64(N)) output, K = L = 64 in 4 steps;
-//   * fp32 accumulators stored straight from the fragments (8-byte stores, every 32-byte sector full), or
-//     (p.ds16 set, issue 20 H5: the default on the bf16 path) rounded once (RN) to the input type: one xor-1
-//     shuffle per two column blocks, then 8-byte stores of 4 consecutive columns (whole 32-byte sectors);
-//     half the bytes (at GRPO 1.61 GB instead of 3.22 GB written).
+//     32 x 32 (P x N) over the zero-padded (ceil32(P) x ceil64(N)) output, K = L = 64 in 4 steps; 32 fp32
+//     accumulators, 72 registers, 7 CTAs/SM by the launch bound;
+//   * the accumulators rounded once (RN) to the input type (p.ds16): one xor-1 shuffle per two column blocks,
+//     then 8-byte stores of 4 consecutive columns (whole 32-byte sectors).
 // Shared memory: 64 x (ceil32(P) + 8) + 64 x (ceil64(N) + 8) elements + 64 int64 + 64 floats; at
-// P 64 / N 128: 9.2 + 17.4 + 0.75 KB = 27.4 KB (P, N 128: 35.6 KB) -> 4 CTAs/SM by the launch bound.
+// P 64 / N 128: 9.2 + 17.4 + 0.75 KB = 27.4 KB (P, N 128: 35.6 KB).
 // Fixed mma order: two runs give identical bits; no atomics. 64-bit global indexing.
 // Requirements (ssd_bwd_local_bf16_supported): chunk 64, P and N in 1..128 and multiples of 8, C, dout
-// (and z) of one 16-bit type (ds16, when set, of that type too), the pointers 16-byte aligned.
-// ptxas (CUDA 13.0, sm_90a): 128 registers (launch bound 4 CTAs/SM), no spills, all 8 instantiations.
+// (and z) of one 16-bit type, ds16 set of that type, the pointers 16-byte aligned.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 
 #include "bwd_tiles.cuh"
 #include "params_bwd.h"
@@ -55,13 +52,10 @@ struct Plan {
   }
 };
 
-// TN: the warp tile's width in N (64: 32 x 64 tiles, 64 fp32 accumulators, 128 registers, 4 CTAs/SM; 32: 32 x 32 tiles,
-// twice as many per CTA, 32 accumulators, 7 CTAs/SM by the launch bound). Every output element is the same k-ordered
-// chain of MMAs either way: bitwise equal.
-template <typename T, bool HAS_Z, bool OUT16, int TN>
-__global__ void __launch_bounds__(kThreads, TN == 64 ? 4 : 7) local_bf16_kernel(BwdParams p) {
-  static_assert(TN == 32 || TN == 64, "warp tiles 32 x 32 or 32 x 64");
-  constexpr int NB = TN / 8;  // 8-column accumulator blocks per warp tile
+constexpr int kTN = 32;  // the warp tile's width in N (32 x 32 P x N tiles)
+template <typename T, bool HAS_Z>
+__global__ void __launch_bounds__(kThreads, 7) local_bf16_kernel(BwdParams p) {
+  constexpr int NB = kTN / 8;  // 8-column accumulator blocks per warp tile
   extern __shared__ __align__(16) unsigned char smem[];
   const int64_t H = p.heads, P = p.head_dim, N = p.state_dim, G = p.groups;
   const int64_t ch = blockIdx.x, c = ch / H, h = ch % H, g = h / (H / G);
@@ -129,10 +123,10 @@ __global__ void __launch_bounds__(kThreads, TN == 64 ? 4 : 7) local_bf16_kernel(
   mm::cp_async_wait<0>();
   __syncthreads();
 
-  const int mtiles = pl.Pp / 32, ntiles = pl.Np / TN;
+  const int mtiles = pl.Pp / 32, ntiles = pl.Np / kTN;
   const int lane = tid & 31;
   for (int b = warp; b < mtiles * ntiles; b += kWarps) {
-    const int r0 = (b / ntiles) * 32, n0 = (b % ntiles) * TN;
+    const int r0 = (b / ntiles) * 32, n0 = (b % ntiles) * kTN;
     mm::FragC acc[2][NB];
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt)
@@ -140,7 +134,7 @@ __global__ void __launch_bounds__(kThreads, TN == 64 ? 4 : 7) local_bf16_kernel(
       for (int nt = 0; nt < NB; ++nt) acc[mt][nt].zero();
     // A(r = p, k = i) = dys[i][p] (stored transposed), B(k = i, n) = Cs[i][n]
     mm::warp_gemm<T, 2, NB, kL / 16, false, true>(acc, dys + r0, pl.DP, Cs + n0, pl.CP);
-    if constexpr (OUT16) {
+    {
       // rounded once (RN) to T. Column blocks nt, nt + 1 in pairs: a lane holds columns 2 tq, 2 tq + 1 of
       // both; one xor-1 shuffle gives an even lane 4 consecutive columns of block nt and its odd partner 4
       // of block nt + 1 (same row), so a warp store writes 8 rows x 32 contiguous bytes (whole sectors).
@@ -166,22 +160,6 @@ __global__ void __launch_bounds__(kThreads, TN == 64 ? 4 : 7) local_bf16_kernel(
                                                                                       : make_uint2(a, got);
           }
         }
-    } else {
-      float* out = p.ds + ch * P * N;
-#pragma unroll
-      for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < NB; ++nt) {
-          const int n = n0 + nt * 8 + mm::c_col(lane, 0);
-          if (n >= N) continue;  // N % 8 == 0: n + 1 < N as well
-#pragma unroll
-          for (int hh = 0; hh < 2; ++hh) {
-            const int r = r0 + mt * 16 + mm::c_row(lane, 2 * hh);
-            if (r < P)
-              *reinterpret_cast<float2*>(out + static_cast<int64_t>(r) * N + n) =
-                  make_float2(acc[mt][nt].x[2 * hh], acc[mt][nt].x[2 * hh + 1]);
-          }
-        }
     }
   }
 }
@@ -189,15 +167,9 @@ __global__ void __launch_bounds__(kThreads, TN == 64 ? 4 : 7) local_bf16_kernel(
 bool aligned16(const void* q) { return reinterpret_cast<uintptr_t>(q) % 16 == 0; }
 using bwd_tiles::half_type;
 
-// TREE_RECURRENCE_SSD_BWD_LOCAL_TILE=64 (read per launch): the 32 x 64 warp tiles (4 CTAs/SM) instead of 32 x 32 (7
-// CTAs/SM; bitwise equal), for comparisons
-bool wide_tiles_selected() {
-  const char* v = std::getenv("TREE_RECURRENCE_SSD_BWD_LOCAL_TILE");
-  return v != nullptr && std::strcmp(v, "64") == 0;
-}
-template <typename T, bool HAS_Z, bool OUT16>
-int launch2(const BwdParams& p, cudaStream_t st, int bytes) {
-  auto* kern = wide_tiles_selected() ? local_bf16_kernel<T, HAS_Z, OUT16, 64> : local_bf16_kernel<T, HAS_Z, OUT16, 32>;
+template <typename T, bool HAS_Z>
+int launch_kernel(const BwdParams& p, cudaStream_t st, int bytes) {
+  auto* kern = local_bf16_kernel<T, HAS_Z>;
   cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   if (e != cudaSuccess) return static_cast<int>(e);
   kern<<<static_cast<unsigned>(p.num_chunks * p.heads), kThreads, bytes, st>>>(p);
@@ -206,9 +178,7 @@ int launch2(const BwdParams& p, cudaStream_t st, int bytes) {
 template <typename T>
 int launch(const BwdParams& p, cudaStream_t st) {
   const int bytes = static_cast<int>(Plan(p.head_dim, p.state_dim).bytes);
-  const bool out16 = p.ds16 != nullptr;
-  if (p.z != nullptr) return out16 ? launch2<T, true, true>(p, st, bytes) : launch2<T, true, false>(p, st, bytes);
-  return out16 ? launch2<T, false, true>(p, st, bytes) : launch2<T, false, false>(p, st, bytes);
+  return p.z != nullptr ? launch_kernel<T, true>(p, st, bytes) : launch_kernel<T, false>(p, st, bytes);
 }
 
 }  // namespace
@@ -220,9 +190,8 @@ bool ssd_bwd_local_bf16_supported(const BwdParams& p) {
   if (!half_type(p.bc_type) || p.dout_type != p.bc_type) return false;
   if (p.z != nullptr && p.z_type != p.bc_type) return false;
   if (p.num_chunks * p.heads > 0x7fffffffLL) return false;
-  if (p.ds16 != nullptr && p.ds16_type != p.bc_type) return false;  // ds16: in C's (the input) type
-  return aligned16(p.C) && aligned16(p.dout) && (p.z == nullptr || aligned16(p.z)) &&
-         aligned16(p.ds16 != nullptr ? p.ds16 : static_cast<const void*>(p.ds));
+  if (p.ds16 == nullptr || p.ds16_type != p.bc_type) return false;  // ds16: in C's (the input) type
+  return aligned16(p.C) && aligned16(p.dout) && (p.z == nullptr || aligned16(p.z)) && aligned16(p.ds16);
 }
 
 int ssd_bwd_local_bf16(const BwdParams& p, void* stream) {

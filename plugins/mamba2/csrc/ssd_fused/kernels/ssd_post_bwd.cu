@@ -1,4 +1,4 @@
-// Fused SSD (Mamba2) backward, the post-state-pass kernel on bf16 / fp16 tensor cores (round 3, H3).
+// Fused SSD (Mamba2) backward, the post-state-pass kernel on bf16 / fp16 tensor cores (the Half route's).
 // Same math and stage outputs as post_tc (ssd_tc_bwd.cu; params_bwd.h has the layouts):
 //   block per (chunk, group), 8 warps, the group's heads in order:
 //     cb = C B^T (lower) once; per head: CS = C s^T -> q partials, dC += (e^Lam . dy) s,
@@ -9,38 +9,33 @@
 //   * every operand is a bf16 / fp16 (the input type) tile in shared memory, pitch = width + 8 elements
 //     (16-byte aligned rows, conflict-free ldmatrix); fragments by ldmatrix; ONE mma per product;
 //     fp32 accumulators; the d(dt A) scan, ddt and dA sums in fp32 on CUDA cores (as post_tc);
-//   * dy = dout silu(z) (dout without z) computed on the fly from 16-byte loads of dout, z, y when
-//     p.post_dy_from_dout (then dz = dout y silu'(z) is written to dz_out in z's type), else read from
-//     the fp32 p.dy (the gate kernel's); dy is rounded once to the input type for the products and the
-//     D dy term of dx; dD_part[c, h, p] = sum_i dy_i,p x_i,p (fp32, fixed order) when set;
+//   * dy = dout silu(z) (dout without z) formed from dout, z (16-byte cp.async of a thread's rows, all in flight
+//     at once), rounded once to the input type for the products and the D dy term of dx; dz = dout y silu'(z)
+//     written to dz_out in z's type; dD_part[c, h, p] = sum_i dy_i,p x_i,p (fp32, fixed order) when set;
+//   * ds_leave read in the input type (p.ds16), by cp.async overlapped with the wlast dt . x and M tiles;
 //   * cb and sum_h dCB are kept in fp32 in "fragment order" (the 10 lower 16x16 blocks of L x L, each
 //     warp its own blocks, float4 per lane): 10 KB each instead of L x L tiles;
-//   * W (fp32 L x L) lives over the dead M^T and scaled-operand tiles (dyx is computed last per head).
+//   * W (fp32 L x L) lives over the dead M^T and scaled-operand tiles (dyx is computed last per head);
+//   * the row tail (head_rows_warp) runs on warp 0 alone under __syncwarp while warps 1..7 write the head's dz and
+//     issue the next head's s: 6 block barriers per head, block-wide only (a named barrier over part of the block
+//     made racecheck report hazards across the head loop's block barriers);
+//   * the k loops of CS, B dS^T, M^T dy and dy x^T unrolled by 2 (the next step's ldmatrix in flight during this
+//     step's mma; the same mma order).
 // Shared memory at P 64, N 128 (bytes): tokens 512, cb / sum dCB 2 x 10240, small 1792, M^T + scaled
 // operand (W over them) 18432, B / C 2 x 17408, dy / x 2 x 9216, s then dS 17408, q / ddt / v partials
 // 3072: 114944 B (112.25 KiB) -> 2 CTAs per SM (2 x (112.25 + 1) KiB <= 228 KiB); 8 warps, 128 registers
-// (launch bound; ptxas: a 4-byte spill). P, N 128: ~150 KB, 1 CTA/SM.
+// (launch bound), 0 spills. P, N 128: ~150 KB, 1 CTA/SM.
 // Registers: the group's dC and dB accumulators (2 x 64 x N fp32 over 256 threads = 64 per thread) stay
 // live over the 16 heads; everything else fits in the other 64.
 // Bytes per (chunk, group) at P 64, N 128, 16 heads: B, C 32 KB once; per head x, dout, z, y 8 KB each,
-// s (bf16) 16 KB, dS (fp32) 32 KB read, dx, dz 8 KB each written (+ dout, z re-read from L2 by the dz
-// pass): ~1.5 MB per CTA, ~9.6 GB over NC 768 x G 8 (~2 ms of HBM at GRPO); ~1.2k mma per head.
+// s and dS 16 KB each read, dx, dz 8 KB each written (+ dout, z re-read from L2 by the dz pass); ~1.2k mma per head.
 // Deterministic: fixed mma order, xor shuffles and fixed-order partial sums, heads in order; no
 // atomics. 64-bit global indexing. Requirements: ssd_bwd_post_bf16_supported.
-// A version 2 (the next head's loads overlapped with this head's tail, 6 block barriers per head) was deleted on
-// 2026-12-02: after its race fix it measured 8.72 ms at GRPO on the H200 against this kernel's 8.59-8.79 ms
-// (git history has it). The 16-bit ds (p.ds16, issue 20 H5) is read by a warp-uniform branch.
-// Version 3 (2026-12-03, the default; TREE_RECURRENCE_SSD_POST_V1=1 launches the kernel described above, its SASS
-// unchanged): the same values bit for bit, fewer instructions, bank conflicts and block barriers (the comment above
-// post_bf16_kernel's template says what moved); 6 block barriers per head instead of 9 (no named barrier: the row
-// tail runs on warp 0 under __syncwarp, see head_rows_v3).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 
 #include "bwd_tiles.cuh"
 #include "fwd_tiles.cuh"
@@ -103,7 +98,6 @@ using tiles::pack8;  // fwd_tiles.cuh's: 8 floats -> 8 elements of T (RN), pairs
 // sigmoid by the fast exp / division (MUFU; relative error ~1e-7, far below the 16-bit rounding of dy / dz);
 // z -> -inf: 1 / inf = 0
 __device__ __forceinline__ float sigm(float z) { return __fdividef(1.f, 1.f + __expf(-z)); }
-__device__ __forceinline__ uint4 ld16(const void* p) { return __ldg(static_cast<const uint4*>(p)); }
 
 // lower block blk (0..9) -> its first row r0 and first column c0
 __device__ __forceinline__ void low_block(int blk, int& r0, int& c0) {
@@ -126,10 +120,10 @@ __device__ __forceinline__ void k_loop(int kb, int ke, Step step) {
   if constexpr (U2) {
 #pragma unroll 2
     for (int k0 = kb; k0 < ke; k0 += 16) step(k0);
-    return;
+  } else {
+#pragma unroll 1
+    for (int k0 = kb; k0 < ke; k0 += 16) step(k0);
   }
-  #pragma unroll 1
-  for (int k0 = kb; k0 < ke; k0 += 16) step(k0);
 }
 // acc (16 x 16) += A B^T, k in [kb, ke): A this block's 16 rows (pitch lda), B its 16 columns as rows (pitch ldb),
 // both k-contiguous
@@ -204,43 +198,20 @@ __device__ __forceinline__ void acc_gemm(mm::FragC (&acc)[kMaxAcc][2], const T* 
   }
 }
 
-// --- version 3 (the default; TREE_RECURRENCE_SSD_POST_V1=1: the kernel as before) -------------------------
-// Same values as version 1, bit for bit (same expressions, same summation orders); the differences are where
-// and when they are computed:
-//   * the load phase: with dy on the fly x, dout, z of all a thread's rows by cp.async at once (issue_rows_v3 /
-//     finish_rows_v3), else load_rows_v3 (a row at a time); dy / e^Lam . dy stored as 16-byte words, the dD
-//     partials of a thread's rows in registers (v1's per-element slot reads / writes were 8-way bank conflicts);
-//   * dz (dz_rows_v3, v1's dz-pass expressions) on warps 1..7 while warp 0 runs the row tail (idle warps before);
-//   * the 16-bit dS by cp.async, overlapped with the wlast dt . x and M tiles;
-//   * the next head's s issued by warps 1..7 while warp 0 runs the head's row tail;
-//   * the row tail (head_rows_v3): on warp 0 alone (rows lane, lane + 32), W's row prefixes by float4, the two
-//     inner syncs as __syncwarp, its global loads issued first, the dA partial summed after the head's last barrier
-//     (on warps 0-1 under a named barrier, bar.sync 1, 64, racecheck reported hazards across every block barrier
-//     of the head loop on the H200, 2026-12-03: notes/san_ssd_racecheck_post_v3.log);
-//   * the k loops of CS, B dS^T, M^T dy and dy x^T unrolled by 2 (the next step's ldmatrix in flight during this
-//     step's mma; same mma order); the q partials and the dx epilogue read dy / x by element pairs.
-// ptxas (sm_90a): 128 registers, 0 spills in every instance (version 1: 4-12 bytes), 1 barrier (block-wide only).
-
-
-// 2 elements of a dy row piece in fp32: kFly: from the packed pairs of dout (dw) and z (zw), dout z sigmoid(z) (dout
-// without kZ); else the fp32 dy pair (f0, f1). Version 1's load loop and version 3's store_row_v3: one definition.
-template <typename T, bool kFly, bool kZ>
-__device__ __forceinline__ float2 dy_pair(uint32_t dw, uint32_t zw, float f0, float f1) {
-  float2 dy2;
-  if constexpr (kFly) {
-    dy2 = unpack2<T>(dw);
-    if constexpr (kZ) {
-      const float2 z2 = unpack2<T>(zw);
-      dy2.x = dy2.x * z2.x * sigm(z2.x);
-      dy2.y = dy2.y * z2.y * sigm(z2.y);
-    }
-  } else {
-    dy2 = make_float2(f0, f1);
+// 2 elements of a dy row piece in fp32 from the packed pairs of dout (dw) and z (zw): dout z sigmoid(z) (dout
+// without kZ)
+template <typename T, bool kZ>
+__device__ __forceinline__ float2 dy_pair(uint32_t dw, uint32_t zw) {
+  float2 dy2 = unpack2<T>(dw);
+  if constexpr (kZ) {
+    const float2 z2 = unpack2<T>(zw);
+    dy2.x = dy2.x * z2.x * sigm(z2.x);
+    dy2.y = dy2.y * z2.y * sigm(z2.y);
   }
   return dy2;
 }
 // dz of an element pair from packed pairs of dout (dw), z (zw), y (yw): dout y silu'(z) = dout y s (1 + z (1 - s)),
-// s = sigmoid(z), rounded to T and packed. Version 1's dz pass and dz_rows_v3: one definition.
+// s = sigmoid(z), rounded to T and packed.
 // dz_pair_y: the same from y in fp32 (y0, y1; the recomputed y of kRecY).
 template <typename T>
 __device__ __forceinline__ uint32_t dz_pair_y(uint32_t dw, uint32_t zw, float y0, float y1) {
@@ -254,49 +225,22 @@ __device__ __forceinline__ uint32_t dz_pair(uint32_t dw, uint32_t zw, uint32_t y
   return dz_pair_y<T>(dw, zw, y2.x, y2.y);
 }
 
-// one row piece's global inputs (16-byte words; fa / fb: the fp32 dy when not kFly) and e^Lam of the row
+// one row piece's inputs (16-byte words of x, dout, z) and Lam of the row
 struct RowIn {
   uint4 x, d, z;
-  float4 fa, fb;
   float lam;
-  int64_t off;
-  bool ok;
 };
-template <typename T, bool kFly, bool kZ>
-__device__ __forceinline__ void load_row_v3(const BwdParams& p, const int* tok, int h, int H, int P, int64_t chl, int i,
-                                            int lcc, RowIn& r) {
-  const int t = tok[i];
-  r.ok = t >= 0 && lcc * 8 < P;
-  r.off = (static_cast<int64_t>(t) * H + h) * P + lcc * 8;
-  r.x = make_uint4(0u, 0u, 0u, 0u);
-  r.d = r.x;
-  r.z = r.x;
-  r.fa = make_float4(0.f, 0.f, 0.f, 0.f);
-  r.fb = r.fa;
-  if (r.ok) {
-    r.x = ld16(static_cast<const T*>(p.x) + r.off);
-    if constexpr (kFly) {
-      r.d = ld16(static_cast<const T*>(p.dout) + r.off);
-      if constexpr (kZ) r.z = ld16(static_cast<const T*>(p.z) + r.off);
-    } else {
-      r.fa = __ldg(reinterpret_cast<const float4*>(p.dy + r.off));
-      r.fb = __ldg(reinterpret_cast<const float4*>(p.dy + r.off + 4));
-    }
-  }
-  r.lam = __ldg(p.Lam + chl + i);
-}
 // row i's dy, e^Lam . dy, x into shared memory (16-byte words), the dD partial sums (wdD)
-template <typename T, bool kFly, bool kZ>
-__device__ __forceinline__ void store_row_v3(const RowIn& r, int i, int lrow0, int lcc, int PT, bool wdD, T* dys, T* sc,
+template <typename T, bool kZ>
+__device__ __forceinline__ void store_row(const RowIn& r, int i, int lrow0, int lcc, int PT, bool wdD, T* dys, T* sc,
                                              T* xs, float (&dDa)[8]) {
   const float ei = expf(r.lam);
   const uint32_t xw4[4] = {r.x.x, r.x.y, r.x.z, r.x.w}, dw4[4] = {r.d.x, r.d.y, r.d.z, r.d.w};
   const uint32_t zw4[4] = {r.z.x, r.z.y, r.z.z, r.z.w};
-  const float fy[8] = {r.fa.x, r.fa.y, r.fa.z, r.fa.w, r.fb.x, r.fb.y, r.fb.z, r.fb.w};
   uint32_t dyw[4], scw[4];
 #pragma unroll
   for (int w = 0; w < 4; ++w) {
-    const float2 dy2 = dy_pair<T, kFly, kZ>(dw4[w], zw4[w], fy[2 * w], fy[2 * w + 1]);
+    const float2 dy2 = dy_pair<T, kZ>(dw4[w], zw4[w]);
     dyw[w] = mm::Elem<T>::pack(dy2.x, dy2.y);
     scw[w] = mm::Elem<T>::pack(ei * dy2.x, ei * dy2.y);
     if (wdD) {
@@ -315,13 +259,12 @@ template <typename T>
 __device__ __forceinline__ T* y_scratch_of(const BwdParams& p, int P) {
   return static_cast<T*>(p.y_scratch) + static_cast<int64_t>(blockIdx.x) * kL * P;
 }
-// dz = dout y silu'(z) in z's type for the head's rows (version 1's dz pass, its expressions), 8-byte pieces e =
-// first, first + step, .. of the L x (Pp / 4) pieces (8 bytes: fewer live registers next to the dC / dB
-// accumulators): version 3 runs it on warps 1..7 during the row tail. kYScratch: y from the CTA's scratch (y_scratch_of:
-// row i at i * P, written by this CTA's CS step before the head's barriers: an L2 load, ld.global.cg, which sees
-// them; not the read-only path), else the stored y.
+// dz = dout y silu'(z) in z's type for the head's rows, 8-byte pieces e = first, first + step, .. of the L x (Pp / 4)
+// pieces (8 bytes: fewer live registers next to the dC / dB accumulators), on warps 1..7 during the row tail.
+// kYScratch: y from the CTA's scratch (y_scratch_of: row i at i * P, written by this CTA's CS step before the head's
+// barriers: an L2 load, ld.global.cg, which sees them; not the read-only path), else the stored y.
 template <typename T, bool kYScratch = false>
-__device__ __forceinline__ void dz_rows_v3(const BwdParams& p, const int* tok, int h, int H, int P, int Pp, int first,
+__device__ __forceinline__ void dz_rows(const BwdParams& p, const int* tok, int h, int H, int P, int Pp, int first,
                                            int step) {
   const T* gdo = static_cast<const T*>(p.dout);
   const T* gz = static_cast<const T*>(p.z);
@@ -346,35 +289,12 @@ __device__ __forceinline__ void dz_rows_v3(const BwdParams& p, const int* tok, i
     *reinterpret_cast<uint2*>(gdz + off) = make_uint2(dzw[0], dzw[1]);
   }
 }
-// version 3's load phase of one head: this thread's rows lrow0, lrow0 + rpp, .. (16-byte column piece lcc), each
-// row's global loads (x, dout, z, Lam) issued before its arithmetic
-template <typename T, bool kFly, bool kZ>
-__device__ __forceinline__ void load_rows_v3(const BwdParams& p, const int* tok, int h, int H, int P, int Pp, int PT,
-                                             int64_t chl, int lrow0, int lcc, int rpp, T* dys, T* sc, T* xs,
-                                             float* dDred) {
-  const bool wdD = p.dD_part != nullptr;
-  float dDa[8];  // this thread's slot: its rows in order (v1's dDr[] sums)
-#pragma unroll
-  for (int k = 0; k < 8; ++k) dDa[k] = 0.f;
-#pragma unroll 1
-  for (int i = lrow0; i < kL; i += rpp) {  // (two rows in flight: ~270 bytes of spills next to the dC / dB accumulators)
-    RowIn a;
-    load_row_v3<T, kFly, kZ>(p, tok, h, H, P, chl, i, lcc, a);
-    store_row_v3<T, kFly, kZ>(a, i, lrow0, lcc, PT, wdD, dys, sc, xs, dDa);
-  }
-  if (wdD && lrow0 < kL) {
-    float4* d4 = reinterpret_cast<float4*>(dDred + lrow0 * Pp + lcc * 8);
-    d4[0] = make_float4(dDa[0], dDa[1], dDa[2], dDa[3]);
-    d4[1] = make_float4(dDa[4], dDa[5], dDa[6], dDa[7]);
-  }
-}
-
-// version 3's load phase with dy on the fly, in two steps: issue_rows_v3 copies this thread's rows' x, dout, z
-// pieces by cp.async into xs, dys, sc (zero-filled for pad rows / columns >= P, as version 1's zero registers);
-// after the caller's cp.async wait (a thread reads back only its own pieces: no barrier) finish_rows_v3 forms dy,
-// e^Lam . dy in place and the dD partials, store_row_v3's arithmetic. All rows' loads in flight at once.
+// the load phase of one head, in two steps: issue_rows copies this thread's rows' x, dout, z pieces by cp.async into
+// xs, dys, sc (zero-filled for pad rows / columns >= P); after the caller's cp.async wait (a thread reads back only
+// its own pieces: no barrier) finish_rows forms dy, e^Lam . dy in place and the dD partials (store_row). All rows'
+// loads in flight at once.
 template <typename T, bool kZ>
-__device__ __forceinline__ void issue_rows_v3(const BwdParams& p, const int* tok, int h, int H, int P, int PT,
+__device__ __forceinline__ void issue_rows(const BwdParams& p, const int* tok, int h, int H, int P, int PT,
                                               int lrow0, int lcc, int rpp, T* dys, T* sc, T* xs) {
   const T* gx = static_cast<const T*>(p.x);
   const T* gdo = static_cast<const T*>(p.dout);
@@ -392,10 +312,10 @@ __device__ __forceinline__ void issue_rows_v3(const BwdParams& p, const int* tok
   }
 }
 template <typename T, bool kZ>
-__device__ __forceinline__ void finish_rows_v3(const BwdParams& p, int Pp, int PT, int64_t chl, int lrow0, int lcc,
+__device__ __forceinline__ void finish_rows(const BwdParams& p, int Pp, int PT, int64_t chl, int lrow0, int lcc,
                                                int rpp, float lam0, T* dys, T* sc, T* xs, float* dDred) {
   const bool wdD = p.dD_part != nullptr;
-  float dDa[8];  // this thread's slot: its rows in order (v1's dDr[] sums)
+  float dDa[8];  // this thread's slot: its rows in order
 #pragma unroll
   for (int k = 0; k < 8; ++k) dDa[k] = 0.f;
   float lnext = lam0;  // Lam of row lrow0 (loaded by the caller before its wait), then one row ahead
@@ -406,11 +326,9 @@ __device__ __forceinline__ void finish_rows_v3(const BwdParams& p, int Pp, int P
     r.x = *reinterpret_cast<const uint4*>(xs + so);
     r.d = *reinterpret_cast<const uint4*>(dys + so);
     r.z = kZ ? *reinterpret_cast<const uint4*>(sc + so) : make_uint4(0u, 0u, 0u, 0u);
-    r.fa = make_float4(0.f, 0.f, 0.f, 0.f);
-    r.fb = r.fa;
     r.lam = lnext;
     if (i + rpp < kL) lnext = __ldg(p.Lam + chl + i + rpp);
-    store_row_v3<T, true, kZ>(r, i, lrow0, lcc, PT, wdD, dys, sc, xs, dDa);
+    store_row<T, kZ>(r, i, lrow0, lcc, PT, wdD, dys, sc, xs, dDa);
   }
   if (wdD) {
     float4* d4 = reinterpret_cast<float4*>(dDred + lrow0 * Pp + lcc * 8);
@@ -436,15 +354,13 @@ __device__ __forceinline__ void row_exclusive_prefix4(float* w, int i) {
   }
 }
 
-// version 3's per-head row tail: bwd_tiles::head_rows's arithmetic in its order per row, on warp 0 alone (lane: rows
-// lane and lane + 32; the caller's other warps skip it), its two cross-row steps (after the caller's W prefixes and
-// between the row sums and the scan) ordered by __syncwarp, without the dA partial (red[] holds dts . d_dtA; the
-// caller sums it after the head's last barrier: dA_sum_v3).
-// (It ran on warps 0-1 under a 64-thread named barrier, bar.sync 1, 64: racecheck then reported hazards across
-// every block barrier of the head loop, as it did for version 2's tail (ec3a240); a warp-local tail leaves
-// block-wide barriers only, every warp the same count per head.)
+// the per-head row tail: bwd_tiles::head_rows's arithmetic in its order per row, on warp 0 alone (lane: rows lane and
+// lane + 32; the caller's other warps skip it), its two cross-row steps (after the caller's W prefixes and between the
+// row sums and the scan) ordered by __syncwarp, without the dA partial (red[] holds dts . d_dtA; the caller sums it
+// after the head's last barrier: dA_sum). A warp-local tail leaves block-wide barriers only, every warp the same count
+// per head.
 template <int LDW>
-__device__ __forceinline__ void head_rows_v3(const BwdParams& p, int lane, float* small, const float* qpart,
+__device__ __forceinline__ void head_rows_warp(const BwdParams& p, int lane, float* small, const float* qpart,
                                              const float* dpart, const float* vpart, int ncolP, const float* Wm,
                                              const int* tok, int64_t ch, int64_t H, int64_t h) {
   constexpr int L = kL;
@@ -489,7 +405,7 @@ __device__ __forceinline__ void head_rows_v3(const BwdParams& p, int lane, float
   }
 }
 // the dA partial of chunk-head ch from red[] (head_rows's order), after the barrier that published red
-__device__ __forceinline__ void dA_sum_v3(const BwdParams& p, const float* red, int64_t ch) {
+__device__ __forceinline__ void dA_sum(const BwdParams& p, const float* red, int64_t ch) {
   float s = 0.f;
   const float4* r4 = reinterpret_cast<const float4*>(red);
 #pragma unroll 4
@@ -504,7 +420,7 @@ __device__ __forceinline__ void dA_sum_v3(const BwdParams& p, const float* red, 
 }
 
 // kRecY's step for the 16 x 16 block (rows r0.., columns p0..) whose C s^T is cs: y = e^Lam . cs + (M . dt) x + D x
-// in fp32, rounded to T into the CTA's y scratch (ysc: L x P, row i at i * P; pad rows skipped), which dz_rows_v3
+// in fp32, rounded to T into the CTA's y scratch (ysc: L x P, row i at i * P; pad rows skipped), which dz_rows
 // reads in the row tail (after the head's block barriers, by ld.global.cg, not the read-only path). (M . dt)[i][j] =
 // cb[i][j] exp(Lam_i - Lam_j) dt_j (j <= i) is formed per lower 16 x 16 block from cb's fp32 fragments (fragment
 // order, the accumulator layout) and rounded to T as the A operand (c_to_a); x is the B operand (ldmatrix).
@@ -556,17 +472,16 @@ __device__ __forceinline__ void recompute_y_block(const BwdParams& p, const mm::
     }
 }
 
-// kRecY (version 3 with dy on the fly and z; p.recompute_y): y is not read; the CS step recomputes it per 16 x 16
-// block, y = e^Lam . C s^T + (M . dt) x + D x (the forward's formula, fp32 from the same 16-bit operands: the A
-// operand of (M . dt) x formed in registers from cb's fragments, x by ldmatrix), rounded to T into a per-CTA scratch
-// (p.y_scratch, L x P per CTA, L2-resident, reused by each head) that dz_rows_v3 reads in the row tail, where it
-// otherwise reads the stored y. The forward then stores no y: 0.75 GiB less at GRPO (the scratch: 50 MB); the memory
-// mode (TREE_RECURRENCE_SSD_RECOMPUTE_Y=1: this kernel took 9.32 ms at GRPO against 7.29 reading the stored y).
-// (Writing dz in the CS step itself, with dout / z loaded there, cost 2.2 ms more at GRPO on the H200, 2026-12-04:
-// the dz work left the warps that idle during the row tail.)
-template <typename T, bool kFly, bool kZ, bool kV3, bool kRecY = false>
+// kRecY (z given, p.recompute_y): y is not read; the CS step recomputes it per 16 x 16 block, y = e^Lam . C s^T +
+// (M . dt) x + D x (the forward's formula, fp32 from the same 16-bit operands: the A operand of (M . dt) x formed in
+// registers from cb's fragments, x by ldmatrix), rounded to T into a per-CTA scratch (p.y_scratch, L x P per CTA,
+// L2-resident, reused by each head) that dz_rows reads in the row tail, where it otherwise reads the stored y. The
+// forward then stores no y (the memory mode, settings::ssd_recompute_y(): about a quarter more time in this kernel).
+// (dz stays in the row tail, on the warps that idle there: written in the CS step, with dout / z loaded there, it
+// cost more.)
+template <typename T, bool kZ, bool kRecY = false>
 __global__ void __launch_bounds__(kThreads, 2) post_bf16_kernel(BwdParams p) {
-  static_assert(!kRecY || (kFly && kZ && kV3), "y is recomputed by version 3 with dy from dout and z only");
+  static_assert(!kRecY || kZ, "y is recomputed for the z gate only");
   extern __shared__ __align__(16) unsigned char smem[];
   const int H = static_cast<int>(p.heads), P = static_cast<int>(p.head_dim), N = static_cast<int>(p.state_dim),
             G = static_cast<int>(p.groups), hpg = H / G;
@@ -602,7 +517,6 @@ __global__ void __launch_bounds__(kThreads, 2) post_bf16_kernel(BwdParams p) {
   const int tid = static_cast<int>(threadIdx.x), warp = tid >> 5, lane = tid & 31, tq = lane & 3;
   const T* gB = static_cast<const T*>(p.B);
   const T* gC = static_cast<const T*>(p.C);
-  const T* gx = static_cast<const T*>(p.x);
   const T* gst = static_cast<const T*>(p.states);
 
   if (tid < kL) tok[tid] = static_cast<int>(p.gather[c * kL + tid]);
@@ -651,10 +565,6 @@ __global__ void __launch_bounds__(kThreads, 2) post_bf16_kernel(BwdParams p) {
       accC[u][nt].zero();
       accB[u][nt].zero();
     }
-  constexpr bool fly = kFly, hasz = kZ;  // dy on the fly; z present (p.post_dy_from_dout, p.z)
-  const T* gdo = static_cast<const T*>(p.dout);
-  const T* gz = static_cast<const T*>(p.z);
-  const T* gy = static_cast<const T*>(p.y);
   T* gdz = static_cast<T*>(p.dz_out);
   T* gdx = static_cast<T*>(p.dx_out);
   const int cpr = Pp / 8, rpp = kThreads / cpr;  // 16-byte chunks per P row, rows per pass
@@ -673,18 +583,15 @@ __global__ void __launch_bounds__(kThreads, 2) post_bf16_kernel(BwdParams p) {
       el[tid] = expf(lv);
       wl[tid] = exp_le0(p.Lam[chl + kL - 1] - lv);
     }
-    // s -> mat (cp.async, the input type); V3: heads after the first were issued by warps 1..7 in the
-    // previous head's tail
+    // s -> mat (cp.async, the input type); heads after the first were issued by warps 1..7 in the previous head's tail
     const int64_t sbase = ch * P * static_cast<int64_t>(N);
-    // V3, dy on the fly: this thread's x / dout / z pieces by cp.async first (a group of their own: at the first
-    // head s follows, and the wait leaves s in flight), then dy and e^Lam . dy from them
-    constexpr bool kAsyncRows = kV3 && kFly;
-    if constexpr (kAsyncRows) {
-      if (lrow0 < rpp && lrow0 < kL) issue_rows_v3<T, kZ>(p, tok, h, H, P, PT, lrow0, lcc, rpp, dys, sc, xs);
-      mm::cp_async_commit();
-    }
-    const float lam0 = kAsyncRows && lrow0 < rpp && lrow0 < kL ? __ldg(p.Lam + chl + lrow0) : 0.f;
-    if (!kV3 || hh == 0) {
+    // this thread's x / dout / z pieces by cp.async first (a group of their own: at the first head s follows, and the
+    // wait leaves s in flight), then dy and e^Lam . dy from them
+    const bool rows = lrow0 < rpp && lrow0 < kL;
+    if (rows) issue_rows<T, kZ>(p, tok, h, H, P, PT, lrow0, lcc, rpp, dys, sc, xs);
+    mm::cp_async_commit();
+    const float lam0 = rows ? __ldg(p.Lam + chl + lrow0) : 0.f;
+    if (hh == 0) {
       for (int e = tid; e < Pp * cprN; e += kThreads) {
         const int pp = e / cprN, cc = e % cprN;
         const bool ok = pp < P && cc * 8 < N;
@@ -692,75 +599,10 @@ __global__ void __launch_bounds__(kThreads, 2) post_bf16_kernel(BwdParams p) {
       }
       mm::cp_async_commit();
     }
-    // dy (on the fly or from p.dy), x, e^Lam . dy; dz; dD partials
-    if constexpr (kAsyncRows) {
-      // groups in order: [the previous tail's s (heads > 0)], this head's rows, [s (head 0)]: at head 0 the rows are
-      // the second newest group (wait 1 leaves s in flight); later heads wait for all (s landed during the tail)
-      if (hh == 0) mm::cp_async_wait<1>(); else mm::cp_async_wait<0>();
-      if (lrow0 < rpp && lrow0 < kL) finish_rows_v3<T, kZ>(p, Pp, PT, chl, lrow0, lcc, rpp, lam0, dys, sc, xs, dDred);
-    } else if constexpr (kV3) {
-      if (lrow0 < rpp) load_rows_v3<T, kFly, kZ>(p, tok, h, H, P, Pp, PT, chl, lrow0, lcc, rpp, dys, sc, xs, dDred);
-    } else if (lrow0 < rpp) {
-      #pragma unroll 1
-      for (int i = lrow0; i < kL; i += rpp) {
-        const int t = tok[i];
-        const bool ok = t >= 0 && lcc * 8 < P;
-        const int64_t off = (static_cast<int64_t>(t) * H + h) * P + lcc * 8;
-        uint4 xr = make_uint4(0u, 0u, 0u, 0u), dr = xr, zr = xr;
-        float4 fa = make_float4(0.f, 0.f, 0.f, 0.f), fb = fa;
-        if (ok) {
-          xr = ld16(gx + off);
-          if constexpr (fly) {
-            dr = ld16(gdo + off);
-            if constexpr (hasz) zr = ld16(gz + off);
-          } else {
-            fa = *reinterpret_cast<const float4*>(p.dy + off);
-            fb = *reinterpret_cast<const float4*>(p.dy + off + 4);
-          }
-        }
-        const float ei = expf(p.Lam[chl + i]);
-        const uint32_t xw4[4] = {xr.x, xr.y, xr.z, xr.w}, dw4[4] = {dr.x, dr.y, dr.z, dr.w};
-        const uint32_t zw4[4] = {zr.x, zr.y, zr.z, zr.w};
-        const float fy[8] = {fa.x, fa.y, fa.z, fa.w, fb.x, fb.y, fb.z, fb.w};
-        float* dDr = dDred + lrow0 * Pp + lcc * 8;
-#pragma unroll
-        for (int w = 0; w < 4; ++w) {
-          // (the operands this instance does not read passed as constants: version 1's code as before)
-          const float2 dy2 = dy_pair<T, fly, hasz>(fly ? dw4[w] : 0u, hasz ? zw4[w] : 0u, fly ? 0.f : fy[2 * w],
-                                                   fly ? 0.f : fy[2 * w + 1]);
-          reinterpret_cast<uint32_t*>(dys + i * PT + lcc * 8)[w] = mm::Elem<T>::pack(dy2.x, dy2.y);
-          reinterpret_cast<uint32_t*>(sc + i * PT + lcc * 8)[w] = mm::Elem<T>::pack(ei * dy2.x, ei * dy2.y);
-          if (p.dD_part != nullptr) {  // this thread's slot: its rows in order
-            const float2 x2 = unpack2<T>(xw4[w]);
-            const float a0 = dy2.x * x2.x, a1 = dy2.y * x2.y;
-            dDr[2 * w] = i == lrow0 ? a0 : dDr[2 * w] + a0;
-            dDr[2 * w + 1] = i == lrow0 ? a1 : dDr[2 * w + 1] + a1;
-          }
-        }
-        *reinterpret_cast<uint4*>(xs + i * PT + lcc * 8) = xr;
-      }
-      // dz = dout y silu'(z) in z's type (a second pass: dout / z again from L2, fewer live registers)
-      if constexpr (fly && hasz) {
-        if (gdz != nullptr) {
-#pragma unroll 1
-          for (int i = lrow0; i < kL; i += rpp) {
-            const int t = tok[i];
-            if (t < 0 || lcc * 8 >= P) continue;
-            const int64_t off = (static_cast<int64_t>(t) * H + h) * P + lcc * 8;
-            // (dz_out may be y itself, written in place: y by an L2 load, not the read-only path)
-            const uint4 dr = ld16(gdo + off), zr = ld16(gz + off), yr = __ldcg(reinterpret_cast<const uint4*>(gy + off));
-            const uint32_t dw4[4] = {dr.x, dr.y, dr.z, dr.w}, zw4[4] = {zr.x, zr.y, zr.z, zr.w},
-                           yw4[4] = {yr.x, yr.y, yr.z, yr.w};
-            uint32_t dzw[4];
-#pragma unroll
-            for (int w = 0; w < 4; ++w) {
-              dzw[w] = dz_pair<T>(dw4[w], zw4[w], yw4[w]);
-            }
-            *reinterpret_cast<uint4*>(gdz + off) = make_uint4(dzw[0], dzw[1], dzw[2], dzw[3]);
-          }
-        }
-      }
-    }
+    // groups in order: [the previous tail's s (heads > 0)], this head's rows, [s (head 0)]: at head 0 the rows are the
+    // second newest group (wait 1 leaves s in flight); later heads wait for all (s landed during the tail)
+    if (hh == 0) mm::cp_async_wait<1>(); else mm::cp_async_wait<0>();
+    if (rows) finish_rows<T, kZ>(p, Pp, PT, chl, lrow0, lcc, rpp, lam0, dys, sc, xs, dDred);
     mm::cp_async_wait<0>();
     __syncthreads();
 
@@ -778,35 +620,25 @@ __global__ void __launch_bounds__(kThreads, 2) post_bf16_kernel(BwdParams p) {
       const int kb = b / ncolP, r0 = (kb == 2 ? 3 : (kb == 3 ? 2 : kb)) * 16, ct = b % ncolP, p0 = ct * 16;
       mm::FragC acc[2];
       zero2(acc);
-      mma_abt<T, kV3>(acc, Cs + r0 * NT, NT, mat + p0 * NT, NT, 0, Np);
+      mma_abt<T, true>(acc, Cs + r0 * NT, NT, mat + p0 * NT, NT, 0, Np);
       float s0 = 0.f, s1 = 0.f;
-      if constexpr (kV3) {  // dy by element pairs (columns c_col, c_col + 1), the same products and order
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-          for (int hr = 0; hr < 2; ++hr) {
-            const int r = r0 + mm::c_row(lane, 2 * hr), col = p0 + nt * 8 + mm::c_col(lane, 0);
-            const float2 d2 = unpack2<T>(*reinterpret_cast<const uint32_t*>(dys + r * PT + col));
-            const float v0 = acc[nt].x[2 * hr] * d2.x;
-            const float v1 = acc[nt].x[2 * hr + 1] * d2.y;
-            if (hr == 0) {
-              s0 += v0;
-              s0 += v1;
-            } else {
-              s1 += v0;
-              s1 += v1;
-            }
-          }
-      } else {
+      // dy by element pairs (columns c_col, c_col + 1)
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int r = r0 + mm::c_row(lane, e), col = p0 + nt * 8 + mm::c_col(lane, e);
-          const float v = acc[nt].x[e] * mm::Elem<T>::to_float(dys[r * PT + col]);
-          if (e < 2) s0 += v; else s1 += v;
+        for (int hr = 0; hr < 2; ++hr) {
+          const int r = r0 + mm::c_row(lane, 2 * hr), col = p0 + nt * 8 + mm::c_col(lane, 0);
+          const float2 d2 = unpack2<T>(*reinterpret_cast<const uint32_t*>(dys + r * PT + col));
+          const float v0 = acc[nt].x[2 * hr] * d2.x;
+          const float v1 = acc[nt].x[2 * hr + 1] * d2.y;
+          if (hr == 0) {
+            s0 += v0;
+            s0 += v1;
+          } else {
+            s1 += v0;
+            s1 += v1;
+          }
         }
-      }
       bwd_tiles::quad_sum(s0);
       bwd_tiles::quad_sum(s1);
       if (tq == 0) {
@@ -819,37 +651,16 @@ __global__ void __launch_bounds__(kThreads, 2) post_bf16_kernel(BwdParams p) {
     acc_gemm<T, false>(accC, sc, PT, mat, NT, 0, Pp, r0s, half, nbh, ncolN);
     __syncthreads();
 
-    // dS -> mat (input type); wlast dt . x -> sc; M (lower) -> Mt
+    // dS -> mat (ds_leave in T, already rounded: its bits; cp.async, waited before the barrier); wlast dt . x -> sc;
+    // M (lower) -> Mt
     {
-      const float* dsb = p.ds + sbase;
-      const T* dsh = static_cast<const T*>(p.ds16) + sbase;  // H5: ds_leave in T (already rounded: its bits)
-      const bool ds_async = kV3 && p.ds16 != nullptr;  // V3: the 16-bit dS by cp.async (waited before the barrier)
-      if (ds_async) {
-        for (int e = tid; e < Pp * cprN; e += kThreads) {
-          const int pp = e / cprN, cc = e % cprN;
-          const bool ok = pp < P && cc * 8 < N;
-          mm::cp_async_16(mat + pp * NT + cc * 8, ok ? dsh + pp * N + cc * 8 : dsh, ok ? 16 : 0);
-        }
-        mm::cp_async_commit();
-      }
-      for (int e = tid; !ds_async && e < Pp * cprN; e += kThreads) {
+      const T* dsh = static_cast<const T*>(p.ds16) + sbase;
+      for (int e = tid; e < Pp * cprN; e += kThreads) {
         const int pp = e / cprN, cc = e % cprN;
-        if (p.ds16 != nullptr) {
-          *reinterpret_cast<uint4*>(mat + pp * NT + cc * 8) =
-              pp < P && cc * 8 < N ? ld16(dsh + pp * N + cc * 8) : make_uint4(0u, 0u, 0u, 0u);
-          continue;
-        }
-        float f[8];
-        if (pp < P && cc * 8 < N) {
-          const float4 a = *reinterpret_cast<const float4*>(dsb + pp * N + cc * 8);
-          const float4 b = *reinterpret_cast<const float4*>(dsb + pp * N + cc * 8 + 4);
-          f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w; f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
-        } else {
-#pragma unroll
-          for (int k = 0; k < 8; ++k) f[k] = 0.f;
-        }
-        *reinterpret_cast<uint4*>(mat + pp * NT + cc * 8) = pack8<T>(f);
+        const bool ok = pp < P && cc * 8 < N;
+        mm::cp_async_16(mat + pp * NT + cc * 8, ok ? dsh + pp * N + cc * 8 : dsh, ok ? 16 : 0);
       }
+      mm::cp_async_commit();
       for (int e = tid; e < kL * cpr; e += kThreads) {
         const int i = e / cpr, cc = e % cpr;
         const float w = wl[i] * dts[i];
@@ -874,7 +685,7 @@ __global__ void __launch_bounds__(kThreads, 2) post_bf16_kernel(BwdParams p) {
           store_pairs<T>(Mt, kLT, i0, j0, m[0], m[1], m[2], m[3]);
         }
       });
-      if (ds_async) mm::cp_async_wait<0>();
+      mm::cp_async_wait<0>();
     }
     __syncthreads();
 
@@ -888,8 +699,8 @@ __global__ void __launch_bounds__(kThreads, 2) post_bf16_kernel(BwdParams p) {
       mm::FragC aS[2], aG[2];
       zero2(aS);
       zero2(aG);
-      mma_abt<T, kV3>(aS, Bs + r0 * NT, NT, mat + p0 * NT, NT, 0, Np);
-      mma_atb<T, kV3>(aG, Mt + r0, kLT, dys + p0, PT, r0, kL);
+      mma_abt<T, true>(aS, Bs + r0 * NT, NT, mat + p0 * NT, NT, 0, Np);
+      mma_atb<T, true>(aG, Mt + r0, kLT, dys + p0, PT, r0, kL);
       float d0 = 0.f, d1 = 0.f, v0 = 0.f, v1 = 0.f;
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
@@ -897,21 +708,16 @@ __global__ void __launch_bounds__(kThreads, 2) post_bf16_kernel(BwdParams p) {
         for (int hr = 0; hr < 2; ++hr) {  // accumulator rows g and g + 8
           const int j = r0 + mm::c_row(lane, 2 * hr), pc = p0 + nt * 8 + mm::c_col(lane, 0);
           float dxv[2];
-          float2 x2 = make_float2(0.f, 0.f), y2 = x2;  // V3: x and dy by element pairs (same values)
-          if constexpr (kV3) {
-            x2 = unpack2<T>(*reinterpret_cast<const uint32_t*>(xs + j * PT + pc));
-            y2 = unpack2<T>(*reinterpret_cast<const uint32_t*>(dys + j * PT + pc));
-          }
+          // x and dy by element pairs
+          const float2 x2 = unpack2<T>(*reinterpret_cast<const uint32_t*>(xs + j * PT + pc));
+          const float2 y2 = unpack2<T>(*reinterpret_cast<const uint32_t*>(dys + j * PT + pc));
 #pragma unroll
           for (int q = 0; q < 2; ++q) {
             const int e = 2 * hr + q;
             const float gv = aG[nt].x[e] + wl[j] * aS[nt].x[e];
-            const float xv = kV3 ? (q == 0 ? x2.x : x2.y) : mm::Elem<T>::to_float(xs[j * PT + pc + q]);
-            const float dyv = kV3 ? (q == 0 ? y2.x : y2.y) : 0.f;
-            dxv[q] = dts[j] * gv +
-                     (Dh != nullptr && pc + q < P
-                          ? Dh[pc + q] * (kV3 ? dyv : mm::Elem<T>::to_float(dys[j * PT + pc + q]))
-                          : 0.f);
+            const float xv = q == 0 ? x2.x : x2.y;
+            const float dyv = q == 0 ? y2.x : y2.y;
+            dxv[q] = dts[j] * gv + (Dh != nullptr && pc + q < P ? Dh[pc + q] * dyv : 0.f);
             if (hr == 0) {
               d0 += xv * gv;
               v0 += xv * aS[nt].x[e];
@@ -933,7 +739,7 @@ __global__ void __launch_bounds__(kThreads, 2) post_bf16_kernel(BwdParams p) {
     __syncthreads();
 
     // dyx = dy x^T (lower blocks) -> dCB (summed over heads in sdf) and W = cb . dCB (fp32, over Mt / sc)
-    low_block_products<T, kV3>(warp, dys, xs, PT, Pp, [&](int blk, int r0, int c0, mm::FragC(&acc)[2]) {
+    low_block_products<T, true>(warp, dys, xs, PT, Pp, [&](int blk, int r0, int c0, mm::FragC(&acc)[2]) {
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
         float4* sp4 = frag4(sdf, blk, nt, lane);
@@ -957,37 +763,26 @@ __global__ void __launch_bounds__(kThreads, 2) post_bf16_kernel(BwdParams p) {
       }
     });
     __syncthreads();
-    if constexpr (kV3) {
-      if (warp == 0) {  // warp 0: W's row prefixes (rows lane, lane + 32), then the row tail
-        row_exclusive_prefix4(Wm + lane * kLW, lane);
-        row_exclusive_prefix4(Wm + (lane + 32) * kLW, lane + 32);
-        __syncwarp();  // W prefixes (all rows) -> the column sums of head_rows_v3
-        head_rows_v3<kLW>(p, lane, lam, qpart, dpart, vpart, ncolP, Wm, tok, ch, H, h);
-      } else if (hh + 1 < hpg) {  // warps 1..7: the next head's s -> mat (dS's last readers were before the dyx barrier)
-        const int64_t nbase = (ch + 1) * P * static_cast<int64_t>(N);
-        for (int e = tid - 32; e < Pp * cprN; e += kThreads - 32) {
-          const int pp = e / cprN, cc = e % cprN;
-          const bool ok = pp < P && cc * 8 < N;
-          mm::cp_async_16(mat + pp * NT + cc * 8, gst + (ok ? nbase + pp * N + cc * 8 : 0), ok ? 16 : 0);
-        }
-        mm::cp_async_commit();
+    if (warp == 0) {  // warp 0: W's row prefixes (rows lane, lane + 32), then the row tail
+      row_exclusive_prefix4(Wm + lane * kLW, lane);
+      row_exclusive_prefix4(Wm + (lane + 32) * kLW, lane + 32);
+      __syncwarp();  // W prefixes (all rows) -> the column sums of head_rows_warp
+      head_rows_warp<kLW>(p, lane, lam, qpart, dpart, vpart, ncolP, Wm, tok, ch, H, h);
+    } else if (hh + 1 < hpg) {  // warps 1..7: the next head's s -> mat (dS's last readers were before the dyx barrier)
+      const int64_t nbase = (ch + 1) * P * static_cast<int64_t>(N);
+      for (int e = tid - 32; e < Pp * cprN; e += kThreads - 32) {
+        const int pp = e / cprN, cc = e % cprN;
+        const bool ok = pp < P && cc * 8 < N;
+        mm::cp_async_16(mat + pp * NT + cc * 8, gst + (ok ? nbase + pp * N + cc * 8 : 0), ok ? 16 : 0);
       }
-      if constexpr (kFly && kZ) {  // warps 1..7: this head's dz (global only: no shared memory)
-        if (warp != 0 && gdz != nullptr) dz_rows_v3<T, kRecY>(p, tok, h, H, P, Pp, tid - 32, kThreads - 32);
-      }
-      // the next head overwrites lam, dts, dys, xs, the W region, the partials
-      __syncthreads();
-      if (tid == kThreads - 1) dA_sum_v3(p, red, ch);  // red[] is next written in the next head's row tail
-    } else {
-      // row-exclusive prefixes of W (lower part: j <= i)
-      if (tid < kL) bwd_tiles::row_exclusive_prefix(Wm + tid * kLW, tid + 1);
-      __syncthreads();
-
-      // rows: q, v, ddt_direct, then the d(dt A) scan (post_tc's order)
-      bwd_tiles::head_rows<kLW>(p, tid, lam, qpart, dpart, vpart, ncolP, Wm, tok, ch, H, h);
-      // the next head overwrites lam, dts, dys, xs, mat, the W region, the partials
-      __syncthreads();
+      mm::cp_async_commit();
     }
+    if constexpr (kZ) {  // warps 1..7: this head's dz (global only: no shared memory)
+      if (warp != 0 && gdz != nullptr) dz_rows<T, kRecY>(p, tok, h, H, P, Pp, tid - 32, kThreads - 32);
+    }
+    // the next head overwrites lam, dts, dys, xs, the W region, the partials
+    __syncthreads();
+    if (tid == kThreads - 1) dA_sum(p, red, ch);  // red[] is next written in the next head's row tail
   }
 
   // sum dCB (lower) in the input type over the W region, then dC += (sum dCB) B, dB += (sum dCB)^T C
@@ -1013,15 +808,11 @@ __global__ void __launch_bounds__(kThreads, 2) post_bf16_kernel(BwdParams p) {
           const int t = tok[r];
           if (t >= 0 && n < N) {
             const int64_t o = (static_cast<int64_t>(t) * G + g) * N + n;
-            if (p.dB_out != nullptr) {  // B's 16-bit type, rounded once (RN: the bits of the fp32 values' cast)
-              *reinterpret_cast<uint32_t*>(static_cast<T*>(p.dC_out) + o) =
-                  mm::Elem<T>::pack(accC[u][nt].x[2 * hr], accC[u][nt].x[2 * hr + 1]);
-              *reinterpret_cast<uint32_t*>(static_cast<T*>(p.dB_out) + o) =
-                  mm::Elem<T>::pack(accB[u][nt].x[2 * hr], accB[u][nt].x[2 * hr + 1]);
-            } else {
-              *reinterpret_cast<float2*>(p.dC + o) = make_float2(accC[u][nt].x[2 * hr], accC[u][nt].x[2 * hr + 1]);
-              *reinterpret_cast<float2*>(p.dB + o) = make_float2(accB[u][nt].x[2 * hr], accB[u][nt].x[2 * hr + 1]);
-            }
+            // B's 16-bit type, rounded once (RN: the bits of the fp32 values' cast)
+            *reinterpret_cast<uint32_t*>(static_cast<T*>(p.dC_out) + o) =
+                mm::Elem<T>::pack(accC[u][nt].x[2 * hr], accC[u][nt].x[2 * hr + 1]);
+            *reinterpret_cast<uint32_t*>(static_cast<T*>(p.dB_out) + o) =
+                mm::Elem<T>::pack(accB[u][nt].x[2 * hr], accB[u][nt].x[2 * hr + 1]);
           }
         }
     }
@@ -1038,22 +829,10 @@ int max_smem_optin() {
 bool half_type(BwdType t) { return t == BwdType::BFloat16 || t == BwdType::Float16; }
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
-// TREE_RECURRENCE_SSD_POST_V1=1 (read once per process): the post kernel as before version 3 (same outputs, bit
-// for bit, by construction; kept until the H200 confirms version 3)
-bool post_v1_selected() {
-  static const bool v = [] {
-    const char* e = std::getenv("TREE_RECURRENCE_SSD_POST_V1");
-    return e != nullptr && std::strcmp(e, "1") == 0;
-  }();
-  return v;
-}
-
-template <typename T, bool kFly, bool kZ, bool kRecY = false>
-int launch3(const BwdParams& p, cudaStream_t st) {
+template <typename T, bool kZ, bool kRecY = false>
+int launch_kernel(const BwdParams& p, cudaStream_t st) {
   const int bytes = Plan(p.head_dim, p.state_dim).bytes;
-  // reads the 16-bit ds (p.ds16, H5) or the fp32 one by a warp-uniform branch
-  auto* kern = kRecY ? post_bf16_kernel<T, kFly, kZ, true, kRecY>
-                     : (post_v1_selected() ? post_bf16_kernel<T, kFly, kZ, false> : post_bf16_kernel<T, kFly, kZ, true>);
+  auto* kern = post_bf16_kernel<T, kZ, kRecY>;
   cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   if (e != cudaSuccess) return static_cast<int>(e);
   e = cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
@@ -1063,11 +842,8 @@ int launch3(const BwdParams& p, cudaStream_t st) {
 }
 template <typename T>
 int launch(const BwdParams& p, cudaStream_t st) {
-  if (p.post_dy_from_dout) {
-    if (p.z == nullptr) return launch3<T, true, false>(p, st);
-    return p.recompute_y ? launch3<T, true, true, true>(p, st) : launch3<T, true, true>(p, st);
-  }
-  return launch3<T, false, false>(p, st);  // dy precomputed (z already folded in by the gate kernel)
+  if (p.z == nullptr) return launch_kernel<T, false>(p, st);
+  return p.recompute_y ? launch_kernel<T, true, true>(p, st) : launch_kernel<T, true>(p, st);
 }
 
 }  // namespace
@@ -1078,17 +854,14 @@ bool ssd_bwd_post_bf16_supported(const BwdParams& p) {
   if (p.groups < 1 || p.heads % p.groups != 0) return false;
   const BwdType t = p.x_type;
   if (!half_type(t) || p.bc_type != t || p.dout_type != t || p.states_type != t || p.dx_type != t) return false;
-  if (p.recompute_y && (p.z == nullptr || !p.post_dy_from_dout || post_v1_selected() || !aligned16(p.y_scratch)))
-    return false;
+  if (p.recompute_y && (p.z == nullptr || !aligned16(p.y_scratch))) return false;
   if (p.z != nullptr && (p.z_type != t || (!p.recompute_y && (p.y_type != t || p.y == nullptr)))) return false;
   if (p.num_chunks * p.groups > 0x7fffffffLL || p.tokens > 0x7fffffffLL) return false;
+  if (p.ds16 == nullptr || p.ds16_type != t) return false;  // ds_leave in the input type
   if (!aligned16(p.x) || !aligned16(p.B) || !aligned16(p.C) || !aligned16(p.dout) || !aligned16(p.states) ||
-      !aligned16(p.ds16 != nullptr ? p.ds16 : static_cast<const void*>(p.ds)) || !aligned16(p.dx_out))
+      !aligned16(p.ds16) || !aligned16(p.dx_out))
     return false;
-  if (p.ds16 != nullptr && p.ds16_type != t) return false;  // H5: ds in the input type
   if (p.z != nullptr && (!aligned16(p.z) || !aligned16(p.y) || !aligned16(p.dz_out))) return false;
-  if (!p.post_dy_from_dout && (p.dy == nullptr || !aligned16(p.dy))) return false;
-  if ((reinterpret_cast<uintptr_t>(p.dB) & 7u) != 0 || (reinterpret_cast<uintptr_t>(p.dC) & 7u) != 0) return false;
   if ((reinterpret_cast<uintptr_t>(p.dB_out) & 3u) != 0 || (reinterpret_cast<uintptr_t>(p.dC_out) & 3u) != 0) return false;
   return Plan(p.head_dim, p.state_dim).bytes <= max_smem_optin();
 }
@@ -1097,10 +870,8 @@ int ssd_bwd_post_bf16(const BwdParams& p, void* stream) {
   if (p.num_chunks * p.groups == 0) return 0;
   if (!p.post_bf16_checked && !ssd_bwd_post_bf16_supported(p)) return static_cast<int>(cudaErrorInvalidValue);
   // the outputs the support check let be null (allocated after it) must be there now
-  const bool dbc16 = p.dB_out != nullptr && p.dC_out != nullptr;
-  if (p.dx_out == nullptr || (p.z != nullptr && p.post_dy_from_dout && p.dz_out == nullptr) ||
-      (p.recompute_y && p.y_scratch == nullptr) ||
-      (!dbc16 && (p.dB == nullptr || p.dC == nullptr)) || ((p.dB_out == nullptr) != (p.dC_out == nullptr)))
+  if (p.dx_out == nullptr || (p.z != nullptr && p.dz_out == nullptr) || (p.recompute_y && p.y_scratch == nullptr) ||
+      p.dB_out == nullptr || p.dC_out == nullptr)
     return static_cast<int>(cudaErrorInvalidValue);
   const auto st = static_cast<cudaStream_t>(stream);
   return p.x_type == BwdType::BFloat16 ? launch<__nv_bfloat16>(p, st) : launch<__half>(p, st);

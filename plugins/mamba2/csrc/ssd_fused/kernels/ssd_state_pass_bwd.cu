@@ -1,12 +1,12 @@
-// Fused SSD (Mamba2) backward, the reverse local + state pass in one kernel (issue 20): the mirror of the
+// Fused SSD (Mamba2) backward, the reverse local + state pass in one kernel (the Half route on short segments): the mirror of the
 // forward's fused chunk-state pass (ssd_chunk_state_pass_fwd.cu). Per (segment, head, N tile), the chunks of
 // the segment from the last one down:
 //   local  = (e^Lam . dy)^T C                 (P x N, one bf16 / fp16 mma.sync per product, fp32 accumulators;
 //                                              dy = dout silu(z), dout without z, formed on the fly)
 //   ddecay partial = <s[c], carry>            (s[c] the saved entering state, carry = ds_leave[c], fp32)
-//   ds_leave[c] = carry                       (written in the ds buffer's type: the post kernel reads it)
-//   carry = e^(Lam_last) carry + local        (fp32; local rounded once to the 16-bit type first when ds is
-//                                              16-bit, as local_bf16 stores it for the two-kernel path)
+//   ds_leave[c] = carry                       (rounded to the 16-bit input type: the post kernel reads it)
+//   carry = e^(Lam_last) carry + local        (fp32; local rounded once to the 16-bit type first, as
+//                                              local_bf16 stores it for the two-kernel path)
 // so ds_local is never written or re-read (at GRPO 1.6 GB written by local_bf16 and read back by the state
 // pass). A segment's last chunk starts from the sum of its children's entering gradients (fp32 ws, children
 // order), a leaf from zero; the first chunk's carry goes to ws[s] (and d_roots[root]).
@@ -115,7 +115,7 @@ __device__ __forceinline__ float warp_sum(float v) {  // xor butterfly: fixed or
   return v;
 }
 
-template <typename T, bool HAS_Z, bool OUT16>
+template <typename T, bool HAS_Z>
 __global__ void __launch_bounds__(kThreads, 2) fused_pass_kernel(BwdParams p, int64_t begin) {
   extern __shared__ __align__(16) unsigned char smem[];
   const PassPlan pl(p.head_dim, p.state_dim, HAS_Z);
@@ -289,7 +289,7 @@ __global__ void __launch_bounds__(kThreads, 2) fused_pass_kernel(BwdParams p, in
       if (lane == 0) p.ddecay_part[(c * H + h) * parts + pslot] = part;
 
       // ds_leave[c] = carry
-      if constexpr (OUT16) {
+      {
         // rounded once (RN); the xor-1 shuffle gives each lane 4 consecutive columns (local_bf16's store)
         T* out = static_cast<T*>(p.ds16) + (c * H + h) * PN;
 #pragma unroll
@@ -310,13 +310,6 @@ __global__ void __launch_bounds__(kThreads, 2) fused_pass_kernel(BwdParams p, in
                                                                                          : make_uint2(a, got);
             }
           }
-      } else {
-        float* out = p.ds + (c * H + h) * PN;
-        pairs([&](int mt, int nt, int hh, int r, int n) {
-          if (r < P && n < N)
-            *reinterpret_cast<float2*>(out + static_cast<int64_t>(r) * N + n) =
-                make_float2(carry[mt][nt].x[2 * hh], carry[mt][nt].x[2 * hh + 1]);
-        });
       }
       if (c - 1 >= c0) load_states(c - 1);
 
@@ -326,7 +319,7 @@ __global__ void __launch_bounds__(kThreads, 2) fused_pass_kernel(BwdParams p, in
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           float loc = acc[mt][nt].x[e];
-          if constexpr (OUT16) loc = mm::Elem<T>::to_float(mm::Elem<T>::from_float(loc));
+          loc = mm::Elem<T>::to_float(mm::Elem<T>::from_float(loc));
           carry[mt][nt].x[e] = fmaf(d, carry[mt][nt].x[e], loc);
         }
       });
@@ -352,10 +345,10 @@ __global__ void __launch_bounds__(kThreads, 2) fused_pass_kernel(BwdParams p, in
 bool aligned(const void* q, uintptr_t a) { return reinterpret_cast<uintptr_t>(q) % a == 0; }
 using bwd_tiles::half_type;
 
-template <typename T, bool HAS_Z, bool OUT16>
-int launch3(const BwdParams& p, int64_t begin, unsigned blocks, cudaStream_t st) {
+template <typename T, bool HAS_Z>
+int launch_kernel(const BwdParams& p, int64_t begin, unsigned blocks, cudaStream_t st) {
   const int bytes = static_cast<int>(PassPlan(p.head_dim, p.state_dim, HAS_Z).bytes);
-  auto* kern = fused_pass_kernel<T, HAS_Z, OUT16>;
+  auto* kern = fused_pass_kernel<T, HAS_Z>;
   cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   if (e != cudaSuccess) return static_cast<int>(e);
   kern<<<blocks, kThreads, bytes, st>>>(p, begin);
@@ -363,10 +356,7 @@ int launch3(const BwdParams& p, int64_t begin, unsigned blocks, cudaStream_t st)
 }
 template <typename T>
 int launch(const BwdParams& p, int64_t begin, unsigned blocks, cudaStream_t st) {
-  const bool out16 = p.ds16 != nullptr;
-  if (p.z != nullptr)
-    return out16 ? launch3<T, true, true>(p, begin, blocks, st) : launch3<T, true, false>(p, begin, blocks, st);
-  return out16 ? launch3<T, false, true>(p, begin, blocks, st) : launch3<T, false, false>(p, begin, blocks, st);
+  return p.z != nullptr ? launch_kernel<T, true>(p, begin, blocks, st) : launch_kernel<T, false>(p, begin, blocks, st);
 }
 
 }  // namespace
@@ -377,9 +367,9 @@ bool ssd_bwd_fused_pass_supported(const BwdParams& p) {
   if (p.groups < 1 || p.heads < 1 || p.heads % p.groups != 0) return false;
   if (!half_type(p.bc_type) || p.dout_type != p.bc_type || p.states_type != p.bc_type) return false;
   if (p.z != nullptr && p.z_type != p.bc_type) return false;
-  if (p.ds16 != nullptr ? p.ds16_type != p.bc_type : p.ds == nullptr) return false;
+  if (p.ds16 == nullptr || p.ds16_type != p.bc_type) return false;
   if (p.ws == nullptr || p.states == nullptr) return false;
-  const void* ds = p.ds16 != nullptr ? p.ds16 : static_cast<const void*>(p.ds);
+  const void* ds = p.ds16;
   return aligned(p.C, 16) && aligned(p.dout, 16) && (p.z == nullptr || aligned(p.z, 16)) && aligned(p.states, 8) &&
          aligned(ds, 8) && aligned(p.ws, 8) && (p.droots == nullptr || aligned(p.droots, 8));
 }

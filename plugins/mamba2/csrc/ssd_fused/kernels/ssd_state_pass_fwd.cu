@@ -1,5 +1,6 @@
-// Fused SSD forward, stage c (params.h, ssd_fused.h): the tree state pass. SSD's chunk states do not
-// depend on the incoming state, so the pass is an elementwise fp32 scan over each segment's chunks:
+// Fused SSD forward, stage c of the three-kernel path (params.h: FwdPlan; ssd_fused.h): the tree
+// state pass. SSD's chunk states do not depend on the incoming state, so the pass is an elementwise
+// fp32 scan over each segment's chunks:
 //   states[c] = s (stored in the in-type);  s = exp(Lam_last[c]) s + S_c
 // starting from the parent's final state (fp32 workspace (S, H, P, N), written by the previous
 // level's launch), a root's initial state (shared or per root by root_index) or zeros.
@@ -8,7 +9,7 @@
 // Software-pipelined: a thread keeps the chunk states and Lam_last of its next kAhead chunks in
 // registers (loaded kAhead steps before their use, through the read-only path), so a long segment
 // (one 49k-token row: 768 chunks in a row) has kAhead loads in flight per thread instead of one
-// dependent DRAM round trip per chunk. Same arithmetic (the same fmaf per chunk in order).
+// dependent DRAM round trip per chunk; the fmaf chain stays one per chunk in order.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -22,10 +23,9 @@ namespace mma = tree_recurrence::kernels::mma;
 
 constexpr int kThreads = 256;
 constexpr int kPer = 4;
+constexpr int kAhead = 4;  // chunks in flight per thread
 
-// kAhead: chunks in flight per thread (4; 1 = the previous kernel, one chunk at a time:
-// FwdParams::state_pass_ahead false)
-template <typename T, int kAhead>
+template <typename T>
 __global__ void __launch_bounds__(kThreads) state_pass_kernel(FwdParams p, int64_t level_begin) {
   const int64_t s = p.level_segments[level_begin + blockIdx.x];
   const int64_t h = blockIdx.y, H = p.heads, L = p.chunk;
@@ -87,10 +87,7 @@ int launch_levels(const FwdParams& p, cudaStream_t stream) {
     const int64_t begin = p.level_offsets[level], count = p.level_offsets[level + 1] - begin;
     if (count <= 0) continue;
     const dim3 grid(static_cast<unsigned>(count), static_cast<unsigned>(p.heads), zblocks);
-    if (p.state_pass_ahead)
-      state_pass_kernel<T, 4><<<grid, kThreads, 0, stream>>>(p, begin);
-    else
-      state_pass_kernel<T, 1><<<grid, kThreads, 0, stream>>>(p, begin);
+    state_pass_kernel<T><<<grid, kThreads, 0, stream>>>(p, begin);
     const cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return static_cast<int>(err);
   }

@@ -1,6 +1,7 @@
-// Fused SSD (Mamba2) backward on tensor cores (issue 20, round 2): the chunk-local products of
-// ssd_bwd.cu (same math, same stage outputs; params_bwd.h has the layouts) on mma.sync m16n8k16
-// (sdk/include/tree_recurrence/kernels/mma.cuh), for chunk 64 and P, N <= 128:
+// Fused SSD (Mamba2) backward on tensor cores, the TensorCore route (chunk-64 inputs the 16-bit kernels refuse:
+// mixed dtypes, unaligned views, fp32): the chunk-local products of ssd_bwd.cu (same math, same stage outputs;
+// params_bwd.h has the layouts) on mma.sync m16n8k16 (sdk/include/tree_recurrence/kernels/mma.cuh), for chunk 64
+// and P, N <= 128 within the device's shared memory:
 //   local_tc  block per (chunk, head):  ds_local = (e^Lam . dy)^T C                      (P x N)
 //   post_tc   block per (chunk, group), the group's heads in order:
 //               cb = C B^T (lower) once; per head dyx = dy x^T, CS = C s^T, g = M^T dy + wlast B dS^T,
