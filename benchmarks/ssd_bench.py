@@ -24,8 +24,8 @@ ours at --chunk (the plan's chunk tables' width; the seam's default 64).
   python benchmarks/ssd_bench.py [--out benchmarks/results/ssd_bench.json] [--cases tree,mamba_*]
                                  [--repeats 10] [--small] [--peers auto|on|off] [--chunk 64]
 ``--small``: tiny sizes, peers off (a CPU smoke run of the script; its numbers mean nothing). mamba-ssm
-imports from the environment, else from the checkout's .peers/mamba, /tmp/peers or
-$TREE_RECURRENCE_PEERS (peers.py).
+imports from the environment (PYTHONPATH), else from the checkout's .peers/mamba or /tmp/peers
+(peers.py).
 """
 
 from __future__ import annotations
