@@ -117,7 +117,7 @@ TEST_SUITE("Settings") {
     CHECK(s::find("TREE_RECURRENCE_NOT_A_SETTING") == nullptr);
   }
 
-  TEST_CASE("parsers: flags, counts, choices, lists") {
+  TEST_CASE("parsers of flags counts choices and lists") {
     for (const char* yes : {"1", "true", "YES", " on "}) CHECK(s::parse_flag("X", yes));
     for (const char* no : {"0", "False", "no", "OFF"}) CHECK_FALSE(s::parse_flag("X", no));
     CHECK_THROWS_WITH_AS(s::parse_flag("TREE_RECURRENCE_FUSED", "2"), doctest::Contains("TREE_RECURRENCE_FUSED must be 1 or 0"),

@@ -11,7 +11,8 @@ from ._plan import TreePlan
 from ._tree_kwargs import TREE_FIELDS, has_tree, tree_plan
 from .install import Support, install, set_backend, uninstall
 from . import components
-from .components import mark_tree_forward, register_family, tree_conv, tree_scan, unregister_family
+from .components import mark_tree_forward, tree_conv, tree_scan
+from ._registered import register_family, unregister_family
 from .plugins import add_plugin_path
 from .integrations import trl as _trl_integration  # noqa: F401  -- registers backend "trl" (imports no TRL)
 from .policy import Policy

@@ -1,6 +1,10 @@
-"""Command line: ``python -m tree_recurrence doctor`` (plugins, fingerprints, kernels, coverage, and
-the route ``auto`` takes per family on the GPU it sees, with the measured numbers: ``_routes.py``;
-``doctor --gpu NAME`` answers as if on that GPU).
+"""Command line: ``python -m tree_recurrence doctor`` (plugins, fingerprints, kernels, coverage, the settings
+(``settings.py``) with their values, and
+the route ``auto`` takes per family on this machine and why: a ``tune`` record's numbers, or the default
+order; ``doctor --gpu NAME`` reads the records of the GPU of that name).
+
+``tune``: times every route of each family's scan seam on the shapes given and records the medians in
+the user's cache folder, where the router reads them (tree_recurrence/tune.py; ``tune --help``).
 
 ``bench``: whole-model training-step benchmark of tree rows against chains and a flat row
 (tree_recurrence/bench.py; ``bench --help``).
@@ -21,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from . import __version__, _core, _routes, plugins
+from . import __version__, _core, _routes, bench, plugins, settings, tune
 
 
 def _module_present(name: str) -> bool:
@@ -115,7 +119,7 @@ def cuda_report(fingerprint: str | None = None) -> dict:
 
 
 def doctor_report(gpu: str | None = None) -> dict:
-    """``gpu``: the GPU name whose measured routes to show (default: torch.cuda's, None without one)."""
+    """``gpu``: the device name whose tune records to show (default: this machine's)."""
     records = plugins.discover(rescan=True)
     seen = torch.cuda.get_device_name() if torch.cuda.is_available() else None
     report = {
@@ -127,8 +131,11 @@ def doctor_report(gpu: str | None = None) -> dict:
         "plugin_folders": plugins.plugin_folders(),
         "plugins": [],
         "refused": [],
-        "routes_gpu": gpu or seen,
+        "routes_gpu": gpu or _routes.device_name(torch.device("cuda" if seen else "cpu")),
+        "routes_file": str(_routes.record_path()),
+        "routes_problem": _routes.record_problem(),
         "cuda_check": cuda_report(),
+        "settings": settings.all_settings(),
     }
     for r in records:
         if not r["loaded"]:
@@ -142,7 +149,7 @@ def doctor_report(gpu: str | None = None) -> dict:
             "library": f.library_path, "fingerprint": f.fingerprint,
             "kernels": [{"name": k, "device": d, "available": ok} for k, d, ok in f.kernels],
             "seams": sorted(f.seams), "models": models,
-            "routes": _routes.report(f, gpu or seen) if _has_native_scan(f) else [],
+            "routes": tune.route_report(f, gpu) if _has_native_scan(f) else [],
             "cuda_check": cuda_report(f.fingerprint),
         })
     return report
@@ -185,19 +192,20 @@ def print_doctor(report: dict) -> None:
             state = "covered" if m["installed"] else "not in this transformers"
             out(f"    {m['model_type']:<20} {'/'.join(m['mixers']):<28} layer_types {m['layer_types']}  ({state})")
         if p.get("routes"):
-            out(f"    auto's route on {report.get('routes_gpu') or 'this machine (no GPU)'}:")
+            out(f"    auto's route on {report.get('routes_gpu')}:")
             for row in p["routes"]:
-                if "shape" not in row:
-                    out(f"      rule: {row['reason']}")
-                    continue
-                peer = row["library"] + (f" on {row['backend']}" if row.get("backend") else "") + \
-                    ("" if row["library_installed"] else " not installed") + \
-                    ("" if row["backward_usable"] or row["phase"] == "fwd" else ", its backward unusable here")
-                out(f"      {row['shape']:<6} {row['tokens']:>7} tokens {row['phase']:<7} -> "
-                    f"{row['route'] or 'rule'} ({peer}): {row['reason']}")
+                call = f"{row['shape']:<6} {row['tokens']:>7} tokens {row['phase']:<7} {row['dtype']}" \
+                    if "shape" in row else "typical call"
+                out(f"      {call} -> {row['route'] or 'rule'}: {row['reason']}")
+    if report.get("routes_problem"):
+        out(f"\nroute records: {report['routes_problem']}")
     out(f"\nplugins refused: {len(report['refused'])}")
     for r in report["refused"]:
         out(f"  {r['family']}: {r['reason']}")
+    out(f"\nsettings (environment variables): {len(report['settings'])}")
+    for s in report["settings"]:
+        value = s["text"] if s["set"] else f"(default {s['default'] or 'empty'})"
+        out(f"  {s['name']:<38} {value:<14} {'INVALID: ' + s['error'] if s['error'] else s['doc']}")
 
 
 def sdk_dir(kind: str) -> Path:
@@ -221,20 +229,22 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     doctor = sub.add_parser("doctor", help="plugins found, ABI and build fingerprints, kernels, model coverage")
     doctor.add_argument("--json", action="store_true", help="print the report as JSON")
-    doctor.add_argument("--gpu", default=None, help="show auto's measured routes as on the GPU of this name "
-                        "(default: the one torch.cuda sees)")
+    doctor.add_argument("--gpu", default=None, help="show auto's routes by the tune records of the GPU of this name "
+                        "(default: this machine's device)")
+    tune.add_arguments(sub.add_parser("tune", help="time each route of the families' scan seams on the shapes given "
+                                      "and record the fastest for auto (in the user's cache folder)"))
     sdk = sub.add_parser("sdk", help="where the installed SDK is, to build a family plugin out of tree (docs/plugins.md)")
     where = sdk.add_mutually_exclusive_group(required=True)
     where.add_argument("--cmake-dir", action="store_true", help="the folder holding TreeRecurrenceSDKConfig.cmake "
                        "(pass it as -DTreeRecurrenceSDK_DIR=... or append it to CMAKE_PREFIX_PATH)")
     where.add_argument("--include-dir", action="store_true", help="the folder holding tree_recurrence/sdk/*.h")
-    from . import bench
-
     bench.add_arguments(sub.add_parser("bench", help="whole-model fwd+bwd: tree row vs chains vs flat row "
                                        "(tokens/s, speed-up, memory; JSON + PNG)"))
     args = parser.parse_args(argv)
     if args.command == "bench":
         return bench.run(args)
+    if args.command == "tune":
+        return tune.run(args)
     if args.command == "sdk":
         return print_sdk_dir("cmake" if args.cmake_dir else "include")
     if args.command == "doctor":

@@ -220,7 +220,7 @@ def _tensors(value: Any):
             yield from _tensors(item)
 
 
-def _version(value: Any) -> Any:
+def tensor_version(value: Any) -> Any:
     """A tensor's version counter for the plan cache key (inference tensors have none: they cannot be
     written in place outside inference mode, so their identity is the key)."""
     if not isinstance(value, torch.Tensor):

@@ -1,13 +1,13 @@
 """Families registered from Python (``register_family``): built as a ``Family`` like a manifest's, kept
-in ``plugins.python_families`` (``plugins.families()`` lists them after the loaded plugins)."""
+in the registry (``plugins.REGISTRY``; ``plugins.families()`` lists them after the loaded plugins)."""
 
 from __future__ import annotations
 
 import re
 from typing import Callable, Iterable
 
-from . import plugins
-from ._specs import Family, parse_seam
+from . import _native_schema, plugins
+from ._specs import KNOWN_ADAPTERS, Family, parse_seam
 
 
 def _names(value: str | Iterable[str], what: str) -> list[str]:
@@ -37,13 +37,11 @@ def register_family(name: str, model_types: str | Iterable[str], mixer_classes: 
     A loaded plugin's name, or one already registered, is refused: unregister_family first."""
     if not isinstance(name, str) or not re.fullmatch(r"[a-z0-9_]+", name):
         raise ValueError(f"register_family: name {name!r} must be lower-case letters, digits and '_'")
-    if name in plugins.python_families:
+    if name in plugins.REGISTRY.python_families:
         raise ValueError(f"register_family: family '{name}' is already registered from Python; unregister_family first")
     if name in plugins.families():
         raise ValueError(f"register_family: a family plugin named '{name}' is loaded "
                          f"({plugins.families()[name].library_path}); choose another name")
-    from .driver import ADAPTERS as adapters  # the driver imports this module
-
     model_types = _names(model_types, "model_types")
     layer_types = _names(layer_types, "layer_types")
     mixers, mixer_modules = [], []
@@ -62,8 +60,9 @@ def register_family(name: str, model_types: str | Iterable[str], mixer_classes: 
         raise ValueError("register_family: mixer classes given by name need modules= (the modules defining them)")
     seam_specs, parsed = {}, {}
     for seam, spec in (seams or {}).items():
-        if not isinstance(spec, dict) or spec.get("adapter") not in adapters:
-            raise ValueError(f"register_family: seam '{seam}' needs an 'adapter' among {sorted(adapters)}, got {spec!r}")
+        if not isinstance(spec, dict) or spec.get("adapter") not in KNOWN_ADAPTERS:
+            raise ValueError(f"register_family: seam '{seam}' needs an 'adapter' among {sorted(KNOWN_ADAPTERS)}, "
+                             f"got {spec!r}")
         missing = [key for key in ("args",) + (("sequence",) if spec["adapter"] == "scan" else ()) if key not in spec]
         if missing:
             raise ValueError(f"register_family: seam '{seam}' ({spec['adapter']}) lacks {missing}")
@@ -76,8 +75,6 @@ def register_family(name: str, model_types: str | Iterable[str], mixer_classes: 
             raise ValueError(f"register_family: ops='{ops}' names no loaded family (loaded: {sorted(plugins.families())})")
         kernels = list(provider.kernels)
         namespace = provider.op_namespace
-        from . import _native_schema
-
         for seam, spec in parsed.items():  # the native ops it names: registered, with the driver's schema
             problem = _native_schema.check(f"register_family('{name}')", seam, spec, namespace)
             if problem:
@@ -99,14 +96,13 @@ def register_family(name: str, model_types: str | Iterable[str], mixer_classes: 
                      "seams": seam_specs},
         "kernels": kernels, "detect": detect, "op_namespace": namespace,
     }, seams=parsed)
-    plugins.python_families[name] = record
+    plugins.REGISTRY.add_python_family(record)
     return record
 
 
 def unregister_family(name: str) -> None:
     """Removes a family registered from Python (models already installed keep their hooks until
     ``uninstall``)."""
-    if name not in plugins.python_families:
+    if name not in plugins.REGISTRY.python_families:
         raise KeyError(f"unregister_family: no family '{name}' registered from Python")
-    del plugins.python_families[name]
-    plugins._shadowed.discard(name)
+    plugins.REGISTRY.remove_python_family(name)

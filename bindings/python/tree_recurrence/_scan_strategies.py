@@ -4,17 +4,16 @@
 * ``rescan`` -- the bound kernel over every root-to-leaf path once, varlen or as a padded batch;
 * ``fork`` -- the bound kernel once per trie level, each segment from its parent's final state.
 
-Each takes a bound ``driver.SeamCall`` and returns the sequence output ``(1, N, ...)``."""
+Each takes a bound ``SeamCall`` and returns the sequence output ``(1, N, ...)``."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 
-if TYPE_CHECKING:
-    from ._plan import TreePlan
-    from .driver import SeamCall
+from ._plan import TreePlan
+from ._seam_call import SeamCall
 
 
 def _neutral_fill(call: SeamCall, name: str, rows: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -205,15 +204,3 @@ def scan_fork(call: SeamCall, varlen: bool):
         out = pieces[0] if len(pieces) == 1 else torch.cat(pieces, 1)
         return out if tables.in_order else out.index_select(1, tables.inverse)
     return _take(torch.cat(pieces), tables.grid_source).unsqueeze(0)
-
-
-def padded_paths_rows(plan: TreePlan, x: torch.Tensor, time_dim: int):
-    """``x``'s row (batch 1, tokens along ``time_dim``) as every root-to-leaf path, one row of a right-
-    padded batch each (zeros after a path's end), and the flat index of each token's output in that
-    batch's (paths * Lmax) rows: for kernels that run every path alone (rescan)."""
-    gather, source = plan.padded_paths(x.device)
-    if time_dim == 2:  # channels first (1, C, N) -> (P, C, Lmax)
-        rows = x[0][:, gather.clamp(min=0)] * (gather >= 0).to(x.dtype)
-        return rows.permute(1, 0, 2), source
-    rows = x[0][gather.clamp(min=0)] * (gather >= 0).reshape(*gather.shape, *(1,) * (x.dim() - 2)).to(x.dtype)
-    return rows, source

@@ -11,8 +11,7 @@ from typing import Any, Mapping
 
 import torch
 
-from ._plan import TreePlan
-from ._plan import _version as tensor_version
+from ._plan import TreePlan, tensor_version
 
 # Keyword names a trainer passes to the model's forward (docs/tree-format.md).
 CU_SEQLENS_Q = "tree_cu_seqlens_q"
@@ -189,7 +188,7 @@ def _strip_padding(parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return parts
 
 
-def _chunk_count(kwargs: Mapping[str, Any]) -> int | None:
+def chunk_count(kwargs: Mapping[str, Any]) -> int | None:
     """huggingface/trl#7686's ``tree_n_chunks``: the chunks its kernel splits the row into (a function of
     that kernel's chunk size; it says nothing about the tree's levels). One non-negative integer, else a
     ValueError; the plan does not use it."""
@@ -308,7 +307,7 @@ def tree_plan(kwargs: Mapping[str, Any], num_tokens: int | None = None) -> TreeP
     fields = TREE_FIELDS + LEVEL_FIELDS
     given = [name for name in fields if kwargs.get(name) is not None]
     key = tuple((name, id(kwargs[name]), tensor_version(kwargs[name])) for name in given)
-    key += ((N_CHUNKS, _chunk_count(kwargs)),)
+    key += ((N_CHUNKS, chunk_count(kwargs)),)
     values = tuple(_snapshot(kwargs[name]) for name in given if not isinstance(kwargs[name], torch.Tensor))
     fast = _fast_key(kwargs, given, values)  # versions read with the key's, before the values are copied
     cached = getattr(cu_q, _CACHE_ATTR, None) if isinstance(cu_q, torch.Tensor) else _sequence_plans.get(id(cu_q))

@@ -42,7 +42,10 @@ from pathlib import Path
 
 import torch
 
+from . import driver
 from ._bench_output import plot, plot_unavailable, print_table
+from .attention import register_tree_attention
+from .install import install, uninstall
 
 TABLE_NAME = "bench_models.json"  # inside the package (installed with it: wheel.packages takes every file)
 MODES = ("tree", "chains", "flat")
@@ -189,8 +192,6 @@ def load_table(path: str | os.PathLike | None = None) -> dict:
 def build_model(entry: dict, tiny: bool, dtype, device, attn: str):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from .attention import register_tree_attention
-
     config = AutoConfig.for_model(entry["model_type"], **entry["tiny" if tiny else "config"])
     for attr in ("attention_dropout", "hidden_dropout", "dropout"):
         if isinstance(getattr(config, attr, None), float):
@@ -263,9 +264,6 @@ def run(args: argparse.Namespace) -> int:
     draw = check_dependencies(not args.no_plot)
     from tqdm import tqdm
 
-    import tree_recurrence as tr
-    from . import driver
-
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     tiny = args.tiny or device.type == "cpu"
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
@@ -305,7 +303,7 @@ def run(args: argparse.Namespace) -> int:
         for name in names:
             entry = table[name]
             model = build_model(entry, tiny, dtype, device, args.attn)
-            support = tr.install(model)
+            support = install(model)
             info = report["models"].setdefault(name, {
                 "model_type": entry["model_type"], "kind": entry.get("kind", ""), "support": support.mode,
                 "reason": support.reason, "families": dict(support.families),
@@ -348,7 +346,7 @@ def run(args: argparse.Namespace) -> int:
                     report["results"].append(point)
                     save()
             finally:
-                tr.uninstall(model)
+                uninstall(model)
                 del model
                 if device.type == "cuda":
                     torch.cuda.empty_cache()

@@ -46,11 +46,12 @@ import torch
 import torch.nn.functional as F
 
 from . import driver, plugins, seams
-from .plugins import register_family, unregister_family  # noqa: F401  (registered families: the registry's)
 from ._plan import TreePlan
-from ._tree_kwargs import tree_plan
+from ._registered import register_family, unregister_family  # noqa: F401  (re-exported: part of this SDK)
 from ._specs import SeamSpec
+from ._tree_kwargs import tree_plan
 from .policy import Policy
+from .stand_ins import stand_in
 
 __all__ = ["delta_rule_scan", "mark_tree_forward", "register_family", "scan", "short_convolution", "tree_conv", "tree_scan",
            "unregister_family"]
@@ -250,8 +251,6 @@ def scan(family: str, seam: str, *args, plan: TreePlan | None = None, kernel: Ca
     if backend not in ("auto", "native", "kernel"):
         raise ValueError(f"scan: unknown backend '{backend}', choose one of ['auto', 'native', 'kernel']")
     if kernel is None and spec.library:
-        from .stand_ins import stand_in
-
         kernel = stand_in(family, seam)
     plan = _plan(plan)
     op = spec.native.op if spec.native is not None else None

@@ -14,25 +14,26 @@ The adapters (docs/plugins.md):
 
 No family appears here by name: the manifest says which arguments are which.
 
-The public seam-call API (what the seam wrappers, ``components`` and family adapters use):
+The public seam-call API (what the seam wrappers and ``components`` use; family Python reaches it
+through ``tree_recurrence.sdk``):
 
 * ``run(family, seam, spec, kernel, plan, args, kwargs, backend, policy)`` -- one seam call, the way
   ``seams.py``'s wrappers make it: binds the call, trims a row padded past the plan's tokens, runs the
   manifest's adapter, and pads the output back (control flows one way: seam -> driver -> op);
 * ``SeamCall`` -- one bound call: ``bind``, ``check_row``, ``record``, ``path_rows``,
-  ``call_original``, ``finish``;
+  ``call_original``, ``finish`` (``_seam_call.py``, with ``Route`` and ``decisions``);
 * ``decide_route(call, backend, policy, device, decide=None)`` -- the call's route, decided once per
   plan and cached there (``decide`` for a family adapter's own decision);
-* the adapters ``run_conv`` / ``run_scan`` / ``run_decline`` / ``run_family`` (``ADAPTERS``), and
-  ``tree_conv``, ``bound_implementation``, ``check_activation``, ``decisions``.
+* ``route_decision(call, first, implementation, native, fork, default)`` -- the router's choice for
+  a call under backend and policy ``auto`` (a ``tune`` record, else ``default``);
+* the adapters ``run_conv`` / ``run_scan`` / ``run_decline`` / ``run_family`` (``ADAPTERS``, one per
+  name of ``_specs.KNOWN_ADAPTERS``), and ``tree_conv``, ``bound_implementation``, ``check_activation``,
+  ``decisions``.
 """
 
 from __future__ import annotations
 
-import collections
-import logging
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
@@ -40,141 +41,13 @@ from . import _routes, plugins
 from . import _scan_strategies as strategies
 from ._bound_kernels import bound_implementation, instance_forward, takes_keyword
 from ._plan import TreePlan
-from ._specs import SeamSpec, seam_spec_of
+from ._seam_call import PYTHON_FAMILY, Route, SeamCall, check_activation, decisions, logger  # noqa: F401 (its API)
+from ._specs import KNOWN_ADAPTERS, SeamSpec
 from ._tree_kwargs import host_work
 from .policy import Policy
+from .stand_ins import stand_in_seam
 
-logger = logging.getLogger("tree_recurrence")
-
-# Recent strategy decisions, newest last: (family, seam, strategy, reason). For tests and debugging.
-decisions: collections.deque = collections.deque(maxlen=256)
 _warned_reference: set = set()
-
-# Keywords of packed-row kernels that the driver sets itself; a caller's own are refused.
-_DRIVER_KEYWORDS = ("cu_seqlens", "seq_idx", "cu_seq_lens_q", "cu_seq_lens_k")
-# Where each adapter's sequence tensors keep their tokens: (names of the spec, time dimension).
-_ROW_AXES = {"conv": (lambda spec: spec.args[:1], 2), "scan": (lambda spec: spec.sequence, 1)}
-_NO_ROW_AXES = ((), 0)
-# The family of calls ``components.tree_scan`` makes over a caller's kernel with no family: no native
-# op, and the kernel is varlen only when it names the spec's ``cu_seqlens``.
-PYTHON_FAMILY = "<python>"
-ACTIVATIONS = (None, "silu", "swish")
-
-
-def check_activation(what: str, activation: Any) -> None:
-    """The one check of a conv's ``activation`` (what causal-conv1d takes)."""
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"{what}: activation must be None, 'silu' or 'swish', got {activation!r}")
-
-
-@dataclass
-class SeamCall:
-    """One intercepted call, its arguments bound to the names the manifest uses."""
-
-    family: str
-    seam: str
-    spec: SeamSpec
-    original: Callable
-    plan: TreePlan
-    named: dict
-    rest: dict  # other keywords, tree_* removed
-    positional: int  # how many of the manifest's arguments the model passed positionally
-    row: int | None = field(default=None)  # the row's length when it was longer than the plan (trimmed)
-    bound: Callable | None = field(default=None)  # the seam's own kernel where backend "stand_ins" replaced it
-
-    @classmethod
-    def bind(cls, family, seam, spec, original, plan, args, kwargs) -> "SeamCall":
-        """``args`` / ``kwargs`` bound to ``spec``'s names (a ``SeamSpec``; a manifest-style mapping is parsed)."""
-        spec = seam_spec_of(f"family '{family}'", seam, spec)
-        names = spec.args
-        positional = len(args)
-        if positional > len(names):
-            raise TypeError(f"{seam}: got {positional} positional arguments, the {family} manifest names {len(names)}")
-        named = dict(zip(names, args))
-        rest = {k: v for k, v in kwargs.items() if not k.startswith("tree_")}  # every tree field starts so
-        for name in names[positional:]:
-            if name in rest:
-                named[name] = rest.pop(name)
-        if not rest.keys().isdisjoint(_DRIVER_KEYWORDS):
-            for key in _DRIVER_KEYWORDS:
-                if rest.get(key) is not None:
-                    raise ValueError(f"{seam}: got both tree_* kwargs and '{key}'; a tree-packed row carries its own "
-                                     "boundaries")
-                rest.pop(key, None)
-        return cls(family, seam, spec, original, plan, named, rest, positional)
-
-    def call_original(self, inputs: dict, **extra):
-        """Calls the bound kernel the way the model called the seam (same positional arguments,
-        same keywords), with ``inputs`` replacing arguments and ``extra`` added or replacing
-        keywords. Library kernels order their parameters differently from the torch references
-        (causal-conv1d puts seq_idx before activation), so keywords must stay keywords."""
-        names, named, count = self.spec.args, self.named, self.positional
-        positional = [inputs[n] if n in inputs else named.get(n) for n in names[:count]]
-        keywords = dict(self.rest)
-        for n in names[count:]:
-            if n in inputs:
-                keywords[n] = inputs[n]
-            elif n in named:
-                keywords[n] = named[n]
-        keywords.update(extra)
-        return self.original(*positional, **keywords)
-
-    def check_row(self, tensor: torch.Tensor, time_dim: int, what: str) -> None:
-        """Refuses ``tensor`` unless it is the plan's row: batch 1, the plan's tokens along ``time_dim``."""
-        n = self.plan.num_tokens
-        if tensor.shape[0] != 1 or tensor.shape[time_dim] != n:
-            raise ValueError(
-                f"{self.seam}: {what} has shape {tuple(tensor.shape)}, expected batch 1 and {n} tokens (the tree-packed "
-                "row). Tree-packed rows need use_cache=False (no past states) and one packed row per forward.")
-
-    def record(self, strategy: str, reason: str) -> None:
-        """Logs what the call does (``decisions``, newest last; debug log)."""
-        decisions.append((self.family, self.seam, strategy, reason))
-        logger.debug("tree_recurrence: %s/%s -> %s (%s)", self.family, self.seam, strategy, reason)
-
-    def path_rows(self, x: torch.Tensor, time_dim: int):
-        """``x``'s row as every root-to-leaf path, the rows of a right-padded batch (zeros after a path's
-        end; channels first when ``time_dim`` is 2), and each token's flat index into that batch's
-        outputs: for a kernel run over every path alone."""
-        return strategies.padded_paths_rows(self.plan, x, time_dim)
-
-    def finish(self, output: torch.Tensor):
-        """The seam's return value in the shape the model expects: the output, other results None."""
-        arity = self.spec.returns
-        return output if arity == 1 else (output,) + (None,) * (arity - 1)
-
-    def trim_row(self) -> None:
-        """A row longer than the plan (a collator padded ``input_ids`` past the tree's tokens): the seam
-        runs on the plan's tokens only, so padding tokens never reach real ones (values or gradients);
-        ``row`` keeps the row's length for ``pad_row``."""
-        spec = self.spec
-        axes = _ROW_AXES.get(spec.adapter)
-        names, dim = (axes[0](spec), axes[1]) if axes is not None else _NO_ROW_AXES
-        n = self.plan.num_tokens
-        named = self.named
-        for name in names:
-            t = named.get(name)
-            if not isinstance(t, torch.Tensor):
-                continue
-            shape = t.shape
-            if len(shape) > dim and shape[dim] > n and shape[0] == 1:
-                self.row = t.shape[dim] if self.row is None else self.row
-                named[name] = t.narrow(dim, 0, n)
-
-    def pad_row(self, result: Any) -> Any:
-        """The seam's result back to the row's length (after ``trim_row``): zeros for the padding tokens."""
-        if self.row is None:
-            return result
-        dim, row = _ROW_AXES[self.spec.adapter][1], self.row
-
-        def pad(t):
-            if not isinstance(t, torch.Tensor) or t.dim() <= dim:
-                return t
-            shape = list(t.shape)
-            shape[dim] = row - t.shape[dim]
-            return torch.cat([t, t.new_zeros(shape)], dim)
-
-        return (pad(result[0]),) + result[1:] if isinstance(result, tuple) else pad(result)
 
 
 def run(family: str, seam: str, spec: SeamSpec, kernel: Callable, plan: TreePlan, args: tuple, kwargs: dict,
@@ -184,7 +57,6 @@ def run(family: str, seam: str, spec: SeamSpec, kernel: Callable, plan: TreePlan
     ``SeamCall.bound``); the row is trimmed to the plan's tokens, the adapter runs, the result is padded back."""
     call = SeamCall.bind(family, seam, spec, kernel, plan, args, kwargs)
     if backend == "stand_ins":
-        from .stand_ins import stand_in_seam
         call.original, call.bound = stand_in_seam(family, seam, kernel) or kernel, kernel
     call.trim_row()
     return call.pad_row(ADAPTERS[call.spec.adapter](call, backend, policy))
@@ -198,19 +70,14 @@ def _warn_reference(call: SeamCall, is_library: bool) -> None:
             "correct but slow", call.seam)
 
 
-@dataclass(frozen=True)
-class Route:
-    """What a seam call does, decided once per (plan, family, seam, spec, device, backend) and cached on
-    the plan (``TreePlan.cached``): the strategy and why, the native op's handle, whether the bound
-    kernel takes ``cu_seqlens`` and whether it is a library kernel. A seam call after the first is a
-    dictionary lookup plus the op."""
-
-    strategy: str
-    reason: str
-    op: Any = None
-    varlen: bool = False
-    is_library: bool = True
-    kernel: Any = None  # call this instead of the seam object (its keyword filter would drop cu_seqlens)
+def route_decision(call: SeamCall, first: torch.Tensor, implementation: Callable, native: bool, fork: bool,
+                   default: tuple[str, str]) -> tuple[str, str]:
+    """The router's ``(strategy, reason)`` for a call under backend and policy ``auto``: the fastest route a
+    ``tune`` record measured for a call like it (device, dtype and shape of ``first``, its first sequence
+    tensor; the bound kernel ``implementation``; whether the family's ``native`` op runs and whether the
+    kernel can ``fork`` states), else ``default`` (the policy's rule), its reason saying why."""
+    facts = _routes.call_facts(call.family, call.seam, call.plan, first, call.named, implementation, native, fork)
+    return _routes.decide(facts, default)
 
 
 def decide_route(call: SeamCall, backend: str, policy: Policy, device: torch.device,
@@ -332,45 +199,11 @@ def _decide_scan(call: SeamCall, backend: str, policy: Policy, device: torch.dev
         strategy, reason = "native", "backend native"
     else:
         strategy, reason = policy.choose(call.plan, native and backend == "auto", fork)
-        if strategy == "native" and backend == "auto" and policy.strategy == "auto":
-            # auto never picks a slower route: the family's measured routes (or a timed trial) decide
-            measured, why = _measured_route(call, device, op_name, implementation, is_library, fork, varlen, kernel)
-            if measured is not None:
-                strategy, reason = measured, why
-            elif why:
-                reason = f"{reason} ({why})"
+        if backend == "auto" and policy.strategy == "auto" and call.family != PYTHON_FAMILY:
+            strategy, reason = route_decision(call, call.named[spec.sequence[0]], implementation,
+                                              native and policy.prefer_native, fork, (strategy, reason))
     op = getattr(plugins.ops(call.family), op_name) if strategy == "native" else None
     return Route(strategy, reason, op, varlen, is_library, kernel)
-
-
-def _trial_copy(call: SeamCall, kernel: Any) -> SeamCall:
-    """``call`` on detached copies of its tensors (a timed trial's inputs: its graph is its own)."""
-    def copy(v):
-        if isinstance(v, torch.Tensor):
-            return v.detach().requires_grad_(v.requires_grad and v.is_floating_point())
-        return v
-
-    return SeamCall(call.family, call.seam, call.spec, kernel or call.original, call.plan,
-                    {k: copy(v) for k, v in call.named.items()}, {k: copy(v) for k, v in call.rest.items()},
-                    call.positional, call.row)
-
-
-def _measured_route(call: SeamCall, device: torch.device, op_name: str, implementation: Any, is_library: bool,
-                    fork: bool, varlen: bool, kernel: Any) -> tuple[str | None, str]:
-    """(strategy, reason) by the family's measured routes (``_routes``), or (None, why they did not decide)."""
-    first = call.named[call.spec.sequence[0]]
-
-    def trial(route: str) -> float:
-        def run():
-            copy = _trial_copy(call, kernel if route != "native" else None)
-            if route == "native":
-                return strategies.scan_native(copy, getattr(plugins.ops(call.family), op_name))
-            return (strategies.scan_fork if route == "fork" else strategies.scan_rescan)(copy, varlen)
-
-        return _routes.time_route(run, device)
-
-    return _routes.decide(call.family, plugins.families().get(call.family), call.plan, device, first.dtype,
-                          implementation, is_library, {"fork": fork, "rescan": True}, trial, call.seam)
 
 
 _DECIDE = {"conv": _decide_conv, "scan": _decide_scan}
@@ -398,3 +231,5 @@ def run_family(call: SeamCall, backend: str, policy: Policy):
 
 
 ADAPTERS = {"conv": run_conv, "scan": run_scan, "decline": run_decline, "family": run_family}
+if tuple(ADAPTERS) != KNOWN_ADAPTERS:  # the spec parser accepts exactly the adapters the driver runs
+    raise ImportError(f"driver.ADAPTERS {tuple(ADAPTERS)} differ from _specs.KNOWN_ADAPTERS {KNOWN_ADAPTERS}")

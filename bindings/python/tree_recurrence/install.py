@@ -56,9 +56,6 @@ from .backends import (BACKENDS, FALLBACKS, HANDOFF_ACTIONS, HANDOFF_BACKENDS, c
                        hand_off, owned_elsewhere, register_backend, release_handoffs, route, tell_libraries)
 from .policy import Policy
 
-# the name install's callers knew it by (integrations.trl imports _check_backends)
-_check_backends = check_backends
-
 FOLLOWS = ("tree", "chains")  # what a family's manifest model entry may declare as "follows" (default "tree")
 
 # Installed models by id(), held weakly (guarded by seams.lock): a model collected without uninstall
@@ -128,7 +125,7 @@ def _forget_collected(model_id: int) -> None:
         release_handoffs(model_id)
 
 
-seams._release_hooks.append(_forget_collected)
+seams.on_release(_forget_collected)
 
 
 def _support_of(model: torch.nn.Module) -> "Support | None":

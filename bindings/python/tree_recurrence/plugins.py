@@ -1,5 +1,5 @@
-"""Family plugins: discovery through the C++ registry, their torch op namespaces, and families
-registered from Python (``register_family``).
+"""Family plugins: discovery through the C++ registry, their torch op namespaces, and the families
+registered from Python (``_registered.register_family`` adds them to ``REGISTRY``).
 
 The shared ops (``torch.ops.tree_recurrence.tree_conv``, ``.chunk_state_pass``: ``_shared_ops``) are loaded
 before any plugin: when this module is imported and before every scan.
@@ -21,39 +21,69 @@ manifest of a folder); nothing of it is used.
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import os
+import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from . import _core, _shared_ops, settings
+from . import _core, _native_schema, _shared_ops, settings
 from ._specs import Family, SeamSpec, SpecError, parse_seams
 
 PACKAGE_PLUGIN_DIR = Path(_core.__file__).resolve().parent / "plugins"
-_extra_folders: list[str] = []
-# Families registered from Python (register_family, at the end of this module): name -> its Family (python=True,
-# with ``detect``: module description dict -> (claimed, role, reason)); those a loaded plugin of that name shadows.
-python_families: dict[str, Family] = {}
-_shadowed: set[str] = set()
+
+# The last scan: the folders it covered, its records and the loaded ones' Family by name.
+Scan = tuple[tuple[str, ...], list[dict[str, Any]], dict[str, Family]]
+
+
+@dataclass
+class Registry:
+    """The process's plugin registry: everything the family registry keeps between calls, in one object
+    (``REGISTRY``). The loaded libraries themselves are the C++ registry's (``_core``)."""
+
+    # folders given to ``add_plugin_path``, searched after the package's and TREE_RECURRENCE_PLUGIN_PATH's
+    extra_folders: list[str] = field(default_factory=list)
+    # Families registered from Python (``_registered.register_family``): name -> its Family (python=True,
+    # with ``detect``: module description dict -> (claimed, role, reason)).
+    python_families: dict[str, Family] = field(default_factory=dict)
+    # names of Python-registered families a loaded plugin of that name shadows
+    shadowed: set[str] = field(default_factory=set)
+    # The last scan. Every seam call asks for the families, so scanning folders and building families must
+    # not happen per call.
+    scan: Scan | None = None
+    # family -> the package its Python folder was imported as (``family_python_module``)
+    python_packages: dict[str, Any] = field(default_factory=dict)
+
+    def add_python_family(self, record: Family) -> None:
+        self.python_families[record.name] = record
+
+    def remove_python_family(self, name: str) -> None:
+        del self.python_families[name]
+        self.shadowed.discard(name)
+
+
+REGISTRY = Registry()
 
 
 def plugin_folders() -> list[str]:
     folders = [str(PACKAGE_PLUGIN_DIR)]
     folders += settings.get("TREE_RECURRENCE_PLUGIN_PATH")
-    return folders + _extra_folders
+    return folders + REGISTRY.extra_folders
 
 
 def add_plugin_path(folder: str | bytes | os.PathLike) -> list[dict[str, Any]]:
     """Registers a plugin folder and loads what is new there; returns the new records. A name that is not
     UTF-8 is kept as ``os.fsdecode`` makes it (the registry gets its bytes back, ``os.fsencode``)."""
-    global _scan
     folder = os.fsdecode(folder)
     _load_shared_ops()
-    if folder not in _extra_folders:
-        _extra_folders.append(folder)
+    if folder not in REGISTRY.extra_folders:
+        REGISTRY.extra_folders.append(folder)
     added = [record for record, _ in _confined(_core.discover_plugins([folder]))]
-    _scan = None
+    REGISTRY.scan = None
     return added
 
 
@@ -78,10 +108,6 @@ def _load_shared_ops() -> None:
     if runtime_mismatch() is None:
         _shared_ops.load()
 
-
-# The last scan: the folders it covered, its records and the loaded ones' Family by name. Every seam call
-# asks for the families, so scanning folders and building families must not happen per call.
-_scan: tuple[tuple[str, ...], list[dict[str, Any]], dict[str, Family]] | None = None
 
 DISABLE_ENV = "TREE_RECURRENCE_DISABLE_FAMILIES"
 
@@ -110,15 +136,15 @@ def discover(rescan: bool = False) -> list[dict[str, Any]]:
     return scan[1]
 
 
-def _scanned(rescan: bool = False) -> tuple[tuple[str, ...], list[dict[str, Any]], dict[str, Family]]:
-    global _scan
+def _scanned(rescan: bool = False) -> Scan:
     folders = tuple(plugin_folders())
-    if rescan or _scan is None or _scan[0] != folders:
+    scan = REGISTRY.scan
+    if rescan or scan is None or scan[0] != folders:
         _load_shared_ops()
         _core.discover_plugins(list(folders))
         pairs = _confined(_core.plugin_records())
-        _scan = (folders, [record for record, _ in pairs], {f.name: f for _, f in pairs if f is not None})
-    return _scan
+        scan = REGISTRY.scan = (folders, [record for record, _ in pairs], {f.name: f for _, f in pairs if f is not None})
+    return scan
 
 
 def _confined(records: list[dict[str, Any]]) -> list[tuple[dict[str, Any], Family | None]]:
@@ -165,30 +191,35 @@ def seam_specs(record: Family | dict[str, Any]) -> dict[str, SeamSpec]:
 
 def _load_check_error(record: Family) -> str | None:
     """A loaded plugin's native ops against the schema the driver calls them by (``_native_schema``), and
-    its measured routes table (``_routes``): the error naming the manifest, seam / key and op, or None."""
-    from . import _native_schema, _routes
-
+    its manifest's keys (``manifest_error``): the error naming the manifest, seam / key and op, or None."""
     problem = _native_schema.check_record(record)
     if problem:
         return f"native op schema: {problem}"
-    try:
-        _routes.family_table(record)
-    except _routes.RoutesError as error:
-        return f"invalid routes table: {error}"
+    return manifest_error(record)
+
+
+def manifest_error(record: Family) -> str | None:
+    """Why a loaded family's manifest is refused (a ``routes:`` key: timings are never hand-typed), or None."""
+    manifest = getattr(record, "manifest", None) or {}
+    if "routes" in manifest:
+        where = getattr(record, "manifest_path", "") or getattr(record, "name", "?")
+        return (f"{where}: 'routes:' is not a manifest key: route timings are measured on the user's machine by "
+                "`python -m tree_recurrence tune` (a record in the user's cache folder), never written into a manifest")
     return None
 
 
 def families() -> dict[str, Family]:
     """Loaded families by name (their ``Family``, built at load), then those registered from Python
-    (``python_families``). Plugins found later in the search order never replace one, and a
+    (``REGISTRY.python_families``). Plugins found later in the search order never replace one, and a
     Python-registered family never replaces a plugin."""
     disabled = disabled_families()
     found = {} if runtime_mismatch() else {n: f for n, f in _scanned()[2].items() if n not in disabled}
-    for name, record in python_families.items():
+    shadowed = REGISTRY.shadowed
+    for name, record in REGISTRY.python_families.items():
         if name in found:
-            _shadowed.add(name)
+            shadowed.add(name)
         else:
-            _shadowed.discard(name)
+            shadowed.discard(name)
             if name not in disabled:
                 found[name] = record
     return found
@@ -196,8 +227,8 @@ def families() -> dict[str, Family]:
 
 def detect(family: str, description: dict) -> tuple[bool, str, str]:
     """(claimed, role, reason) of a loaded family's detector for one module description."""
-    record = python_families.get(family)
-    if record is not None and family not in _shadowed:
+    record = REGISTRY.python_families.get(family)
+    if record is not None and family not in REGISTRY.shadowed:
         return record.detect(description)
     return _core.detect(family, description)
 
@@ -223,9 +254,6 @@ def shared_ops():
 # --------------------------------------------------------------------------------------------
 # a family's Python (its manifest's ``python:`` modules, installed next to the manifest as <family>/)
 # --------------------------------------------------------------------------------------------
-
-_python_packages: dict[str, Any] = {}  # family -> the package its Python folder was imported as
-
 
 def _inside(path: Path, root: Path) -> bool:
     return path == root or root in path.parents
@@ -285,11 +313,7 @@ def family_python_folder(record: Family | dict[str, Any]) -> Path | None:
 def family_python_module(family: str, module: str):
     """Imports ``module`` from a loaded family's Python folder (once; the folder is a package of its own,
     ``tree_recurrence_family_<family>``, so its modules import each other relatively)."""
-    import importlib
-    import importlib.util
-    import sys
-
-    package = _python_packages.get(family)
+    package = REGISTRY.python_packages.get(family)
     if package is None:
         record = families().get(family)
         if record is None:
@@ -304,7 +328,7 @@ def family_python_module(family: str, module: str):
         package = importlib.util.module_from_spec(spec)
         package.__path__ = [str(folder)]
         sys.modules[name] = package
-        _python_packages[family] = package
+        REGISTRY.python_packages[family] = package
     return importlib.import_module(f"{package.__name__}.{module}")
 
 
@@ -317,9 +341,9 @@ def family_python(family: str, role: str):
 
 
 def has_kernel(record: Family, name: str, device: torch.device) -> bool:
+    """Whether the family ``record`` registered its kernel ``name`` (a torch op or ``tree_conv``) for
+    ``device``'s type in this build."""
     return record.has_kernel(name, device.type)
 
 
 _load_shared_ops()
-
-from ._registered import register_family, unregister_family  # noqa: E402,F401 (families registered from Python)

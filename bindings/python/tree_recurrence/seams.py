@@ -198,8 +198,6 @@ def _hand_tree_kwargs_to_base_model(carrier: Any, kwargs: dict):
     given itself). A plan context alone would not do there: gradient checkpointing replays the
     layers in backward, outside the context, and the layers only keep the kwargs they received.
     Returns the hook handle to remove, or None."""
-    import torch
-
     base = getattr(carrier, "base_model", None)
     if not isinstance(base, torch.nn.Module) or base is carrier:
         return None
@@ -325,6 +323,12 @@ def _unpatch(name: str) -> None:
 
 _collected: list[int] = []  # ids of installed models garbage-collected since the last sweep
 _release_hooks: list[Callable[[int], None]] = []  # install.py's: forget a collected model's records
+
+
+def on_release(hook: Callable[[int], None]) -> None:
+    """Calls ``hook(model_id)`` for every installed model garbage-collected without uninstall (under the
+    lock, at the sweep), before its module claims are released."""
+    _release_hooks.append(hook)
 
 
 def add_model(owner: ModuleOwner, model: Any) -> None:

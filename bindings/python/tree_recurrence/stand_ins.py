@@ -32,6 +32,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from . import plugins
+
 __all__ = ["bind_stand_ins", "causal_conv1d_fn", "delta_rule", "delta_rule_layout", "family_stand_ins", "l2norm", "stand_in", "stand_in_seam", "wrap_as_library"]
 
 
@@ -233,15 +235,11 @@ def delta_rule(scan, qf, kf, vf, gf, bf, out_dtype, scale, initial_state, output
 def family_stand_ins(family: str):
     """The stand-ins module a loaded family's manifest names (``python: {stand_ins: ...}``; the
     deprecated role name ``reference`` is read too)."""
-    from . import plugins
-
     return plugins.family_python(family, "stand_ins") or plugins.family_python(family, "reference")
 
 
 def _library(family: str, seam: str) -> dict | None:
     """The seam's ``library:`` entry ({package, kernel, stand_in}) in the family's manifest, or None."""
-    from . import plugins
-
     record = plugins.families().get(family)
     spec = record.seams.get(seam) if record else None
     return dict(spec.library) if spec is not None and spec.library is not None else None
@@ -256,8 +254,6 @@ def stand_in(family: str, seam: str):
 
 def _resolve(family: str, dotted: str):
     """``<module>.<name>``: a module of the family's ``python:`` folder, else an importable module."""
-    from . import plugins
-
     module_name, _, name = dotted.rpartition(".")
     if not module_name or not name:
         raise ValueError(f"family '{family}': library stand-in '{dotted}' must be <module>.<function>")
@@ -324,8 +320,6 @@ def wrap_as_library(torch_function, package: str, kernel: str, implementation):
 def _seam_families(module) -> dict[str, str]:
     """seam name -> the family whose stand-in binds it in ``module``: a family whose manifest lists the
     module first, then any loaded family with a ``library:`` for that seam."""
-    from . import plugins
-
     found: dict[str, str] = {}
     families = plugins.families()
     owning = [n for n, r in families.items()
@@ -367,8 +361,6 @@ def __getattr__(name: str):
     """A loaded family's stand-in by name (``tree_recurrence.stand_ins.<kernel>``)."""
     if name.startswith("__"):
         raise AttributeError(name)
-    from . import plugins
-
     for family in plugins.families():
         module = family_stand_ins(family)
         if module is not None and name in getattr(module, "__all__", ()):

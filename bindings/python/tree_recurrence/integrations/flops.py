@@ -148,6 +148,11 @@ _shapes: dict[int, tuple[weakref.ref, _FlopsShape]] = {}
 _models_by_config: dict[int, tuple[weakref.ref, weakref.ref]] = {}
 
 
+def remember_model(config: Any, model: torch.nn.Module) -> None:
+    """Records ``model`` as the one loaded with ``config`` (held weakly): the trainer passes configs only."""
+    _models_by_config[id(config)] = (weakref.ref(config), weakref.ref(model))
+
+
 def _cached_shape(key_obj: Any, build) -> _FlopsShape:
     entry = _shapes.get(id(key_obj))
     if entry is not None and entry[0]() is key_obj:

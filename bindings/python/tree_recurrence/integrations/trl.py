@@ -41,14 +41,16 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import weakref
 from typing import Any, Iterator
 
 import torch
 
 from .. import plugins
-from ..install import Support, _check_backends, install, register_backend, uninstall
+from ..attention import register_tree_attention
+from ..backends import check_backends
+from ..install import Support, install, register_backend, uninstall
 from ..policy import Policy
+from .flops import guarded_flops, remember_model
 from .trl_backend import hand_off, note_if_imported, owns_if_imported, trl_backend_unavailable
 from .trl_rows import tree_kwargs_from_batch
 
@@ -85,8 +87,6 @@ def __getattr__(name: str):
 # ------------------------------------------------------------------------------------------------
 # FLOPs (integrations/flops.py)
 # ------------------------------------------------------------------------------------------------
-
-from .flops import _models_by_config, guarded_flops  # noqa: E402  (re-exported: the trainer's estimate)
 
 
 def _trainer_flops(config: Any, seq_len: int) -> int:
@@ -182,13 +182,11 @@ def tree_recurrent_models(policy: Policy | None = None, backends: dict[str, str]
     """
     if packing not in ("auto", "tree", "chains"):
         raise ValueError(f"tree_recurrent_models: packing must be 'auto', 'tree' or 'chains', got {packing!r}")
-    _check_backends(backends, plugins.families())  # unknown or unavailable backends fail here, not in the trainer
+    check_backends(backends, plugins.families())  # unknown or unavailable backends fail here, not in the trainer
     if attn_implementation in ("tree_sdpa", "tree_flex"):
-        from ..attention import register_tree_attention
-
         register_tree_attention(attn_implementation)
     _agt = _trainer_module()
-    from . import trl_chains
+    from . import trl_chains  # subclasses TRL's batchers: imports TRL (optional), so only here
     supports: list[Support] = []
     installed: list[torch.nn.Module] = []  # uninstalled again if the block raises
     patches = _Patches()
@@ -215,7 +213,7 @@ def tree_recurrent_models(policy: Policy | None = None, backends: dict[str, str]
             raise ValueError(f"tree_recurrent_models: {type(model).__name__} ({model_id}) cannot take tree-packed rows: "
                              f"{support.reason}")
         text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-        _models_by_config[id(text_config)] = (weakref.ref(text_config), weakref.ref(model))
+        remember_model(text_config, model)
         if packing == "chains" or (packing == "auto" and support.mode == "chains"):
             use_chain_batchers()
         if _recurrent_layer_types(text_config):

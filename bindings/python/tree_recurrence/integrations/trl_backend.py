@@ -15,18 +15,16 @@ from typing import Any, Callable
 
 import torch
 
+from .. import plugins
+
 
 def _trl_entry(family: str) -> dict | None:
-    from .. import plugins
-
     record = plugins.families().get(family)
     entry = ((record.manifest.get("integrations") or {}) if record is not None else {}).get("trl")
     return entry if isinstance(entry, dict) and entry.get("kernel") else None
 
 
 def _trl_families() -> list[str]:
-    from .. import plugins
-
     return sorted(name for name in plugins.families() if _trl_entry(name) is not None)
 
 

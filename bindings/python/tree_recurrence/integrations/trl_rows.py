@@ -8,8 +8,7 @@ from typing import Any
 
 import torch
 
-from .._tree_kwargs import index_tensor, tree_plan
-from .._tree_kwargs import LEVEL_SIZES, N_CHUNKS, SIZES, _chunk_count
+from .._tree_kwargs import LEVEL_SIZES, N_CHUNKS, SIZES, chunk_count, index_tensor, tree_plan
 
 __all__ = ["tree_kwargs_from_batch"]
 
@@ -125,7 +124,7 @@ def tree_kwargs_from_batch(batch: Mapping[str, Any], row: int | None = None) -> 
         if counts.numel() not in (1, rows):
             raise ValueError(f"tree_kwargs_from_batch: {N_CHUNKS} has {counts.numel()} entries, expected one per row "
                              f"({rows}) or one for the batch")
-        out[N_CHUNKS] = _chunk_count({N_CHUNKS: counts[row if counts.numel() == rows else 0]})
+        out[N_CHUNKS] = chunk_count({N_CHUNKS: counts[row if counts.numel() == rows else 0]})
     for key, header in ((LEVEL_SIZES, 0), (SIZES, 4)):
         if batch.get(key) is None:
             continue
