@@ -509,6 +509,58 @@ def test_tensor_core_route_for_inputs_the_half_kernels_refuse():
     run_case(*MIXED, dtype=torch.bfloat16, H=4, P=20, G=2, N=16, chunk=64, name="TensorCore bf16 P20")
 
 
+def test_z_of_another_dtype_through_ssd_tree_scan():
+    """bf16 x / B / C with an fp32 z (the 16-bit kernels refuse it: the plan takes the TensorCore route) under
+    autograd through ssd_tree_scan: the fused path ran (bf16 output), every gradient in its input's dtype and
+    against float64 autograd of the token oracle."""
+    from test_ssd_chunked import as_oracle, make_inputs, run_chunked, run_oracle
+
+    seg, par = MIXED
+    ins = make_inputs(seg[-1], H=4, P=16, G=2, N=16, dtype=torch.bfloat16, device="cuda", roots=2, D_per_channel=True)
+    ins["z"] = ins["z"].detach().float().requires_grad_()
+    oracle = as_oracle(ins)
+    y = run_chunked(ins, seg, par, chunk=64)
+    assert y.dtype == torch.bfloat16, "ssd_tree_scan did not take the fused path"
+    want = run_oracle(oracle, seg, par)
+    w = torch.randn(want.shape, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    names = ["x", "dt", "A", "B", "C", "D", "dt_bias", "z", "h0"]
+    got = torch.autograd.grad((y * w.to(y.device, y.dtype)).sum(), [ins[n] for n in names])
+    wanted = torch.autograd.grad((want * w).sum(), [oracle[n] for n in names])
+    for n, a in zip(names, got):
+        assert a.dtype == ins[n].dtype and a.shape == ins[n].shape, n
+    errors = {n: rel_rms(a.float(), b) for n, a, b in zip(names, got, wanted)}
+    errors["y"] = rel_rms(y, want)
+    print("\n[z fp32, x bf16] rel RMS vs float64 token oracle:", " ".join(f"{k}={v:.2e}" for k, v in errors.items()))
+    bad = {k: v for k, v in errors.items() if not v <= 2e-2}
+    assert not bad, bad
+
+
+def test_z_with_a_leading_unit_dim_through_ssd_tree_scan():
+    """z given as (1, T, H, P) (the op's schema takes it): the fused forward and backward run as with z (T, H, P),
+    the output and every gradient bitwise equal, dz in z's own shape."""
+    from test_ssd_chunked import make_inputs, run_chunked
+
+    seg, par = MIXED
+    ins = make_inputs(seg[-1], H=4, P=16, G=2, N=16, dtype=torch.bfloat16, device="cuda", roots=2, D_per_channel=True)
+    names = ["x", "dt", "A", "B", "C", "D", "dt_bias", "z", "h0"]
+    w = torch.randn(seg[-1], 4, 16, generator=torch.Generator().manual_seed(13)).to("cuda", torch.bfloat16)
+    runs = []
+    for unit_dim in (False, True):
+        leaves = {k: v.detach().clone().requires_grad_() for k, v in ins.items()}
+        if unit_dim:
+            leaves["z"] = leaves["z"].detach().unsqueeze(0).requires_grad_()
+        y = run_chunked(leaves, seg, par, chunk=64)
+        assert y.dtype == torch.bfloat16, "ssd_tree_scan did not take the fused path"
+        runs.append((y, torch.autograd.grad((y * w).sum(), [leaves[n] for n in names])))
+    (y3, g3), (y4, g4) = runs
+    assert torch.equal(y3, y4)
+    for n, a, b in zip(names, g3, g4):
+        if n == "z":
+            assert b.shape == (1, *a.shape), b.shape
+            b = b[0]
+        assert torch.equal(a, b), n
+
+
 # ---- the state gradient ds in the input type on the Half route ----------------------------------------------------
 # The Half route stores ds_local / ds_leave in x's 16-bit type (local_bf16 rounds its fp32 accumulators once, the
 # state pass widens them, carries in fp32, writes ds_leave rounded and takes ddecay / d_roots from the fp32 carry).

@@ -45,6 +45,8 @@ Stages run(const at::Tensor&, const GdnArgs&, Saved&, bool) {
   TR_CHECK(false, "fused GDN backward: this build has no CUDA kernels");
 }
 #else
+static_assert(HasScale<kernels::GdnBwdParams>::value, "set_scalars: the backward takes the resolved scale");
+
 void check_launch(const char* err, const char* stage) {
   fused::check_launch(err, "fused GDN backward (", stage);
 }

@@ -31,6 +31,10 @@ std::pair<at::Tensor, Saved> forward(const GdnArgs&) {
 #else
 namespace {
 
+// set_scalars fills a scale only where the block has one: the out stage's, not prep's (which reads no q).
+static_assert(HasScale<kernels::OutParams>::value && !HasScale<kernels::PrepParams>::value,
+              "set_scalars: the out stage takes the resolved scale");
+
 void check_launch(const char* err, const char* stage) {
   fused::check_launch(err, "gdn_tree_scan (fused forward, ", stage);
 }

@@ -139,6 +139,9 @@ std::pair<Args, Tables> bind(const at::Tensor& x, const at::Tensor& dt, const at
   Args a;
   a.x = x, a.dt = dt, a.B = B, a.C = C, a.A = A;
   a.D = D, a.dt_bias = dt_bias, a.z = z, a.initial_state = initial_state;
+  // z (1, T, H, P) as its (T, H, P) view: the kernels and the backward's checks take x's shape, and autograd hands
+  // dz back through the view in z's own shape
+  if (z && z->dim() == 4 && z->size(0) == 1) a.z = z->select(0, 0);
   TR_CHECK_VALUE(dt_limit.size() == 2, "ssd_tree_scan: dt_limit must be (low, high)");
   a.dt_min = dt_limit[0], a.dt_max = dt_limit[1];
   a.dt_softplus = dt_softplus;

@@ -102,9 +102,10 @@ bool forms_y_itself(const Args& a, const Tables& t);
 // an unknown name, is a ValueError.
 std::vector<at::Tensor> forward_stages(const Args& a, const Tables& t, std::string_view plan);
 
-// (ssd_fused.cpp) Args / Tables from ssd_tree_scan's arguments (z (1, T, H, P) and initial_state
-// (1, H, P, N) squeezed), and the test-only op ssd_fused_stages (same arguments as ssd_tree_scan;
-// returns forward_stages; throws naming the reason when fused::supported does not hold).
+// (ssd_fused.cpp) Args / Tables from ssd_tree_scan's arguments (z (1, T, H, P) as its (T, H, P) view;
+// initial_state (1, H, P, N) is the shared one), and the test-only op ssd_fused_stages (ssd_tree_scan's
+// arguments and `plan`; returns forward_stages; throws naming the reason when fused::supported does not
+// hold).
 std::pair<Args, Tables> bind(const at::Tensor& x, const at::Tensor& dt, const at::Tensor& B, const at::Tensor& C,
                              TREE_RECURRENCE_CHUNK_TABLE_PARAMS, const std::optional<at::Tensor>& initial_state,
                              const at::Tensor& A, at::ArrayRef<double> dt_limit, const std::optional<at::Tensor>& D,

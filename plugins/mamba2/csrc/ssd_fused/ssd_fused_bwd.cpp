@@ -53,6 +53,9 @@ void* const kFreshBuffer = reinterpret_cast<void*>(uintptr_t{512});
 
 // p: dims, dtypes and input pointers set (grad_out's, z's, y's as the backward will read them).
 BwdPlan plan_backward(const k::BwdParams& p, bool y_missing, const BwdPlanOverride& o) {
+  TR_CHECK_VALUE(o.route >= -1 && o.route <= 2 && o.fused_pass >= -1 && o.fused_pass <= 1,
+                 "ssd_fused_backward_stages: route must be -1 (the plan's), 0, 1 or 2 and fused_pass -1, 0 or 1, got ",
+                 o.route, " and ", o.fused_pass);
   const bool tc = k::ssd_bwd_tc_supported(p);
   k::BwdParams q = p;
   q.ds16 = kFreshBuffer;
@@ -66,7 +69,7 @@ BwdPlan plan_backward(const k::BwdParams& p, bool y_missing, const BwdPlanOverri
   if (o.route >= 0) {
     const auto want = static_cast<BwdRoute>(o.route);
     const bool ok = want == BwdRoute::CudaCore || (want == BwdRoute::TensorCore && tc) || (want == BwdRoute::Half && half);
-    TR_CHECK_VALUE(o.route <= 2 && ok, "ssd_fused_backward_stages: route ", o.route,
+    TR_CHECK_VALUE(ok, "ssd_fused_backward_stages: route ", o.route,
                    " (0 CUDA cores, 1 tensor cores, 2 16-bit) does not take these inputs");
     plan.route = want;
   }

@@ -476,11 +476,13 @@ bool ssd_bwd_tc_supported(const BwdParams& p) {
 }
 
 int ssd_bwd_local_tc(const BwdParams& p, void* stream) {
+  if (p.ds16 != nullptr) return static_cast<int>(cudaErrorInvalidValue);  // writes the fp32 ds
   return launch(local_tc_kernel, p.num_chunks * p.heads, kLocalThreads, LocalPlan(p.head_dim, p.state_dim).bytes(), p,
                 stream);
 }
 
 int ssd_bwd_post_tc(const BwdParams& p, void* stream) {
+  if (p.ds16 != nullptr) return static_cast<int>(cudaErrorInvalidValue);  // reads the fp32 ds
   return launch(post_tc_kernel, p.num_chunks * p.groups, kPostThreads, PostPlan(p.head_dim, p.state_dim).bytes(), p,
                 stream);
 }
