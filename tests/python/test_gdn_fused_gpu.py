@@ -120,6 +120,18 @@ def test_stage_report_on_rounded_reference_cpu():
         assert e <= EXACT_TOL[n] and l <= LOCAL_TOL[n], (n, e, l)
 
 
+def test_stage_ops_bind_every_argument_cpu():
+    """The stage ops' kernels read their arguments by schema name (ops.cpp): on CPU inputs both bind every
+    argument and then refuse the device by name, so a misspelt name would fail here, on every CI run."""
+    c = make_case("around_chunk_strong", torch.bfloat16, device="cpu")
+    with pytest.raises(ValueError, match="inputs must be on CUDA"):
+        call_stages(c)
+    x, t = c["x"], torch.zeros(1)
+    with pytest.raises(ValueError, match="inputs must be on CUDA"):
+        _ops().gdn_fused_backward_stages(x["v"], x["q"], x["k"], x["v"], x["g"], x["beta"], *c["tabs"], c["init"],
+                                         c["scale"], c["l2norm"], t, t, t, t, t, t, t, t)
+
+
 # ------------------------------------------------------------------------------------------------
 # CUDA
 # ------------------------------------------------------------------------------------------------
