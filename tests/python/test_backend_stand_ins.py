@@ -14,6 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import tree_recurrence
 from tree_recurrence import driver
+from tree_recurrence._engine import ENGINE
 from tree_recurrence.attention import register_tree_attention
 
 
@@ -76,7 +77,7 @@ def test_stand_ins_backend_forks_through_the_varlen_stand_in(monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(family_stand_ins, "chunk_gated_delta_rule", spy)
-    stand_ins._wrapped_stand_ins.clear()
+    ENGINE.reset("wrapped_stand_ins")
     torch.manual_seed(1)
     model = tiny_qwen()
     kw = {"tree_cu_seqlens_q": torch.tensor([0, 5, 8, 12]), "tree_segment_parents": torch.tensor([-1, 0, 0])}
@@ -86,7 +87,7 @@ def test_stand_ins_backend_forks_through_the_varlen_stand_in(monkeypatch):
             model(input_ids=torch.randint(0, 64, (1, 12)), use_cache=False, **kw)
     finally:
         tree_recurrence.uninstall(model)
-        stand_ins._wrapped_stand_ins.clear()
+        ENGINE.reset("wrapped_stand_ins")
     assert calls and all(calls), calls
 
 

@@ -24,7 +24,7 @@ NAME = "tree_recurrence"
 
 # Module (its first dotted part, relative to the package; "__init__" is the package itself) -> layer.
 LAYERS = {
-    "plan": ("_core", "_plan", "_tree_kwargs", "_specs", "settings", "policy"),
+    "plan": ("_core", "_engine", "_plan", "_tree_kwargs", "_specs", "settings", "policy"),
     "registry": ("plugins", "_registered", "_shared_ops", "_native_schema"),
     "driver": ("driver", "_seam_call", "_scan_strategies", "_routes", "_peer_libraries", "_bound_kernels", "stand_ins"),
     "top": ("seams", "install", "components", "backends", "attention", "_detection", "tune", "bench", "_bench_output",

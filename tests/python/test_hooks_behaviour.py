@@ -25,6 +25,7 @@ import torch
 import models as M
 import tree_recurrence as tr
 from tree_recurrence import driver, seams
+from tree_recurrence._engine import ENGINE
 
 pytestmark = pytest.mark.usefixtures("gdn_modules_pristine")
 
@@ -270,16 +271,12 @@ def test_module_is_restored_when_the_last_installed_model_is_collected():
 
 
 def test_tree_row_without_use_cache_false_builds_no_cache(installed, caplog):
-    import importlib
-
-    install_mod = importlib.import_module("tree_recurrence.install")  # the module: the package's `install` is the function
-
     model = M.make_model(MODEL_TYPE)
     model.config.use_cache = True  # transformers' default: the forward would build a cache
     installed(model)
     tree = M.pack_forest("fan")
     expected = _forward(model, tree, use_cache=False)
-    install_mod._told_use_cache = False
+    ENGINE.reset("told_use_cache")
     with caplog.at_level(logging.INFO, logger="tree_recurrence"):
         with torch.no_grad():
             out = model(input_ids=tree.input_ids, position_ids=tree.position_ids, **tree.trl_kwargs())

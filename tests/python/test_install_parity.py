@@ -229,11 +229,11 @@ def fake_trl(monkeypatch):
 @pytest.fixture(autouse=True)
 def no_handoff_left():
     """Every test leaves no module recorded as handed off (a leak would change later tests' routing)."""
-    from tree_recurrence import backends
+    from tree_recurrence._engine import ENGINE
 
     yield
-    left = sorted(backends.handoffs)
-    backends.handoffs.clear()
+    left = sorted(ENGINE.handoffs)
+    ENGINE.reset("handoffs")
     assert not left, f"test left modules handed off: {left}"
 
 

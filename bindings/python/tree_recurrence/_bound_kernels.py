@@ -9,7 +9,9 @@ from typing import Any
 
 import torch
 
-_bound_cache: dict[int, tuple[Any, Any]] = {}
+from ._engine import ENGINE
+
+_bound_cache: dict[int, tuple[Any, Any]] = ENGINE.bound_cache
 
 
 def instance_forward(seam: Any) -> Any:

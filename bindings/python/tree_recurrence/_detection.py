@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from . import _core, plugins
+from ._engine import ENGINE
 
 ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention", "attention", "qwen_sparse_attention", "mlp", "moe"}
 
@@ -92,7 +93,7 @@ MIXING_ADAPTERS = ("conv", "scan")
 _MAX_FUNCTIONS = 256  # Python functions followed from one forward
 _MODULE_BASES = frozenset(torch.nn.Module.__mro__)  # nn.Module's own methods are never followed
 # class -> (modeling module, seams, [(class or module, name, what it resolved to)], names of the module reached)
-_reach_cache: "weakref.WeakKeyDictionary[type, tuple]" = weakref.WeakKeyDictionary()
+_reach_cache: "weakref.WeakKeyDictionary[type, tuple]" = ENGINE.reach_cache
 
 
 def _code_names(code: types.CodeType) -> set[str]:

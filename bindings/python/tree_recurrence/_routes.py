@@ -33,6 +33,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from ._peer_libraries import KernelId, backward_problem, bound_library, kernel_id
+from ._engine import ENGINE
 
 SCHEMA = 1
 SHAPES = ("tree", "flat", "chains")
@@ -93,7 +94,7 @@ def call_facts(family: str, seam: str, plan, first: torch.Tensor, inputs: Mappin
                  native, fork)
 
 
-VERIFIERS: dict[str, Callable[[Facts], str | None]] = {}
+VERIFIERS: dict[str, Callable[[Facts], str | None]] = ENGINE.verifiers
 
 
 def register(name: str) -> Callable:
@@ -146,7 +147,7 @@ def record_path() -> Path:
     return root / "tree_recurrence" / "routes.json"
 
 
-_loaded: dict[str, Any] = {"stamp": None, "records": [], "problem": None}
+_loaded: dict[str, Any] = ENGINE.tune_records
 
 
 def _check(entry: Any) -> bool:

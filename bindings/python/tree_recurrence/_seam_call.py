@@ -1,6 +1,7 @@
 """One bound seam call (``SeamCall``) and its route (``Route``): what the driver's adapters, its scan
 strategies (``_scan_strategies``) and family adapters read and write. The log of recent decisions
-(``decisions``) lives here too, so that every adapter records into the same one.
+(``decisions``, the engine's ``ENGINE.decisions``) is named here too, so that every adapter records into the
+same one.
 
 The driver (``driver.py``) re-exports ``SeamCall``, ``Route``, ``decisions``, ``check_activation`` and
 ``PYTHON_FAMILY``; family Python reaches them through ``tree_recurrence.sdk``."""
@@ -15,12 +16,13 @@ from typing import Any, Callable
 import torch
 
 from ._plan import TreePlan
+from ._engine import ENGINE
 from ._specs import SeamSpec, seam_spec_of
 
 logger = logging.getLogger("tree_recurrence")
 
 # Recent strategy decisions, newest last: (family, seam, strategy, reason). For tests and debugging.
-decisions: collections.deque = collections.deque(maxlen=256)
+decisions: collections.deque = ENGINE.decisions
 
 # Keywords of packed-row kernels that the driver sets itself; a caller's own are refused.
 _DRIVER_KEYWORDS = ("cu_seqlens", "seq_idx", "cu_seq_lens_q", "cu_seq_lens_k")

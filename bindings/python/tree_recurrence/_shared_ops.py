@@ -14,11 +14,13 @@ from pathlib import Path
 
 import torch
 
+from ._engine import ENGINE
+
 NAMESPACE = "tree_recurrence"
 LIBRARY_NAME = "libtree_recurrence_ops.so"
 LIBRARY_PATH = Path(__file__).resolve().parent / "sdk" / "lib" / LIBRARY_NAME
 
-_state: dict[str, str | None] = {}  # "error": None once loaded, the reason when it could not be
+_state: dict[str, str | None] = ENGINE.shared_ops  # "error": None once loaded, the reason when it could not be
 
 
 def load() -> str | None:

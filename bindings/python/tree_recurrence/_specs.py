@@ -25,6 +25,8 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
+from ._engine import ENGINE
+
 KNOWN_ADAPTERS = ("conv", "scan", "decline", "family")
 _COMMON = ("adapter", "args", "library")
 _KEYS = {
@@ -79,7 +81,7 @@ def parse_seams(source: str, seams: Any) -> dict[str, SeamSpec]:
     return {name: parse_seam(source, name, spec) for name, spec in seams.items()}
 
 
-_mapping_specs: dict[int, tuple[Any, Any, SeamSpec]] = {}  # id(mapping) -> (mapping, a deep copy, its spec)
+_mapping_specs: dict[int, tuple[Any, Any, SeamSpec]] = ENGINE.mapping_specs  # id(mapping) -> (mapping, a deep copy, its spec)
 
 
 def seam_spec_of(source: str, seam: str, spec: Any) -> SeamSpec:

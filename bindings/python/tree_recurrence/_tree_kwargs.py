@@ -12,6 +12,7 @@ from typing import Any, Mapping
 import torch
 
 from ._plan import TreePlan, tensor_version
+from ._engine import ENGINE
 
 # Keyword names a trainer passes to the model's forward (docs/tree-format.md).
 CU_SEQLENS_Q = "tree_cu_seqlens_q"
@@ -366,7 +367,7 @@ def _unchanged(fast: tuple, kwargs: Mapping[str, Any]) -> bool:
 
 # Plans of tree fields given as int sequences (no tensor to cache them on), by id of their
 # tree_cu_seqlens_q, newest last; the entries hold the sequences, so their ids are not reused.
-_sequence_plans: dict[int, tuple] = {}
+_sequence_plans: dict[int, tuple] = ENGINE.sequence_plans
 _SEQUENCE_PLANS = 16
 
 

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from ._tree_kwargs import tree_plan
+from ._engine import ENGINE
 
 TREE_ATTENTION = "tree_sdpa"
 TREE_FLEX = "tree_flex"
@@ -252,18 +253,15 @@ def _dense_flex_mask(plan, device, sliding_window):
     return plan.cached(key, build)
 
 
-_compiled_flex = None
-
 
 def _flex_kernel():
     """flex_attention compiled once (its eager form materialises every score: only for CPU), for
     dynamic shapes: row lengths change every step, and a static compile would recompile for each."""
-    global _compiled_flex
-    if _compiled_flex is None:
+    if ENGINE.compiled_flex is None:
         from torch.nn.attention.flex_attention import flex_attention
 
-        _compiled_flex = torch.compile(flex_attention, dynamic=True)
-    return _compiled_flex
+        ENGINE.compiled_flex = torch.compile(flex_attention, dynamic=True)
+    return ENGINE.compiled_flex
 
 
 # Packed rows (position ids restarting) make transformers build a dense (N, N) mask before any

@@ -25,33 +25,35 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from . import seams
+from ._engine import ENGINE
 
 # Backend name -> availability check: check(family) is None when the backend can serve the family,
 # else the reason it cannot. register_backend() adds one (integrations register theirs on import:
 # tree_recurrence.integrations.trl adds "trl").
-BACKENDS: dict[str, Callable[[str], str | None]] = {
+BACKENDS: dict[str, Callable[[str], str | None]] = ENGINE.backends
+BACKENDS.update({
     "auto": lambda family: None,
     "native": lambda family: None,  # checked per call: the family's native ops for the tensors' device
     "kernel": lambda family: None,
     # fork / rescan over the families' library stand-ins (library APIs: varlen, per-sequence states),
     # wrapped as transformers wraps a library; seams without a stand-in use the bound kernel
     "stand_ins": lambda family: None,
-}
+})
 # Old backend name -> its new name (accepted with a DeprecationWarning for one release).
 RENAMED: dict[str, str] = {"reference": "stand_ins"}
 # Backends that hand the family's modeling modules to another library (install patches nothing there).
-HANDOFF_BACKENDS: set[str] = set()
+HANDOFF_BACKENDS: set[str] = ENGINE.handoff_backends
 # Hand-off backend -> what install calls to give the library the model's modules of a family:
 # action(model, family, module names).
-HANDOFF_ACTIONS: dict[str, Callable[[Any, str, list[str]], None]] = {}
+HANDOFF_ACTIONS: dict[str, Callable[[Any, str, list[str]], None]] = ENGINE.handoff_actions
 # Backend -> the backend used instead (with a warning) when its check says it is unavailable: a script
 # written for a newer library keeps running on an older one, on this package's own hooks.
-FALLBACKS: dict[str, str] = {}
+FALLBACKS: dict[str, str] = ENGINE.fallbacks
 # Hand-off backend -> owns(module name, family): whether its library patched that module first (looking only
 # at libraries already imported), and -> note(module name, family, patched): tell the library that this
 # package hooks (or no longer hooks) the module, so it does not wrap it again.
-_OWNS: dict[str, Callable[[str, str], bool]] = {}
-_NOTES: dict[str, Callable[[str, str, bool], None]] = {}
+_OWNS: dict[str, Callable[[str, str], bool]] = ENGINE.owns
+_NOTES: dict[str, Callable[[str, str, bool], None]] = ENGINE.notes
 
 
 def owned_elsewhere(module_name: str, family: str) -> str | None:
@@ -131,7 +133,7 @@ class HandOff:
     models: dict[int, weakref.ref] = field(default_factory=dict)
 
 
-handoffs: dict[str, HandOff] = {}  # module name -> its hand-off (guarded by seams.lock)
+handoffs: dict[str, HandOff] = ENGINE.handoffs  # module name -> its hand-off (guarded by seams.lock)
 
 
 def _snapshot(module_name: str) -> dict:

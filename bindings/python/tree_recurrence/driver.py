@@ -40,6 +40,7 @@ import torch
 from . import _routes, plugins
 from . import _scan_strategies as strategies
 from ._bound_kernels import bound_implementation, instance_forward, takes_keyword
+from ._engine import ENGINE
 from ._plan import TreePlan
 from ._seam_call import PYTHON_FAMILY, Route, SeamCall, check_activation, decisions, logger  # noqa: F401 (its API)
 from ._specs import KNOWN_ADAPTERS, SeamSpec
@@ -47,7 +48,7 @@ from ._tree_kwargs import host_work
 from .policy import Policy
 from .stand_ins import stand_in_seam
 
-_warned_reference: set = set()
+_warned_reference: set = ENGINE.warned_reference
 
 
 def run(family: str, seam: str, spec: SeamSpec, kernel: Callable, plan: TreePlan, args: tuple, kwargs: dict,

@@ -49,6 +49,7 @@ from typing import Callable
 import torch
 
 from . import driver, plugins, seams
+from ._engine import ENGINE
 from ._detection import claim, forward_seam_gap, instance_forward_bypass, text_config
 from ._detection import layer_types as _layer_types  # noqa: F401  (tests read it here)
 from ._tree_kwargs import is_meta_tree, tree_plan
@@ -60,10 +61,10 @@ FOLLOWS = ("tree", "chains")  # what a family's manifest model entry may declare
 
 # Installed models by id(), held weakly (guarded by seams.lock): a model collected without uninstall
 # releases its hooks (seams.sweep).
-_installed: dict[int, "Support"] = {}
-_installed_refs: dict[int, weakref.ref] = {}
-_guards: dict[int, list] = {}  # id(model) -> forward pre-hook handles of its "chains" layers
-_cache_hooks: dict[int, list] = {}  # id(model) -> the pre-hooks turning use_cache off for tree rows
+_installed: dict[int, "Support"] = ENGINE.installed
+_installed_refs: dict[int, weakref.ref] = ENGINE.installed_refs
+_guards: dict[int, list] = ENGINE.guards  # id(model) -> forward pre-hook handles of its "chains" layers
+_cache_hooks: dict[int, list] = ENGINE.cache_hooks  # id(model) -> the pre-hooks turning use_cache off for tree rows
 logger = logging.getLogger("tree_recurrence")
 
 
@@ -133,19 +134,16 @@ def _support_of(model: torch.nn.Module) -> "Support | None":
     return _installed.get(id(model)) if ref is not None and ref() is model else None
 
 
-_told_use_cache = False
-
 
 def _no_cache_for_tree_rows(module, args, kwargs):
     """A forward pre-hook of an installed model: a tree-packed row that did not say
     ``use_cache`` runs with ``use_cache=False`` (a row of many samples has no one recurrent state to
     cache); says so once. An explicit ``use_cache=True`` is left to be refused with the reason."""
-    global _told_use_cache
     if kwargs.get("use_cache") is not None or kwargs.get("past_key_values") is not None or \
             kwargs.get("cache_params") is not None or is_meta_tree(kwargs) or tree_plan(kwargs) is None:
         return None
-    if not _told_use_cache:
-        _told_use_cache = True
+    if not ENGINE.told_use_cache:
+        ENGINE.told_use_cache = True
         logger.info("tree_recurrence: a tree-packed row runs with use_cache=False (it holds many samples, each "
                     "with its own recurrent state); pass use_cache=False to say so")
     return args, {**kwargs, "use_cache": False}

@@ -45,6 +45,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from . import driver
+from ._engine import ENGINE
 from ._plan import TreePlan
 from ._tree_kwargs import row_length, tree_plan
 from ._tree_kwargs import is_meta_tree
@@ -59,20 +60,18 @@ ORIGINAL_ATTR = "__tree_recurrence_original__"
 # Guards ``owners``, every owner's ``models`` and install.py's installed-model tables: hold it with
 # ``locked()``. Reentrant (install nests patch_module); a garbage-collection callback that fires while
 # it is held (by this thread or another) leaves its work to the holder, who sweeps on leaving.
-lock = threading.RLock()
-_depth = 0  # how deep the holder of ``lock`` is in locked() blocks
+lock = threading.RLock()  # ENGINE.lock_depth: how deep its holder is in locked() blocks
 
 
 @contextlib.contextmanager
 def locked():
-    global _depth
     with lock:
-        _depth += 1
+        ENGINE.lock_depth += 1
         try:
             yield
         finally:
-            _depth -= 1
-            if _depth == 0:
+            ENGINE.lock_depth -= 1
+            if ENGINE.lock_depth == 0:
                 _sweep()
 
 
@@ -116,10 +115,10 @@ class ModuleOwner:
     slots: list[_Slot] = field(default_factory=list)
 
 
-owners: dict[str, ModuleOwner] = {}
+owners: dict[str, ModuleOwner] = ENGINE.owners
 # Wrappers of ours that stepped aside under a foreign wrapper, by (module or class name, attribute):
 # a later install takes them back into service.
-_stepped_aside: dict[tuple[str, str], _Slot] = {}
+_stepped_aside: dict[tuple[str, str], _Slot] = ENGINE.stepped_aside
 
 
 def _target_name(target: Any) -> str:
@@ -300,7 +299,7 @@ def unpatch_module(name: str) -> None:
 
 
 # Called as hook(module name, family) after a module's hooks are taken out (install.py tells TRL).
-on_unpatch: list[Callable[[str, str], None]] = []
+on_unpatch: list[Callable[[str, str], None]] = ENGINE.on_unpatch
 
 
 def _unpatch(name: str) -> None:
@@ -321,8 +320,8 @@ def _unpatch(name: str) -> None:
 # installed models, held weakly
 # ------------------------------------------------------------------------------------------------
 
-_collected: list[int] = []  # ids of installed models garbage-collected since the last sweep
-_release_hooks: list[Callable[[int], None]] = []  # install.py's: forget a collected model's records
+_collected: list[int] = ENGINE.collected  # ids of installed models garbage-collected since the last sweep
+_release_hooks: list[Callable[[int], None]] = ENGINE.release_hooks  # install.py's: forget a collected model's records
 
 
 def on_release(hook: Callable[[int], None]) -> None:
@@ -366,7 +365,7 @@ def _on_collected(model_id: int) -> None:
     _collected.append(model_id)
     if lock.acquire(blocking=False):
         try:
-            if _depth == 0:  # else the holder (this thread, mid-install) sweeps when it leaves
+            if ENGINE.lock_depth == 0:  # else the holder (this thread, mid-install) sweeps when it leaves
                 _sweep()
         finally:
             lock.release()

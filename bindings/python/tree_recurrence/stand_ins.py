@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from . import plugins
+from ._engine import ENGINE
 
 __all__ = ["bind_stand_ins", "causal_conv1d_fn", "delta_rule", "delta_rule_layout", "family_stand_ins", "l2norm", "stand_in", "stand_in_seam", "wrap_as_library"]
 
@@ -287,7 +288,7 @@ def stand_in_seam(family: str, seam: str, current):
     return wrapped
 
 
-_wrapped_stand_ins: dict = {}
+_wrapped_stand_ins: dict = ENGINE.wrapped_stand_ins
 
 
 def wrap_as_library(torch_function, package: str, kernel: str, implementation):

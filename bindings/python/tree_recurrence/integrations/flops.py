@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from .._engine import ENGINE
+
 logger = logging.getLogger("tree_recurrence")
 
 __all__ = ["guarded_flops"]
@@ -143,9 +145,9 @@ def _shape_from_config(config: Any) -> _FlopsShape:
     return _FlopsShape(matmul, attention, 0.0)
 
 
-_shapes: dict[int, tuple[weakref.ref, _FlopsShape]] = {}
+_shapes: dict[int, tuple[weakref.ref, _FlopsShape]] = ENGINE.flops_shapes
 # config id -> the model loaded under tree_recurrent_models() with that config (the trainer passes configs only)
-_models_by_config: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+_models_by_config: dict[int, tuple[weakref.ref, weakref.ref]] = ENGINE.flops_models_by_config
 
 
 def remember_model(config: Any, model: torch.nn.Module) -> None:
